@@ -1,0 +1,1 @@
+"""Model runtime, paged KV cache, scheduler, sampling and worker servers."""

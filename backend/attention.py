@@ -1,0 +1,81 @@
+"""Attention over the paged KV cache for one mixed step (torch path, the CPU runtime).
+
+A step is a flat batch of T tokens: first one token per decoding sequence, then
+chunks of prompts being prefilled. `StepMetadata` is built once per step by the
+model runner and shared by every layer.
+
+Decode (D sequences, one query token each): the sequences' pages are gathered
+as whole pages (contiguous copies) into [D, P*PAGE_SIZE, kv_heads, head_dim],
+keys past each context length are masked out. GQA without copying K/V: the
+G = heads/kv_heads query heads of one KV head are laid out as G query "rows"
+against that head, q: [D, kv_heads, G, head_dim].
+
+Prefill (per chunk): the chunk's K/V are already stored, so the keys are the
+sequence's first `context_len` slots (cached prefix + this chunk); query i sits
+at position `start + i` and sees keys 0..start+i (causal with an offset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from backend.kv_cache import PagedKVCache
+
+__all__ = ["PrefillChunk", "StepMetadata", "paged_attention"]
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prompt chunk inside the flat batch."""
+
+    token_start: int  # first row of this chunk in the flat batch
+    num_tokens: int
+    context_len: int  # tokens in the cache after this chunk (prefix + chunk)
+    page_table: torch.Tensor  # [1, P] int64, pages covering context_len
+
+
+@dataclass
+class StepMetadata:
+    """Everything the layers need to know about the step's batch."""
+
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64, where each token's K/V is written
+    num_decode: int
+    decode_page_table: torch.Tensor | None  # [D, P] int64 (padded with page 0)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, P*PAGE_SIZE] bool, True = attend
+    prefills: list[PrefillChunk]
+    logits_rows: torch.Tensor  # [R] int64, rows whose logits are sampled
+
+
+def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: StepMetadata,
+                    scale: float) -> torch.Tensor:
+    """Attention output [T, heads, head_dim] for queries q [T, heads, head_dim]."""
+    t, num_heads, head_dim = q.shape
+    num_kv_heads = cache.geometry.num_kv_heads
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    d = meta.num_decode
+    if d:
+        k, v = cache.gather(layer, meta.decode_page_table)  # [D, L, kv_heads, head_dim]
+        qd = q[:d].view(d, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=meta.decode_mask, scale=scale)
+        out[:d] = o.reshape(d, num_heads, head_dim)
+    for chunk in meta.prefills:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        k, v = cache.gather(layer, chunk.page_table)
+        k = k[0, : chunk.context_len].transpose(0, 1)  # [kv_heads, ctx, head_dim]
+        v = v[0, : chunk.context_len].transpose(0, 1)
+        qp = q[rows].transpose(0, 1)  # [heads, n, head_dim]
+        start = chunk.context_len - chunk.num_tokens
+        if start == 0:
+            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            qpos = torch.arange(start, chunk.context_len).unsqueeze(1)
+            mask = torch.arange(chunk.context_len).unsqueeze(0) <= qpos  # [n, ctx]
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = o.transpose(0, 1)
+    return out

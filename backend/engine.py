@@ -1,0 +1,200 @@
+"""The engine core: one step = schedule() -> run() -> postprocess().
+
+`LLMEngine` is synchronous and single-threaded (the engine thread); requests
+enter through the scheduler's thread-safe `add`/`abort`. Each step returns
+`StepOutput`s: a new token, a finish, or both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from backend.config import ModelConfig
+from backend.kv_cache import create_kv_cache
+from backend.model import LlamaModel
+from backend.model_runner import ModelRunner
+from backend.page_allocator import PageAllocator
+from backend.sampler import sample
+from backend.sampling_params import SamplingParams
+from backend.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from backend.sequence import Sequence
+from backend.stop_checker import StopChecker
+
+__all__ = ["EngineConfig", "StepOutput", "LLMEngine"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "bfloat16"  # compute dtype
+    kv_format: str = "bf16"
+    kv_cache_bytes: int = 256 * 2**20
+    page_size: int = 16
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefill_chunk_size: int = 256
+    max_waiting: int = 256
+    num_threads: int | None = None  # torch intra-op threads (None: leave as is)
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class StepOutput(NamedTuple):
+    seq: Sequence
+    new_token: int | None  # None when the sequence only finished (cancelled)
+    token_time: float
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, config: EngineConfig, tokenizer: object | None = None) -> None:
+        self.model = model
+        self.config = config
+        cfg: ModelConfig = model.cfg
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.cache = create_kv_cache(cfg, config.kv_format, config.kv_cache_bytes, config.page_size, model.dtype)
+        self.allocator = PageAllocator(self.cache.num_pages)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                            prefill_chunk_size=config.prefill_chunk_size, max_waiting=config.max_waiting),
+            self.allocator, config.page_size)
+        self.runner = ModelRunner(model, self.cache)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or cfg.eos_token_ids)
+        self._stop_checkers: dict[str, StopChecker] = {}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "cancelled": 0}
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
+        config = config or EngineConfig()
+        model = LlamaModel.from_pretrained(Path(model_dir), DTYPES[config.dtype])
+        tokenizer = None
+        if (Path(model_dir) / "tokenizer.json").exists():
+            from backend.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_model_dir(Path(model_dir))
+        return cls(model, config, tokenizer)
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """Validate and queue; raises typed errors (nothing is queued then)."""
+        params.validate(self.model.cfg.vocab_size)
+        if any(not 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
+            from backend.errors import InvalidRequest
+
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.model.cfg.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            from backend.errors import InvalidSamplingParams
+
+            raise InvalidSamplingParams("stop strings need a tokenizer; this model folder has none", field="stop")
+        seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, self.eos_token_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ----------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        now = time.perf_counter()
+        outputs = [StepOutput(s, None, now, True) for s in batch.aborted]
+        for s in batch.aborted:
+            self._stop_checkers.pop(s.request_id, None)
+            self.stats["cancelled"] += 1
+        if batch.empty:
+            return outputs
+        try:
+            logits = self.runner.run(batch)
+        except Exception:
+            self._fail(batch)
+            raise
+        self.stats["steps"] += 1
+        return outputs + self.postprocess(batch, logits)
+
+    def _fail(self, batch: ScheduledBatch) -> None:
+        """A step crashed: end every sequence in it so their pages return."""
+        for s in [*batch.decode, *(s for s, _ in batch.prefill)]:
+            if s in self.scheduler.running:
+                self.scheduler.finish(s, "error")
+            self._stop_checkers.pop(s.request_id, None)
+
+    def postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[StepOutput]:
+        """Advance counters, sample, append tokens, finish sequences that stop."""
+        sampled_seqs = list(batch.decode)
+        for s in batch.decode:
+            s.num_computed_tokens += 1
+        for s, n in batch.prefill:
+            s.num_computed_tokens += n
+            self.stats["prompt_tokens"] += n
+            if not s.is_prefilling:
+                sampled_seqs.append(s)
+        if not sampled_seqs:
+            return []
+        tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
+        now = time.perf_counter()
+        outputs = []
+        for s, tok in zip(sampled_seqs, tokens):
+            s.output_ids.append(tok)
+            if s.first_token_time is None:
+                s.first_token_time = now
+            self.stats["generated_tokens"] += 1
+            reason = self._check_stop(s, tok)
+            if reason is not None:
+                self.scheduler.finish(s, reason)
+                self._stop_checkers.pop(s.request_id, None)
+                self.stats["finished"] += 1
+            outputs.append(StepOutput(s, tok, now, reason is not None))
+        return outputs
+
+    def _check_stop(self, s: Sequence, tok: int) -> str | None:
+        p = s.params
+        if not p.ignore_eos and tok in s.eos_token_ids:
+            s.stop_reason = tok
+            return "stop"
+        if tok in p.stop_token_ids:
+            s.stop_reason = tok
+            return "stop"
+        if p.stop:
+            checker = self._stop_checkers.get(s.request_id)
+            if checker is None:
+                checker = self._stop_checkers[s.request_id] = StopChecker(self.tokenizer, p.stop)
+            matched = checker.push(tok)
+            if matched is not None:
+                s.stop_reason = matched
+                return "stop"
+        if len(s.output_ids) >= p.max_tokens or s.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- introspection -----------------------------------------------------------------
+    def snapshot(self) -> dict[str, object]:
+        """Live load and pool occupancy, for health/stats and routing."""
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": self.scheduler.num_waiting,
+            "pages_total": self.allocator.num_pages,
+            "pages_free": self.allocator.num_free,
+            "pages_used": self.allocator.num_used,
+            "page_size": self.cache.page_size,
+            "kv_format": self.cache.format_name,
+            "kv_bytes_per_token": self.cache.bytes_per_token,
+            "max_model_len": self.max_model_len,
+            **self.stats,
+        }

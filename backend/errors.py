@@ -1,0 +1,123 @@
+"""The one hierarchy of typed errors, shared by every package.
+
+    EdgeServeError                      code 5000  (500)
+    ├── InvalidRequest                  code 3000  (400)
+    │   ├── InvalidSamplingParams       code 3001  (400)
+    │   └── PromptTooLong               code 3006  (400)
+    ├── ModelNotFound                   code 3007  (404)
+    ├── CapacityError                   code 3040  (429)
+    ├── RequestCancelled                code 3041  (499)
+    ├── ModelLoadError                  code 5010  (500)
+    │   ├── UnsupportedArchitecture     code 5011  (500)
+    │   └── WeightsError                code 5012  (500)
+    ├── BackendUnavailable              code 5003  (503)
+    └── RegistryUnavailable             code 5020  (503)
+
+Each class has a stable numeric ``code`` (3000s: the caller's fault or a
+temporary refusal, 5000s: ours) and the HTTP status the gateway maps it to.
+Lower layers raise these (``raise ... from exc``); the gateway translates them
+once into the Workers envelope or an OpenAI error object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "EdgeServeError",
+    "InvalidRequest",
+    "InvalidSamplingParams",
+    "PromptTooLong",
+    "ModelNotFound",
+    "CapacityError",
+    "RequestCancelled",
+    "ModelLoadError",
+    "UnsupportedArchitecture",
+    "WeightsError",
+    "BackendUnavailable",
+    "RegistryUnavailable",
+    "error_from_code",
+]
+
+
+class EdgeServeError(Exception):
+    """Base of every error edgeserve raises on purpose."""
+
+    code: int = 5000
+    http_status: int = 500
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        """Wire form: stable code, class name, message and details."""
+        return {"code": self.code, "type": type(self).__name__, "message": self.message, **self.details}
+
+
+class InvalidRequest(EdgeServeError):
+    code = 3000
+    http_status = 400
+
+
+class InvalidSamplingParams(InvalidRequest):
+    code = 3001
+
+
+class PromptTooLong(InvalidRequest):
+    code = 3006
+
+
+class ModelNotFound(EdgeServeError):
+    code = 3007
+    http_status = 404
+
+
+class CapacityError(EdgeServeError):
+    """Out of capacity: the wait queue is full or the request can never fit."""
+
+    code = 3040
+    http_status = 429
+
+
+class RequestCancelled(EdgeServeError):
+    code = 3041
+    http_status = 499
+
+
+class ModelLoadError(EdgeServeError):
+    code = 5010
+
+
+class UnsupportedArchitecture(ModelLoadError):
+    code = 5011
+
+
+class WeightsError(ModelLoadError):
+    code = 5012
+
+
+class BackendUnavailable(EdgeServeError):
+    code = 5003
+    http_status = 503
+
+
+class RegistryUnavailable(EdgeServeError):
+    code = 5020
+    http_status = 503
+
+
+def _all_subclasses(cls: type[EdgeServeError]) -> list[type[EdgeServeError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def error_from_code(code: int, message: str, **details: Any) -> EdgeServeError:
+    """Rebuild a typed error from its wire form (the most specific class with that code)."""
+    for cls in reversed(_all_subclasses(EdgeServeError)):
+        if cls.code == code:
+            return cls(message, **details)
+    return EdgeServeError(message, code_received=code, **details)

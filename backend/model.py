@@ -1,0 +1,118 @@
+"""Llama-family decoder (Llama, Qwen2, SmolLM2) over a paged KV cache.
+
+Dense GQA attention with RoPE, RMSNorm, SwiGLU MLP, optional tied embeddings and
+(Qwen2) q/k/v biases. Compute dtype float32 or bfloat16; RMSNorm runs in float32
+and casts back, as the reference does; logits are returned in float32.
+
+For speed at small batch the projections are fused at load time:
+q/k/v into one `qkv` matrix [(H + 2 * H_kv) * head_dim, hidden] and gate/up into
+one `gate_up` matrix [2 * intermediate, hidden], so one layer is five GEMMs.
+Parameters are plain tensors (no nn.Module) to keep per-step dispatch short.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from backend.attention import StepMetadata, paged_attention
+from backend.config import ModelConfig, load_config
+from backend.kv_cache import PagedKVCache
+from backend.rope import RotaryEmbedding
+from backend.weights import CheckpointReader
+
+__all__ = ["LayerWeights", "LlamaModel"]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 H_kv) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor  # [hidden, H * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class LlamaModel:
+    """Weights plus the forward pass of one mixed prefill/decode step."""
+
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
+                 lm_head: torch.Tensor, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = embed  # [vocab, hidden]
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head  # [vocab, hidden], shares storage with embed when tied
+        self.rope = RotaryEmbedding(cfg, dtype)
+        self.scale = cfg.head_dim ** -0.5
+        self._split = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
+        """Load a Hugging Face-format folder (config.json + safetensors)."""
+        cfg = load_config(Path(model_dir))
+        ckpt = CheckpointReader(Path(model_dir))
+
+        def get(name: str) -> torch.Tensor:
+            return ckpt.get(name).to(dtype).contiguous()
+
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv_names = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
+            bias = None
+            if cfg.attention_bias and f"{qkv_names[0]}.bias" in ckpt:
+                bias = torch.cat([get(f"{n}.bias") for n in qkv_names])
+            layers.append(LayerWeights(
+                input_norm=get(f"{p}input_layernorm.weight"),
+                qkv=torch.cat([get(f"{n}.weight") for n in qkv_names]),
+                qkv_bias=bias,
+                o_proj=get(f"{p}self_attn.o_proj.weight"),
+                post_norm=get(f"{p}post_attention_layernorm.weight"),
+                gate_up=torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]),
+                down=get(f"{p}mlp.down_proj.weight"),
+            ))
+        embed = get("model.embed_tokens.weight")
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
+        lm_head = embed if tied else get("lm_head.weight")
+        return cls(cfg, embed, layers, get("model.norm.weight"), lm_head, dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights read per decode step (embedding row reads excluded, LM head included)."""
+        per_layer = sum(t.numel() * t.element_size() for l in self.layers
+                        for t in (l.input_norm, l.qkv, l.o_proj, l.post_norm, l.gate_up, l.down))
+        return per_layer + self.lm_head.numel() * self.lm_head.element_size()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: StepMetadata, cache: PagedKVCache) -> torch.Tensor:
+        """Logits [R, vocab] (float32) for rows `meta.logits_rows` of the flat batch input_ids [T]."""
+        cfg = self.cfg
+        t = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        cos, sin = self.rope.tables(meta.positions)
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        for i, layer in enumerate(self.layers):
+            x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qk, v = qkv.split([num_qk_heads * cfg.head_dim, self._split[1]], dim=-1)
+            qk = RotaryEmbedding.apply(qk.view(t, num_qk_heads, cfg.head_dim), cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
+            cache.store(i, meta.slots, k, v.view(t, cfg.num_kv_heads, cfg.head_dim))
+            attn = paged_attention(q, cache, i, meta, self.scale)
+            h = h + F.linear(attn.view(t, -1), layer.o_proj)
+            x = _rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = _rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

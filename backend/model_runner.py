@@ -1,0 +1,70 @@
+"""Turns a scheduled batch into model inputs (flat tokens + `StepMetadata`) and runs it."""
+
+from __future__ import annotations
+
+import torch
+
+from backend.attention import PrefillChunk, StepMetadata
+from backend.kv_cache import PagedKVCache
+from backend.model import LlamaModel
+from backend.scheduler import ScheduledBatch
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: PagedKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.page_size = cache.page_size
+
+    def _slot(self, page_ids: list[int], position: int) -> int:
+        return page_ids[position // self.page_size] * self.page_size + position % self.page_size
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepMetadata]:
+        """Flat input ids [T] and metadata: decode rows first, then prefill chunks."""
+        ps = self.page_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        for s in batch.decode:
+            pos = s.num_tokens - 1  # the last sampled token is fed now
+            logits_rows.append(len(tokens))
+            tokens.append(s.token_at(pos))
+            positions.append(pos)
+            slots.append(self._slot(s.page_ids, pos))
+        decode_table = decode_mask = None
+        if batch.decode:
+            ctx = [s.num_tokens for s in batch.decode]
+            num_pages = -(-max(ctx) // ps)
+            table = [s.page_ids[:num_pages] + [0] * (num_pages - len(s.page_ids[:num_pages])) for s in batch.decode]
+            decode_table = torch.tensor(table, dtype=torch.int64)  # [D, P]
+            lens = torch.tensor(ctx).view(-1, 1, 1, 1)
+            decode_mask = torch.arange(num_pages * ps).view(1, 1, 1, -1) < lens  # [D, 1, 1, P*PAGE_SIZE]
+        chunks: list[PrefillChunk] = []
+        for s, n in batch.prefill:
+            start = s.num_computed_tokens
+            end = start + n
+            chunks.append(PrefillChunk(token_start=len(tokens), num_tokens=n, context_len=end,
+                                       page_table=torch.tensor([s.page_ids[: -(-end // ps)]], dtype=torch.int64)))
+            tokens.extend(s.prompt_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slot(s.page_ids, p) for p in range(start, end))
+            if end == s.num_prompt_tokens:
+                logits_rows.append(len(tokens) - 1)
+        meta = StepMetadata(
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slots=torch.tensor(slots, dtype=torch.int64),
+            num_decode=len(batch.decode),
+            decode_page_table=decode_table,
+            decode_mask=decode_mask,
+            prefills=chunks,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+        )
+        return torch.tensor(tokens, dtype=torch.int64), meta
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [R, vocab] float32: decode sequences, then prompts completed this step."""
+        input_ids, meta = self.prepare(batch)
+        return self.model.forward(input_ids, meta, self.cache)

@@ -1,0 +1,63 @@
+"""Page allocator: a free list of physical KV pages with reference counts.
+
+A page is owned by every sequence (or cache entry) holding a reference; it goes
+back on the free list when the last reference is dropped. The allocator never
+over-commits: `allocate` either returns all the pages asked for or raises.
+Only the engine thread touches it, so it takes no lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from backend.errors import CapacityError
+
+__all__ = ["PageAllocator"]
+
+
+class PageAllocator:
+    """Hands out page ids 0..num_pages-1."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._refs = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take n free pages (refcount 1 each) or raise CapacityError, taking none."""
+        if n > len(self._free):
+            raise CapacityError(f"need {n} KV pages, {len(self._free)} free", needed=n, free=len(self._free))
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """Add a reference to pages already in use (prefix sharing)."""
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} is free; cannot share it")
+            self._refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference from each page; pages reaching zero become free."""
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} released while free (double free)")
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]

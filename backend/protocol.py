@@ -1,0 +1,49 @@
+"""Wire messages of the worker API (msgspec structs; NDJSON frames on HTTP).
+
+A generate call sends `GenerateRequest` and receives a stream of `Event`s:
+zero or more `TokenEvent`s, then exactly one `FinishEvent` or `ErrorEvent`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from backend.sampling_params import SamplingParams
+
+__all__ = ["GenerateRequest", "TokenEvent", "FinishEvent", "ErrorEvent", "Event", "encoder", "event_decoder"]
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    prompt_ids: list[int]
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    request_id: str | None = None
+    model: str | None = None  # checked against the served model when given
+
+
+class TokenEvent(msgspec.Struct, tag="token", gc=False):
+    """New token ids and, for each, seconds since the request arrived at the worker."""
+
+    token_ids: list[int]
+    times: list[float]
+
+
+class FinishEvent(msgspec.Struct, tag="finish", gc=False):
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    stop_reason: str | int | None = None  # the matched stop string or stop token id
+    ttft_s: float | None = None
+    total_s: float = 0.0
+
+
+class ErrorEvent(msgspec.Struct, tag="error", gc=False):
+    code: int
+    type: str
+    message: str
+    completion_tokens: int = 0
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+encoder = msgspec.json.Encoder()
+event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)

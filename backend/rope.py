@@ -1,0 +1,119 @@
+"""Rotary position embeddings (RoPE) with the common scaling kinds.
+
+Layout: "rotate half" (the Hugging Face Llama convention), not interleaved pairs:
+for a head vector x of size D, x1 = x[:D/2], x2 = x[D/2:],
+    rope(x, p) = x * cos(p * f) + cat(-x2, x1) * sin(p * f),
+with f = inv_freq repeated twice. The frequencies f_i = theta^(-2i/D) are
+rescaled by the config's `rope_scaling` (or `rope_parameters`) kind:
+
+- ``default``: unchanged.
+- ``linear``: f / factor (position interpolation).
+- ``dynamic``: NTK-aware; the base only grows past `max_position_embeddings`,
+  which our context limit never exceeds, so inside it this equals ``default``.
+- ``llama3``: low frequencies / factor, high unchanged, a smooth ramp between.
+- ``yarn``: per-dimension blend of interpolated and extrapolated frequencies,
+  and cos/sin multiplied by an attention factor (0.1 ln(factor) + 1 by default).
+
+cos/sin are computed once in float32 for every position up to the context
+limit and cast to the compute dtype, as the reference implementation does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from backend.config import ModelConfig
+from backend.errors import UnsupportedArchitecture
+
+__all__ = ["SUPPORTED_ROPE_TYPES", "rope_inv_freq", "RotaryEmbedding"]
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def _rope_type(scaling: dict[str, Any] | None) -> str:
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type") or scaling.get("type") or "default")
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (float32) and the cos/sin attention factor."""
+    dim = cfg.head_dim
+    base = cfg.rope_theta
+    scaling = cfg.rope_scaling or {}
+    kind = _rope_type(scaling)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind in ("default", "dynamic"):
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(cfg, scaling, dim, base)
+    raise UnsupportedArchitecture(f"rope scaling {kind!r} unsupported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _yarn(cfg: ModelConfig, scaling: dict[str, Any], dim: int, base: float) -> tuple[torch.Tensor, float]:
+    original_max = float(scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else cfg.max_position_embeddings / original_max
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables; `apply` rotates query/key heads in place-free fashion."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        inv_freq, attention_factor = rope_inv_freq(cfg)
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+        self.cos = (emb.cos() * attention_factor).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * attention_factor).to(dtype=dtype, device=device)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the given positions, shaped [T, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] by the per-token tables from `tables`."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin

@@ -1,0 +1,62 @@
+"""Batched token sampling with per-request parameters.
+
+Each row of the logits belongs to one request with its own temperature, top-k,
+top-p and (optional) seed. Greedy rows take the argmax. Sampled rows use the
+exponential race: with E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is distributed as
+Categorical(p), so one vectorised argmax replaces a multinomial draw per row, and
+a seeded request draws its noise from its own `torch.Generator`: the same seed
+gives the same tokens for the same logits whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from backend.sampling_params import SamplingParams
+
+__all__ = ["sample"]
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    if min(ks) == vocab:
+        return logits
+    kmax = max(k for k in ks if k < vocab)
+    values = logits.topk(kmax, dim=-1).values  # [B, kmax], descending
+    idx = torch.tensor([min(k, kmax) - 1 for k in ks]).unsqueeze(1)
+    threshold = values.gather(1, idx)
+    threshold[torch.tensor([k == vocab for k in ks])] = float("-inf")
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    if min(top_p) >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    remove = before > torch.tensor(top_p).unsqueeze(1)  # the top token always stays (before = 0)
+    remove = remove.scatter(1, order, remove)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: Seq[SamplingParams],
+           generators: Seq[torch.Generator | None]) -> list[int]:
+    """One token id per row of logits [B, vocab] (float32)."""
+    greedy = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy.tolist()
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).unsqueeze(1)
+    x = _apply_top_k(logits / temps, [p.top_k for p in params])
+    x = _apply_top_p(x, [p.top_p for p in params])
+    probs = x.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None and not params[row].greedy:
+            noise[row].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    is_greedy = torch.tensor([p.greedy for p in params])
+    return torch.where(is_greedy, greedy, sampled).tolist()

@@ -1,0 +1,161 @@
+"""Continuous batching with chunked prefill and page-reserving admission.
+
+Each step's batch is built decode-first: every running sequence that finished
+its prompt contributes one token, then the remaining token budget
+(`max_num_batched_tokens`) goes to prompt chunks (at most `prefill_chunk_size`
+tokens each), first of sequences already prefilling, then of newly admitted ones.
+So a long prompt is split over steps and running decodes never stall behind it.
+
+Admission reserves every page a request may need (prompt + max_tokens) up front,
+first come first served, and stops at the first request that does not fit: the
+pool is never over-committed, so a running request can never run out of pages
+and nothing has to be preempted. A request that could never fit, or arrives to
+a full wait queue, is refused at once with CapacityError.
+
+Thread-safety: `add` and `abort` may be called from any thread (they take the
+lock); everything else runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from backend.errors import CapacityError, PromptTooLong
+from backend.page_allocator import PageAllocator
+from backend.sequence import Sequence, SequenceStatus
+
+__all__ = ["SchedulerConfig", "ScheduledBatch", "Scheduler"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int  # context limit: prompt + output tokens
+    max_num_seqs: int = 64  # running sequences at once
+    max_num_batched_tokens: int = 512  # tokens per step, decode + prefill
+    prefill_chunk_size: int = 256
+    max_waiting: int = 256  # bounded wait queue
+
+
+class ScheduledBatch(NamedTuple):
+    decode: list[Sequence]  # one token each
+    prefill: list[tuple[Sequence, int]]  # (sequence, prompt tokens this step)
+    aborted: list[Sequence]  # cancelled since the last step; pages already returned
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.page_size = page_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._abort_ids: set[str] = set()
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # -- any thread ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a request, or raise PromptTooLong / CapacityError without queueing it."""
+        cfg = self.config
+        if seq.num_prompt_tokens == 0:
+            raise PromptTooLong("empty prompt", prompt_tokens=0)
+        if seq.num_prompt_tokens >= cfg.max_model_len:
+            raise PromptTooLong(
+                f"prompt has {seq.num_prompt_tokens} tokens; the context limit is {cfg.max_model_len} "
+                "(prompt + at least one output token)",
+                prompt_tokens=seq.num_prompt_tokens, max_model_len=cfg.max_model_len)
+        if seq.max_total_tokens > cfg.max_model_len:
+            raise PromptTooLong(
+                f"prompt ({seq.num_prompt_tokens}) + max_tokens ({seq.params.max_tokens}) exceeds the context "
+                f"limit {cfg.max_model_len}", prompt_tokens=seq.num_prompt_tokens, max_model_len=cfg.max_model_len)
+        if self.pages_for(seq.max_total_tokens) > self.allocator.num_pages:
+            raise CapacityError(f"request needs {self.pages_for(seq.max_total_tokens)} KV pages; the pool has "
+                                f"{self.allocator.num_pages}", pool_pages=self.allocator.num_pages)
+        with self._lock:
+            if len(self.waiting) >= cfg.max_waiting:
+                raise CapacityError(f"wait queue full ({cfg.max_waiting} requests)", max_waiting=cfg.max_waiting)
+            self.waiting.append(seq)
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        """Ask for a request to end at the next step boundary (its pages return then)."""
+        with self._lock:
+            self._abort_ids.add(request_id)
+        self._wakeup.set()
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block the engine thread until something is queued or aborted (or timeout)."""
+        if not self.has_work():
+            self._wakeup.wait(timeout)
+        self._wakeup.clear()
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._abort_ids)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- engine thread ---------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence: mark it and return its pages at once."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.allocator.release(seq.page_ids)
+        seq.page_ids = []
+        self.running.remove(seq)
+
+    def _reap_aborted(self) -> list[Sequence]:
+        with self._lock:
+            ids, self._abort_ids = self._abort_ids, set()
+            if not ids:
+                return []
+            dropped = [s for s in self.waiting if s.request_id in ids]
+            for s in dropped:
+                self.waiting.remove(s)
+                s.status, s.finish_reason = SequenceStatus.FINISHED, "cancelled"
+        for s in [s for s in self.running if s.request_id in ids]:
+            self.finish(s, "cancelled")
+            dropped.append(s)
+        return dropped
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's tokens; admit waiting requests whose pages are free."""
+        cfg = self.config
+        aborted = self._reap_aborted()
+        decode = [s for s in self.running if not s.is_prefilling]
+        budget = cfg.max_num_batched_tokens - len(decode)
+        prefill: list[tuple[Sequence, int]] = []
+        for s in self.running:
+            if budget <= 0:
+                break
+            if s.is_prefilling:
+                n = min(s.num_prompt_tokens - s.num_computed_tokens, cfg.prefill_chunk_size, budget)
+                prefill.append((s, n))
+                budget -= n
+        while budget > 0 and len(self.running) < cfg.max_num_seqs:
+            with self._lock:
+                if not self.waiting:
+                    break
+                seq = self.waiting[0]
+                needed = self.pages_for(seq.max_total_tokens)
+                if not self.allocator.can_allocate(needed):
+                    break
+                self.waiting.popleft()
+            seq.page_ids = self.allocator.allocate(needed)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_prompt_tokens, cfg.prefill_chunk_size, budget)
+            prefill.append((seq, n))
+            budget -= n
+        return ScheduledBatch(decode, prefill, aborted)

@@ -1,0 +1,62 @@
+"""One request's state inside the engine (plain fields, each stored once)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.sampling_params import SamplingParams
+
+__all__ = ["SequenceStatus", "Sequence"]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages
+    RUNNING = "running"  # holds its pages; prefilling until num_computed_tokens == num_prompt_tokens
+    FINISHED = "finished"  # pages returned
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)  # page table, in token order
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    stop_reason: str | int | None = None  # matched stop string or stop token id
+    abort_requested: bool = False
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens this request may ever hold in the cache (its page reservation)."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]

@@ -1,0 +1,1 @@
+"""Starlette gateway: public REST/OpenAI API, tenants, metering, routing (later issues)."""

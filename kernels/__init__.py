@@ -1,0 +1,1 @@
+"""Triton kernels, each with a launcher and a plain-torch reference (later issues)."""

@@ -1,0 +1,1 @@
+"""The edgeserve CLI: pull, up, serve, bench."""

@@ -1,0 +1,1 @@
+"""Chained, tenant-salted block hashing and the Redis prefix index (later issues)."""
