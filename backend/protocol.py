@@ -20,14 +20,14 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None  # checked against the served model when given
 
 
-class TokenEvent(msgspec.Struct, tag="token", gc=False):
+class TokenEvent(msgspec.Struct, tag="token", tag_field="event", gc=False):
     """New token ids and, for each, seconds since the request arrived at the worker."""
 
     token_ids: list[int]
     times: list[float]
 
 
-class FinishEvent(msgspec.Struct, tag="finish", gc=False):
+class FinishEvent(msgspec.Struct, tag="finish", tag_field="event", gc=False):
     finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
     completion_tokens: int
@@ -36,7 +36,7 @@ class FinishEvent(msgspec.Struct, tag="finish", gc=False):
     total_s: float = 0.0
 
 
-class ErrorEvent(msgspec.Struct, tag="error", gc=False):
+class ErrorEvent(msgspec.Struct, tag="error", tag_field="event", gc=False):
     code: int
     type: str
     message: str

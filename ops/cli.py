@@ -18,6 +18,7 @@ _SUBCOMMANDS: dict[str, str] = {
     "pull": "ops.pull",
     "serve": "ops.serve",
     "up": "ops.serve",
+    "chat": "ops.chat",
     "bench": "ops.bench",
 }
 

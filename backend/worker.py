@@ -1,0 +1,97 @@
+"""Internal worker HTTP API (Starlette): generate, cancel, health, stats.
+
+    POST /v1/generate          GenerateRequest (JSON) -> NDJSON stream of events
+    POST /v1/cancel/{id}       ends a request at the next step boundary
+    GET  /health               {"status", "role", "model"}
+    GET  /stats                running, waiting, pages used/free, counters
+
+Errors found before the stream starts (bad JSON, bad sampling parameters,
+prompt too long, queue full, wrong model) answer with their HTTP status and a
+JSON body `{"error": {"code", "type", "message", ...}}`. Once streaming, a
+failure arrives as an `error` event. A client that disconnects cancels its
+request; its pages return at the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from backend.async_engine import AsyncEngine
+from backend.errors import EdgeServeError, InvalidRequest, ModelNotFound
+from backend.protocol import Event, GenerateRequest, TokenEvent, encoder
+
+__all__ = ["create_worker_app", "NDJSON"]
+
+NDJSON = "application/x-ndjson"
+_request_decoder = msgspec.json.Decoder(GenerateRequest)
+
+
+def _error_response(exc: EdgeServeError) -> JSONResponse:
+    return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status)
+
+
+def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified") -> Starlette:
+    """The worker's ASGI app, serving `engine` under the name `model_name`."""
+
+    async def generate(request: Request) -> Response:
+        try:
+            req = _request_decoder.decode(await request.body())
+        except msgspec.ValidationError as exc:
+            return _error_response(InvalidRequest(f"invalid generate request: {exc}"))
+        except msgspec.DecodeError as exc:
+            return _error_response(InvalidRequest(f"malformed JSON: {exc}"))
+        if req.model is not None and req.model != model_name:
+            return _error_response(ModelNotFound(f"model {req.model!r} is not served here; this worker serves "
+                                                 f"{model_name!r}", model=req.model))
+        stream = engine.generate(req.prompt_ids, req.params, req.request_id)
+        try:
+            first = await anext(stream)  # typed refusals surface here, before any byte is sent
+        except EdgeServeError as exc:
+            return _error_response(exc)
+
+        async def body() -> AsyncIterator[bytes]:
+            async with contextlib.aclosing(stream):  # closing aborts the request if it is not done
+                yield encoder.encode(first) + b"\n"
+                if _is_final(first):
+                    return
+                async for ev in stream:
+                    yield encoder.encode(ev) + b"\n"
+
+        return StreamingResponse(body(), media_type=NDJSON)
+
+    async def cancel(request: Request) -> Response:
+        await engine.abort(request.path_params["request_id"])
+        return JSONResponse({"cancelled": request.path_params["request_id"]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "role": role, "model": model_name})
+
+    async def stats(request: Request) -> Response:
+        return JSONResponse({"role": role, "model": model_name, **engine.engine.snapshot()})
+
+    routes = [
+        Route("/v1/generate", generate, methods=["POST"]),
+        Route("/v1/cancel/{request_id}", cancel, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/stats", stats, methods=["GET"]),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _is_final(ev: Event) -> bool:
+    return not isinstance(ev, TokenEvent)

@@ -1,0 +1,66 @@
+"""Typed client of the worker API (used by the gateway, benchmarks and tests).
+
+HTTP errors are rebuilt into the same typed errors the worker raised; a worker
+that cannot be reached, or whose stream breaks before the final event, raises
+`BackendUnavailable`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import msgspec
+
+from backend.errors import BackendUnavailable, EdgeServeError, error_from_code
+from backend.protocol import ErrorEvent, Event, FinishEvent, GenerateRequest, event_decoder
+
+__all__ = ["WorkerClient"]
+
+
+class WorkerClient:
+    def __init__(self, base_url: str, client: httpx.AsyncClient | None = None, timeout: float = 300.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Stream events; the last one is a FinishEvent or ErrorEvent."""
+        url = f"{self.base_url}/v1/generate"
+        try:
+            async with self._client.stream("POST", url, content=msgspec.json.encode(request)) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise _typed_error(resp)
+                final = False
+                async for line in resp.aiter_lines():
+                    if not line:
+                        continue
+                    ev = event_decoder.decode(line)
+                    final = isinstance(ev, (FinishEvent, ErrorEvent))
+                    yield ev
+                if not final:
+                    raise BackendUnavailable(f"worker {self.base_url} ended the stream without a final event")
+        except httpx.HTTPError as exc:
+            raise BackendUnavailable(f"worker {self.base_url} unreachable or stream broken: {exc}") from exc
+
+    async def cancel(self, request_id: str) -> None:
+        await self._client.post(f"{self.base_url}/v1/cancel/{request_id}")
+
+    async def stats(self) -> dict[str, object]:
+        try:
+            resp = await self._client.get(f"{self.base_url}/stats")
+        except httpx.HTTPError as exc:
+            raise BackendUnavailable(f"worker {self.base_url} unreachable: {exc}") from exc
+        return resp.json()
+
+
+def _typed_error(resp: httpx.Response) -> EdgeServeError:
+    try:
+        err = resp.json()["error"]
+        details = {k: v for k, v in err.items() if k not in ("code", "type", "message")}
+        return error_from_code(int(err["code"]), str(err["message"]), **details)
+    except (ValueError, KeyError, TypeError):
+        return BackendUnavailable(f"worker answered HTTP {resp.status_code}: {resp.text[:200]}")

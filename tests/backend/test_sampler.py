@@ -1,0 +1,62 @@
+"""Batched sampling with per-request parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.errors import InvalidSamplingParams
+from backend.sampler import sample
+from backend.sampling_params import SamplingParams
+
+
+def test_greedy_rows_take_the_argmax_whatever_the_other_rows_do() -> None:
+    logits = torch.randn(6, 500)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 3
+    out = sample(logits, params, [None] * 6)
+    assert [out[i] for i in (0, 2, 4)] == logits.argmax(-1)[[0, 2, 4]].tolist()
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
+    logits = torch.randn(1, 1000)
+    hot = SamplingParams(temperature=5.0, seed=1234)
+
+    def draw(seed: int) -> list[int]:
+        gen = torch.Generator().manual_seed(seed)
+        return [sample(logits, [hot], [gen])[0] for _ in range(20)]
+
+    assert draw(1234) == draw(1234)
+    assert draw(1234) != draw(4321)
+
+
+def test_top_k_limits_the_support() -> None:
+    logits = torch.randn(1, 300).repeat(400, 1)
+    params = [SamplingParams(temperature=3.0, top_k=5)] * 400
+    out = set(sample(logits, params, [None] * 400))
+    allowed = set(logits[0].topk(5).indices.tolist())
+    assert out <= allowed and len(out) == 5
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().unsqueeze(0).repeat(2000, 1)
+    out = sample(logits, [SamplingParams(temperature=1.0, top_p=0.7)] * 2000, [None] * 2000)
+    counts = torch.bincount(torch.tensor(out), minlength=4).float() / 2000
+    assert counts[2] == 0 and counts[3] == 0  # 0.5 + 0.3 >= 0.7: tokens 2 and 3 are cut
+    assert abs(counts[0].item() - 0.5 / 0.8) < 0.05
+
+
+def test_temperature_sampling_follows_the_softmax() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    out = sample(logits, [SamplingParams(temperature=2.0)] * 20000, [None] * 20000)
+    freq = torch.bincount(torch.tensor(out), minlength=4).float() / 20000
+    expected = (logits[0] / 2.0).softmax(-1)
+    assert (freq - expected).abs().max().item() < 0.02
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=1.5), dict(top_k=-2),
+                                 dict(stop=[""]), dict(stop_token_ids=[10**9]), dict(seed=-1)])
+def test_bad_parameters_name_the_field(bad: dict) -> None:
+    with pytest.raises(InvalidSamplingParams) as err:
+        SamplingParams(**bad).validate(vocab_size=1000)
+    assert err.value.details["field"] == next(iter(bad))

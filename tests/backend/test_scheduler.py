@@ -1,0 +1,115 @@
+"""Continuous batching, chunked prefill, page-reserving admission and page release."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backend.engine import EngineConfig, LLMEngine
+from backend.errors import CapacityError, InvalidSamplingParams, PromptTooLong
+from backend.sampling_params import SamplingParams
+from backend.sequence import SequenceStatus
+from tests.backend.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=7)
+
+
+def make_engine(path: Path, num_pages: int, **kw) -> LLMEngine:
+    probe = LLMEngine.from_pretrained(path, EngineConfig(dtype="float32", kv_format="fp32", kv_cache_bytes=2**20))
+    per_page = probe.cache.bytes_per_token * 16
+    cfg = EngineConfig(dtype="float32", kv_format="fp32", kv_cache_bytes=num_pages * per_page, page_size=16, **kw)
+    return LLMEngine.from_pretrained(path, cfg)
+
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_pool_is_sized_from_the_byte_budget(tiny_dir: Path) -> None:
+    e = make_engine(tiny_dir, num_pages=37)
+    assert e.allocator.num_pages == 37
+    # 3 layers * K,V * 2 kv heads * head_dim 16 * 4 bytes
+    assert e.cache.bytes_per_token == 3 * 2 * 2 * 16 * 4
+
+
+def test_admission_reserves_pages_and_the_next_request_waits(tiny_dir: Path) -> None:
+    e = make_engine(tiny_dir, num_pages=10)
+    # each request needs ceil((20 + 12) / 16) = 2 pages: five fit, the sixth waits
+    seqs = [e.add_request(list(range(3, 23)), SamplingParams(max_tokens=12, **GREEDY)) for _ in range(6)]
+    e.step()
+    assert [s.status for s in seqs].count(SequenceStatus.RUNNING) == 5
+    assert seqs[5].status is SequenceStatus.WAITING and e.allocator.num_free == 0
+    while seqs[0].status is not SequenceStatus.FINISHED:
+        e.step()
+    e.step()
+    assert seqs[5].status is SequenceStatus.RUNNING
+    while e.has_work():
+        e.step()
+    assert all(len(s.output_ids) == 12 and s.finish_reason == "length" for s in seqs)
+    assert e.allocator.num_free == 10
+
+
+def test_refusals_are_typed_and_queue_nothing(tiny_dir: Path) -> None:
+    e = make_engine(tiny_dir, num_pages=4, max_waiting=2, max_model_len=100)
+    with pytest.raises(PromptTooLong):
+        e.add_request(list(range(100)), SamplingParams(max_tokens=1))
+    with pytest.raises(PromptTooLong):
+        e.add_request(list(range(50)), SamplingParams(max_tokens=60))
+    with pytest.raises(CapacityError):  # 90 tokens = 6 pages > the 4-page pool: can never fit
+        e.add_request(list(range(50)), SamplingParams(max_tokens=40))
+    with pytest.raises(InvalidSamplingParams):
+        e.add_request([1, 2], SamplingParams(top_p=0.0))
+    e.add_request([1, 2], SamplingParams(max_tokens=3))
+    e.add_request([1, 2], SamplingParams(max_tokens=3))
+    with pytest.raises(CapacityError):
+        e.add_request([1, 2], SamplingParams(max_tokens=3))
+    assert e.scheduler.num_waiting == 2
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_running(tiny_dir: Path) -> None:
+    e = make_engine(tiny_dir, num_pages=64, prefill_chunk_size=8, max_num_batched_tokens=16)
+    short = e.add_request([5, 6, 7], SamplingParams(max_tokens=40, **GREEDY))
+    e.step()  # short prompt prefilled, first token out
+    assert len(short.output_ids) == 1
+    long = e.add_request(list(range(3, 83)), SamplingParams(max_tokens=2, **GREEDY))
+    steps = 0
+    while long.is_prefilling:
+        before = len(short.output_ids)
+        batch_tokens = e.scheduler.config.max_num_batched_tokens
+        e.step()
+        steps += 1
+        assert len(short.output_ids) == before + 1, "a running decode stalled behind a prefill"
+        assert long.num_computed_tokens <= steps * min(8, batch_tokens)
+    assert steps == 10  # 80 prompt tokens in chunks of 8
+
+
+def test_abort_returns_pages_at_the_next_step(tiny_dir: Path) -> None:
+    e = make_engine(tiny_dir, num_pages=8)
+    running = e.add_request(list(range(3, 30)), SamplingParams(max_tokens=30, **GREEDY))
+    e.step()
+    waiting = e.add_request(list(range(3, 40)), SamplingParams(max_tokens=60, **GREEDY))
+    e.step()
+    assert waiting.status is SequenceStatus.WAITING and e.allocator.num_free < 8
+    e.abort(running.request_id)
+    e.abort(waiting.request_id)
+    outs = e.step()
+    assert {o.seq.request_id for o in outs if o.finished} == {running.request_id, waiting.request_id}
+    assert running.finish_reason == waiting.finish_reason == "cancelled"
+    assert e.allocator.num_free == 8 and not e.has_work()
+
+
+def test_stop_token_ids_end_the_request(tiny_dir: Path) -> None:
+    e = make_engine(tiny_dir, num_pages=16)
+    probe = e.add_request([9, 10, 11], SamplingParams(max_tokens=8, **GREEDY))
+    while e.has_work():
+        e.step()
+    third = probe.output_ids[2]
+    first_at = probe.output_ids.index(third)
+    s = e.add_request([9, 10, 11], SamplingParams(max_tokens=8, stop_token_ids=[third], **GREEDY))
+    while e.has_work():
+        e.step()
+    assert s.output_ids == probe.output_ids[: first_at + 1]
+    assert s.finish_reason == "stop" and s.stop_reason == third

@@ -1,0 +1,150 @@
+"""The worker HTTP API on a real loopback server, tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backend.async_engine import AsyncEngine
+from backend.engine import EngineConfig, LLMEngine
+from backend.errors import CapacityError, InvalidRequest, InvalidSamplingParams, ModelNotFound, PromptTooLong
+from backend.protocol import ErrorEvent, FinishEvent, GenerateRequest, TokenEvent
+from backend.sampling_params import SamplingParams
+from backend.worker import create_worker_app
+from backend.worker_client import WorkerClient
+from tests.backend.servers import serve_in_thread
+from tests.backend.tiny_models import write_tiny_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory):
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=11)
+    cfg = EngineConfig(dtype="float32", kv_format="fp32", kv_cache_bytes=2**20, page_size=16, max_waiting=8,
+                       max_model_len=256)
+    engine = LLMEngine.from_pretrained(path, cfg)
+    with serve_in_thread(create_worker_app(AsyncEngine(engine), model_name="tiny")) as url:
+        yield url, engine
+
+
+async def collect(url: str, req: GenerateRequest) -> list:
+    client = WorkerClient(url)
+    try:
+        return [ev async for ev in client.generate(req)]
+    finally:
+        await client.aclose()
+
+
+def wait_idle(engine: LLMEngine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.allocator.num_free != engine.allocator.num_pages or engine.has_work():
+        assert time.monotonic() < deadline, engine.snapshot()
+        time.sleep(0.02)
+
+
+def test_generate_streams_tokens_then_one_finish(worker) -> None:
+    url, engine = worker
+    events = asyncio.run(collect(url, GenerateRequest([5, 6, 7, 8], SamplingParams(max_tokens=9, **GREEDY))))
+    tokens = [t for ev in events if isinstance(ev, TokenEvent) for t in ev.token_ids]
+    assert len(tokens) == 9 and isinstance(events[-1], FinishEvent)
+    fin = events[-1]
+    assert (fin.finish_reason, fin.prompt_tokens, fin.completion_tokens) == ("length", 4, 9)
+    times = [t for ev in events if isinstance(ev, TokenEvent) for t in ev.times]
+    assert times == sorted(times) and times[0] == pytest.approx(fin.ttft_s, abs=1e-6)
+    # the same request again is deterministic (greedy)
+    again = asyncio.run(collect(url, GenerateRequest([5, 6, 7, 8], SamplingParams(max_tokens=9, **GREEDY))))
+    assert tokens == [t for ev in again if isinstance(ev, TokenEvent) for t in ev.token_ids]
+    wait_idle(engine)
+
+
+def test_concurrent_requests_each_get_their_own_stream(worker) -> None:
+    url, engine = worker
+
+    async def many():
+        reqs = [GenerateRequest([3 + i, 4, 5], SamplingParams(max_tokens=5 + i, **GREEDY)) for i in range(6)]
+        return await asyncio.gather(*(collect(url, r) for r in reqs))
+
+    results = asyncio.run(many())
+    for i, events in enumerate(results):
+        assert sum(len(ev.token_ids) for ev in events if isinstance(ev, TokenEvent)) == 5 + i
+        assert events[-1].completion_tokens == 5 + i
+    wait_idle(engine)
+
+
+@pytest.mark.parametrize("body,status,code", [
+    (b"{not json", 400, InvalidRequest.code),
+    (b'{"prompt_ids": "abc"}', 400, InvalidRequest.code),
+    (b'{"prompt_ids": [1, 2], "params": {"temperature": -3}}', 400, InvalidSamplingParams.code),
+    (b'{"prompt_ids": [1, 2], "params": {"max_tokens": 1000}}', 400, PromptTooLong.code),
+    (b'{"prompt_ids": [1, 2], "model": "other"}', 404, ModelNotFound.code),
+    (b'{"prompt_ids": [1, 99999]}', 400, InvalidRequest.code),
+])
+def test_bad_requests_get_typed_errors(worker, body: bytes, status: int, code: int) -> None:
+    url, engine = worker
+    resp = httpx.post(f"{url}/v1/generate", content=body)
+    assert resp.status_code == status
+    assert resp.json()["error"]["code"] == code
+    assert engine.snapshot()["pages_free"] == engine.allocator.num_pages
+
+
+def test_queue_full_is_429_and_the_client_raises_capacity_error(worker) -> None:
+    url, engine = worker
+
+    async def flood():
+        reqs = [GenerateRequest([3, 4, 5], SamplingParams(max_tokens=200, **GREEDY)) for _ in range(40)]
+        return await asyncio.gather(*(collect(url, r) for r in reqs), return_exceptions=True)
+
+    results = asyncio.run(flood())
+    refused = [r for r in results if isinstance(r, CapacityError)]
+    served = [r for r in results if isinstance(r, list)]
+    assert refused and served and len(refused) + len(served) == 40
+    assert all(r[-1].completion_tokens == 200 for r in served)
+    wait_idle(engine)
+
+
+def test_client_disconnect_cancels_and_frees_pages(worker) -> None:
+    url, engine = worker
+    with httpx.Client(timeout=10) as client:
+        with client.stream("POST", f"{url}/v1/generate",
+                           content=b'{"prompt_ids": [7, 8, 9], "params": {"max_tokens": 240, "temperature": 0}}') as r:
+            lines = r.iter_lines()
+            next(lines)
+            next(lines)
+            assert engine.allocator.num_free < engine.allocator.num_pages
+        # leaving the block closes the connection mid-stream
+    wait_idle(engine)
+    assert engine.stats["cancelled"] >= 1
+
+
+def test_cancel_endpoint_ends_the_stream_with_cancelled(worker) -> None:
+    url, engine = worker
+
+    async def run():
+        client = WorkerClient(url)
+        events = []
+        async for ev in client.generate(GenerateRequest([3, 4], SamplingParams(max_tokens=240, **GREEDY),
+                                                        request_id="to-cancel")):
+            events.append(ev)
+            if len(events) == 2:
+                await client.cancel("to-cancel")
+        await client.aclose()
+        return events
+
+    events = asyncio.run(run())
+    assert isinstance(events[-1], FinishEvent) and events[-1].finish_reason == "cancelled"
+    assert events[-1].completion_tokens < 240
+    assert not any(isinstance(e, ErrorEvent) for e in events)
+    wait_idle(engine)
+
+
+def test_health_and_stats(worker) -> None:
+    url, engine = worker
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "role": "unified", "model": "tiny"}
+    stats = httpx.get(f"{url}/stats").json()
+    assert stats["pages_total"] == engine.allocator.num_pages
+    assert {"running", "waiting", "pages_free", "pages_used", "kv_bytes_per_token"} <= stats.keys()
