@@ -1,0 +1,271 @@
+"""Runtime tokenizer: `tokenizer.json` through `tokenizers`, chat templates through jinja2.
+
+Serving never imports `transformers`. A model folder gives us:
+
+- `tokenizer.json`         the whole encode/decode pipeline (`tokenizers.Tokenizer`);
+- `tokenizer_config.json`  special token strings and the chat template (or `chat_template.jinja`);
+- `config.json` / `generation_config.json`  BOS and the end-of-generation ids.
+
+Chat templates are rendered the way Hugging Face renders them, so a template written for
+`transformers` gives the same prompt here: a sandboxed jinja2 environment with
+`trim_blocks`/`lstrip_blocks`, the `loopcontrols` extension, a `tojson` that does not
+HTML-escape, the globals `raise_exception` and `strftime_now`, and the special token
+strings (`bos_token`, `eos_token`, ...) as variables.
+
+Incremental detokenisation (streaming)
+--------------------------------------
+A token is a sequence of bytes, not of characters: a byte-level BPE can cut one emoji
+into three tokens, and decoding the first one alone gives U+FFFD. Decoding token by token
+and concatenating is therefore wrong, and decoding the whole sequence on every step is
+quadratic. `IncrementalDetokenizer` keeps a small window of ids and two offsets into it
+(the technique of vLLM and TGI):
+
+    ids:  ... | prefix ........ | read ....... new |
+              ^ prefix_offset   ^ read_offset
+
+`prefix_text = decode(ids[prefix:read])` is text already emitted (it is decoded again only
+to give the decoder left context: sentencepiece-style decoders drop a leading space at
+the start of a decode). On each new id, `new_text = decode(ids[prefix:])`; if it grew and
+does not end in U+FFFD, the tail `new_text[len(prefix_text):]` is emitted and both
+offsets move right (`prefix = read; read = len(ids)`). If it ends in U+FFFD the last
+character is incomplete, so nothing is emitted and the ids are kept until the character
+completes. Ids before `prefix` are never needed again and are dropped, so each step
+decodes a handful of tokens. `flush()` emits whatever is held when the stream ends
+(U+FFFD included, exactly as `decode` of the whole sequence would show it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _BackendTokenizer
+
+from backend.errors import InvalidRequest, ModelLoadError
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+
+logger = logging.getLogger(__name__)
+
+_REPLACEMENT = "\ufffd"
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class Tokenizer:
+    """Encode, decode and chat-template for one model."""
+
+    def __init__(
+        self,
+        backend: _BackendTokenizer,
+        *,
+        special_tokens: Mapping[str, str | None] | None = None,
+        chat_template: str | None = None,
+        bos_token_id: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self._backend = backend
+        self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self._chat_template = chat_template
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = eos_token_ids
+
+    @classmethod
+    def from_model_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load from a Hugging Face-format folder (needs `tokenizer.json`)."""
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(f"{folder} has no tokenizer.json")
+        backend = _BackendTokenizer.from_file(str(tokenizer_file))
+        tok_config = _read_json(folder / "tokenizer_config.json")
+        config = _read_json(folder / "config.json")
+        generation = _read_json(folder / "generation_config.json")
+
+        special = {name: _token_text(tok_config.get(name)) for name in _SPECIAL_NAMES}
+        template = tok_config.get("chat_template")
+        if isinstance(template, list):  # several named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = folder / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+
+        def id_of(token: str | None) -> list[int]:
+            index = backend.token_to_id(token) if token else None
+            return [] if index is None else [index]
+
+        bos_ids = _as_ids(config.get("bos_token_id")) or _as_ids(generation.get("bos_token_id"))
+        bos_ids = bos_ids or id_of(special["bos_token"])
+        eos_ids = frozenset(
+            _as_ids(config.get("eos_token_id")) + _as_ids(generation.get("eos_token_id")) + id_of(special["eos_token"])
+        )
+        logger.debug("tokenizer %s: vocab %d, eos %s", folder, backend.get_vocab_size(), sorted(eos_ids))
+        return cls(
+            backend,
+            special_tokens=special,
+            chat_template=template,
+            bos_token_id=bos_ids[0] if bos_ids else None,
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """Beginning-of-sequence id, if the model has one."""
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation (config, generation_config and tokenizer_config together)."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the tokenizer knows, added tokens included (the model's embedding may be larger)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """Special token strings by role (`bos_token`, `eos_token`, ...)."""
+        return dict(self._special_tokens)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The jinja2 chat template source, if the model has one."""
+        return self._chat_template
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of `token_id` (byte-level spelling), or None when out of range."""
+        return self._backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary entry, or None."""
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) are matched whole;
+        `add_special_tokens` adds what the post-processor adds (e.g. BOS), off by default because
+        chat templates write their own."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; an incomplete UTF-8 sequence shows as U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        if self._chat_template is None:
+            raise InvalidRequest("this model has no chat template")
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        return env.from_string(self._chat_template)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **template_vars: Any
+    ) -> str:
+        """Render `messages` into the prompt string (not tokenised). Extra keyword arguments
+        (`tools=...`, `documents=...`) reach the template as variables.
+
+        Raises `InvalidRequest` when the template rejects the conversation (`raise_exception`).
+        """
+        context: dict[str, Any] = {"tools": None, "documents": None, **self._special_tokens, **template_vars}
+        plain_messages = [dict(message) for message in messages]
+        try:
+            return self._compiled_template.render(
+                messages=plain_messages, add_generation_prompt=add_generation_prompt, **context
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise InvalidRequest(f"chat template rejected the conversation: {exc}") from exc
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces that never split a character.
+
+    `push(id)` returns only text completed by that id ("" while a character is incomplete);
+    `flush()` returns what is still held. The concatenation of all returned pieces equals
+    `tokenizer.decode(all pushed ids)`. `prompt_ids` only give left context (their last
+    few ids); their text is never returned.
+    """
+
+    PROMPT_CONTEXT = 5  # prompt ids kept as left context, as vLLM does
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window: list[int] = list(prompt_ids[max(0, len(prompt_ids) - self.PROMPT_CONTEXT) :])
+        self._read = len(self._window)  # window[:read] is already accounted for
+        self._prefix_text = self._decode(self._window)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; return the newly completed text (maybe "")."""
+        self._window.append(token_id)
+        text = self._decode(self._window)
+        if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT):
+            return ""
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """End of stream: return all held-back text, even an incomplete character."""
+        text = self._decode(self._window)
+        return self._advance(text) if len(text) > len(self._prefix_text) else ""
+
+    def _advance(self, text: str) -> str:
+        piece = text[len(self._prefix_text) :]
+        # The new prefix is what lay between the old read offset and the end.
+        self._window = self._window[self._read :]
+        self._read = len(self._window)
+        self._prefix_text = self._decode(self._window)
+        return piece

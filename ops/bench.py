@@ -1,0 +1,25 @@
+"""`edgeserve bench <name>`: benchmark commands (each prints a table and writes JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+__all__ = ["register", "BENCHES"]
+
+# bench name -> module with `add_arguments(parser)` and `run(args) -> int`
+BENCHES: dict[str, str] = {
+    "engine": "ops.bench_engine",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="run a benchmark")
+    which = bench.add_subparsers(dest="bench", required=True)
+    for name, module_name in BENCHES.items():
+        module = importlib.import_module(module_name)
+        p = which.add_parser(name, help=(module.__doc__ or "").splitlines()[0])
+        p.add_argument("--quick", action="store_true", help="a short run (smoke test of the command)")
+        p.add_argument("--json", dest="json_path", default=f"bench-results/{name}.json", help="where to write JSON")
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
