@@ -12,7 +12,8 @@ against that head, q: [D, kv_heads, G, head_dim].
 
 Prefill (per chunk): the chunk's K/V are already stored, so the keys are the
 sequence's first `context_len` slots (cached prefix + this chunk); query i sits
-at position `start + i` and sees keys 0..start+i (causal with an offset).
+at position `start + i` and sees keys 0..start+i (causal with an offset). GQA the
+same way: the G query heads of a KV head are stacked into G*n query rows.
 """
 
 from __future__ import annotations
@@ -66,16 +67,15 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
         out[:d] = o.reshape(d, num_heads, head_dim)
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        n, ctx = chunk.num_tokens, chunk.context_len
         k, v = cache.gather(layer, chunk.page_table)
-        k = k[0, : chunk.context_len].transpose(0, 1)  # [kv_heads, ctx, head_dim]
-        v = v[0, : chunk.context_len].transpose(0, 1)
-        qp = q[rows].transpose(0, 1)  # [heads, n, head_dim]
-        start = chunk.context_len - chunk.num_tokens
-        if start == 0:
-            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            qpos = torch.arange(start, chunk.context_len).unsqueeze(1)
-            mask = torch.arange(chunk.context_len).unsqueeze(0) <= qpos  # [n, ctx]
-            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows] = o.transpose(0, 1)
+        k = k[:, :ctx].transpose(1, 2)  # [1, kv_heads, ctx, head_dim]
+        v = v[:, :ctx].transpose(1, 2)
+        # the G query heads of one KV head become G*n query rows against it: [1, kv_heads, G*n, head_dim]
+        qp = q[rows].permute(1, 0, 2).reshape(1, num_kv_heads, group * n, head_dim)
+        start = ctx - n
+        qpos = torch.arange(start, ctx).repeat(group).unsqueeze(1)  # [G*n, 1]
+        mask = torch.arange(ctx).unsqueeze(0) <= qpos  # [G*n, ctx], causal with the cached prefix
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+        out[rows] = o.view(num_heads, n, head_dim).transpose(0, 1)
     return out

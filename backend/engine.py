@@ -18,6 +18,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.kv_cache import create_kv_cache
+from backend.linear import DEFAULT_BUCKETS
 from backend.model import LlamaModel
 from backend.model_runner import ModelRunner
 from backend.page_allocator import PageAllocator
@@ -36,8 +37,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 
 @dataclass
 class EngineConfig:
-    dtype: str = "bfloat16"  # compute dtype
-    kv_format: str = "bf16"
+    dtype: str = "float32"  # compute dtype; float32 is the fast one on CPUs without BF16 units
+    kv_format: str = "fp32"
+    gemm_buckets: tuple[int, ...] = DEFAULT_BUCKETS  # MKL-packed row counts (float32 CPU only)
     kv_cache_bytes: int = 256 * 2**20
     page_size: int = 16
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
@@ -80,7 +82,7 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
         config = config or EngineConfig()
-        model = LlamaModel.from_pretrained(Path(model_dir), DTYPES[config.dtype])
+        model = LlamaModel.from_pretrained(Path(model_dir), DTYPES[config.dtype], config.gemm_buckets)
         tokenizer = None
         if (Path(model_dir) / "tokenizer.json").exists():
             from backend.tokenizer import Tokenizer

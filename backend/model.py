@@ -6,8 +6,8 @@ and casts back, as the reference does; logits are returned in float32.
 
 For speed at small batch the projections are fused at load time:
 q/k/v into one `qkv` matrix [(H + 2 * H_kv) * head_dim, hidden] and gate/up into
-one `gate_up` matrix [2 * intermediate, hidden], so one layer is five GEMMs.
-Parameters are plain tensors (no nn.Module) to keep per-step dispatch short.
+one `gate_up` matrix [2 * intermediate, hidden], so one layer is four GEMMs (see `linear.py` for how
+small batches are dispatched). Parameters are plain tensors (no nn.Module) to keep per-step dispatch short.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from backend.attention import StepMetadata, paged_attention
 from backend.config import ModelConfig, load_config
 from backend.kv_cache import PagedKVCache
+from backend.linear import Linear
 from backend.rope import RotaryEmbedding
 from backend.weights import CheckpointReader
 
@@ -30,15 +31,16 @@ __all__ = ["LayerWeights", "LlamaModel"]
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 H_kv) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # [hidden, H * head_dim]
+    qkv: Linear  # [(H + 2 H_kv) * head_dim, hidden], with the q/k/v biases when the model has them
+    o_proj: Linear  # [hidden, H * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -46,7 +48,7 @@ class LlamaModel:
     """Weights plus the forward pass of one mixed prefill/decode step."""
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
-                 lm_head: torch.Tensor, dtype: torch.dtype) -> None:
+                 lm_head: Linear, dtype: torch.dtype) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.embed = embed  # [vocab, hidden]
@@ -58,8 +60,11 @@ class LlamaModel:
         self._split = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
 
     @classmethod
-    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
-        """Load a Hugging Face-format folder (config.json + safetensors)."""
+    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype = torch.float32,
+                        gemm_buckets: tuple[int, ...] = ()) -> LlamaModel:
+        """Load a Hugging Face-format folder (config.json + safetensors).
+
+        gemm_buckets: row counts to pre-pack float32 weights for (see `linear.py`)."""
         cfg = load_config(Path(model_dir))
         ckpt = CheckpointReader(Path(model_dir))
 
@@ -75,24 +80,24 @@ class LlamaModel:
                 bias = torch.cat([get(f"{n}.bias") for n in qkv_names])
             layers.append(LayerWeights(
                 input_norm=get(f"{p}input_layernorm.weight"),
-                qkv=torch.cat([get(f"{n}.weight") for n in qkv_names]),
-                qkv_bias=bias,
-                o_proj=get(f"{p}self_attn.o_proj.weight"),
+                qkv=Linear(torch.cat([get(f"{n}.weight") for n in qkv_names]), bias, gemm_buckets),
+                o_proj=Linear(get(f"{p}self_attn.o_proj.weight"), None, gemm_buckets),
                 post_norm=get(f"{p}post_attention_layernorm.weight"),
-                gate_up=torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]),
-                down=get(f"{p}mlp.down_proj.weight"),
+                gate_up=Linear(torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]), None,
+                               gemm_buckets),
+                down=Linear(get(f"{p}mlp.down_proj.weight"), None, gemm_buckets),
             ))
         embed = get("model.embed_tokens.weight")
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
-        lm_head = embed if tied else get("lm_head.weight")
+        lm_head = Linear(embed if tied else get("lm_head.weight"), None, gemm_buckets)
         return cls(cfg, embed, layers, get("model.norm.weight"), lm_head, dtype)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights read per decode step (embedding row reads excluded, LM head included)."""
-        per_layer = sum(t.numel() * t.element_size() for l in self.layers
-                        for t in (l.input_norm, l.qkv, l.o_proj, l.post_norm, l.gate_up, l.down))
-        return per_layer + self.lm_head.numel() * self.lm_head.element_size()
+        per_layer = sum(l.input_norm.nbytes + l.post_norm.nbytes + l.qkv.nbytes + l.o_proj.nbytes
+                        + l.gate_up.nbytes + l.down.nbytes for l in self.layers)
+        return per_layer + self.lm_head.nbytes
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata, cache: PagedKVCache) -> torch.Tensor:
@@ -104,15 +109,15 @@ class LlamaModel:
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         for i, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             qk, v = qkv.split([num_qk_heads * cfg.head_dim, self._split[1]], dim=-1)
             qk = RotaryEmbedding.apply(qk.view(t, num_qk_heads, cfg.head_dim), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
             cache.store(i, meta.slots, k, v.view(t, cfg.num_kv_heads, cfg.head_dim))
             attn = paged_attention(q, cache, i, meta, self.scale)
-            h = h + F.linear(attn.view(t, -1), layer.o_proj)
+            h = h + layer.o_proj(attn.view(t, -1))
             x = _rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         h = _rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
