@@ -4,8 +4,8 @@ The engine thread loops `step()` while there is work and sleeps on the
 scheduler's wake-up event otherwise. Each step's events are handed to the event
 loop in one `call_soon_threadsafe` call (not one per token). A caller that stops
 iterating (client gone, cancel) aborts its request; the pages return at the next
-step boundary. If a step raises, the requests in it get an `ErrorEvent`, their
-pages are returned, and the thread goes on serving the others.
+step boundary. If a step fails, the engine ends the requests in it (pages
+returned) and each gets an `ErrorEvent`; the thread goes on serving the others.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 from backend.engine import LLMEngine, StepOutput
-from backend.errors import EdgeServeError, InvalidRequest
+from backend.errors import InvalidRequest
 from backend.protocol import ErrorEvent, Event, FinishEvent, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.sequence import Sequence
@@ -68,22 +68,17 @@ class AsyncEngine:
                 break
             if not self.engine.has_work():
                 continue
-            running = list(self.engine.scheduler.running)
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a bug or a bad input in one step: fail its requests, keep serving
-                log.exception("engine step failed")
-                err = exc if isinstance(exc, EdgeServeError) else EdgeServeError(f"engine step failed: {exc}")
-                self._deliver([(s.request_id, ErrorEvent(err.code, type(err).__name__, err.message,
-                                                         len(s.output_ids)))
-                               for s in running if s.finish_reason == "error"])
-                continue
-            self._deliver(self._events(outputs))
+            self._deliver(self._events(self.engine.step()))
 
     def _events(self, outputs: list[StepOutput]) -> list[tuple[str, Event]]:
         events: list[tuple[str, Event]] = []
         for out in outputs:
             s = out.seq
+            if out.error is not None:
+                err = out.error
+                events.append((s.request_id, ErrorEvent(err.code, type(err).__name__, err.message,
+                                                        len(s.output_ids))))
+                continue
             if out.new_token is not None:
                 events.append((s.request_id, TokenEvent([out.new_token], [out.token_time - s.arrival_time])))
             if out.finished:

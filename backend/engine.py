@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from backend.config import ModelConfig
+from backend.errors import EdgeServeError, InvalidRequest, InvalidSamplingParams
 from backend.kv_cache import create_kv_cache
 from backend.linear import DEFAULT_BUCKETS
 from backend.model import LlamaModel
@@ -53,9 +54,10 @@ class EngineConfig:
 
 class StepOutput(NamedTuple):
     seq: Sequence
-    new_token: int | None  # None when the sequence only finished (cancelled)
+    new_token: int | None  # None when the sequence only finished (cancelled, failed)
     token_time: float
     finished: bool
+    error: EdgeServeError | None = None  # set when the step failed for this sequence
 
 
 class LLMEngine:
@@ -77,7 +79,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or cfg.eos_token_ids)
         self._stop_checkers: dict[str, StopChecker] = {}
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "cancelled": 0}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "cancelled": 0,
+                      "failed": 0}
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -95,12 +98,8 @@ class LLMEngine:
         """Validate and queue; raises typed errors (nothing is queued then)."""
         params.validate(self.model.cfg.vocab_size)
         if any(not 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
-            from backend.errors import InvalidRequest
-
             raise InvalidRequest(f"prompt token ids must be in [0, {self.model.cfg.vocab_size})")
         if params.stop and self.tokenizer is None:
-            from backend.errors import InvalidSamplingParams
-
             raise InvalidSamplingParams("stop strings need a tokenizer; this model folder has none", field="stop")
         seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, self.eos_token_ids)
         self.scheduler.add(seq)
@@ -124,18 +123,24 @@ class LLMEngine:
             return outputs
         try:
             logits = self.runner.run(batch)
-        except Exception:
-            self._fail(batch)
-            raise
+        except Exception as exc:  # fail this step's requests, keep the engine serving
+            log.exception("engine step failed")
+            err = exc if isinstance(exc, EdgeServeError) else EdgeServeError(f"engine step failed: {exc}")
+            return outputs + self._fail(batch, err)
         self.stats["steps"] += 1
         return outputs + self.postprocess(batch, logits)
 
-    def _fail(self, batch: ScheduledBatch) -> None:
-        """A step crashed: end every sequence in it so their pages return."""
+    def _fail(self, batch: ScheduledBatch, err: EdgeServeError) -> list[StepOutput]:
+        """End every sequence of a failed step so their pages return; report the error for each."""
+        now = time.perf_counter()
+        failed = []
         for s in [*batch.decode, *(s for s, _ in batch.prefill)]:
             if s in self.scheduler.running:
                 self.scheduler.finish(s, "error")
             self._stop_checkers.pop(s.request_id, None)
+            failed.append(StepOutput(s, None, now, True, err))
+        self.stats["failed"] += len(failed)
+        return failed
 
     def postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[StepOutput]:
         """Advance counters, sample, append tokens, finish sequences that stop."""
