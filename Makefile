@@ -5,6 +5,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
+# keep freed tensor memory in the heap (see ops/cli.py: ALLOCATOR_TUNABLES)
+export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296
+
 .PHONY: serve test install bench
 
 $(BIN)/python:

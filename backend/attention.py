@@ -57,13 +57,16 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
     t, num_heads, head_dim = q.shape
     num_kv_heads = cache.geometry.num_kv_heads
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
     d = meta.num_decode
     if d:
         k, v = cache.gather(layer, meta.decode_page_table)  # [D, L, kv_heads, head_dim]
         qd = q[:d].view(d, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=meta.decode_mask, scale=scale)
+        if not meta.prefills:  # a pure decode step: no scatter into a shared output
+            return o.reshape(d, num_heads, head_dim)
+    out = torch.empty_like(q)
+    if d:
         out[:d] = o.reshape(d, num_heads, head_dim)
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)

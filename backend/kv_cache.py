@@ -93,8 +93,10 @@ class DenseKVCache(PagedKVCache):
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         rows = self._slot_rows[layer]
-        rows[0].index_copy_(0, slots, k.to(rows.dtype))
-        rows[1].index_copy_(0, slots, v.to(rows.dtype))
+        if k.dtype != rows.dtype:
+            k, v = k.to(rows.dtype), v.to(rows.dtype)
+        rows[0].index_copy_(0, slots, k)
+        rows[1].index_copy_(0, slots, v)
 
     def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, p = page_table.shape
@@ -103,7 +105,10 @@ class DenseKVCache(PagedKVCache):
         k = self._page_rows[layer, 0].index_select(0, flat)
         v = self._page_rows[layer, 1].index_select(0, flat)
         shape = (b, p * g.page_size, g.num_kv_heads, g.head_dim)
-        return k.view(shape).to(self.compute_dtype), v.view(shape).to(self.compute_dtype)
+        k, v = k.view(shape), v.view(shape)
+        if k.dtype != self.compute_dtype:
+            k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
+        return k, v
 
 
 KV_FORMATS: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -6,7 +6,8 @@ and casts back, as the reference does; logits are returned in float32.
 
 For speed at small batch the projections are fused at load time:
 q/k/v into one `qkv` matrix [(H + 2 * H_kv) * head_dim, hidden] and gate/up into
-one `gate_up` matrix [2 * intermediate, hidden], so one layer is four GEMMs (see `linear.py` for how
+one `gate_up` matrix [2 * intermediate, hidden], so one layer is four GEMMs;
+q/k rows are reordered for the complex-multiply RoPE (see `rope.py`) (see `linear.py` for how
 small batches are dispatched). Parameters are plain tensors (no nn.Module) to keep per-step dispatch short.
 """
 
@@ -22,7 +23,7 @@ from backend.attention import StepMetadata, paged_attention
 from backend.config import ModelConfig, load_config
 from backend.kv_cache import PagedKVCache
 from backend.linear import Linear
-from backend.rope import RotaryEmbedding
+from backend.rope import RotaryEmbedding, interleave_rope_rows
 from backend.weights import CheckpointReader
 
 __all__ = ["LayerWeights", "LlamaModel"]
@@ -55,7 +56,7 @@ class LlamaModel:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head  # [vocab, hidden], shares storage with embed when tied
-        self.rope = RotaryEmbedding(cfg, dtype)
+        self.rope = RotaryEmbedding(cfg)
         self.scale = cfg.head_dim ** -0.5
         self._split = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
 
@@ -75,12 +76,18 @@ class LlamaModel:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             qkv_names = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
-            bias = None
-            if cfg.attention_bias and f"{qkv_names[0]}.bias" in ckpt:
-                bias = torch.cat([get(f"{n}.bias") for n in qkv_names])
+            heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+            rope_rows = (True, True, False)  # q and k rows go to interleaved pairs (see rope.py)
+
+            def fused(suffix: str) -> torch.Tensor:
+                parts = [get(f"{n}.{suffix}") for n in qkv_names]
+                return torch.cat([interleave_rope_rows(w, h, cfg.head_dim) if r else w
+                                  for w, h, r in zip(parts, heads, rope_rows)])
+
+            bias = fused("bias") if cfg.attention_bias and f"{qkv_names[0]}.bias" in ckpt else None
             layers.append(LayerWeights(
                 input_norm=get(f"{p}input_layernorm.weight"),
-                qkv=Linear(torch.cat([get(f"{n}.weight") for n in qkv_names]), bias, gemm_buckets),
+                qkv=Linear(fused("weight"), bias, gemm_buckets),
                 o_proj=Linear(get(f"{p}self_attn.o_proj.weight"), None, gemm_buckets),
                 post_norm=get(f"{p}post_attention_layernorm.weight"),
                 gate_up=Linear(torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]), None,
@@ -105,19 +112,19 @@ class LlamaModel:
         cfg = self.cfg
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
-        cos, sin = self.rope.tables(meta.positions)
+        freqs = self.rope.tables(meta.positions)
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         for i, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
             qk, v = qkv.split([num_qk_heads * cfg.head_dim, self._split[1]], dim=-1)
-            qk = RotaryEmbedding.apply(qk.view(t, num_qk_heads, cfg.head_dim), cos, sin)
+            qk = RotaryEmbedding.apply(qk.view(t, num_qk_heads, cfg.head_dim), freqs)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
             cache.store(i, meta.slots, k, v.view(t, cfg.num_kv_heads, cfg.head_dim))
             attn = paged_attention(q, cache, i, meta, self.scale)
-            h = h + layer.o_proj(attn.view(t, -1))
+            h.add_(layer.o_proj(attn.reshape(t, -1)))
             x = _rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h.add_(layer.down(F.silu(gate).mul_(up)))
         h = _rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
         return self.lm_head(h).float()

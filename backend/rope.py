@@ -1,10 +1,15 @@
 """Rotary position embeddings (RoPE) with the common scaling kinds.
 
-Layout: "rotate half" (the Hugging Face Llama convention), not interleaved pairs:
-for a head vector x of size D, x1 = x[:D/2], x2 = x[D/2:],
-    rope(x, p) = x * cos(p * f) + cat(-x2, x1) * sin(p * f),
-with f = inv_freq repeated twice. The frequencies f_i = theta^(-2i/D) are
-rescaled by the config's `rope_scaling` (or `rope_parameters`) kind:
+Checkpoints use the "rotate half" convention (Hugging Face Llama): for a head
+vector x of size D, dimension i < D/2 is rotated together with dimension i + D/2:
+    (x_i, x_{i+D/2}) -> (x_i cos - x_{i+D/2} sin, x_{i+D/2} cos + x_i sin),  angle p * f_i.
+At load time the q/k projection rows of every head are reordered into
+interleaved pairs (i, i + D/2) -> (2i, 2i+1) (`interleave_rope_rows`), so the
+rotation is one complex multiply per head: view pairs as complex numbers and
+multiply by exp(i p f). q.k is unchanged by the reordering because q and k are
+reordered alike; **K pages therefore hold keys in the interleaved layout**.
+The frequencies f_i = theta^(-2i/D) are rescaled by the config's `rope_scaling`
+(or `rope_parameters`) kind:
 
 - ``default``: unchanged.
 - ``linear``: f / factor (position interpolation).
@@ -14,8 +19,8 @@ rescaled by the config's `rope_scaling` (or `rope_parameters`) kind:
 - ``yarn``: per-dimension blend of interpolated and extrapolated frequencies,
   and cos/sin multiplied by an attention factor (0.1 ln(factor) + 1 by default).
 
-cos/sin are computed once in float32 for every position up to the context
-limit and cast to the compute dtype, as the reference implementation does.
+exp(i p f) (times the attention factor) is computed once in float32 for every
+position up to the context limit; the rotation runs in float32.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from backend.config import ModelConfig
 from backend.errors import UnsupportedArchitecture
 
-__all__ = ["SUPPORTED_ROPE_TYPES", "rope_inv_freq", "RotaryEmbedding"]
+__all__ = ["SUPPORTED_ROPE_TYPES", "rope_inv_freq", "interleave_rope_rows", "RotaryEmbedding"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -96,24 +101,29 @@ def _yarn(cfg: ModelConfig, scaling: dict[str, Any], dim: int, base: float) -> t
     return inv_freq, float(attention_factor)
 
 
-class RotaryEmbedding:
-    """Precomputed cos/sin tables; `apply` rotates query/key heads in place-free fashion."""
+def interleave_rope_rows(weight: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder q/k projection rows (or biases) of each head from halves to interleaved pairs."""
+    rest = weight.shape[1:]
+    w = weight.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2)
+    return w.reshape(num_heads * head_dim, *rest).contiguous()
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+
+class RotaryEmbedding:
+    """Precomputed exp(i p f) for every position; `apply` rotates interleaved-pair heads."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
         inv_freq, attention_factor = rope_inv_freq(cfg)
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
-        self.cos = (emb.cos() * attention_factor).to(dtype=dtype, device=device)
-        self.sin = (emb.sin() * attention_factor).to(dtype=dtype, device=device)
+        angles = torch.outer(positions, inv_freq)  # [max_pos, head_dim/2]
+        self.freqs = torch.polar(torch.full_like(angles, attention_factor), angles).to(device)  # complex64
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the given positions, shaped [T, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> torch.Tensor:
+        """exp(i p f) for the given positions, [T, 1, head_dim/2] to broadcast over heads."""
+        return self.freqs[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] by the per-token tables from `tables`."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def apply(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] (interleaved pairs) by per-token `tables` output."""
+        t, heads, dim = x.shape
+        pairs = torch.view_as_complex(x.float().reshape(t, heads, dim // 2, 2))
+        return torch.view_as_real(pairs * freqs).reshape(t, heads, dim).to(x.dtype)
