@@ -46,7 +46,7 @@ class StepMetadata:
     slots: torch.Tensor  # [T] int64, where each token's K/V is written
     num_decode: int
     decode_page_table: torch.Tensor | None  # [D, P] int64 (padded with page 0)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, P*PAGE_SIZE] bool, True = attend
+    decode_mask: torch.Tensor | None  # [D, 1, 1, P*PAGE_SIZE] additive (0 or -inf), compute dtype
     prefills: list[PrefillChunk]
     logits_rows: torch.Tensor  # [R] int64, rows whose logits are sampled
 

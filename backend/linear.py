@@ -11,7 +11,8 @@ So each weight is packed once per *bucket* size (default 8, 32, 128 rows). A
 call with T rows is split into chunks of the largest bucket <= T; the remainder
 is zero-padded up to the smallest bucket that holds it, or, when it is tiny
 (<= 4 rows, where a plain GEMV is already bandwidth-bound), goes through
-`F.linear`. Results are bit-identical to `F.linear` up to GEMM summation order.
+`F.linear`, as do calls of 256 rows or more (compute-bound: packing gains
+nothing there and chunking would add copies). Results are bit-identical to `F.linear` up to GEMM summation order.
 
 Each bucket costs one extra copy of the weight in memory (for SmolLM2-135M in
 float32: ~0.54 GB per bucket). Buckets are used only for float32 weights on a
@@ -29,6 +30,7 @@ __all__ = ["Linear", "mkl_packing_available", "DEFAULT_BUCKETS"]
 
 DEFAULT_BUCKETS: tuple[int, ...] = (8, 32, 128)
 _UNPACKED_MAX_ROWS = 4
+_UNPACKED_MIN_ROWS = 256  # large prefill batches: plain GEMM is compute-bound anyway, and saves chunk copies
 
 
 def mkl_packing_available() -> bool:
@@ -82,7 +84,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if not self.buckets or rows <= _UNPACKED_MAX_ROWS:
+        if not self.buckets or rows <= _UNPACKED_MAX_ROWS or rows >= _UNPACKED_MIN_ROWS:
             return F.linear(x, self.weight, self.bias)
         plan = _plan(rows, self.buckets)
         if len(plan) == 1 and plan[0][1] == plan[0][2]:

@@ -41,7 +41,9 @@ class ModelRunner:
             table = [s.page_ids[:num_pages] + [0] * (num_pages - len(s.page_ids[:num_pages])) for s in batch.decode]
             decode_table = torch.tensor(table, dtype=torch.int64)  # [D, P]
             lens = torch.tensor(ctx).view(-1, 1, 1, 1)
-            decode_mask = torch.arange(num_pages * ps).view(1, 1, 1, -1) < lens  # [D, 1, 1, P*PAGE_SIZE]
+            beyond = torch.arange(num_pages * ps).view(1, 1, 1, -1) >= lens
+            # additive mask built once per step (SDPA would convert a bool mask in every layer)
+            decode_mask = torch.zeros(beyond.shape, dtype=self.model.dtype).masked_fill_(beyond, float("-inf"))
         chunks: list[PrefillChunk] = []
         for s, n in batch.prefill:
             start = s.num_computed_tokens
