@@ -29,8 +29,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name to pull, or a Hugging Face-format folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--kv-format", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute dtype (float32 is the fast one on CPUs without BF16 units)")
+    p.add_argument("--kv-format", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=parse_bytes("512M"))
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
