@@ -143,8 +143,18 @@ def bench_hf(model, reqs: list[tuple[list[int], int]], batch: int, pad_id: int) 
     return _summarise(name, batch, time.perf_counter() - t0, ttft, tpot, tokens, len(reqs))
 
 
+def _gemm_rate(dtype: torch.dtype) -> float:
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    a @ b
+    reps, t = 5, time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return reps * 2 * 2048**3 / (time.perf_counter() - t) / 1e9
+
+
 def measure_machine(dtype: torch.dtype) -> dict[str, float]:
-    """Read bandwidth (GB/s) from reducing a 1 GiB tensor, GEMM rate (GFLOP/s) in `dtype`."""
+    """Read bandwidth (GB/s) from reducing a 1 GiB tensor; 2048^3 GEMM rates (GFLOP/s) in
+    the compute dtype (the bound used) and in BF16."""
     big = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
     big.sum()
     reps, t = 5, time.perf_counter()
@@ -152,13 +162,7 @@ def measure_machine(dtype: torch.dtype) -> dict[str, float]:
         big.sum()
     bandwidth = reps * big.numel() * 4 / (time.perf_counter() - t) / 1e9
     del big
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    a @ b
-    reps, t = 5, time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    gemm = reps * 2 * 2048**3 / (time.perf_counter() - t) / 1e9
-    return {"read_gb_s": bandwidth, "gemm_gflop_s": gemm}
+    return {"read_gb_s": bandwidth, "gemm_gflop_s": _gemm_rate(dtype), "bf16_gemm_gflop_s": _gemm_rate(torch.bfloat16)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
     machine = measure_machine(dtype)
-    log(f"machine: read {machine['read_gb_s']:.1f} GB/s, {args.dtype} GEMM {machine['gemm_gflop_s']:.0f} GFLOP/s")
+    log(f"machine: read {machine['read_gb_s']:.1f} GB/s, {args.dtype} GEMM {machine['gemm_gflop_s']:.0f} GFLOP/s, "
+        f"bfloat16 GEMM {machine['bf16_gemm_gflop_s']:.0f} GFLOP/s")
     kv_bytes = 1 << 30
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(dtype=args.dtype, kv_format="bf16"
                                                                if args.dtype == "bfloat16" else "fp32",
@@ -221,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"\nedgeserve bench engine  model={args.model} dtype={args.dtype} threads={torch.get_num_threads()}"
           f"{' (quick)' if args.quick else ''}")
-    print(f"machine: read {machine['read_gb_s']:.1f} GB/s, GEMM {machine['gemm_gflop_s']:.0f} GFLOP/s; "
+    print(f"machine: read {machine['read_gb_s']:.1f} GB/s, {args.dtype} GEMM {machine['gemm_gflop_s']:.0f} GFLOP/s "
+          f"(bfloat16 {machine['bf16_gemm_gflop_s']:.0f}); "
           f"weights {weight_bytes / 1e6:.0f} MB -> c=1 bound {bound_c1:.0f} tok/s, GEMM bound {bound_c32:.0f} tok/s")
     print(f"{'system':<14}{'conc':>5}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p95':>10}{'TPOT p50':>10}{'TPOT p95':>10}"
           f"{'vs seq':>8}{'vs batch':>9}")
