@@ -83,27 +83,30 @@ class DenseKVCache(PagedKVCache):
         # [num_layers, 2, num_pages, PAGE_SIZE, num_kv_heads, head_dim]
         self.pages = torch.zeros(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                                  dtype=storage_dtype, device=device)
-        # per layer: one row per page, so a gather copies whole contiguous pages
-        self._page_rows = self.pages.view(cfg.num_layers, 2, num_pages, -1)
-        self._slot_rows = self.pages.view(cfg.num_layers, 2, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+        # views made once (indexing per call costs a dispatch): per layer and K/V,
+        # one row per page (a gather copies whole contiguous pages) and one row per slot
+        page_rows = self.pages.view(cfg.num_layers, 2, num_pages, -1)
+        slot_rows = self.pages.view(cfg.num_layers, 2, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+        self._page_rows = [(page_rows[i, 0], page_rows[i, 1]) for i in range(cfg.num_layers)]
+        self._slot_rows = [(slot_rows[i, 0], slot_rows[i, 1]) for i in range(cfg.num_layers)]
 
     @staticmethod
     def bytes_per_token_for(cfg: ModelConfig, storage_dtype: torch.dtype) -> int:
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * storage_dtype.itemsize
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        rows = self._slot_rows[layer]
-        if k.dtype != rows.dtype:
-            k, v = k.to(rows.dtype), v.to(rows.dtype)
-        rows[0].index_copy_(0, slots, k)
-        rows[1].index_copy_(0, slots, v)
+        k_rows, v_rows = self._slot_rows[layer]
+        if k.dtype != k_rows.dtype:
+            k, v = k.to(k_rows.dtype), v.to(k_rows.dtype)
+        k_rows.index_copy_(0, slots, k)
+        v_rows.index_copy_(0, slots, v)
 
     def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, p = page_table.shape
         g = self.geometry
         flat = page_table.reshape(-1)
-        k = self._page_rows[layer, 0].index_select(0, flat)
-        v = self._page_rows[layer, 1].index_select(0, flat)
+        k_pages, v_pages = self._page_rows[layer]
+        k, v = k_pages.index_select(0, flat), v_pages.index_select(0, flat)
         shape = (b, p * g.page_size, g.num_kv_heads, g.head_dim)
         k, v = k.view(shape), v.view(shape)
         if k.dtype != self.compute_dtype:

@@ -67,6 +67,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  buckets: tuple[int, ...] = ()) -> None:
         self.weight = weight  # [out_features, in_features]
+        self.weight_t = weight.t()  # a view: mm(x, weight_t) skips linear's transpose dispatch
         self.bias = bias
         use = bool(buckets) and weight.dtype == torch.float32 and weight.device.type == "cpu" \
             and mkl_packing_available()
@@ -85,7 +86,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if not self.buckets or rows <= _UNPACKED_MAX_ROWS or rows >= _UNPACKED_MIN_ROWS:
-            return F.linear(x, self.weight, self.bias)
+            if self.bias is None:
+                return torch.mm(x, self.weight_t)
+            return torch.addmm(self.bias, x, self.weight_t)
         plan = _plan(rows, self.buckets)
         if len(plan) == 1 and plan[0][1] == plan[0][2]:
             return torch.ops.mkl._mkl_linear(x, self.packs[plan[0][2]], self.weight, self.bias, plan[0][2])
