@@ -9,7 +9,7 @@ import torch
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.sampling_params import SamplingParams
-from backend.scheduler import ScheduledBatch
+from tests.backend.engine_spy import record_sampled_logits
 from tests.backend.tiny_models import reference_model, write_tiny_model
 
 ATOL = 1e-4
@@ -66,16 +66,7 @@ def test_chunked_prefill_and_paged_decode_match_transformers(tmp_path: Path, arc
     ours = _engine(path, prefill_chunk_size=7, max_num_batched_tokens=16)
     prompts = [torch.randint(0, 320, (n,)).tolist() for n in (1, 15, 16, 17, 40)]
     seqs = [ours.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for p in prompts]
-    logits_seen: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
-    orig = ours.postprocess
-
-    def spy(batch: ScheduledBatch, logits: torch.Tensor):
-        rows = list(batch.decode) + [s for s, n in batch.prefill if s.num_computed_tokens + n == s.num_prompt_tokens]
-        for s, row in zip(rows, logits):
-            logits_seen[s.request_id].append(row.clone())
-        return orig(batch, logits)
-
-    ours.postprocess = spy  # type: ignore[method-assign]
+    logits_seen = record_sampled_logits(ours)
     while ours.has_work():
         ours.step()
     for s in seqs:

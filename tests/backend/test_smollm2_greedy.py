@@ -14,7 +14,7 @@ import torch
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.sampling_params import SamplingParams
-from backend.scheduler import ScheduledBatch
+from tests.backend.engine_spy import record_sampled_logits
 
 pytestmark = pytest.mark.model
 
@@ -40,16 +40,7 @@ def test_greedy_matches_transformers(smollm2_dir: Path) -> None:
     engine = LLMEngine.from_pretrained(smollm2_dir, EngineConfig(dtype="float32", kv_format="fp32",
                                                                  kv_cache_bytes=64 * 2**20))
     seqs = [engine.add_request(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)) for ids in prompts]
-    seen: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
-    orig = engine.postprocess
-
-    def spy(batch: ScheduledBatch, logits: torch.Tensor):
-        rows = list(batch.decode) + [s for s, n in batch.prefill if s.num_computed_tokens + n == s.num_prompt_tokens]
-        for s, row in zip(rows, logits):
-            seen[s.request_id].append(row.clone())
-        return orig(batch, logits)
-
-    engine.postprocess = spy  # type: ignore[method-assign]
+    seen = record_sampled_logits(engine)
     while engine.has_work():  # all prompts batched together, continuous batching
         engine.step()
 
