@@ -1,23 +1,35 @@
 """Paged KV cache: storage formats behind one contract, sized from a byte budget.
 
-Storage layout, per format, one tensor for the whole pool:
+Storage layout, one tensor for the whole pool:
     pages: [num_layers, 2 (K, V), num_pages, PAGE_SIZE, num_kv_heads, head_dim]
 A token's *slot* is ``page_id * PAGE_SIZE + offset``. A page is the unit of
 allocation (see `page_allocator.py`); the cache itself knows nothing of owners.
+K is stored in the interleaved-pair RoPE layout (see `rope.py`).
 
-Formats (chosen per worker):
-- ``bf16``: pages stored in bfloat16, read back as the compute dtype.
-- ``fp32``: pages stored in float32 (parity tests against float32 references).
-FP8 (e4m3 with scales) plugs in as another `PagedKVCache` subclass.
+Formats (chosen per worker, in `create_kv_cache` only):
+- ``fp32`` / ``bf16``: values stored as is, read back as the compute dtype.
+- ``fp8_e4m3``: values as `torch.float8_e4m3fn` (max 448) plus one scale per
+  (token, KV head), stored beside the pages as an int8 power-of-two exponent e
+  (an E8M0-style scale; value = fp8 * 2**e):
+      scales: [num_layers, 2, num_pages, PAGE_SIZE, num_kv_heads] int8
+  computed on write from the token's own values (no calibration):
+      e = clamp(ceil(log2(amax / 448)), -64, 63), amax = max |x| over head_dim,
+      stored = clamp(x * 2**-e, -448, 448) rounded to e4m3.
+  Per token-and-head rather than per page-and-head, so a page's earlier tokens
+  never need re-quantising when a later token is larger. Power-of-two, because
+  e4m3 is itself floating point: the scale only has to keep values in range, so
+  a one-byte exponent loses no relative precision and keeps the overhead at 1 B
+  per 64 values. The quantise/dequantise code lives in `kernels/kv_store.py`
+  (Triton kernel on CUDA, its torch reference on CPU).
 
-Bytes per token = num_layers * 2 * num_kv_heads * head_dim * element size
-(+ scale bytes for quantised formats); the pool holds
-``kv_cache_bytes // (PAGE_SIZE * bytes_per_token)`` pages.
+Bytes per token = num_layers * 2 * num_kv_heads * (head_dim * element size
++ scale bytes); the pool holds ``kv_cache_bytes // (PAGE_SIZE * bytes_per_token)``
+pages. For SmolLM2 (30 layers, 3 KV heads, head_dim 64): bf16 23,040 B, fp8
+11,700 B per token, a capacity ratio of 1.969.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import torch
@@ -25,7 +37,15 @@ import torch
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest
 
-__all__ = ["KV_FORMATS", "KVGeometry", "PagedKVCache", "DenseKVCache", "create_kv_cache"]
+__all__ = ["KV_FORMATS", "KVGeometry", "LayerKV", "PagedKVCache", "create_kv_cache", "kv_bytes_per_token",
+           "pages_for_budget"]
+
+# format name -> (storage dtype, scale bytes per (token, head))
+KV_FORMATS: dict[str, tuple[torch.dtype, int]] = {
+    "fp32": (torch.float32, 0),
+    "bf16": (torch.bfloat16, 0),
+    "fp8_e4m3": (torch.float8_e4m3fn, 1),
+}
 
 
 class KVGeometry(NamedTuple):
@@ -38,25 +58,57 @@ class KVGeometry(NamedTuple):
     head_dim: int
 
 
-class PagedKVCache(ABC):
-    """Contract of a KV page store.
+class LayerKV(NamedTuple):
+    """One layer's pages as the kernels take them (K/V: [num_pages, PAGE_SIZE, kv_heads, head_dim])."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # [num_pages, PAGE_SIZE, kv_heads] int8 exponents (fp8 only)
+    v_scale: torch.Tensor | None
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_format: str) -> int:
+    """Pool bytes one token occupies over all layers, K and V, scales included."""
+    dtype, scale_bytes = KV_FORMATS[kv_format]
+    return cfg.num_layers * 2 * cfg.num_kv_heads * (cfg.head_dim * dtype.itemsize + scale_bytes)
+
+
+class PagedKVCache:
+    """The KV page store of one worker.
 
     `store` writes the K/V of new tokens at their slots (mutates the pool only at
-    those slots). `gather` returns, per sequence, the K/V of its pages in
-    page-table order as the compute dtype; it reads, never writes.
+    those slots and their scales). `gather` returns, per sequence, the K/V of its
+    pages in page-table order, dequantised to the compute dtype; it never writes.
+    `layer(i)` hands the raw pages to the Triton kernels.
     """
 
-    format_name: str
-    geometry: KVGeometry
-    bytes_per_token: int  # pool bytes one token occupies over all layers, K and V, scales included
-
-    @abstractmethod
-    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v [T, num_kv_heads, head_dim] at slots [T] (int64) of `layer`."""
-
-    @abstractmethod
-    def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [B, P * PAGE_SIZE, num_kv_heads, head_dim] for page_table [B, P] (int64)."""
+    def __init__(self, cfg: ModelConfig, kv_format: str, num_pages: int, page_size: int,
+                 compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.format_name = kv_format
+        dtype, scale_bytes = KV_FORMATS[kv_format]
+        self.quantised = scale_bytes > 0
+        self.geometry = KVGeometry(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.compute_dtype = compute_dtype
+        self.bytes_per_token = kv_bytes_per_token(cfg, kv_format)
+        # [num_layers, 2, num_pages, PAGE_SIZE, num_kv_heads, head_dim]
+        self.pages = torch.zeros(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                 dtype=dtype, device=device)
+        # [num_layers, 2, num_pages, PAGE_SIZE, num_kv_heads]
+        self.scales = (torch.full((cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads), -64,
+                                  dtype=torch.int8, device=device) if self.quantised else None)
+        self._layers = [LayerKV(self.pages[i, 0], self.pages[i, 1],
+                                self.scales[i, 0] if self.scales is not None else None,
+                                self.scales[i, 1] if self.scales is not None else None)
+                        for i in range(cfg.num_layers)]
+        # raw byte rows for gathers: one row per page (a gather copies whole contiguous pages)
+        raw = self.pages.view(torch.uint8) if self.quantised else self.pages
+        page_rows = raw.view(cfg.num_layers, 2, num_pages, -1)
+        self._page_rows = [(page_rows[i, 0], page_rows[i, 1]) for i in range(cfg.num_layers)]
+        slot_rows = self.pages.view(cfg.num_layers, 2, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+        self._slot_rows = [(slot_rows[i, 0], slot_rows[i, 1]) for i in range(cfg.num_layers)]
+        if self.scales is not None:
+            scale_rows = self.scales.view(cfg.num_layers, 2, num_pages, -1)
+            self._scale_rows = [(scale_rows[i, 0], scale_rows[i, 1]) for i in range(cfg.num_layers)]
 
     @property
     def num_pages(self) -> int:
@@ -70,61 +122,57 @@ class PagedKVCache(ABC):
     def total_bytes(self) -> int:
         return self.num_pages * self.page_size * self.bytes_per_token
 
-
-class DenseKVCache(PagedKVCache):
-    """Unquantised pages (bf16 or fp32), read back as the compute dtype."""
-
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, storage_dtype: torch.dtype,
-                 compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        self.format_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[storage_dtype]
-        self.geometry = KVGeometry(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.compute_dtype = compute_dtype
-        self.bytes_per_token = self.bytes_per_token_for(cfg, storage_dtype)
-        # [num_layers, 2, num_pages, PAGE_SIZE, num_kv_heads, head_dim]
-        self.pages = torch.zeros(cfg.num_layers, 2, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                                 dtype=storage_dtype, device=device)
-        # views made once (indexing per call costs a dispatch): per layer and K/V,
-        # one row per page (a gather copies whole contiguous pages) and one row per slot
-        page_rows = self.pages.view(cfg.num_layers, 2, num_pages, -1)
-        slot_rows = self.pages.view(cfg.num_layers, 2, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
-        self._page_rows = [(page_rows[i, 0], page_rows[i, 1]) for i in range(cfg.num_layers)]
-        self._slot_rows = [(slot_rows[i, 0], slot_rows[i, 1]) for i in range(cfg.num_layers)]
-
-    @staticmethod
-    def bytes_per_token_for(cfg: ModelConfig, storage_dtype: torch.dtype) -> int:
-        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * storage_dtype.itemsize
+    def layer(self, i: int) -> LayerKV:
+        return self._layers[i]
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        k_rows, v_rows = self._slot_rows[layer]
-        if k.dtype != k_rows.dtype:
-            k, v = k.to(k_rows.dtype), v.to(k_rows.dtype)
-        k_rows.index_copy_(0, slots, k)
-        v_rows.index_copy_(0, slots, v)
+        """Write k, v [T, num_kv_heads, head_dim] at slots [T] (int64) of `layer`."""
+        if not k.is_cuda and not self.quantised:  # the CPU hot path: two row copies
+            k_rows, v_rows = self._slot_rows[layer]
+            if k.dtype != k_rows.dtype:
+                k, v = k.to(k_rows.dtype), v.to(k_rows.dtype)
+            k_rows.index_copy_(0, slots, k)
+            v_rows.index_copy_(0, slots, v)
+            return
+        from kernels.kv_store import store_kv, store_kv_ref
+
+        kv = self._layers[layer]
+        fn = store_kv if k.is_cuda else store_kv_ref
+        fn(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)
 
     def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, P * PAGE_SIZE, num_kv_heads, head_dim] (compute dtype) for page_table [B, P] (int64)."""
         b, p = page_table.shape
         g = self.geometry
         flat = page_table.reshape(-1)
         k_pages, v_pages = self._page_rows[layer]
         k, v = k_pages.index_select(0, flat), v_pages.index_select(0, flat)
         shape = (b, p * g.page_size, g.num_kv_heads, g.head_dim)
+        if self.quantised:
+            k_exp, v_exp = (rows.index_select(0, flat).view(b, p * g.page_size, g.num_kv_heads, 1)
+                            for rows in self._scale_rows[layer])
+            fp8 = torch.float8_e4m3fn
+            k = torch.ldexp(k.view(fp8).view(shape).to(self.compute_dtype), k_exp.to(self.compute_dtype))
+            v = torch.ldexp(v.view(fp8).view(shape).to(self.compute_dtype), v_exp.to(self.compute_dtype))
+            return k, v
         k, v = k.view(shape), v.view(shape)
         if k.dtype != self.compute_dtype:
             k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
 
 
-KV_FORMATS: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+def pages_for_budget(cfg: ModelConfig, kv_format: str, kv_cache_bytes: int, page_size: int) -> int:
+    """How many whole pages of `kv_format` fit in the byte budget (at least one, or InvalidRequest)."""
+    if kv_format not in KV_FORMATS:
+        raise InvalidRequest(f"unknown kv format {kv_format!r}; supported: {', '.join(KV_FORMATS)}")
+    per_page = page_size * kv_bytes_per_token(cfg, kv_format)
+    if kv_cache_bytes < per_page:
+        raise InvalidRequest(f"kv cache budget {kv_cache_bytes} B is below one page ({per_page} B)")
+    return kv_cache_bytes // per_page
 
 
 def create_kv_cache(cfg: ModelConfig, kv_format: str, kv_cache_bytes: int, page_size: int,
                     compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> PagedKVCache:
     """The one place a KV format is chosen: size the pool from the byte budget and allocate it."""
-    if kv_format not in KV_FORMATS:
-        raise InvalidRequest(f"unknown kv format {kv_format!r}; supported: {', '.join(KV_FORMATS)}")
-    storage = KV_FORMATS[kv_format]
-    per_page = page_size * DenseKVCache.bytes_per_token_for(cfg, storage)
-    num_pages = kv_cache_bytes // per_page
-    if num_pages < 1:
-        raise InvalidRequest(f"kv cache budget {kv_cache_bytes} B is below one page ({per_page} B)")
-    return DenseKVCache(cfg, int(num_pages), page_size, storage, compute_dtype, device)
+    num_pages = pages_for_budget(cfg, kv_format, kv_cache_bytes, page_size)
+    return PagedKVCache(cfg, kv_format, num_pages, page_size, compute_dtype, device)

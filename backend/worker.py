@@ -3,7 +3,8 @@
     POST /v1/generate          GenerateRequest (JSON) -> NDJSON stream of events
     POST /v1/cancel/{id}       ends a request at the next step boundary
     GET  /health               {"status", "role", "model"}
-    GET  /stats                running, waiting, pages used/free, counters
+    GET  /stats                running, waiting, pages used/free, bytes per token, counters (JSON)
+    GET  /metrics              the same as Prometheus metrics
 
 Errors found before the stream starts (bad JSON, bad sampling parameters,
 prompt too long, queue full, wrong model) answer with their HTTP status and a
@@ -25,6 +26,7 @@ from starlette.routing import Route
 
 from backend.async_engine import AsyncEngine
 from backend.errors import EdgeServeError, InvalidRequest, ModelNotFound
+from backend.worker_metrics import CONTENT_TYPE, render_metrics, worker_registry
 from backend.protocol import Event, GenerateRequest, TokenEvent, encoder
 
 __all__ = ["create_worker_app", "NDJSON"]
@@ -76,11 +78,17 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
     async def stats(request: Request) -> Response:
         return JSONResponse({"role": role, "model": model_name, **engine.engine.snapshot()})
 
+    registry = worker_registry(engine.engine, model_name, role)
+
+    async def metrics(request: Request) -> Response:
+        return Response(render_metrics(registry), media_type=CONTENT_TYPE)
+
     routes = [
         Route("/v1/generate", generate, methods=["POST"]),
         Route("/v1/cancel/{request_id}", cancel, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/stats", stats, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

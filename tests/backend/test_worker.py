@@ -148,3 +148,8 @@ def test_health_and_stats(worker) -> None:
     stats = httpx.get(f"{url}/stats").json()
     assert stats["pages_total"] == engine.allocator.num_pages
     assert {"running", "waiting", "pages_free", "pages_used", "kv_bytes_per_token"} <= stats.keys()
+    metrics = httpx.get(f"{url}/metrics").text
+    assert f'edgeserve_kv_pages_total{{model="tiny",role="unified"}} {float(engine.allocator.num_pages)}' in metrics
+    assert (f'edgeserve_kv_bytes_per_token{{kv_format="fp32",model="tiny",role="unified"}} '
+            f'{float(engine.cache.bytes_per_token)}') in metrics
+    assert "edgeserve_generated_tokens_total" in metrics
