@@ -190,6 +190,40 @@ class LLMEngine:
             return "length"
         return None
 
+    # -- offline scoring -----------------------------------------------------------------
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Log-probability of each token given those before it, [len - 1] float32.
+
+        Runs the text through the same paged KV path as serving (chunked prefill,
+        every key read back from the pool in the worker's KV format), so it measures
+        what that format does to quality. Offline use: call it from the engine thread
+        or with the engine idle, never concurrently with `step`.
+        """
+        from backend.scheduler import ScheduledBatch
+
+        seq = Sequence("score-" + uuid.uuid4().hex, list(token_ids), SamplingParams(max_tokens=1))
+        n = len(token_ids)
+        if not 2 <= n <= self.max_model_len:
+            raise InvalidRequest(f"score needs 2..{self.max_model_len} tokens, got {n}")
+        seq.page_ids = self.allocator.allocate(self.scheduler.pages_for(n))
+        logprobs = []
+        try:
+            chunk = self.config.prefill_chunk_size
+            for start in range(0, n - 1, chunk):
+                take = min(chunk, n - 1 - start)
+                batch = ScheduledBatch([], [(seq, take)], [])
+                input_ids, meta = self.runner.prepare(batch)
+                meta.logits_rows = torch.arange(take)
+                logits = self.model.forward(input_ids, meta, self.cache)
+                targets = torch.tensor(token_ids[start + 1: start + 1 + take])
+                logprobs.append(logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1))
+                seq.num_computed_tokens += take
+        finally:
+            self.allocator.release(seq.page_ids)
+            seq.page_ids = []
+        return torch.cat(logprobs)
+
     # -- introspection -----------------------------------------------------------------
     def snapshot(self) -> dict[str, object]:
         """Live load and pool occupancy, for health/stats and routing."""

@@ -91,3 +91,19 @@ def test_stop_string_ends_generation_right_after_it_appears(smollm2_dir: Path) -
     assert stop in tok.decode(stopped.output_ids)
     assert stop not in tok.decode(stopped.output_ids[:-1])
     assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_score_equals_the_reference_log_likelihood(tiny_dir: Path) -> None:
+    import torch
+
+    from tests.backend.tiny_models import reference_model
+
+    engine = LLMEngine.from_pretrained(tiny_dir, EngineConfig(**CFG, prefill_chunk_size=13))
+    ids = torch.randint(0, 320, (70,)).tolist()
+    got = engine.score(ids)
+    with torch.no_grad():
+        logits = reference_model(tiny_dir)(torch.tensor([ids])).logits[0, :-1]
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    assert got.shape == (69,)
+    assert (got - expected).abs().max().item() < 1e-4
+    assert engine.allocator.num_free == engine.allocator.num_pages
