@@ -4,7 +4,10 @@ A step is a flat batch of T tokens: first one token per decoding sequence, then
 chunks of prompts being prefilled. `StepMetadata` is built once per step by the
 model runner and shared by every layer.
 
-Decode (D sequences, one query token each): the sequences' pages are gathered
+Decode on CUDA: the Triton kernel `kernels/paged_attention.py` reads the pages
+in place (GQA-grouped, split-KV, dequantised in registers).
+
+Decode on CPU (D sequences, one query token each): the sequences' pages are gathered
 as whole pages (contiguous copies) into [D, P*PAGE_SIZE, kv_heads, head_dim],
 keys past each context length are masked out. GQA without copying K/V: the
 G = heads/kv_heads query heads of one KV head are laid out as G query "rows"
@@ -47,6 +50,7 @@ class StepMetadata:
     num_decode: int
     decode_page_table: torch.Tensor | None  # [D, P] int64 (padded with page 0)
     decode_mask: torch.Tensor | None  # [D, 1, 1, P*PAGE_SIZE] additive (0 or -inf), compute dtype
+    decode_context_lens: torch.Tensor | None  # [D] int32, keys each decoding sequence attends to
     prefills: list[PrefillChunk]
     logits_rows: torch.Tensor  # [R] int64, rows whose logits are sampled
 
@@ -58,11 +62,18 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
     num_kv_heads = cache.geometry.num_kv_heads
     group = num_heads // num_kv_heads
     d = meta.num_decode
-    if d:
+    if d and q.is_cuda:  # Triton: pages read (and dequantised) inside the kernel, no gather
+        from kernels.paged_attention import paged_decode_attention
+
+        kv = cache.layer(layer)
+        o = paged_decode_attention(q[:d], kv.k, kv.v, kv.k_scale, kv.v_scale,
+                                   meta.decode_page_table.to(torch.int32), meta.decode_context_lens, scale)
+    elif d:
         k, v = cache.gather(layer, meta.decode_page_table)  # [D, L, kv_heads, head_dim]
         qd = q[:d].view(d, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=meta.decode_mask, scale=scale)
+    if d:
         if not meta.prefills:  # a pure decode step: no scatter into a shared output
             return o.reshape(d, num_heads, head_dim)
     out = torch.empty_like(q)
@@ -77,8 +88,8 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
         # the G query heads of one KV head become G*n query rows against it: [1, kv_heads, G*n, head_dim]
         qp = q[rows].permute(1, 0, 2).reshape(1, num_kv_heads, group * n, head_dim)
         start = ctx - n
-        qpos = torch.arange(start, ctx).repeat(group).unsqueeze(1)  # [G*n, 1]
-        mask = torch.arange(ctx).unsqueeze(0) <= qpos  # [G*n, ctx], causal with the cached prefix
+        qpos = torch.arange(start, ctx, device=q.device).repeat(group).unsqueeze(1)  # [G*n, 1]
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [G*n, ctx], causal with the cached prefix
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
         out[rows] = o.view(num_heads, n, head_dim).transpose(0, 1)
     return out

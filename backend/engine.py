@@ -41,6 +41,7 @@ class EngineConfig:
     dtype: str = "float32"  # compute dtype; float32 is the fast one on CPUs without BF16 units
     kv_format: str = "fp32"
     gemm_buckets: tuple[int, ...] = DEFAULT_BUCKETS  # MKL-packed row counts (float32 CPU only)
+    device: str = "cpu"  # "cuda": Triton kernels for KV store and decode attention
     kv_cache_bytes: int = 256 * 2**20
     page_size: int = 16
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
@@ -68,7 +69,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.cache = create_kv_cache(cfg, config.kv_format, config.kv_cache_bytes, config.page_size, model.dtype)
+        self.cache = create_kv_cache(cfg, config.kv_format, config.kv_cache_bytes, config.page_size, model.dtype,
+                                     model.embed.device)
         self.allocator = PageAllocator(self.cache.num_pages)
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -85,7 +87,7 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
         config = config or EngineConfig()
-        model = LlamaModel.from_pretrained(Path(model_dir), DTYPES[config.dtype], config.gemm_buckets)
+        model = LlamaModel.from_pretrained(Path(model_dir), DTYPES[config.dtype], config.gemm_buckets, config.device)
         tokenizer = None
         if (Path(model_dir) / "tokenizer.json").exists():
             from backend.tokenizer import Tokenizer
@@ -154,6 +156,8 @@ class LLMEngine:
                 sampled_seqs.append(s)
         if not sampled_seqs:
             return []
+        if logits.is_cuda:  # sampling runs on the CPU (per-request CPU generators); [B, vocab] is small
+            logits = logits.cpu()
         tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
         now = time.perf_counter()
         outputs = []
@@ -214,8 +218,8 @@ class LLMEngine:
                 take = min(chunk, n - 1 - start)
                 batch = ScheduledBatch([], [(seq, take)], [])
                 input_ids, meta = self.runner.prepare(batch)
-                meta.logits_rows = torch.arange(take)
-                logits = self.model.forward(input_ids, meta, self.cache)
+                meta.logits_rows = torch.arange(take, device=self.runner.device)
+                logits = self.model.forward(input_ids, meta, self.cache).cpu()
                 targets = torch.tensor(token_ids[start + 1: start + 1 + take])
                 logprobs.append(logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1))
                 seq.num_computed_tokens += take

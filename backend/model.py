@@ -56,13 +56,13 @@ class LlamaModel:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head  # [vocab, hidden], shares storage with embed when tied
-        self.rope = RotaryEmbedding(cfg)
+        self.rope = RotaryEmbedding(cfg, embed.device)
         self.scale = cfg.head_dim ** -0.5
         self._split = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype = torch.float32,
-                        gemm_buckets: tuple[int, ...] = ()) -> LlamaModel:
+                        gemm_buckets: tuple[int, ...] = (), device: str = "cpu") -> LlamaModel:
         """Load a Hugging Face-format folder (config.json + safetensors).
 
         gemm_buckets: row counts to pre-pack float32 weights for (see `linear.py`)."""
@@ -70,7 +70,7 @@ class LlamaModel:
         ckpt = CheckpointReader(Path(model_dir))
 
         def get(name: str) -> torch.Tensor:
-            return ckpt.get(name).to(dtype).contiguous()
+            return ckpt.get(name).to(device=device, dtype=dtype).contiguous()
 
         layers = []
         for i in range(cfg.num_layers):

@@ -17,6 +17,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.page_size = cache.page_size
+        self.device = model.embed.device
 
     def _slot(self, page_ids: list[int], position: int) -> int:
         return page_ids[position // self.page_size] * self.page_size + position % self.page_size
@@ -34,37 +35,40 @@ class ModelRunner:
             tokens.append(s.token_at(pos))
             positions.append(pos)
             slots.append(self._slot(s.page_ids, pos))
-        decode_table = decode_mask = None
+        decode_table = decode_mask = decode_lens = None
         if batch.decode:
             ctx = [s.num_tokens for s in batch.decode]
             num_pages = -(-max(ctx) // ps)
             table = [s.page_ids[:num_pages] + [0] * (num_pages - len(s.page_ids[:num_pages])) for s in batch.decode]
-            decode_table = torch.tensor(table, dtype=torch.int64)  # [D, P]
-            lens = torch.tensor(ctx).view(-1, 1, 1, 1)
-            beyond = torch.arange(num_pages * ps).view(1, 1, 1, -1) >= lens
+            decode_table = torch.tensor(table, dtype=torch.int64, device=self.device)  # [D, P]
+            decode_lens = torch.tensor(ctx, dtype=torch.int32, device=self.device)  # [D]
+            beyond = torch.arange(num_pages * ps, device=self.device).view(1, 1, 1, -1) >= decode_lens.view(-1, 1, 1, 1)
             # additive mask built once per step (SDPA would convert a bool mask in every layer)
-            decode_mask = torch.zeros(beyond.shape, dtype=self.model.dtype).masked_fill_(beyond, float("-inf"))
+            decode_mask = torch.zeros(beyond.shape, dtype=self.model.dtype, device=self.device)
+            decode_mask.masked_fill_(beyond, float("-inf"))
         chunks: list[PrefillChunk] = []
         for s, n in batch.prefill:
             start = s.num_computed_tokens
             end = start + n
             chunks.append(PrefillChunk(token_start=len(tokens), num_tokens=n, context_len=end,
-                                       page_table=torch.tensor([s.page_ids[: -(-end // ps)]], dtype=torch.int64)))
+                                       page_table=torch.tensor([s.page_ids[: -(-end // ps)]], dtype=torch.int64,
+                                                               device=self.device)))
             tokens.extend(s.prompt_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slot(s.page_ids, p) for p in range(start, end))
             if end == s.num_prompt_tokens:
                 logits_rows.append(len(tokens) - 1)
         meta = StepMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slots=torch.tensor(slots, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_decode=len(batch.decode),
             decode_page_table=decode_table,
             decode_mask=decode_mask,
+            decode_context_lens=decode_lens,
             prefills=chunks,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
         )
-        return torch.tensor(tokens, dtype=torch.int64), meta
+        return torch.tensor(tokens, dtype=torch.int64, device=self.device), meta
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [R, vocab] float32: decode sequences, then prompts completed this step."""

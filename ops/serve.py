@@ -31,7 +31,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="compute dtype (float32 is the fast one on CPUs without BF16 units)")
-    p.add_argument("--kv-format", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--kv-format", default="fp32", choices=["fp32", "bf16", "fp8_e4m3"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=parse_bytes("512M"))
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -65,7 +66,7 @@ def run_serve(args: argparse.Namespace, banner: bool = False) -> int:
                           page_size=args.page_size, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           prefill_chunk_size=args.prefill_chunk_size, max_waiting=args.max_waiting,
-                          num_threads=args.threads)
+                          num_threads=args.threads, device=args.device)
     engine = LLMEngine.from_pretrained(model_dir, config)
     app = create_worker_app(AsyncEngine(engine), model_name=args.model, role=args.role)
     snap = engine.snapshot()
