@@ -151,14 +151,18 @@ class PagedKVCache:
         if self.quantised:
             k_exp, v_exp = (rows.index_select(0, flat).view(b, p * g.page_size, g.num_kv_heads, 1)
                             for rows in self._scale_rows[layer])
-            fp8 = torch.float8_e4m3fn
-            k = torch.ldexp(k.view(fp8).view(shape).to(self.compute_dtype), k_exp.to(self.compute_dtype))
-            v = torch.ldexp(v.view(fp8).view(shape).to(self.compute_dtype), v_exp.to(self.compute_dtype))
-            return k, v
+            return _dequantise(k, k_exp, shape, self.compute_dtype), _dequantise(v, v_exp, shape, self.compute_dtype)
         k, v = k.view(shape), v.view(shape)
         if k.dtype != self.compute_dtype:
             k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
+
+
+def _dequantise(raw: torch.Tensor, exponents: torch.Tensor, shape: tuple[int, ...],
+                dtype: torch.dtype) -> torch.Tensor:
+    """fp8 bytes and int8 exponents -> values in `dtype` (fp8 * 2**e; a multiply beats ldexp here)."""
+    values = raw.view(torch.float8_e4m3fn).view(shape).to(dtype)
+    return values.mul_(torch.exp2(exponents.to(dtype)))
 
 
 def pages_for_budget(cfg: ModelConfig, kv_format: str, kv_cache_bytes: int, page_size: int) -> int:
