@@ -158,10 +158,21 @@ class PagedKVCache:
         return k, v
 
 
+_FP8_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _fp8_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The 256 values of e4m3 bytes in `dtype` (a table lookup is ~2x faster than `.to()` on CPU)."""
+    key = (dtype, device)
+    if key not in _FP8_TABLES:
+        _FP8_TABLES[key] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(dtype).to(device)
+    return _FP8_TABLES[key]
+
+
 def _dequantise(raw: torch.Tensor, exponents: torch.Tensor, shape: tuple[int, ...],
                 dtype: torch.dtype) -> torch.Tensor:
-    """fp8 bytes and int8 exponents -> values in `dtype` (fp8 * 2**e; a multiply beats ldexp here)."""
-    values = raw.view(torch.float8_e4m3fn).view(shape).to(dtype)
+    """fp8 bytes (as uint8) and int8 exponents -> values in `dtype`: fp8 * 2**e."""
+    values = _fp8_table(dtype, raw.device).index_select(0, raw.view(-1).int()).view(shape)
     return values.mul_(torch.exp2(exponents.to(dtype)))
 
 

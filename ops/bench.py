@@ -10,6 +10,8 @@ __all__ = ["register", "BENCHES"]
 # bench name -> module with `add_arguments(parser)` and `run(args) -> int`
 BENCHES: dict[str, str] = {
     "engine": "ops.bench_engine",
+    "kv-capacity": "ops.bench_kv",
+    "kernels": "ops.bench_kernels",
 }
 
 
