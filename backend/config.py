@@ -90,7 +90,8 @@ class ModelConfig:
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json is missing or has a bad field: {exc}") from exc
         if cfg.num_heads % cfg.num_kv_heads:
-            raise ModelLoadError(f"num_attention_heads {num_heads} not divisible by num_key_value_heads {cfg.num_kv_heads}")
+            raise ModelLoadError(f"num_attention_heads {num_heads} not divisible by "
+                                 f"num_key_value_heads {cfg.num_kv_heads}")
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitecture(f"hidden_act {raw.get('hidden_act')!r} unsupported (silu only)")
         return cfg

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "percentile", "TOPICS"]
 
 TOPICS = ["the sea", "a city at night", "learning to cook", "the history of maps", "a long train journey",
           "why the sky is blue", "a friendly robot", "how bridges stand up", "autumn leaves", "the first computer",
@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine")
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]); NaN for no values."""
     if not values:
         return float("nan")
     s = sorted(values)
@@ -79,8 +80,8 @@ def _make_workload(tokenizer, n: int, out_lo: int, out_hi: int, seed: int) -> li
 
 def _summarise(system: str, c: int, wall: float, ttft: list[float], tpot: list[float], tokens: int,
                n: int) -> Result:
-    return Result(system, c, tokens / wall, _pct(ttft, 0.5), _pct(ttft, 0.95), _pct(tpot, 0.5), _pct(tpot, 0.95),
-                  n, tokens)
+    return Result(system, c, tokens / wall, percentile(ttft, 0.5), percentile(ttft, 0.95),
+                  percentile(tpot, 0.5), percentile(tpot, 0.95), n, tokens)
 
 
 def bench_ours(engine, reqs: list[tuple[list[int], int]], c: int) -> Result:

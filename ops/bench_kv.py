@@ -58,7 +58,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.kv_cache import kv_bytes_per_token, pages_for_budget
-from ops.bench_engine import TOPICS, _pct
+from ops.bench_engine import TOPICS, percentile
 
 __all__ = ["add_arguments", "run", "Shape", "kv_budget", "admitted_requests", "capacity_report", "sweep_points",
            "agreement"]
@@ -231,8 +231,9 @@ class ClosedLoop:
         self.clock = own(time.perf_counter())
 
     def row(self) -> SweepRow:
-        return SweepRow(self.kv, self.c, self.requests, self.admitted, self.tokens / self.clock, _pct(self.ttft, 0.5),
-                        _pct(self.ttft, 0.95), _pct(self.tpot, 0.5), _pct(self.tpot, 0.95), self.clock)
+        return SweepRow(self.kv, self.c, self.requests, self.admitted, self.tokens / self.clock,
+                        percentile(self.ttft, 0.5), percentile(self.ttft, 0.95),
+                        percentile(self.tpot, 0.5), percentile(self.tpot, 0.95), self.clock)
 
 
 def run_point(engines: dict[str, object], prompts: list[list[int]], c: int, requests: int,
