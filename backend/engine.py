@@ -12,12 +12,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from backend.config import ModelConfig
-from backend.errors import EdgeServeError, InvalidRequest, InvalidSamplingParams
+from backend.errors import EdgeServeError, InvalidRequest, InvalidSamplingParams, KVIntegrityError
 from backend.kv_cache import create_kv_cache
 from backend.linear import DEFAULT_BUCKETS
 from backend.model import LlamaModel
@@ -42,6 +42,7 @@ class EngineConfig:
     kv_format: str = "fp32"
     gemm_buckets: tuple[int, ...] = DEFAULT_BUCKETS  # MKL-packed row counts (float32 CPU only)
     device: str = "cpu"  # "cuda": Triton kernels for KV store and decode attention
+    integrity_check: bool = True  # batched page-tag check before every step (kernels/integrity.py)
     kv_cache_bytes: int = 256 * 2**20
     page_size: int = 16
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
@@ -81,8 +82,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or cfg.eos_token_ids)
         self._stop_checkers: dict[str, StopChecker] = {}
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0, "cancelled": 0,
-                      "failed": 0}
+        self.stats: dict[str, Any] = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0,
+                                       "cancelled": 0, "failed": 0, "integrity_checks": 0, "integrity_aborts": 0,
+                                       "integrity_aborts_by_cause": {"tag_mismatch": 0, "invalid_page": 0}}
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -121,6 +123,9 @@ class LLMEngine:
         for s in batch.aborted:
             self._stop_checkers.pop(s.request_id, None)
             self.stats["cancelled"] += 1
+        if self.config.integrity_check and not batch.empty:
+            batch, failed = self._check_integrity(batch)
+            outputs += failed
         if batch.empty:
             return outputs
         try:
@@ -131,6 +136,53 @@ class LLMEngine:
             return outputs + self._fail(batch, err)
         self.stats["steps"] += 1
         return outputs + self.postprocess(batch, logits)
+
+    def _check_integrity(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[StepOutput]]:
+        """One batched page-tag check over the whole step, before the model runs.
+
+        A sequence whose pages changed hands is ended with KVIntegrityError (its
+        still-owned pages returned) and dropped from the batch: it emits nothing
+        read from another request's pages. The rest of the batch runs untouched."""
+        from kernels.integrity import check_pages, check_pages_ref
+
+        seqs = [*batch.decode, *(s for s, _ in batch.prefill)]
+        page_ids: list[int] = []
+        expected: list[int] = []
+        offsets = [0]
+        for s in seqs:
+            page_ids += s.page_ids
+            expected += s.page_tags
+            offsets.append(len(page_ids))
+        tags = self.allocator.tags
+        check = check_pages if tags.is_cuda else check_pages_ref
+        ok, first_bad = check(torch.tensor(page_ids, dtype=torch.int32), torch.tensor(expected, dtype=torch.int32),
+                              torch.tensor(offsets, dtype=torch.int32), tags)
+        self.stats["integrity_checks"] += 1
+        if bool(ok.all()):
+            return batch, []
+        now = time.perf_counter()
+        failed: list[StepOutput] = []
+        bad: set[str] = set()
+        for i in (~ok.bool()).nonzero().flatten().tolist():
+            s = seqs[i]
+            j = int(first_bad[i]) - offsets[i]
+            page, want = s.page_ids[j], s.page_tags[j]
+            found = self.allocator.tags_of([page])[0]
+            cause = "tag_mismatch" if found >= 0 else "invalid_page"
+            err = KVIntegrityError(
+                f"KV integrity check failed for request {s.request_id}: page {page} expected tag {want}, "
+                f"found {found if found >= 0 else 'no such page'}; aborted before reading it",
+                request_id=s.request_id, page=page, expected_tag=want, found_tag=found, cause=cause)
+            log.warning("kv integrity abort: request %s page %s expected %s found %s", s.request_id, page, want, found)
+            self.scheduler.finish(s, "error")
+            self._stop_checkers.pop(s.request_id, None)
+            self.stats["integrity_aborts"] += 1
+            self.stats["integrity_aborts_by_cause"][cause] += 1
+            failed.append(StepOutput(s, None, now, True, err))
+            bad.add(s.request_id)
+        kept = ScheduledBatch([s for s in batch.decode if s.request_id not in bad],
+                              [(s, n) for s, n in batch.prefill if s.request_id not in bad], batch.aborted)
+        return kept, failed
 
     def _fail(self, batch: ScheduledBatch, err: EdgeServeError) -> list[StepOutput]:
         """End every sequence of a failed step so their pages return; report the error for each."""

@@ -10,6 +10,7 @@
     ├── ModelLoadError                  code 5010  (500)
     │   ├── UnsupportedArchitecture     code 5011  (500)
     │   └── WeightsError                code 5012  (500)
+    ├── KVIntegrityError                code 5040  (500)
     ├── BackendUnavailable              code 5003  (503)
     └── RegistryUnavailable             code 5020  (503)
 
@@ -34,6 +35,7 @@ __all__ = [
     "ModelLoadError",
     "UnsupportedArchitecture",
     "WeightsError",
+    "KVIntegrityError",
     "BackendUnavailable",
     "RegistryUnavailable",
     "error_from_code",
@@ -96,6 +98,15 @@ class UnsupportedArchitecture(ModelLoadError):
 
 class WeightsError(ModelLoadError):
     code = 5012
+
+
+class KVIntegrityError(EdgeServeError):
+    """A request's KV pages changed hands under it: aborted rather than read another's context.
+
+    details: request_id, page (first bad page id), expected_tag, found_tag, cause.
+    """
+
+    code = 5040
 
 
 class BackendUnavailable(EdgeServeError):

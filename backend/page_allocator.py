@@ -1,14 +1,23 @@
-"""Page allocator: a free list of physical KV pages with reference counts.
+"""Page allocator: a free list of physical KV pages with reference counts and generation tags.
 
 A page is owned by every sequence (or cache entry) holding a reference; it goes
 back on the free list when the last reference is dropped. The allocator never
 over-commits: `allocate` either returns all the pages asked for or raises.
-Only the engine thread touches it, so it takes no lock.
+
+Generation tags: every page has an int32 tag that changes whenever the page
+changes hands, i.e. when it is allocated and when its last reference is
+dropped (sharing a live page keeps it). An owner records the tags it was given;
+if a page it still uses was freed or handed to someone else meanwhile, the tags
+no longer match and the batched integrity check (`kernels/integrity.py`) catches
+it before the owner's next step. `tags` is the tensor that check reads.
+Only the engine thread touches the allocator, so it takes no lock.
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+import torch
 
 from backend.errors import CapacityError
 
@@ -22,6 +31,18 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._refs = [0] * num_pages
+        self.tags = torch.zeros(num_pages, dtype=torch.int32)  # read by the integrity check
+        self._tags = [0] * num_pages  # the same values, for cheap Python reads
+
+    def _bump(self, page: int) -> None:
+        tag = (self._tags[page] + 1) & 0x7FFFFFFF
+        self._tags[page] = tag
+        self.tags[page] = tag
+
+    def tags_of(self, pages: list[int]) -> list[int]:
+        """Current generation tags of pages (what an owner records); -1 for an id outside the pool."""
+        n = self.num_pages
+        return [self._tags[p] if 0 <= p < n else -1 for p in pages]
 
     @property
     def num_free(self) -> int:
@@ -41,6 +62,7 @@ class PageAllocator:
         pages = [self._free.popleft() for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
+            self._bump(p)
         return pages
 
     def share(self, pages: list[int]) -> None:
@@ -57,6 +79,7 @@ class PageAllocator:
                 raise ValueError(f"page {p} released while free (double free)")
             self._refs[p] -= 1
             if self._refs[p] == 0:
+                self._bump(p)
                 self._free.append(p)
 
     def refcount(self, page: int) -> int:

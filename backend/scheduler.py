@@ -108,11 +108,15 @@ class Scheduler:
 
     # -- engine thread ---------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a running sequence: mark it and return its pages at once."""
+        """End a running sequence: mark it and return its pages at once.
+
+        Only pages whose tag still matches are released: a page that changed hands
+        under the sequence (an integrity failure) belongs to someone else now."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.allocator.release(seq.page_ids)
-        seq.page_ids = []
+        current = self.allocator.tags_of(seq.page_ids)
+        self.allocator.release([p for p, want, have in zip(seq.page_ids, seq.page_tags, current) if want == have])
+        seq.page_ids, seq.page_tags = [], []
         self.running.remove(seq)
 
     def _reap_aborted(self) -> list[Sequence]:
@@ -153,6 +157,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
             seq.page_ids = self.allocator.allocate(needed)
+            seq.page_tags = self.allocator.tags_of(seq.page_ids)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_prompt_tokens, cfg.prefill_chunk_size, budget)

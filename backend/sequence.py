@@ -28,6 +28,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)  # page table, in token order
+    page_tags: list[int] = field(default_factory=list)  # generation tag expected for each page
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     stop_reason: str | int | None = None  # matched stop string or stop token id

@@ -34,6 +34,7 @@ _COUNTERS = {
     "finished": ("edgeserve_requests_finished", "Requests finished normally"),
     "cancelled": ("edgeserve_requests_cancelled", "Requests cancelled"),
     "failed": ("edgeserve_requests_failed", "Requests ended by a failed step"),
+    "integrity_checks": ("edgeserve_kv_integrity_checks", "Batched KV page-tag checks run"),
 }
 
 
@@ -54,6 +55,11 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, float(snap[key]))  # type: ignore[arg-type]
             yield c
+        aborts = CounterMetricFamily("edgeserve_kv_integrity_aborts", "Requests aborted by the KV integrity check",
+                                     labels=[*names, "cause"])
+        for cause, n in snap["integrity_aborts_by_cause"].items():  # type: ignore[union-attr]
+            aborts.add_metric([*values, cause], float(n))
+        yield aborts
 
 
 def worker_registry(engine: LLMEngine, model: str, role: str) -> CollectorRegistry:

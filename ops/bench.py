@@ -12,6 +12,7 @@ BENCHES: dict[str, str] = {
     "engine": "ops.bench_engine",
     "kv-capacity": "ops.bench_kv",
     "kernels": "ops.bench_kernels",
+    "integrity": "ops.bench_integrity",
 }
 
 

@@ -153,3 +153,6 @@ def test_health_and_stats(worker) -> None:
     assert (f'edgeserve_kv_bytes_per_token{{kv_format="fp32",model="tiny",role="unified"}} '
             f'{float(engine.cache.bytes_per_token)}') in metrics
     assert "edgeserve_generated_tokens_total" in metrics
+    assert 'edgeserve_kv_integrity_aborts_total{cause="tag_mismatch",model="tiny",role="unified"} 0.0' in metrics
+    checks = [line for line in metrics.splitlines() if line.startswith("edgeserve_kv_integrity_checks_total")]
+    assert checks and float(checks[0].split()[-1]) == engine.stats["integrity_checks"]
