@@ -1,0 +1,81 @@
+"""The torch paged attention path (CPU runtime) against dense attention, prefill and decode together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.attention import PrefillChunk, StepMetadata, paged_attention
+from backend.config import ModelConfig
+from backend.kv_cache import PagedKVCache
+
+PAGE = 16
+
+
+def make_cache(kv_heads: int, head_dim: int, fmt: str, num_pages: int = 64) -> PagedKVCache:
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8 * head_dim,
+                                 "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 8,
+                                 "num_key_value_heads": 8, "head_dim": head_dim, "max_position_embeddings": 4096})
+    cfg = ModelConfig(**{**cfg.__dict__, "num_kv_heads": kv_heads})
+    return PagedKVCache(cfg, fmt, num_pages, PAGE, torch.float32)
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """q [n, H, D] at positions start.., k/v [ctx, H_kv, D]: causal attention in float64."""
+    n, heads, _ = q.shape
+    group = heads // k.shape[1]
+    k, v = k.double().repeat_interleave(group, dim=1), v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,khd->hnk", q.double(), k) * scale
+    allowed = torch.arange(k.shape[0]).view(1, -1) <= (start + torch.arange(n)).view(-1, 1)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hnk,khd->nhd", probs, v)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("cached,new", [(0, 1), (0, 17), (15, 1), (16, 16), (17, 15), (100, 30)])
+def test_prefill_chunk_and_decode_rows_match_dense_attention(fmt: str, group: int, cached: int, new: int) -> None:
+    kv_heads, head_dim = 2, 32
+    heads = kv_heads * group
+    cache = make_cache(kv_heads, head_dim, fmt)
+    perm = torch.randperm(cache.num_pages).tolist()  # pages out of order
+    # sequence A: a prefill chunk after `cached` tokens; sequence B: one decode token at 40 tokens
+    ctx_a, ctx_b = cached + new, 40
+    pages_a, pages_b = perm[: -(-ctx_a // PAGE)], perm[20: 20 + -(-ctx_b // PAGE)]
+    # magnitudes that differ per token (so do the FP8 exponents): mild on K, wide on V
+    k_a = torch.randn(ctx_a, kv_heads, head_dim) * torch.logspace(-0.5, 0.5, ctx_a).view(-1, 1, 1)
+    v_a = torch.randn(ctx_a, kv_heads, head_dim) * torch.logspace(-2, 2, ctx_a).view(-1, 1, 1)
+    k_b, v_b = torch.randn(ctx_b, kv_heads, head_dim), torch.randn(ctx_b, kv_heads, head_dim) * 3
+
+    def slots(pages: list[int], n: int) -> torch.Tensor:
+        return torch.tensor([pages[i // PAGE] * PAGE + i % PAGE for i in range(n)])
+
+    cache.store(0, slots(pages_a, ctx_a), k_a, v_a)
+    cache.store(0, slots(pages_b, ctx_b), k_b, v_b)
+    q = torch.randn(1 + new, heads, head_dim)  # row 0: B's decode token, rows 1..: A's chunk
+    table_b = torch.tensor([pages_b])
+    mask = torch.zeros(1, 1, 1, table_b.shape[1] * PAGE)
+    mask[..., ctx_b:] = float("-inf")
+    meta = StepMetadata(positions=torch.zeros(1 + new, dtype=torch.int64), slots=torch.zeros(1 + new, dtype=torch.int64),
+                        num_decode=1, decode_page_table=table_b, decode_mask=mask,
+                        decode_context_lens=torch.tensor([ctx_b], dtype=torch.int32),
+                        prefills=[PrefillChunk(1, new, ctx_a, torch.tensor([pages_a]))],
+                        logits_rows=torch.tensor([0]))
+    scale = head_dim ** -0.5
+    out = paged_attention(q, cache, 0, meta, scale)
+
+    # tight: against dense attention over what the cache holds (the dequantised values)
+    held_a = cache.gather(0, torch.tensor([pages_a]))
+    held_b = cache.gather(0, table_b)
+    exp_a = dense_reference(q[1:], held_a[0][0, :ctx_a], held_a[1][0, :ctx_a], cached, scale)
+    exp_b = dense_reference(q[:1], held_b[0][0, :ctx_b], held_b[1][0, :ctx_b], ctx_b - 1, scale)
+    # float32 accumulation: absolute error scales with the largest value magnitude (V spans 1e-2..1e2)
+    atol_a = 2e-6 * max(1.0, held_a[1].abs().max().item())
+    torch.testing.assert_close(out[1:].double(), exp_a, atol=atol_a, rtol=1e-5)
+    torch.testing.assert_close(out[:1].double(), exp_b, atol=2e-5, rtol=1e-5)
+    # looser: against the original float32 values, mean error relative to the mean output magnitude
+    # (bf16 rounds to 2^-9 relative, fp8 e4m3 to 2^-4; K errors also move the softmax)
+    tol = {"fp32": 1e-6, "bf16": 1e-2, "fp8_e4m3": 8e-2}[fmt]
+    orig_a = dense_reference(q[1:], k_a, v_a, cached, scale)
+    rel = (out[1:].double() - orig_a).abs().mean() / orig_a.abs().mean()
+    assert rel.item() <= tol
