@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+from pathlib import Path
+from typing import Any
 
-__all__ = ["register", "BENCHES"]
+__all__ = ["register", "BENCHES", "write_report"]
 
 # bench name -> module with `add_arguments(parser)` and `run(args) -> int`
 BENCHES: dict[str, str] = {
@@ -26,3 +29,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--json", dest="json_path", default=f"bench-results/{name}.json", help="where to write JSON")
         module.add_arguments(p)
         p.set_defaults(func=module.run)
+
+
+def write_report(json_path: str, report: dict[str, Any]) -> Path:
+    """Write a benchmark's JSON report (creating its folder) and say where."""
+    path = Path(json_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+    return path

@@ -28,14 +28,14 @@ under 1% on both.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
+
+from ops.bench import write_report
 
 from ops.bench_engine import percentile
 from ops.bench_kv import ClosedLoop, fixed_length_prompts
@@ -206,8 +206,5 @@ def run(args: argparse.Namespace) -> int:
         "engine_stats": stats,
         "total_s": total_s,
     }
-    path = Path(args.json_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    write_report(args.json_path, report)
     return 0

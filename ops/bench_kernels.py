@@ -10,11 +10,12 @@ the device's read bandwidth measured in the same run (a large sum).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import torch
+
+from ops.bench import write_report
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -96,10 +97,7 @@ def run(args: argparse.Namespace) -> int:
               f"{r['kv_mb']:>8.1f}{r['gb_s']:>8.0f}{r['pct_of_read_bw']:>6.0f}{speedup:>7}")
     report = {"device": torch.cuda.get_device_name(), "read_bandwidth_gb_s": bandwidth, "page_size": PAGE_SIZE,
               "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "results": rows}
-    path = Path(args.json_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    path = write_report(args.json_path, report)
     return 0
 
 

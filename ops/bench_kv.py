@@ -46,7 +46,6 @@ kernel does in registers, so per-step speed here is a worst case for FP8.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -55,6 +54,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from ops.bench import write_report
 
 from backend.config import ModelConfig
 from backend.kv_cache import kv_bytes_per_token, pages_for_budget
@@ -482,10 +483,7 @@ def run(args: argparse.Namespace) -> int:
         "targets": targets,
         "timings_s": timings,
     }
-    path = Path(args.json_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    path = write_report(args.json_path, report)
     png = path.with_suffix(".png")
     title = (f"{args.model}: {shape.prompt_tokens}+{shape.output_tokens} tokens/request, KV budget "
              f"{budget / 2**20:.1f} MiB (bf16 {caps['bf16']} requests, fp8 {caps['fp8']})")
