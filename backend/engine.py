@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,7 +51,6 @@ class EngineConfig:
     prefill_chunk_size: int = 256
     max_waiting: int = 256
     num_threads: int | None = None  # torch intra-op threads (None: leave as is)
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 class StepOutput(NamedTuple):
