@@ -73,9 +73,8 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
         qd = q[:d].view(d, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=meta.decode_mask, scale=scale)
-    if d:
-        if not meta.prefills:  # a pure decode step: no scatter into a shared output
-            return o.reshape(d, num_heads, head_dim)
+    if d and not meta.prefills:  # a pure decode step: no scatter into a shared output
+        return o.reshape(d, num_heads, head_dim)
     out = torch.empty_like(q)
     if d:
         out[:d] = o.reshape(d, num_heads, head_dim)

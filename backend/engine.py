@@ -82,7 +82,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or cfg.eos_token_ids)
         self._stop_checkers: dict[str, StopChecker] = {}
         self.stats: dict[str, Any] = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0,
-                                       "cancelled": 0, "failed": 0, "integrity_checks": 0, "integrity_aborts": 0,
+                                       "cancelled": 0, "failed": 0, "integrity_checks": 0,
                                        "integrity_aborts_by_cause": {"tag_mismatch": 0, "invalid_page": 0}}
 
     @classmethod
@@ -175,7 +175,6 @@ class LLMEngine:
             log.warning("kv integrity abort: request %s page %s expected %s found %s", s.request_id, page, want, found)
             self.scheduler.finish(s, "error")
             self._stop_checkers.pop(s.request_id, None)
-            self.stats["integrity_aborts"] += 1
             self.stats["integrity_aborts_by_cause"][cause] += 1
             failed.append(StepOutput(s, None, now, True, err))
             bad.add(s.request_id)
@@ -255,8 +254,6 @@ class LLMEngine:
         what that format does to quality. Offline use: call it from the engine thread
         or with the engine idle, never concurrently with `step`.
         """
-        from backend.scheduler import ScheduledBatch
-
         seq = Sequence("score-" + uuid.uuid4().hex, list(token_ids), SamplingParams(max_tokens=1))
         n = len(token_ids)
         if not 2 <= n <= self.max_model_len:
@@ -293,4 +290,5 @@ class LLMEngine:
             "kv_bytes_per_token": self.cache.bytes_per_token,
             "max_model_len": self.max_model_len,
             **self.stats,
+            "integrity_aborts": sum(self.stats["integrity_aborts_by_cause"].values()),
         }

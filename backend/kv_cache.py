@@ -36,6 +36,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest
+from kernels.kv_store import dequantize_fp8_table, store_kv, store_kv_ref
 
 __all__ = ["KV_FORMATS", "KVGeometry", "LayerKV", "PagedKVCache", "create_kv_cache", "kv_bytes_per_token",
            "pages_for_budget"]
@@ -104,8 +105,6 @@ class PagedKVCache:
         raw = self.pages.view(torch.uint8) if self.quantised else self.pages
         page_rows = raw.view(cfg.num_layers, 2, num_pages, -1)
         self._page_rows = [(page_rows[i, 0], page_rows[i, 1]) for i in range(cfg.num_layers)]
-        slot_rows = self.pages.view(cfg.num_layers, 2, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
-        self._slot_rows = [(slot_rows[i, 0], slot_rows[i, 1]) for i in range(cfg.num_layers)]
         if self.scales is not None:
             scale_rows = self.scales.view(cfg.num_layers, 2, num_pages, -1)
             self._scale_rows = [(scale_rows[i, 0], scale_rows[i, 1]) for i in range(cfg.num_layers)]
@@ -127,15 +126,6 @@ class PagedKVCache:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [T, num_kv_heads, head_dim] at slots [T] (int64) of `layer`."""
-        if not k.is_cuda and not self.quantised:  # the CPU hot path: two row copies
-            k_rows, v_rows = self._slot_rows[layer]
-            if k.dtype != k_rows.dtype:
-                k, v = k.to(k_rows.dtype), v.to(k_rows.dtype)
-            k_rows.index_copy_(0, slots, k)
-            v_rows.index_copy_(0, slots, v)
-            return
-        from kernels.kv_store import store_kv, store_kv_ref
-
         kv = self._layers[layer]
         fn = store_kv if k.is_cuda else store_kv_ref
         fn(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)
@@ -151,29 +141,12 @@ class PagedKVCache:
         if self.quantised:
             k_exp, v_exp = (rows.index_select(0, flat).view(b, p * g.page_size, g.num_kv_heads, 1)
                             for rows in self._scale_rows[layer])
-            return _dequantise(k, k_exp, shape, self.compute_dtype), _dequantise(v, v_exp, shape, self.compute_dtype)
+            return (dequantize_fp8_table(k.view(shape), k_exp, self.compute_dtype),
+                    dequantize_fp8_table(v.view(shape), v_exp, self.compute_dtype))
         k, v = k.view(shape), v.view(shape)
         if k.dtype != self.compute_dtype:
             k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         return k, v
-
-
-_FP8_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _fp8_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The 256 values of e4m3 bytes in `dtype` (a table lookup is ~2x faster than `.to()` on CPU)."""
-    key = (dtype, device)
-    if key not in _FP8_TABLES:
-        _FP8_TABLES[key] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(dtype).to(device)
-    return _FP8_TABLES[key]
-
-
-def _dequantise(raw: torch.Tensor, exponents: torch.Tensor, shape: tuple[int, ...],
-                dtype: torch.dtype) -> torch.Tensor:
-    """fp8 bytes (as uint8) and int8 exponents -> values in `dtype`: fp8 * 2**e."""
-    values = _fp8_table(dtype, raw.device).index_select(0, raw.view(-1).int()).view(shape)
-    return values.mul_(torch.exp2(exponents.to(dtype)))
 
 
 def pages_for_budget(cfg: ModelConfig, kv_format: str, kv_cache_bytes: int, page_size: int) -> int:

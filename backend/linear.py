@@ -8,15 +8,16 @@ weight on every call. MKL can pack a weight once for a given M
 only for exactly that M (any other M silently takes the slow path).
 
 So each weight is packed once per *bucket* size (default 8, 32, 128 rows). A
-call with T rows is split into chunks of the largest bucket <= T; the remainder
-is zero-padded up to the smallest bucket that holds it, or, when it is tiny
-(<= 4 rows, where a plain GEMV is already bandwidth-bound), goes through
-`F.linear`, as do calls of 256 rows or more (compute-bound: packing gains
-nothing there and chunking would add copies). Results are bit-identical to `F.linear` up to GEMM summation order.
+call with T rows is split into bucket-sized chunks (the last one zero-padded)
+by the cheapest plan under a small cost model (a fixed cost per chunk plus a
+per-row cost, fit on this CPU class); a chunk of <= 4 rows, where a plain GEMV
+is already bandwidth-bound, goes through the plain GEMM, as do calls of 256 rows
+or more (compute-bound: packing gains nothing there and chunking would add
+copies). Results equal `F.linear` up to GEMM summation order.
 
 Each bucket costs one extra copy of the weight in memory (for SmolLM2-135M in
 float32: ~0.54 GB per bucket). Buckets are used only for float32 weights on a
-CPU build with MKL; everything else uses `F.linear`.
+CPU build with MKL; everything else uses the plain GEMM.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["Linear", "mkl_packing_available", "DEFAULT_BUCKETS"]
 
@@ -83,12 +83,16 @@ class Linear:
         """Bytes of the weight (one copy; packs excluded)."""
         return self.weight.numel() * self.weight.element_size()
 
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The unpacked GEMM."""
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if not self.buckets or rows <= _UNPACKED_MAX_ROWS or rows >= _UNPACKED_MIN_ROWS:
-            if self.bias is None:
-                return torch.mm(x, self.weight_t)
-            return torch.addmm(self.bias, x, self.weight_t)
+            return self._dense(x)
         plan = _plan(rows, self.buckets)
         if len(plan) == 1 and plan[0][1] == plan[0][2]:
             return torch.ops.mkl._mkl_linear(x, self.packs[plan[0][2]], self.weight, self.bias, plan[0][2])
@@ -96,7 +100,7 @@ class Linear:
         for start, length, bucket in plan:
             part = x[start: start + length]
             if bucket == 0:
-                out[start: start + length] = F.linear(part, self.weight, self.bias)
+                out[start: start + length] = self._dense(part)
                 continue
             if length < bucket:
                 padded = x.new_zeros(bucket, x.shape[1])

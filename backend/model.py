@@ -6,9 +6,10 @@ and casts back, as the reference does; logits are returned in float32.
 
 For speed at small batch the projections are fused at load time:
 q/k/v into one `qkv` matrix [(H + 2 * H_kv) * head_dim, hidden] and gate/up into
-one `gate_up` matrix [2 * intermediate, hidden], so one layer is four GEMMs;
-q/k rows are reordered for the complex-multiply RoPE (see `rope.py`) (see `linear.py` for how
-small batches are dispatched). Parameters are plain tensors (no nn.Module) to keep per-step dispatch short.
+one `gate_up` matrix [2 * intermediate, hidden], so one layer is four GEMMs
+(`linear.py` dispatches small batches to MKL-packed weights). q/k rows are
+reordered for the complex-multiply RoPE (see `rope.py`). Parameters are plain
+tensors (no nn.Module) to keep per-step dispatch short.
 """
 
 from __future__ import annotations

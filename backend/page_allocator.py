@@ -34,10 +34,14 @@ class PageAllocator:
         self.tags = torch.zeros(num_pages, dtype=torch.int32)  # read by the integrity check
         self._tags = [0] * num_pages  # the same values, for cheap Python reads
 
-    def _bump(self, page: int) -> None:
-        tag = (self._tags[page] + 1) & 0x7FFFFFFF
-        self._tags[page] = tag
-        self.tags[page] = tag
+    def _bump(self, pages: list[int]) -> None:
+        """New generation for pages that change hands (one tensor write for all of them)."""
+        if not pages:
+            return
+        new = [(self._tags[p] + 1) & 0x7FFFFFFF for p in pages]
+        for p, tag in zip(pages, new):
+            self._tags[p] = tag
+        self.tags[torch.tensor(pages)] = torch.tensor(new, dtype=torch.int32)
 
     def tags_of(self, pages: list[int]) -> list[int]:
         """Current generation tags of pages (what an owner records); -1 for an id outside the pool."""
@@ -62,7 +66,7 @@ class PageAllocator:
         pages = [self._free.popleft() for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
-            self._bump(p)
+        self._bump(pages)
         return pages
 
     def share(self, pages: list[int]) -> None:
@@ -74,13 +78,15 @@ class PageAllocator:
 
     def release(self, pages: list[int]) -> None:
         """Drop one reference from each page; pages reaching zero become free."""
+        freed = []
         for p in pages:
             if self._refs[p] <= 0:
                 raise ValueError(f"page {p} released while free (double free)")
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._bump(p)
-                self._free.append(p)
+                freed.append(p)
+        self._bump(freed)
+        self._free.extend(freed)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]

@@ -181,18 +181,36 @@ def dequantize_fp8_ref(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(q.view(torch.float8_e4m3fn).float(), e.unsqueeze(-1).float())
 
 
+_FP8_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def dequantize_fp8_table(raw: torch.Tensor, e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The CPU runtime's dequantiser: fp8 bytes (uint8 [..., head_dim]) and int8 exponents [..., 1]
+    -> `dtype`, equal to `dequantize_fp8_ref`. A 256-entry table lookup is ~2x faster than `.to()`."""
+    key = (dtype, raw.device)
+    if key not in _FP8_TABLES:
+        _FP8_TABLES[key] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(dtype).to(raw.device)
+    values = _FP8_TABLES[key].index_select(0, raw.reshape(-1).int()).view(raw.shape)
+    return values.mul_(torch.exp2(e.to(dtype)))
+
+
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slots: torch.Tensor) -> None:
     """Plain-torch `store_kv` (the CPU runtime's path): same arguments, same bytes written."""
     is_fp8 = check_cache_args(k_cache, v_cache, k_scale, v_scale)
-    num_pages, page_size = k_cache.shape[:2]
-    pages, offsets = slots // page_size, slots % page_size
+    page_size = k_cache.shape[1]
     if is_fp8:
+        pages, offsets = slots // page_size, slots % page_size
         for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
             q, e = quantize_fp8_ref(x)
             # index_put on float8 is not implemented on every device: write the bytes
             cache.view(torch.uint8)[pages, offsets] = q.view(torch.uint8)
             scale[pages, offsets] = e
+    elif k_cache.is_contiguous() and v_cache.is_contiguous():  # the CPU hot path: two row copies
+        rows = (-1, *k_cache.shape[2:])
+        k_cache.view(rows).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(rows).index_copy_(0, slots, v.to(v_cache.dtype))
     else:
+        pages, offsets = slots // page_size, slots % page_size
         k_cache[pages, offsets] = k.to(k_cache.dtype)
         v_cache[pages, offsets] = v.to(v_cache.dtype)

@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(row)
                 log(f"rep {rep} c={c:<3} check {row.setting:<3}: {row.decode_tok_s:7.1f} decode tok/s, "
                     f"TPOT p95 {1e3 * row.tpot_p95_s:6.1f} ms, {row.decode_steps} decode steps, {row.wall_s:.1f} s")
-    stats = {name: {k: v for k, v in e.stats.items() if k.startswith("integrity")} for name, e in engines.items()}
+    stats = {name: {k: v for k, v in e.snapshot().items() if k.startswith("integrity")} for name, e in engines.items()}
     if stats["on"]["integrity_checks"] == 0 or stats["off"]["integrity_checks"] != 0:
         log(f"warning: the check did not run as configured: {stats}")
     over = overheads(rows)

