@@ -89,7 +89,9 @@ class AsyncEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
         with self._lock:
             for rid, ev in events:
-                sub = self._subs.get(rid)
+                # A final event ends the subscription here too, so a stream that was never
+                # iterated (its reader vanished before the first byte) leaves nothing behind.
+                sub = self._subs.pop(rid, None) if not isinstance(ev, TokenEvent) else self._subs.get(rid)
                 if sub is not None:
                     by_loop.setdefault(sub.loop, []).append((sub.queue, ev))
         for loop, items in by_loop.items():
@@ -99,10 +101,14 @@ class AsyncEngine:
                 pass
 
     # -- callers -----------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[Event]:
-        """Stream events for one request. Raises typed errors before the first event
-        (bad params, prompt too long, queue full); afterwards errors arrive as ErrorEvent."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> AsyncIterator[Event]:
+        """Admit one request now and return its event stream.
+
+        Refusals (bad params, prompt too long, queue full) raise here, synchronously, so a
+        server can answer them with an HTTP status and start streaming as soon as the
+        request is queued. Must be called from the event loop that reads the stream.
+        """
         self.start()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -111,6 +117,15 @@ class AsyncEngine:
                 raise InvalidRequest(f"request id {request_id!r} is already in flight", request_id=request_id)
             seq = self.engine.add_request(prompt_ids, params, request_id)
             self._subs[seq.request_id] = _Subscriber(loop, queue)
+        return self._stream(seq.request_id, queue)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[Event]:
+        """Stream events for one request (`submit` and iterate). Refusals raise before the first event."""
+        async for ev in self.submit(prompt_ids, params, request_id):
+            yield ev
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue[Event]) -> AsyncIterator[Event]:
         done = False
         try:
             while True:
@@ -121,9 +136,9 @@ class AsyncEngine:
                     return
         finally:
             with self._lock:
-                self._subs.pop(seq.request_id, None)
+                self._subs.pop(request_id, None)
             if not done:
-                self.engine.abort(seq.request_id)
+                self.engine.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -3,8 +3,11 @@
     EdgeServeError                      code 5000  (500)
     ├── InvalidRequest                  code 3000  (400)
     │   ├── InvalidSamplingParams       code 3001  (400)
-    │   └── PromptTooLong               code 3006  (400)
-    ├── ModelNotFound                   code 3007  (404)
+    │   └── PromptTooLong               code 3006  (413)
+    ├── ModelNotFound                   code 5007  (400)
+    ├── AuthenticationError             code 10000 (401)
+    ├── PermissionDenied                code 10001 (403)
+    ├── QuotaExceeded                   code 3036  (429, Retry-After)
     ├── CapacityError                   code 3040  (429)
     ├── RequestCancelled                code 3041  (499)
     ├── ModelLoadError                  code 5010  (500)
@@ -15,7 +18,9 @@
     └── RegistryUnavailable             code 5020  (503)
 
 Each class has a stable numeric ``code`` (3000s: the caller's fault or a
-temporary refusal, 5000s: ours) and the HTTP status the gateway maps it to.
+temporary refusal, 5000s: ours, except 5007 "no such model", which keeps the
+platform's number; 10000s: authentication, as the platform's API uses) and the
+HTTP status the gateway maps it to.
 Lower layers raise these (``raise ... from exc``); the gateway translates them
 once into the Workers envelope or an OpenAI error object.
 """
@@ -30,6 +35,9 @@ __all__ = [
     "InvalidSamplingParams",
     "PromptTooLong",
     "ModelNotFound",
+    "AuthenticationError",
+    "PermissionDenied",
+    "QuotaExceeded",
     "CapacityError",
     "RequestCancelled",
     "ModelLoadError",
@@ -69,11 +77,36 @@ class InvalidSamplingParams(InvalidRequest):
 
 class PromptTooLong(InvalidRequest):
     code = 3006
+    http_status = 413
 
 
 class ModelNotFound(EdgeServeError):
-    code = 3007
-    http_status = 404
+    code = 5007
+    http_status = 400
+
+
+class AuthenticationError(EdgeServeError):
+    """No API token, or one that is unknown or revoked."""
+
+    code = 10000
+    http_status = 401
+
+
+class PermissionDenied(EdgeServeError):
+    """A valid token used on another tenant's account path."""
+
+    code = 10001
+    http_status = 403
+
+
+class QuotaExceeded(EdgeServeError):
+    """A per-tenant quota (requests per minute, tokens per day) is spent.
+
+    details: quota ("requests_per_minute" | "tokens_per_day"), limit, retry_after_s.
+    """
+
+    code = 3036
+    http_status = 429
 
 
 class CapacityError(EdgeServeError):

@@ -31,6 +31,7 @@ class FinishEvent(msgspec.Struct, tag="finish", tag_field="event", gc=False):
     finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (none until it lands)
     stop_reason: str | int | None = None  # the matched stop string or stop token id
     ttft_s: float | None = None
     total_s: float = 0.0

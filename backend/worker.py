@@ -27,7 +27,7 @@ from starlette.routing import Route
 from backend.async_engine import AsyncEngine
 from backend.errors import EdgeServeError, InvalidRequest, ModelNotFound
 from backend.worker_metrics import CONTENT_TYPE, render_metrics, worker_registry
-from backend.protocol import Event, GenerateRequest, TokenEvent, encoder
+from backend.protocol import GenerateRequest, encoder
 
 __all__ = ["create_worker_app", "NDJSON"]
 
@@ -52,17 +52,13 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
         if req.model is not None and req.model != model_name:
             return _error_response(ModelNotFound(f"model {req.model!r} is not served here; this worker serves "
                                                  f"{model_name!r}", model=req.model))
-        stream = engine.generate(req.prompt_ids, req.params, req.request_id)
-        try:
-            first = await anext(stream)  # typed refusals surface here, before any byte is sent
+        try:  # typed refusals surface here, before any byte is sent; then headers go out at once
+            stream = engine.submit(req.prompt_ids, req.params, req.request_id)
         except EdgeServeError as exc:
             return _error_response(exc)
 
         async def body() -> AsyncIterator[bytes]:
             async with contextlib.aclosing(stream):  # closing aborts the request if it is not done
-                yield encoder.encode(first) + b"\n"
-                if _is_final(first):
-                    return
                 async for ev in stream:
                     yield encoder.encode(ev) + b"\n"
 
@@ -100,6 +96,3 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
 
     return Starlette(routes=routes, lifespan=lifespan)
 
-
-def _is_final(ev: Event) -> bool:
-    return not isinstance(ev, TokenEvent)

@@ -7,7 +7,7 @@ that cannot be reached, or whose stream breaks before the final event, raises
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import msgspec
@@ -26,14 +26,21 @@ class WorkerClient:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
-        """Stream events; the last one is a FinishEvent or ErrorEvent."""
+    async def generate(self, request: GenerateRequest,
+                       on_accept: Callable[[], None] | None = None) -> AsyncIterator[Event]:
+        """Stream events; the last one is a FinishEvent or ErrorEvent.
+
+        `on_accept` is called once the worker has admitted the request (HTTP 200),
+        before its first event: a failure before that point is safe to retry elsewhere.
+        """
         url = f"{self.base_url}/v1/generate"
         try:
             async with self._client.stream("POST", url, content=msgspec.json.encode(request)) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
                     raise _typed_error(resp)
+                if on_accept is not None:
+                    on_accept()
                 final = False
                 async for line in resp.aiter_lines():
                     if not line:
@@ -46,8 +53,13 @@ class WorkerClient:
         except httpx.HTTPError as exc:
             raise BackendUnavailable(f"worker {self.base_url} unreachable or stream broken: {exc}") from exc
 
-    async def cancel(self, request_id: str) -> None:
-        await self._client.post(f"{self.base_url}/v1/cancel/{request_id}")
+    async def cancel(self, request_id: str, timeout: float = 2.0) -> bool:
+        """Ask the worker to end `request_id` at its next step; False if it could not be reached."""
+        try:
+            resp = await self._client.post(f"{self.base_url}/v1/cancel/{request_id}", timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
 
     async def stats(self) -> dict[str, object]:
         try:

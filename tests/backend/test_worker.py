@@ -80,8 +80,8 @@ def test_concurrent_requests_each_get_their_own_stream(worker) -> None:
     (b"{not json", 400, InvalidRequest.code),
     (b'{"prompt_ids": "abc"}', 400, InvalidRequest.code),
     (b'{"prompt_ids": [1, 2], "params": {"temperature": -3}}', 400, InvalidSamplingParams.code),
-    (b'{"prompt_ids": [1, 2], "params": {"max_tokens": 1000}}', 400, PromptTooLong.code),
-    (b'{"prompt_ids": [1, 2], "model": "other"}', 404, ModelNotFound.code),
+    (b'{"prompt_ids": [1, 2], "params": {"max_tokens": 1000}}', 413, PromptTooLong.code),
+    (b'{"prompt_ids": [1, 2], "model": "other"}', 400, ModelNotFound.code),
     (b'{"prompt_ids": [1, 99999]}', 400, InvalidRequest.code),
 ])
 def test_bad_requests_get_typed_errors(worker, body: bytes, status: int, code: int) -> None:

@@ -61,7 +61,7 @@ def test_unknown_name_names_known_models(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(pull.subprocess, "run", _no_subprocess)
     with pytest.raises(ModelNotFound) as info:
         pull.pull_model("llama-9000b", home=tmp_path)
-    assert info.value.code == 3007
+    assert info.value.code == ModelNotFound.code == 5007
     assert "llama-9000b" in info.value.message and "smollm2-135m" in info.value.message
     assert "smollm2-135m" in info.value.details["known"]
 
