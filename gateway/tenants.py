@@ -1,0 +1,192 @@
+"""Tenants and their API keys, in Redis (see `gateway.redis_keys` for the layout).
+
+A tenant is an account: an id (used in ``/accounts/{account_id}/...`` paths), a
+name and optional limits (requests per minute, tokens per UTC day; unset means
+unlimited). An API key is a bearer token ``es_<43 url-safe chars>`` bound to one
+tenant. Tokens are never stored: Redis keeps only their sha256 hex digest, and
+that digest *is* the lookup key, so authenticating is one HGET and no token is
+ever compared in Python. A key also has a short public id (12 hex chars) that
+names it for listing and revocation.
+
+Writes to one tenant's record go through small Lua scripts so a reader never
+sees a half-written tenant. Keys are written index-first and the token lookup
+last, and revoked lookup-first, so a token works only while its key fully exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import msgspec
+
+from backend.errors import AuthenticationError, InvalidRequest
+from gateway import redis_keys as rk
+from gateway.redis_keys import redis_errors, text
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+__all__ = ["Tenant", "ApiKey", "TenantStore", "hash_token"]
+
+_TENANT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # safe inside a {hash tag} and a URL path
+
+# KEYS: tenant hash. ARGV: name, created, rpm ("" = unlimited), tpd. Returns 0 when it exists.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'name', ARGV[1], 'created', ARGV[2])
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'requests_per_minute', ARGV[3]) end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'tokens_per_day', ARGV[4]) end
+return 1
+"""
+
+# KEYS: tenant hash. ARGV: rpm, tpd ("" = unlimited). Returns 0 when there is no such tenant.
+_SET_QUOTAS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local fields = {'requests_per_minute', 'tokens_per_day'}
+for i = 1, 2 do
+  if ARGV[i] == '' then redis.call('HDEL', KEYS[1], fields[i])
+  else redis.call('HSET', KEYS[1], fields[i], ARGV[i]) end
+end
+return 1
+"""
+
+
+class Tenant(msgspec.Struct, frozen=True):
+    """An account and its limits (None = unlimited)."""
+
+    id: str
+    name: str
+    requests_per_minute: int | None = None
+    tokens_per_day: int | None = None
+
+
+class ApiKey(NamedTuple):
+    """A freshly created key; `token` is the secret, known only now (Redis keeps its sha256)."""
+
+    key_id: str
+    tenant_id: str
+    token: str
+
+
+def hash_token(token: str) -> str:
+    """The sha256 hex digest under which a token is stored."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _limit(name: str, value: int | None) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequest(f"{name} must be a positive integer or None (unlimited), got {value!r}")
+    return str(value)
+
+
+def _tenant_from_hash(tenant_id: str, fields: dict) -> Tenant | None:
+    if not fields:
+        return None
+    f = {text(k): text(v) for k, v in fields.items()}
+    rpm, tpd = f.get("requests_per_minute"), f.get("tokens_per_day")
+    return Tenant(id=tenant_id, name=f.get("name") or "", requests_per_minute=int(rpm) if rpm else None,
+                  tokens_per_day=int(tpd) if tpd else None)
+
+
+class TenantStore:
+    """Tenants and API keys of every gateway replica, in one Redis."""
+
+    def __init__(self, redis: redis.asyncio.Redis) -> None:
+        self.redis = redis
+        self._create = redis.register_script(_CREATE)
+        self._set_quotas = redis.register_script(_SET_QUOTAS)
+
+    async def create_tenant(self, name: str, *, tenant_id: str | None = None,
+                            requests_per_minute: int | None = None,
+                            tokens_per_day: int | None = None) -> Tenant:
+        """Create a tenant (id: 32 random hex chars by default). InvalidRequest if the id is taken."""
+        tenant_id = secrets.token_hex(16) if tenant_id is None else tenant_id
+        if not _TENANT_ID.fullmatch(tenant_id):
+            raise InvalidRequest("tenant id must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'")
+        if not name.strip():
+            raise InvalidRequest("tenant name must not be empty")
+        rpm, tpd = _limit("requests_per_minute", requests_per_minute), _limit("tokens_per_day", tokens_per_day)
+        with redis_errors():
+            created = await self._create(keys=[rk.tenant(tenant_id)], args=[name, f"{time.time():.3f}", rpm, tpd])
+            if not created:
+                raise InvalidRequest(f"tenant {tenant_id} already exists")
+            await self.redis.sadd(rk.tenants(), tenant_id)
+        return Tenant(tenant_id, name, requests_per_minute, tokens_per_day)
+
+    async def get_tenant(self, tenant_id: str) -> Tenant | None:
+        """The tenant, or None when there is no such id."""
+        if not _TENANT_ID.fullmatch(tenant_id):
+            return None
+        with redis_errors():
+            return _tenant_from_hash(tenant_id, await self.redis.hgetall(rk.tenant(tenant_id)))
+
+    async def set_quotas(self, tenant_id: str, *, requests_per_minute: int | None,
+                         tokens_per_day: int | None) -> Tenant:
+        """Replace both limits (None = unlimited); returns the updated tenant."""
+        rpm, tpd = _limit("requests_per_minute", requests_per_minute), _limit("tokens_per_day", tokens_per_day)
+        with redis_errors():
+            if not _TENANT_ID.fullmatch(tenant_id) or not await self._set_quotas(
+                    keys=[rk.tenant(tenant_id)], args=[rpm, tpd]):
+                raise InvalidRequest(f"no such tenant: {tenant_id}")
+        tenant = await self.get_tenant(tenant_id)
+        assert tenant is not None
+        return tenant
+
+    async def list_tenants(self) -> list[Tenant]:
+        """Every tenant, sorted by id."""
+        with redis_errors():
+            ids = sorted(text(t) for t in await self.redis.smembers(rk.tenants()))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for tenant_id in ids:
+                    pipe.hgetall(rk.tenant(tenant_id))
+                records = await pipe.execute()
+        return [t for i, h in zip(ids, records, strict=True) if (t := _tenant_from_hash(i, h)) is not None]
+
+    async def create_key(self, tenant_id: str) -> ApiKey:
+        """A new API key for the tenant; the returned token is the only copy of the secret."""
+        if await self.get_tenant(tenant_id) is None:
+            raise InvalidRequest(f"no such tenant: {tenant_id}")
+        token = "es_" + secrets.token_urlsafe(32)
+        token_hash, created = hash_token(token), f"{time.time():.3f}"
+        with redis_errors():
+            kid = secrets.token_hex(6)
+            while not await self.redis.hsetnx(rk.key_id(kid), "tenant_id", tenant_id):
+                kid = secrets.token_hex(6)  # 48-bit id collision: practically never
+            await self.redis.hset(rk.key_id(kid), "token_hash", token_hash)
+            await self.redis.sadd(rk.tenant_keys(tenant_id), kid)
+            await self.redis.hset(rk.api_key(token_hash),
+                                  mapping={"tenant_id": tenant_id, "key_id": kid, "created": created})
+        return ApiKey(kid, tenant_id, token)
+
+    async def revoke_key(self, key_id: str) -> bool:
+        """Delete the key; False when unknown. Its token stops authenticating at once."""
+        with redis_errors():
+            record = {text(k): text(v) for k, v in (await self.redis.hgetall(rk.key_id(key_id))).items()}
+            if not record:
+                return False
+            if record.get("token_hash"):
+                await self.redis.delete(rk.api_key(record["token_hash"]))
+            await self.redis.srem(rk.tenant_keys(record["tenant_id"]), key_id)
+            await self.redis.delete(rk.key_id(key_id))
+        return True
+
+    async def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of an ``Authorization: Bearer <token>`` header; AuthenticationError otherwise."""
+        if not authorization or not authorization.strip():
+            raise AuthenticationError("missing Authorization header (expected 'Bearer <api token>')")
+        scheme, _, token = authorization.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token or any(c.isspace() for c in token):
+            raise AuthenticationError("malformed Authorization header (expected 'Bearer <api token>')")
+        with redis_errors():
+            tenant_id = text(await self.redis.hget(rk.api_key(hash_token(token)), "tenant_id"))
+        tenant = await self.get_tenant(tenant_id) if tenant_id else None
+        if tenant is None:
+            raise AuthenticationError("invalid or revoked API token")
+        return tenant
