@@ -1,0 +1,87 @@
+"""The gateway ASGI app: routes, shared state, lifespan.
+
+    POST /client/v4/accounts/{account_id}/ai/run/{model}            Workers AI text generation
+    GET  /client/v4/accounts/{account_id}/ai/usage?from=&to=        the caller's own usage
+    POST /client/v4/accounts/{account_id}/ai/v1/chat/completions    OpenAI chat, account-scoped
+    POST /v1/chat/completions                                       OpenAI chat
+    GET  /v1/models                                                 served models and aliases
+    GET  /healthz                                                   gateway and Redis reachable
+    GET  /metrics                                                   Prometheus
+
+Gateways hold no state of their own: tenants, keys, usage and quotas are in Redis,
+so any number of them can share one Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backend.errors import InvalidRequest
+from gateway.config import GatewayConfig
+from gateway.envelopes import workers_error
+from gateway.metering import Meter
+from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from gateway.openai_api import chat_completions, list_models
+from gateway.quotas import Quotas
+from gateway.served_models import ModelCatalog
+from gateway.state import GatewayState
+from gateway.tenants import TenantStore
+from gateway.worker_pool import WorkerPool
+from gateway.workers_api import workers_run, workers_usage
+
+__all__ = ["create_gateway_app"]
+
+ACCOUNT = "/client/v4/accounts/{account_id}/ai"
+
+
+def create_gateway_app(config: GatewayConfig) -> Starlette:
+    """The gateway for `config`; tokenizers load now, connections open lazily."""
+    catalog = ModelCatalog(config.models)
+    redis = aioredis.Redis.from_url(config.redis_url, max_connections=512)
+    state = GatewayState(config=config, catalog=catalog, pool=WorkerPool(catalog.models, config.worker_timeout_s),
+                         tenants=TenantStore(redis), quotas=Quotas(redis), meter=Meter(redis),
+                         metrics=GatewayMetrics())
+
+    async def healthz(request: Request) -> Response:
+        try:
+            await redis.ping()
+        except Exception as exc:  # noqa: BLE001 - health reports, never raises
+            return JSONResponse({"status": "degraded", "redis": f"unreachable: {type(exc).__name__}"}, 503)
+        return JSONResponse({"status": "ok", "region": config.region, "models": [m.name for m in catalog.models]})
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        err = InvalidRequest(f"no route {request.method} {request.url.path}")
+        return JSONResponse(workers_error(err), status_code=status)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await state.pool.aclose()
+            await redis.aclose()
+
+    routes = [
+        Route(f"{ACCOUNT}/run/{{model:path}}", workers_run, methods=["POST"]),
+        Route(f"{ACCOUNT}/usage", workers_usage, methods=["GET"]),
+        Route(f"{ACCOUNT}/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    app.state.gateway = state
+    return app

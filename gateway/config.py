@@ -1,0 +1,36 @@
+"""Gateway configuration: the models it serves, where their workers are, its region.
+
+Until routing lands (worker registry in Redis), each served model lists its worker
+URLs here and the gateway spreads requests over them round-robin.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["ModelRoute", "GatewayConfig", "DEFAULT_ALIASES"]
+
+# Workers AI catalogue names of the models we ship, by local model name.
+DEFAULT_ALIASES: dict[str, list[str]] = {
+    "smollm2-135m": ["@cf/huggingface/smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"],
+}
+
+
+class ModelRoute(msgspec.Struct, frozen=True):
+    """One served model: its name (what workers call it), aliases clients may use,
+    the local model folder (tokenizer and chat template) and its workers."""
+
+    name: str
+    model_dir: str
+    workers: list[str]
+    aliases: list[str] = []
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+
+class GatewayConfig(msgspec.Struct, frozen=True):
+    models: list[ModelRoute]
+    redis_url: str
+    region: str = "local"
+    keepalive_s: float = 10.0  # SSE comment interval while a request waits for tokens
+    worker_timeout_s: float = 300.0  # longest silence tolerated from a worker mid-stream
+    max_request_bytes: int = 4 * 2**20

@@ -1,0 +1,224 @@
+"""One request's run behind either API: worker stream → text deltas, metered exactly once.
+
+    gen = Generation(...);  await gen.start()      # quota, worker admission: typed refusals raise here
+    async for item in gen.events(): ...            # Delta(text) ..., then one Done; errors raise
+    await gen.aclose()                              # always (finally): cancels if unfinished, waits for metering
+
+A producer task owns the worker stream from start to end, so its HTTP stream,
+detokeniser and metering live in one task. The response side only reads a
+queue: it can wait with a timeout (SSE keep-alives) and can be cancelled by a
+client disconnect without tearing the worker stream apart mid-read. Cancelling
+the producer closes the worker stream (the worker aborts the request and frees
+its pages) and also sends an explicit cancel.
+
+Metering happens in the producer's `finally`, shielded from cancellation,
+exactly once per request id (the Redis script refuses a second record):
+completion tokens are the tokens that reached the gateway, also when the
+client left or the worker died mid-stream. A request refused before the worker
+admitted it is not metered; its quota reservation is released.
+
+A worker that fails before admitting the request (unreachable, or gone before
+the HTTP 200) is retried once on the next worker; after admission a failure
+ends the stream with an error, since tokens may already have been shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import NamedTuple
+
+import anyio
+
+from backend.errors import BackendUnavailable, EdgeServeError
+from backend.protocol import ErrorEvent, FinishEvent, GenerateRequest, TokenEvent
+from backend.sampling_params import SamplingParams
+from backend.worker_client import WorkerClient
+from gateway.envelopes import as_typed
+from gateway.metering import Meter, UsageRecord
+from gateway.metrics import GatewayMetrics
+from gateway.quotas import Quotas, Reservation
+from gateway.served_models import ServedModel
+from gateway.tenants import Tenant
+from gateway.text_stream import TextStream
+from gateway.worker_pool import WorkerPool
+
+__all__ = ["Delta", "Done", "Usage", "Generation"]
+
+log = logging.getLogger(__name__)
+
+
+class Usage(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict[str, object]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class Delta(NamedTuple):
+    text: str
+
+
+class Done(NamedTuple):
+    finish_reason: str  # "stop" | "length"
+    usage: Usage
+
+
+_Item = Delta | Done | EdgeServeError
+
+
+class Generation:
+    def __init__(self, *, tenant: Tenant, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
+                 api: str, pool: WorkerPool, quotas: Quotas, meter: Meter, metrics: GatewayMetrics) -> None:
+        self.request_id = uuid.uuid4().hex
+        self.tenant, self.model, self.prompt_ids, self.params, self.api = tenant, model, prompt_ids, params, api
+        self._pool, self._quotas, self._meter, self._metrics = pool, quotas, meter, metrics
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._accepted = asyncio.Event()
+        self._producer: asyncio.Task[None] | None = None
+        self._reservation: Reservation | None = None
+        self._completion_tokens = 0
+        self._started_at = time.time()
+        self.worker_url: str | None = None
+
+    async def start(self) -> None:
+        """Admit against quotas and get the request accepted by a worker; raise typed refusals."""
+        self._reservation = await self._quotas.admit(self.tenant, self.request_id, len(self.prompt_ids),
+                                                     self.params.max_tokens)
+        if self._reservation.max_tokens < self.params.max_tokens:  # the day's tokens cap the completion
+            self.params = SamplingParams(**{**_fields(self.params), "max_tokens": self._reservation.max_tokens})
+        self._producer = asyncio.create_task(self._produce(), name=f"generation-{self.request_id}")
+        accepted = asyncio.create_task(self._accepted.wait())
+        await asyncio.wait({accepted, self._producer}, return_when=asyncio.FIRST_COMPLETED)
+        accepted.cancel()
+        if not self._accepted.is_set():  # the producer ended before a worker took the request
+            item = self._queue.get_nowait()
+            assert isinstance(item, EdgeServeError), item
+            raise item
+
+    async def events(self):  # -> AsyncIterator[Delta | Done]
+        """Text deltas, then one Done; a failure after admission raises its typed error."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, EdgeServeError):
+                raise item
+            yield item
+            if isinstance(item, Done):
+                return
+
+    async def collect(self) -> tuple[str, Done]:
+        """The whole completion text and its Done (non-streaming responses)."""
+        parts: list[str] = []
+        async for item in self.events():
+            if isinstance(item, Delta):
+                parts.append(item.text)
+            else:
+                return "".join(parts), item
+        raise EdgeServeError("generation ended without a result")
+
+    async def next_item(self, timeout: float) -> Delta | Done | EdgeServeError | None:
+        """The next item, or None after `timeout` seconds without one (for keep-alives)."""
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    async def aclose(self) -> None:
+        """Cancel the run if it has not finished, and wait until it is metered."""
+        producer = self._producer
+        if producer is None:
+            return
+        with anyio.CancelScope(shield=True):  # a client disconnect cancels us; this must still finish
+            if not producer.done():
+                producer.cancel()
+            await asyncio.wait({producer})
+
+    # -- producer task -----------------------------------------------------------------
+    async def _produce(self) -> None:
+        finish_reason, error = "cancelled", None
+        cached = 0
+        client: WorkerClient | None = None
+        try:
+            request = GenerateRequest(self.prompt_ids, self.params, self.request_id, model=self.model.name)
+            candidates = self._pool.candidates(self.model)[:2]
+            for attempt, client in enumerate(candidates):
+                self.worker_url = client.base_url
+                try:
+                    finish_reason, cached = await self._stream_from(client, request)
+                    break
+                except BackendUnavailable:
+                    if self._accepted.is_set() or attempt == len(candidates) - 1:
+                        raise
+                    log.warning("worker %s failed before accepting %s; retrying on the next",
+                                client.base_url, self.request_id)
+        except asyncio.CancelledError:
+            if client is not None and self._accepted.is_set():
+                await client.cancel(self.request_id)
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a typed item
+            error = as_typed(exc)
+            finish_reason = "error"
+            self._queue.put_nowait(error)
+        finally:
+            await self._settle(finish_reason, error, cached)
+
+    async def _stream_from(self, client: WorkerClient, request: GenerateRequest) -> tuple[str, int]:
+        text = TextStream(self.model.tokenizer, self.prompt_ids, self.params.stop)
+        first = True
+        async for ev in client.generate(request, on_accept=self._accepted.set):
+            if isinstance(ev, TokenEvent):
+                if first:
+                    self._metrics.ttft.labels(self.api).observe(time.time() - self._started_at)
+                    first = False
+                self._completion_tokens += len(ev.token_ids)
+                piece = text.push(ev.token_ids)
+                if piece:
+                    self._queue.put_nowait(Delta(piece))
+            elif isinstance(ev, FinishEvent):
+                self._completion_tokens = ev.completion_tokens
+                tail = text.finish()
+                if tail:
+                    self._queue.put_nowait(Delta(tail))
+                reason = "length" if ev.finish_reason == "length" else "stop"
+                usage = Usage(len(self.prompt_ids), ev.completion_tokens, ev.cached_tokens)
+                self._queue.put_nowait(Done(reason, usage))
+                return reason, ev.cached_tokens
+            elif isinstance(ev, ErrorEvent):
+                self._completion_tokens = max(self._completion_tokens, ev.completion_tokens)
+                raise _worker_error(ev)
+        raise BackendUnavailable(f"worker {client.base_url} ended the stream without a final event")
+
+    async def _settle(self, finish_reason: str, error: EdgeServeError | None, cached: int) -> None:
+        """Meter once (or release the reservation when no worker ever took the request)."""
+        try:
+            if not self._accepted.is_set():
+                if self._reservation is not None:
+                    await self._meter.release(self._reservation)
+                return
+            record = UsageRecord(
+                request_id=self.request_id, tenant_id=self.tenant.id, model=self.model.name,
+                prompt_tokens=len(self.prompt_ids), cached_prompt_tokens=cached,
+                completion_tokens=self._completion_tokens, finish_reason=finish_reason,
+                error_code=error.code if error is not None else None,
+                started_at=self._started_at, ended_at=time.time())
+            await self._meter.record(record, self._reservation)
+            self._metrics.observe_finished(self.api, self.model.name, finish_reason, len(self.prompt_ids),
+                                           self._completion_tokens)
+        except Exception:  # metering must never take the response down with it; it is logged loudly
+            log.exception("metering failed for request %s (tenant %s)", self.request_id, self.tenant.id)
+
+
+def _worker_error(ev: ErrorEvent) -> EdgeServeError:
+    from backend.errors import error_from_code
+
+    return error_from_code(ev.code, ev.message)
+
+
+def _fields(params: SamplingParams) -> dict[str, object]:
+    return {f: getattr(params, f) for f in params.__struct_fields__}

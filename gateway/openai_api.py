@@ -1,0 +1,114 @@
+"""OpenAI-compatible chat: `POST /v1/chat/completions` (also under the account path) and `GET /v1/models`.
+
+Streaming sends `chat.completion.chunk`s: the first carries `delta.role`, then
+`delta.content` pieces, then one with `finish_reason` ("stop" | "length") and an
+empty delta, then, with `stream_options.include_usage`, one with `choices: []`
+and `usage`, then `data: [DONE]`. Errors are OpenAI error objects, in-stream
+as a final `data: {"error": {...}}`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from backend.errors import EdgeServeError
+from backend.sampling_params import SamplingParams
+from gateway.envelopes import as_typed, error_headers, openai_error
+from gateway.generation import Delta, Done, Generation
+from gateway.schemas import ChatCompletionRequest, decode_body, plain_messages
+from gateway.sse import SSE_HEADERS, sse_event, sse_stream
+from gateway.state import GatewayState
+
+__all__ = ["chat_completions", "list_models"]
+
+API = "openai"
+
+
+def _error_response(exc: BaseException, state: GatewayState) -> JSONResponse:
+    typed = as_typed(exc)
+    state.metrics.requests.labels(API, str(typed.code)).inc()
+    return JSONResponse(openai_error(typed), status_code=typed.http_status, headers=error_headers(typed))
+
+
+async def chat_completions(request: Request) -> Response:
+    state: GatewayState = request.app.state.gateway
+    try:
+        tenant = await state.tenant_of(request)
+        req = decode_body(await state.body(request), ChatCompletionRequest)
+        model = state.catalog.resolve(req.model)
+        prompt_ids = model.chat_prompt_ids(plain_messages(req.messages))
+        max_tokens = req.max_completion_tokens or req.max_tokens or model.max_model_len - len(prompt_ids)
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                                top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_list)
+        gen = Generation(tenant=tenant, model=model, prompt_ids=prompt_ids, params=params, api=API,
+                         pool=state.pool, quotas=state.quotas, meter=state.meter, metrics=state.metrics)
+        try:
+            await gen.start()
+        except BaseException:
+            await gen.aclose()
+            raise
+    except Exception as exc:  # noqa: BLE001 - translated once, here
+        return _error_response(exc, state)
+    state.metrics.requests.labels(API, "200").inc()
+    headers = {"x-edgeserve-request-id": gen.request_id, "x-edgeserve-worker": gen.worker_url or ""}
+    chunk = _ChunkMaker(f"chatcmpl-{gen.request_id}", req.model)
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        first = [True]
+
+        def on_delta(d: Delta) -> bytes:
+            delta: dict[str, Any] = {"content": d.text}
+            if first[0]:
+                delta["role"], first[0] = "assistant", False
+            return sse_event(chunk.make([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]))
+
+        def on_done(d: Done) -> Iterable[bytes]:
+            delta = {"role": "assistant", "content": ""} if first[0] else {}
+            yield sse_event(chunk.make([{"index": 0, "delta": delta, "finish_reason": d.finish_reason,
+                                         "logprobs": None}]))
+            if include_usage:
+                yield sse_event(chunk.make([], usage=d.usage.to_dict()))
+
+        return StreamingResponse(
+            sse_stream(gen, state.config.keepalive_s, on_delta=on_delta, on_done=on_done,
+                       on_error=lambda e: sse_event(openai_error(e))),
+            media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    try:
+        text, done = await gen.collect()
+        body = {"id": chunk.id, "object": "chat.completion", "created": chunk.created, "model": req.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": done.finish_reason, "logprobs": None}],
+                "usage": done.usage.to_dict()}
+        return JSONResponse(body, headers=headers)
+    except EdgeServeError as exc:
+        return JSONResponse(openai_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})
+    finally:
+        await gen.aclose()
+
+
+class _ChunkMaker:
+    def __init__(self, completion_id: str, model: str) -> None:
+        self.id, self.model, self.created = completion_id, model, int(time.time())
+
+    def make(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                               "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+async def list_models(request: Request) -> Response:
+    state: GatewayState = request.app.state.gateway
+    try:
+        await state.tenant_of(request)
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc, state)
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "edgeserve", "root": m.name,
+             "max_model_len": m.max_model_len} for m in state.catalog.models for name in m.names]
+    return JSONResponse({"object": "list", "data": data})

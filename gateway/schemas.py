@@ -1,0 +1,157 @@
+"""Request bodies of the public API (msgspec structs) and their validation.
+
+Decoding is strict about types and ranges and names the offending field in the
+error (`InvalidRequest`, 400); fields the API documents but we do not implement
+(penalties, logprobs, tools, n > 1) are refused with `InvalidSamplingParams`
+naming the field rather than silently ignored. Unknown fields are ignored, as
+the platforms we mirror do.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from backend.errors import InvalidRequest, InvalidSamplingParams
+
+__all__ = [
+    "ContentPart",
+    "Message",
+    "WorkersRunRequest",
+    "StreamOptions",
+    "ChatCompletionRequest",
+    "decode_body",
+    "plain_messages",
+]
+
+MAX_TOKENS_LIMIT = 131072
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+T = TypeVar("T")
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, frozen=True):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart]
+
+
+class WorkersRunRequest(msgspec.Struct, frozen=True):
+    """`POST /client/v4/accounts/{account_id}/ai/run/{model}` (text generation)."""
+
+    prompt: Annotated[str, Meta(min_length=1)] | None = None
+    messages: Annotated[list[Message], Meta(min_length=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)] = 256
+    temperature: Annotated[float, Meta(ge=0.0, le=5.0)] = 0.6
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=1, le=50)] | None = None
+    seed: Seed | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stream: bool = False
+    raw: bool = False  # the prompt is sent as is, without the chat template
+
+    def validate(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("give exactly one of `prompt` or `messages`", field="prompt")
+        _refuse_penalties(repetition_penalty=(self.repetition_penalty, 1.0),
+                          frequency_penalty=(self.frequency_penalty, 0.0),
+                          presence_penalty=(self.presence_penalty, 0.0))
+        if self.raw and self.messages is not None:
+            raise InvalidRequest("`raw` applies to `prompt` only", field="raw")
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(msgspec.Struct, frozen=True):
+    """OpenAI `POST /v1/chat/completions`."""
+
+    model: str
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Meta(ge=1)] = 1
+    stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: Seed | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+
+    def validate(self) -> None:
+        if self.n != 1:
+            raise InvalidSamplingParams("only n=1 is supported", field="n")
+        _refuse_penalties(frequency_penalty=(self.frequency_penalty, 0.0),
+                          presence_penalty=(self.presence_penalty, 0.0))
+        for field in ("logprobs", "top_logprobs", "logit_bias", "tools"):
+            if getattr(self, field):
+                raise InvalidSamplingParams(f"`{field}` is not supported", field=field)
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidSamplingParams("only response_format type `text` is supported", field="response_format")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("`stream_options` needs `stream: true`", field="stream_options")
+
+    @property
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise InvalidRequest("stop strings must be non-empty", field="stop")
+        return stops
+
+
+def _refuse_penalties(**fields: tuple[float | None, float]) -> None:
+    for name, (value, neutral) in fields.items():
+        if value is not None and value != neutral:
+            raise InvalidSamplingParams(f"`{name}` is not supported (only the neutral value {neutral})", field=name)
+
+
+_FIELD_AT = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def decode_body(body: bytes, schema: type[T]) -> T:
+    """Decode and validate a JSON body; errors are `InvalidRequest` naming the field."""
+    if not body.strip():
+        raise InvalidRequest("empty request body; expected a JSON object")
+    try:
+        req = msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as exc:
+        match = _FIELD_AT.search(str(exc))
+        field = match.group(1) if match else ""
+        raise InvalidRequest(f"invalid request: {exc}", field=field) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"malformed JSON: {exc}") from exc
+    validate = getattr(req, "validate", None)
+    if validate is not None:
+        validate()
+    return req
+
+
+def plain_messages(messages: list[Message]) -> list[dict[str, str]]:
+    """Messages as chat templates expect them: text parts joined, anything else refused."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, str):
+            text = m.content
+        else:
+            if any(p.type != "text" or p.text is None for p in m.content):
+                raise InvalidRequest("only text content parts are supported", field=f"messages[{i}].content")
+            text = "".join(p.text or "" for p in m.content)
+        out.append({"role": m.role, "content": text})
+    return out

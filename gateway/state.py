@@ -1,0 +1,54 @@
+"""What every request handler needs, built once per gateway app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from backend.errors import PermissionDenied, PromptTooLong
+from gateway.config import GatewayConfig
+from gateway.metering import Meter
+from gateway.metrics import GatewayMetrics
+from gateway.quotas import Quotas
+from gateway.served_models import ModelCatalog
+from gateway.tenants import Tenant, TenantStore
+from gateway.worker_pool import WorkerPool
+
+__all__ = ["GatewayState"]
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    catalog: ModelCatalog
+    pool: WorkerPool
+    tenants: TenantStore
+    quotas: Quotas
+    meter: Meter
+    metrics: GatewayMetrics
+
+    async def tenant_of(self, request: Request) -> Tenant:
+        """The caller's tenant (401 without a valid token); on an account path it must be that account (403)."""
+        tenant = await self.tenants.authenticate(request.headers.get("authorization"))
+        account = request.path_params.get("account_id")
+        if account is not None and account != tenant.id:
+            raise PermissionDenied("this API token cannot act on that account", account_id=account)
+        return tenant
+
+    async def body(self, request: Request) -> bytes:
+        """The request body, refused (413) past the configured size before it is all read."""
+        limit = self.config.max_request_bytes
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise _too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _too_large(limit: int) -> PromptTooLong:
+    return PromptTooLong(f"request body larger than {limit} bytes", max_request_bytes=limit)

@@ -1,0 +1,53 @@
+"""Token ids → the text a client sees: incremental detokenisation plus stop-string trimming.
+
+The worker stops generating when the text completes a stop string, but the
+tokens that spelled it have already been streamed to us; the client must not
+see the stop string (OpenAI semantics). So text that could still turn out to be
+the start of a stop string is held back: at most `len(longest stop) - 1`
+characters. When a stop string appears, everything before it is released and
+the rest is dropped. Without stop strings nothing is held back beyond what the
+detokeniser holds for incomplete characters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from backend.tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = ["TextStream"]
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = ()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stops = [s for s in stop if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._pending = ""
+        self.stopped = False  # a stop string was seen; later text is dropped
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Text released by these ids (maybe "")."""
+        if self.stopped:
+            return ""
+        for t in token_ids:
+            self._pending += self._detok.push(t)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """End of stream: everything still held that is not part of a stop string."""
+        if self.stopped:
+            return ""
+        self._pending += self._detok.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self._pending = self._pending[:cut], ""
+            return out
+        keep = 0 if final else self._hold
+        split = max(0, len(self._pending) - keep)
+        out, self._pending = self._pending[:split], self._pending[split:]
+        return out

@@ -1,0 +1,100 @@
+"""Workers AI-style REST: `POST /client/v4/accounts/{account_id}/ai/run/{model}` and usage.
+
+    {"prompt": "..."} or {"messages": [...]}, max_tokens 256, temperature 0.6, top_p, top_k, seed, stream
+    -> {"result": {"response": "...", "usage": {...}}, "success": true, "errors": [], "messages": []}
+    stream: data: {"response": "..."} ... data: {"response": "", "usage": {...}}  data: [DONE]
+
+Model names may carry slashes (`@cf/huggingface/smollm2-135m-instruct`), so the
+route takes the rest of the path. Every error, before or during the stream, is
+the Workers envelope.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from backend.errors import EdgeServeError, InvalidRequest
+from backend.sampling_params import SamplingParams
+from gateway.envelopes import as_typed, error_headers, workers_error, workers_success
+from gateway.generation import Generation
+from gateway.redis_keys import utc_day
+from gateway.schemas import WorkersRunRequest, decode_body, plain_messages
+from gateway.sse import SSE_HEADERS, sse_event, sse_stream
+from gateway.state import GatewayState
+
+__all__ = ["workers_run", "workers_usage", "workers_error_response"]
+
+API = "workers"
+
+
+def workers_error_response(exc: BaseException, state: GatewayState) -> JSONResponse:
+    typed = as_typed(exc)
+    state.metrics.requests.labels(API, str(typed.code)).inc()
+    return JSONResponse(workers_error(typed), status_code=typed.http_status, headers=error_headers(typed))
+
+
+async def workers_run(request: Request) -> Response:
+    state: GatewayState = request.app.state.gateway
+    try:
+        tenant = await state.tenant_of(request)
+        model = state.catalog.resolve(request.path_params["model"])
+        req = decode_body(await state.body(request), WorkersRunRequest)
+        if req.messages is not None:
+            prompt_ids = model.chat_prompt_ids(plain_messages(req.messages))
+        elif req.raw:
+            prompt_ids = model.raw_prompt_ids(req.prompt or "")
+        else:
+            prompt_ids = model.chat_prompt_ids([{"role": "user", "content": req.prompt or ""}])
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p or 1.0,
+                                top_k=req.top_k or 0, seed=req.seed)
+        gen = Generation(tenant=tenant, model=model, prompt_ids=prompt_ids, params=params, api=API,
+                         pool=state.pool, quotas=state.quotas, meter=state.meter, metrics=state.metrics)
+        try:
+            await gen.start()
+        except BaseException:
+            await gen.aclose()
+            raise
+    except Exception as exc:  # noqa: BLE001 - translated once, here
+        return workers_error_response(exc, state)
+    headers = {"x-edgeserve-request-id": gen.request_id, "x-edgeserve-worker": gen.worker_url or ""}
+    state.metrics.requests.labels(API, "200").inc()
+    if req.stream:
+        return StreamingResponse(
+            sse_stream(gen, state.config.keepalive_s,
+                       on_delta=lambda d: sse_event({"response": d.text}),
+                       on_done=lambda d: [sse_event({"response": "", "usage": d.usage.to_dict()})],
+                       on_error=lambda e: sse_event(workers_error(e), event="error")),
+            media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return await _collect(gen, headers)
+
+
+async def _collect(gen: Generation, headers: dict[str, str]) -> JSONResponse:
+    try:
+        text, done = await gen.collect()
+        return JSONResponse(workers_success({"response": text, "usage": done.usage.to_dict()}), headers=headers)
+    except EdgeServeError as exc:
+        return JSONResponse(workers_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})
+    finally:
+        await gen.aclose()
+
+
+async def workers_usage(request: Request) -> Response:
+    """`GET /client/v4/accounts/{account_id}/ai/usage?from=YYYY-MM-DD&to=YYYY-MM-DD` (the caller's own)."""
+    state: GatewayState = request.app.state.gateway
+    try:
+        tenant = await state.tenant_of(request)
+        today = utc_day()
+        start = request.query_params.get("from", today)
+        end = request.query_params.get("to", today)
+        for name, day in (("from", start), ("to", end)):
+            try:
+                datetime.date.fromisoformat(day)
+            except ValueError:
+                raise InvalidRequest(f"`{name}` must be a day YYYY-MM-DD, got {day!r}", field=name) from None
+        days = await state.meter.usage(tenant.id, start, end)
+    except Exception as exc:  # noqa: BLE001
+        return workers_error_response(exc, state)
+    return JSONResponse(workers_success({"account_id": tenant.id, "from": start, "to": end, "days": days}))
