@@ -18,7 +18,10 @@ __all__ = ["main", "build_parser"]
 _SUBCOMMANDS: dict[str, str] = {
     "pull": "ops.pull",
     "serve": "ops.serve",
-    "up": "ops.serve",
+    "up": "ops.up",
+    "gateway": "ops.gateway_cmd",
+    "tenant": "ops.tenant",
+    "key": "ops.tenant",
     "chat": "ops.chat",
     "bench": "ops.bench",
 }

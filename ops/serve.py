@@ -1,17 +1,16 @@
-"""`edgeserve serve` (one worker) and `edgeserve up` (the local cluster).
+"""`edgeserve serve`: run one worker (role unified) on a model.
 
-Until the gateway exists, `up` pulls the default model and runs one unified
-worker on it, printing how to call it.
+`ENGINE_OPTIONS` lists the engine flags so `edgeserve up` can forward them to
+the worker it starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 
-__all__ = ["register", "DEFAULT_MODEL", "parse_bytes"]
+__all__ = ["register", "DEFAULT_MODEL", "parse_bytes", "add_engine_args", "ENGINE_OPTIONS"]
 
 DEFAULT_MODEL = "smollm2-135m"
 log = logging.getLogger(__name__)
@@ -25,8 +24,11 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[match.group(2)])
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Model and engine flags shared by `serve` and `up`."""
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name to pull, or a Hugging Face-format folder")
+    p.add_argument("--served-name", default=None,
+                   help="the name clients and the gateway use for the model (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -43,17 +45,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
+# engine flags `up` forwards to its worker unchanged (dest names)
+ENGINE_OPTIONS = ("dtype", "kv_format", "device", "kv_cache_bytes", "page_size", "max_model_len", "max_num_seqs",
+                  "max_num_batched_tokens", "prefill_chunk_size", "max_waiting", "threads")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run one worker (role unified)")
-    _add_engine_args(serve)
+    add_engine_args(serve)
     serve.add_argument("--role", default="unified", choices=["unified"])
     serve.set_defaults(func=run_serve)
-    up = subparsers.add_parser("up", help="pull the default model and run the local cluster")
-    _add_engine_args(up)
-    up.set_defaults(func=run_up, role="unified")
 
 
-def run_serve(args: argparse.Namespace, banner: bool = False) -> int:
+def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from backend.async_engine import AsyncEngine
@@ -68,26 +72,12 @@ def run_serve(args: argparse.Namespace, banner: bool = False) -> int:
                           prefill_chunk_size=args.prefill_chunk_size, max_waiting=args.max_waiting,
                           num_threads=args.threads, device=args.device)
     engine = LLMEngine.from_pretrained(model_dir, config)
-    app = create_worker_app(AsyncEngine(engine), model_name=args.model, role=args.role)
+    name = args.served_name or args.model
+    app = create_worker_app(AsyncEngine(engine), model_name=name, role=args.role)
     snap = engine.snapshot()
-    print(f"edgeserve worker ({args.role}) serving {args.model} from {model_dir}\n"
+    print(f"edgeserve worker ({args.role}) serving {name} from {model_dir}\n"
           f"  KV pool: {snap['pages_total']} pages x {snap['page_size']} tokens ({snap['kv_format']}, "
           f"{snap['kv_bytes_per_token']} B/token), context {snap['max_model_len']}", flush=True)
-    if banner:
-        base = f"http://{args.host}:{args.port}"
-        print(f"""
-  Try it (token ids in, token ids out, one JSON event per line):
-    edgeserve chat --url {base} "Write a haiku about the sea"
-    curl -sN {base}/v1/generate -d '{{"prompt_ids": [1, 9690, 198], "params": {{"max_tokens": 16}}}}'
-    curl -s {base}/stats
-""", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 
-
-def run_up(args: argparse.Namespace) -> int:
-    from ops.pull import resolve_model
-
-    if not os.path.isdir(args.model):
-        resolve_model(args.model)  # pull first, with progress, before loading anything
-    return run_serve(args, banner=True)

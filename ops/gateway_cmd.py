@@ -1,0 +1,51 @@
+"""`edgeserve gateway`: run one gateway replica in front of running workers.
+
+Replicas are stateless: run as many as you like against the same Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+__all__ = ["register", "build_config", "DEFAULT_REDIS_URL"]
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("gateway", help="run a gateway replica (workers and Redis must be running)")
+    p.add_argument("--model", default="smollm2-135m", help="model name or folder (its tokenizer and template)")
+    p.add_argument("--served-name", default=None, help="the name workers serve it under (default: --model)")
+    p.add_argument("--worker", action="append", required=True, help="worker base URL (repeat for several)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--region", default="local")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alive comments")
+    p.set_defaults(func=run)
+
+
+def build_config(model: str, workers: list[str], redis_url: str, *, served_name: str | None = None,
+                 region: str = "local", max_model_len: int | None = None, keepalive_s: float = 10.0):
+    """GatewayConfig for one model (pulled if it is a known name) served by `workers`."""
+    from gateway.config import DEFAULT_ALIASES, GatewayConfig, ModelRoute
+    from ops.pull import resolve_model
+
+    name = served_name or model
+    route = ModelRoute(name=name, model_dir=str(resolve_model(model)), workers=workers,
+                       aliases=DEFAULT_ALIASES.get(name, []), max_model_len=max_model_len)
+    return GatewayConfig(models=[route], redis_url=redis_url, region=region, keepalive_s=keepalive_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_gateway_app
+
+    config = build_config(args.model, args.worker, args.redis_url, served_name=args.served_name,
+                          region=args.region, max_model_len=args.max_model_len, keepalive_s=args.keepalive)
+    print(f"edgeserve gateway on http://{args.host}:{args.port} -> {', '.join(args.worker)}", flush=True)
+    uvicorn.run(create_gateway_app(config), host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0

