@@ -41,14 +41,18 @@ class WorkerClient:
                     raise _typed_error(resp)
                 if on_accept is not None:
                     on_accept()
-                final = False
+                final = None
                 async for line in resp.aiter_lines():
                     if not line:
                         continue
                     ev = event_decoder.decode(line)
-                    final = isinstance(ev, (FinishEvent, ErrorEvent))
+                    if isinstance(ev, (FinishEvent, ErrorEvent)):
+                        final = ev  # yielded after the body ends, so the connection goes back to the pool
+                        continue
                     yield ev
-                if not final:
+                if final is not None:
+                    yield final
+                else:
                     raise BackendUnavailable(f"worker {self.base_url} ended the stream without a final event")
         except httpx.HTTPError as exc:
             raise BackendUnavailable(f"worker {self.base_url} unreachable or stream broken: {exc}") from exc

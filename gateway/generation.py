@@ -25,15 +25,17 @@ ends the stream with an error, since tokens may already have been shown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 import anyio
 
 from backend.errors import BackendUnavailable, EdgeServeError
-from backend.protocol import ErrorEvent, FinishEvent, GenerateRequest, TokenEvent
+from backend.protocol import ErrorEvent, Event, FinishEvent, GenerateRequest, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.worker_client import WorkerClient
 from gateway.envelopes import as_typed
@@ -102,7 +104,7 @@ class Generation:
             assert isinstance(item, EdgeServeError), item
             raise item
 
-    async def events(self):  # -> AsyncIterator[Delta | Done]
+    async def events(self) -> AsyncIterator[Delta | Done]:
         """Text deltas, then one Done; a failure after admission raises its typed error."""
         while True:
             item = await self._queue.get()
@@ -170,8 +172,13 @@ class Generation:
 
     async def _stream_from(self, client: WorkerClient, request: GenerateRequest) -> tuple[str, int]:
         text = TextStream(self.model.tokenizer, self.prompt_ids, self.params.stop)
+        events = client.generate(request, on_accept=self._accepted.set)
+        async with contextlib.aclosing(events):
+            return await self._consume(events, text, client)
+
+    async def _consume(self, events: AsyncIterator[Event], text: TextStream, client: WorkerClient) -> tuple[str, int]:
         first = True
-        async for ev in client.generate(request, on_accept=self._accepted.set):
+        async for ev in events:
             if isinstance(ev, TokenEvent):
                 if first:
                     self._metrics.ttft.labels(self.api).observe(time.time() - self._started_at)
@@ -208,6 +215,9 @@ class Generation:
                 error_code=error.code if error is not None else None,
                 started_at=self._started_at, ended_at=time.time())
             await self._meter.record(record, self._reservation)
+            log.info("request %s tenant %s model %s worker %s: %s, %d prompt + %d completion tokens",
+                     self.request_id, self.tenant.id, self.model.name, self.worker_url, finish_reason,
+                     len(self.prompt_ids), self._completion_tokens)
             self._metrics.observe_finished(self.api, self.model.name, finish_reason, len(self.prompt_ids),
                                            self._completion_tokens)
         except Exception:  # metering must never take the response down with it; it is logged loudly

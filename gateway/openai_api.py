@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -80,15 +81,15 @@ async def chat_completions(request: Request) -> Response:
             media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     try:
         text, done = await gen.collect()
-        body = {"id": chunk.id, "object": "chat.completion", "created": chunk.created, "model": req.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": done.finish_reason, "logprobs": None}],
-                "usage": done.usage.to_dict()}
-        return JSONResponse(body, headers=headers)
     except EdgeServeError as exc:
-        return JSONResponse(openai_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})
-    finally:
         await gen.aclose()
+        return JSONResponse(openai_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})
+    body = {"id": chunk.id, "object": "chat.completion", "created": chunk.created, "model": req.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": done.finish_reason, "logprobs": None}],
+            "usage": done.usage.to_dict()}
+    # metering finishes in the background: the answer does not wait for Redis
+    return JSONResponse(body, headers=headers, background=BackgroundTask(gen.aclose))
 
 
 class _ChunkMaker:

@@ -121,6 +121,9 @@ class Quotas:
         """Admit one request or raise QuotaExceeded (quota, limit, retry_after_s); a refusal consumes nothing."""
         if prompt_tokens < 0 or max_tokens < 0:
             raise InvalidRequest("prompt_tokens and max_tokens must not be negative")
+        if tenant.requests_per_minute is None and tenant.tokens_per_day is None:
+            # Nothing to enforce: no round trip (metering still counts, by the local clock's day).
+            return Reservation(tenant.id, request_id, utc_day(), 0, max_tokens)
         rpm = "" if tenant.requests_per_minute is None else str(tenant.requests_per_minute)
         tpd = "" if tenant.tokens_per_day is None else str(tenant.tokens_per_day)
         centre = int(time.time() // 86_400)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -74,11 +75,12 @@ async def workers_run(request: Request) -> Response:
 async def _collect(gen: Generation, headers: dict[str, str]) -> JSONResponse:
     try:
         text, done = await gen.collect()
-        return JSONResponse(workers_success({"response": text, "usage": done.usage.to_dict()}), headers=headers)
     except EdgeServeError as exc:
-        return JSONResponse(workers_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})
-    finally:
         await gen.aclose()
+        return JSONResponse(workers_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})
+    # metering finishes in the background: the answer does not wait for Redis
+    return JSONResponse(workers_success({"response": text, "usage": done.usage.to_dict()}), headers=headers,
+                        background=BackgroundTask(gen.aclose))
 
 
 async def workers_usage(request: Request) -> Response:

@@ -27,17 +27,20 @@ _SUBCOMMANDS: dict[str, str] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Parser with every subcommand registered."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Parser with every subcommand registered, or only `command`'s module when given (so running
+    `edgeserve gateway` never imports the benchmarks, and with them torch)."""
     parser = argparse.ArgumentParser(prog="edgeserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    registered: set[str] = set()
-    for module_name in dict.fromkeys(_SUBCOMMANDS.values()):
-        module = importlib.import_module(module_name)
-        module.register(subparsers)
-        registered.add(module_name)
+    modules = [_SUBCOMMANDS[command]] if command in _SUBCOMMANDS else list(dict.fromkeys(_SUBCOMMANDS.values()))
+    for module_name in modules:
+        importlib.import_module(module_name).register(subparsers)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 # glibc hands large tensor buffers back to the OS on free (mmap above 128 KiB, heap
@@ -58,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `edgeserve` console script."""
     if argv is None:
         _reexec_with_allocator_tunables()
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_list = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_command_of(args_list))
+    args = parser.parse_args(args_list)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',

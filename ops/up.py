@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_gateway_app
-    from ops.gateway_cmd import build_config
+    from ops.gateway_cmd import build_config, freeze_heap
     from ops.pull import resolve_model
 
     model_dir = resolve_model(args.model)  # pulls first, with progress, before anything starts
@@ -145,8 +145,9 @@ def run(args: argparse.Namespace) -> int:
 
   Ctrl-C stops everything.
 """, flush=True)
+            app = create_gateway_app(config)
+            freeze_heap()
             with contextlib.suppress(KeyboardInterrupt):
-                uvicorn.run(create_gateway_app(config), host=args.host, port=args.port, log_level="warning",
-                            access_log=False)
+                uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     print("edgeserve up: stopped gateway, worker and redis", flush=True)
     return 0

@@ -87,3 +87,22 @@ def wait_pages_free(engine: LLMEngine, timeout: float = 10.0) -> None:
     while engine.allocator.num_free != engine.allocator.num_pages or engine.has_work():
         assert time.monotonic() < deadline, engine.snapshot()
         time.sleep(0.02)
+
+
+def metered(redis_url: str, tenant: str) -> list[dict[str, str]]:
+    """The tenant's usage events (one per metered request), oldest first."""
+    import redis
+
+    from gateway import redis_keys
+
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    return [fields for _, fields in r.xrange(redis_keys.usage_events(tenant))]
+
+
+def wait_metered(redis_url: str, tenant: str, n: int, timeout: float = 10.0) -> list[dict[str, str]]:
+    """Block until `n` usage events exist (metering finishes after the response)."""
+    deadline = time.monotonic() + timeout
+    while len(events := metered(redis_url, tenant)) < n:
+        assert time.monotonic() < deadline, events
+        time.sleep(0.02)
+    return events

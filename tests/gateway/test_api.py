@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
 import pytest
-import redis
 
 from backend.protocol import FinishEvent, GenerateRequest, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.tokenizer import Tokenizer
 from backend.worker_client import WorkerClient
-from gateway import redis_keys
-from tests.gateway.conftest import ALIAS, MODEL, Gateway, make_account, wait_pages_free
+from tests.gateway.conftest import ALIAS, MODEL, Gateway, make_account, metered, wait_metered, wait_pages_free
 
 
 def auth(token: str) -> dict[str, str]:
@@ -125,13 +124,14 @@ def test_usage_is_metered_once_per_request_and_readable_only_by_its_owner(gatewa
                        json={"prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": stream})
         assert r.status_code == 200
     tenant = gateway.account.tenant_id
+    assert len(wait_metered(redis_url, tenant, 2)) == 2
     usage = httpx.get(f"{gateway.url}/client/v4/accounts/{tenant}/ai/usage", headers=auth(gateway.account.token))
     assert usage.status_code == 200, usage.text
     (day,) = usage.json()["result"]["days"].values()
     row = day[MODEL]
     assert row["requests"] == 2 and row["completion_tokens"] == 10 and row["prompt_tokens"] > 0
-    events = redis.Redis.from_url(redis_url).xrange(redis_keys.usage_events(tenant))
-    assert len(events) == 2
+    time.sleep(0.1)
+    assert len(metered(redis_url, tenant)) == 2  # and not more
 
     other = make_account(redis_url, "globex")
     denied = httpx.get(f"{gateway.url}/client/v4/accounts/{tenant}/ai/usage", headers=auth(other.token))

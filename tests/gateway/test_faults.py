@@ -14,30 +14,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
-
-from gateway import redis_keys
 from gateway.app import create_gateway_app
 from backend.async_engine import AsyncEngine
 from backend.worker import create_worker_app
 from ops.redis_server import free_port
 from tests.backend.servers import serve_in_thread
-from tests.gateway.conftest import (MODEL, Gateway, gateway_config, make_account, tiny_engine,
-                                    wait_pages_free)
+from tests.gateway.conftest import (MODEL, Gateway, gateway_config, make_account, metered, tiny_engine,
+                                    wait_metered, wait_pages_free)
 from tests.gateway.test_api import auth, run_url, sse_data
-
-
-def metered(redis_url: str, tenant: str) -> list[dict[str, str]]:
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
-    return [fields for _, fields in r.xrange(redis_keys.usage_events(tenant))]
-
-
-def wait_metered(redis_url: str, tenant: str, n: int, timeout: float = 10.0) -> list[dict[str, str]]:
-    deadline = time.monotonic() + timeout
-    while len(events := metered(redis_url, tenant)) < n:
-        assert time.monotonic() < deadline, events
-        time.sleep(0.02)
-    return events
 
 
 def test_client_disconnect_cancels_the_worker_request_and_meters_what_was_sent(gateway: Gateway, redis_url) -> None:
