@@ -16,6 +16,7 @@ BENCHES: dict[str, str] = {
     "kv-capacity": "ops.bench_kv",
     "kernels": "ops.bench_kernels",
     "integrity": "ops.bench_integrity",
+    "gateway": "ops.bench_gateway",
 }
 
 

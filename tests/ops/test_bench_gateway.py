@@ -1,0 +1,107 @@
+"""`edgeserve bench gateway` pieces: the stand-in worker's two APIs and the added-latency arithmetic."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from backend.protocol import FinishEvent, GenerateRequest, TokenEvent, event_decoder
+from backend.sampling_params import SamplingParams
+from backend.tokenizer import Tokenizer
+from backend.worker_client import WorkerClient
+from ops.bench_gateway import Row, compare
+from ops.standin_worker import HELLO_WORLD, create_standin_app, token_text
+
+
+def _client(num_tokens: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(create_standin_app(num_tokens)), base_url="http://standin")
+
+
+def test_standin_speaks_the_worker_protocol() -> None:
+    async def go() -> tuple[list, list, list]:
+        async with _client(7) as http:
+            raw = await http.post("/v1/generate", content=msgspec.json.encode(
+                GenerateRequest([1, 2, 3], SamplingParams(max_tokens=50))))
+            lines = [event_decoder.decode(line) for line in raw.content.splitlines() if line]
+            client = WorkerClient("http://standin", http)  # the gateway's own client reads it too
+            capped = [ev async for ev in client.generate(GenerateRequest([4, 5], SamplingParams(max_tokens=3)))]
+            bad = await http.post("/v1/generate", content=b'{"prompt_ids": "no"}')
+            return lines, capped, [bad.status_code, bad.json()["error"]["code"]]
+
+    lines, capped, bad = asyncio.run(go())
+    ids, _ = token_text(7)
+    assert [type(ev) for ev in lines] == [TokenEvent, FinishEvent]
+    assert lines[0].token_ids == ids == [33662, 905] * 3 + [33662] and len(lines[0].times) == 7
+    assert (lines[1].finish_reason, lines[1].prompt_tokens, lines[1].completion_tokens) == ("length", 3, 7)
+    assert [type(ev) for ev in capped] == [TokenEvent, FinishEvent]
+    assert capped[0].token_ids == ids[:3]  # max_tokens below N caps the reply
+    assert (capped[1].prompt_tokens, capped[1].completion_tokens) == (2, 3)
+    assert bad == [400, 3000]
+
+
+def test_standin_openai_returns_the_text_of_its_tokens(smollm2_dir: Path) -> None:
+    tok = Tokenizer.from_model_dir(smollm2_dir)
+    assert [tok.decode([i]) for i, _ in HELLO_WORLD] == [text for _, text in HELLO_WORLD]
+    ids, text = token_text(5)
+    assert text == tok.decode(ids) == " hello world hello world hello"
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "say hello to me"}]}
+
+    async def go() -> tuple[dict, dict, list[str]]:
+        async with _client(5) as http:
+            plain = (await http.post("/v1/chat/completions", json=body)).json()
+            capped = (await http.post("/v1/chat/completions", json={**body, "max_tokens": 2})).json()
+            stream = await http.post("/v1/chat/completions", json={**body, "stream": True,
+                                                                   "stream_options": {"include_usage": True}})
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            return plain, capped, [e[len("data: "):] for e in stream.text.split("\n\n") if e]
+
+    plain, capped, events = asyncio.run(go())
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert plain["choices"][0]["finish_reason"] == "length"
+    assert plain["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    assert capped["choices"][0]["message"]["content"] == " hello world"
+    assert capped["usage"]["completion_tokens"] == 2
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == text
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == [None, "length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def _row(target: str, c: int, stream: bool, p50: float, p99: float, rps: float, rounds: list[float]) -> Row:
+    return Row(target=target, concurrency=c, stream=stream, requests=100, errors=0, seconds=1.0, rps=rps,
+               p50_ms=p50, p99_ms=p99, p50_rounds_ms=rounds, rps_rounds=[rps])
+
+
+def test_compare_subtracts_direct_and_divides_by_litellm_per_setting() -> None:
+    rows = [
+        _row("direct", 1, False, 1.0, 3.0, 1000.0, [1.0, 1.5]),
+        _row("edgeserve", 1, False, 2.5, 4.0, 600.0, [2.0, 3.0]),
+        _row("litellm", 1, False, 6.0, 20.0, 200.0, [6.0, 6.0]),
+        # another setting with different numbers: mixing up keys would show
+        _row("direct", 16, True, 10.0, 30.0, 1600.0, [10.0]),
+        _row("edgeserve", 16, True, 12.0, 50.0, 800.0, [13.0]),
+        _row("litellm", 16, True, 40.0, 90.0, 400.0, [41.0]),
+    ]
+    cmp = compare(rows)
+    e1, e16 = cmp["edgeserve"]["c1_nostream"], cmp["edgeserve"]["c16_stream"]
+    assert e1["added_p50_ms"] == pytest.approx(1.5) and e1["added_p99_ms"] == pytest.approx(1.0)
+    assert e1["added_p50_rounds_ms"] == pytest.approx((1.0, 1.5))
+    assert e1["rps_ratio_vs_litellm"] == pytest.approx(3.0)
+    assert e16["added_p50_ms"] == pytest.approx(2.0) and e16["added_p99_ms"] == pytest.approx(20.0)
+    assert e16["rps_ratio_vs_litellm"] == pytest.approx(2.0)
+    l1 = cmp["litellm"]["c1_nostream"]
+    assert (l1["added_p50_ms"], l1["added_p99_ms"], l1["rps_ratio_vs_litellm"]) == pytest.approx((5.0, 17.0, 1.0))
+    d1 = cmp["direct"]["c1_nostream"]
+    assert d1["added_p50_ms"] is None and d1["rps_ratio_vs_litellm"] == pytest.approx(5.0)
+    assert cmp["direct"]["c16_stream"]["rps_ratio_vs_litellm"] == pytest.approx(4.0)
+
+    without = compare([r for r in rows if r.target != "litellm"])
+    assert "litellm" not in without
+    assert without["edgeserve"]["c1_nostream"]["rps_ratio_vs_litellm"] is None
+    assert without["edgeserve"]["c1_nostream"]["added_p50_ms"] == pytest.approx(1.5)
