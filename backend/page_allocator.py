@@ -10,11 +10,14 @@ dropped (sharing a live page keeps it). An owner records the tags it was given;
 if a page it still uses was freed or handed to someone else meanwhile, the tags
 no longer match and the batched integrity check (`kernels/integrity.py`) catches
 it before the owner's next step. `tags` is the tensor that check reads.
-Only the engine thread touches the allocator, so it takes no lock.
+A decode worker reserves pages for incoming KV transfers from the event-loop
+thread while the engine thread allocates and releases, so every method that
+changes state takes one lock (uncontended in a unified worker: ~50 ns).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import torch
@@ -33,6 +36,7 @@ class PageAllocator:
         self._refs = [0] * num_pages
         self.tags = torch.zeros(num_pages, dtype=torch.int32)  # read by the integrity check
         self._tags = [0] * num_pages  # the same values, for cheap Python reads
+        self._lock = threading.Lock()
 
     def _bump(self, pages: list[int]) -> None:
         """New generation for pages that change hands (one tensor write for all of them)."""
@@ -61,32 +65,35 @@ class PageAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """Take n free pages (refcount 1 each) or raise CapacityError, taking none."""
-        if n > len(self._free):
-            raise CapacityError(f"need {n} KV pages, {len(self._free)} free", needed=n, free=len(self._free))
-        pages = [self._free.popleft() for _ in range(n)]
-        for p in pages:
-            self._refs[p] = 1
-        self._bump(pages)
-        return pages
+        with self._lock:
+            if n > len(self._free):
+                raise CapacityError(f"need {n} KV pages, {len(self._free)} free", needed=n, free=len(self._free))
+            pages = [self._free.popleft() for _ in range(n)]
+            for p in pages:
+                self._refs[p] = 1
+            self._bump(pages)
+            return pages
 
     def share(self, pages: list[int]) -> None:
         """Add a reference to pages already in use (prefix sharing)."""
-        for p in pages:
-            if self._refs[p] <= 0:
-                raise ValueError(f"page {p} is free; cannot share it")
-            self._refs[p] += 1
+        with self._lock:
+            if any(self._refs[p] <= 0 for p in pages):
+                raise ValueError(f"a page of {pages} is free; cannot share it")
+            for p in pages:
+                self._refs[p] += 1
 
     def release(self, pages: list[int]) -> None:
         """Drop one reference from each page; pages reaching zero become free."""
         freed = []
-        for p in pages:
-            if self._refs[p] <= 0:
-                raise ValueError(f"page {p} released while free (double free)")
-            self._refs[p] -= 1
-            if self._refs[p] == 0:
-                freed.append(p)
-        self._bump(freed)
-        self._free.extend(freed)
+        with self._lock:
+            for p in pages:
+                if self._refs[p] <= 0:
+                    raise ValueError(f"page {p} released while free (double free)")
+                self._refs[p] -= 1
+                if self._refs[p] == 0:
+                    freed.append(p)
+            self._bump(freed)
+            self._free.extend(freed)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]

@@ -12,8 +12,21 @@ pool is never over-committed, so a running request can never run out of pages
 and nothing has to be preempted. A request that could never fit, or arrives to
 a full wait queue, is refused at once with CapacityError.
 
-Thread-safety: `add` and `abort` may be called from any thread (they take the
-lock); everything else runs on the engine thread.
+Prefix cache (optional, `prefix_cache_pool.py`): admission first shares the
+pages of the prompt's longest cached prefix (whole blocks, at most all but the
+last prompt token, so at least one token is computed and yields logits), and
+allocates only the rest; pages of unreferenced cached blocks are evicted (LRU)
+when the free list is short.
+
+Disaggregation: a decode worker `reserve`s all of a request's pages before its
+KV is sent (a transfer never lands in a full pool), then `activate`s it once
+installed, and it joins the running batch as a decode. A prefill worker's
+requests may `hold_pages`: on finishing they move to `held` with their pages
+until `release_held` (after the KV is sent).
+
+Thread-safety: `add`, `abort`, `reserve`, `release_reserved`, `activate` and
+`release_held` may be called from any thread (they take the lock; the page
+allocator has its own); everything else runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from typing import NamedTuple
 
 from backend.errors import CapacityError, PromptTooLong
 from backend.page_allocator import PageAllocator
+from backend.prefix_cache_pool import PrefixCachePool
 from backend.sequence import Sequence, SequenceStatus
 
 __all__ = ["SchedulerConfig", "ScheduledBatch", "Scheduler"]
@@ -50,22 +64,27 @@ class ScheduledBatch(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,
+                 prefix_cache: PrefixCachePool | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.page_size = page_size
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: dict[str, Sequence] = {}  # prefill role: finished, pages kept until sent
+        self._activated: list[Sequence] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._abort_ids: set[str] = set()
+        self.cache_stats = {"query_tokens": 0, "hit_tokens": 0}
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     # -- any thread ------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Queue a request, or raise PromptTooLong / CapacityError without queueing it."""
+    def validate(self, seq: Sequence) -> None:
+        """Raise PromptTooLong / CapacityError if `seq` can never run here."""
         cfg = self.config
         if seq.num_prompt_tokens == 0:
             raise PromptTooLong("empty prompt", prompt_tokens=0)
@@ -81,11 +100,52 @@ class Scheduler:
         if self.pages_for(seq.max_total_tokens) > self.allocator.num_pages:
             raise CapacityError(f"request needs {self.pages_for(seq.max_total_tokens)} KV pages; the pool has "
                                 f"{self.allocator.num_pages}", pool_pages=self.allocator.num_pages)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request, or raise PromptTooLong / CapacityError without queueing it."""
+        self.validate(seq)
         with self._lock:
-            if len(self.waiting) >= cfg.max_waiting:
-                raise CapacityError(f"wait queue full ({cfg.max_waiting} requests)", max_waiting=cfg.max_waiting)
+            if len(self.waiting) >= self.config.max_waiting:
+                raise CapacityError(f"wait queue full ({self.config.max_waiting} requests)",
+                                    max_waiting=self.config.max_waiting)
             self.waiting.append(seq)
         self._wakeup.set()
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Decode role: take every page `seq` may need for its incoming KV; False if not free now."""
+        n = self.pages_for(seq.max_total_tokens)
+        if not self.allocator.can_allocate(n):
+            return False
+        try:
+            seq.page_ids = self.allocator.allocate(n)
+        except CapacityError:  # taken meanwhile by the engine thread
+            return False
+        seq.page_tags = self.allocator.tags_of(seq.page_ids)
+        seq.status = SequenceStatus.RECEIVING
+        return True
+
+    def release_reserved(self, seq: Sequence) -> None:
+        """Give back the pages of a reservation whose KV never fully arrived."""
+        with self._lock:
+            if seq.status is not SequenceStatus.RECEIVING:
+                return
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "cancelled"
+        self._release_owned(seq)
+
+    def activate(self, seq: Sequence) -> None:
+        """Its KV is installed: run it from the next step (the engine takes it with `take_activated`)."""
+        with self._lock:
+            self._activated.append(seq)
+        self._wakeup.set()
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: the KV of a held request has been sent (or will never be): free its pages."""
+        with self._lock:
+            seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self._release_owned(seq)
+        return True
 
     def abort(self, request_id: str) -> None:
         """Ask for a request to end at the next step boundary (its pages return then)."""
@@ -100,7 +160,7 @@ class Scheduler:
         self._wakeup.clear()
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._abort_ids)
+        return bool(self.running or self.waiting or self._abort_ids or self._activated)
 
     @property
     def num_waiting(self) -> int:
@@ -108,16 +168,38 @@ class Scheduler:
 
     # -- engine thread ---------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a running sequence: mark it and return its pages at once.
+        """End a running sequence: mark it and return its pages at once (or hold them, see `hold_pages`).
 
         Only pages whose tag still matches are released: a page that changed hands
         under the sequence (an integrity failure) belongs to someone else now."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.running.remove(seq)
+        if seq.hold_pages and reason in ("stop", "length"):
+            seq.status = SequenceStatus.HELD
+            with self._lock:
+                self.held[seq.request_id] = seq
+            return
+        self._release_owned(seq)
+
+    def _release_owned(self, seq: Sequence) -> None:
         current = self.allocator.tags_of(seq.page_ids)
         self.allocator.release([p for p, want, have in zip(seq.page_ids, seq.page_tags, current) if want == have])
         seq.page_ids, seq.page_tags = [], []
-        self.running.remove(seq)
+
+    def take_activated(self) -> list[Sequence]:
+        """Engine thread: sequences whose KV arrived since the last step, now running."""
+        with self._lock:
+            seqs, self._activated = self._activated, []
+        for s in seqs:
+            s.status = SequenceStatus.RUNNING
+            self.running.append(s)
+        return seqs
+
+    def prompt_computed(self, seq: Sequence) -> None:
+        """Engine thread: `seq`'s whole prompt is in the cache; offer its full blocks to the prefix cache."""
+        if self.prefix_cache is not None and seq.block_hashes:
+            self.prefix_cache.insert(seq.block_hashes, seq.prompt_ids, seq.page_ids)
 
     def _reap_aborted(self) -> list[Sequence]:
         with self._lock:
@@ -152,15 +234,37 @@ class Scheduler:
                 if not self.waiting:
                     break
                 seq = self.waiting[0]
-                needed = self.pages_for(seq.max_total_tokens)
-                if not self.allocator.can_allocate(needed):
-                    break
+            pages = self._admit_pages(seq)
+            if pages is None:
+                break
+            with self._lock:
                 self.waiting.popleft()
-            seq.page_ids = self.allocator.allocate(needed)
+            seq.page_ids = pages
             seq.page_tags = self.allocator.tags_of(seq.page_ids)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_prompt_tokens, cfg.prefill_chunk_size, budget)
+            n = min(seq.num_prompt_tokens - seq.num_computed_tokens, cfg.prefill_chunk_size, budget)
             prefill.append((seq, n))
             budget -= n
         return ScheduledBatch(decode, prefill, aborted)
+
+    def _admit_pages(self, seq: Sequence) -> list[int] | None:
+        """All pages `seq` needs, cached prefix first (shared), or None (nothing taken) if they do not fit."""
+        needed = self.pages_for(seq.max_total_tokens)
+        cache = self.prefix_cache
+        hits: list[int] = []
+        if cache is not None and seq.block_hashes:
+            hits = cache.match(seq.block_hashes, seq.prompt_ids, (seq.num_prompt_tokens - 1) // self.page_size)
+        new = needed - len(hits)
+        short = new - self.allocator.num_free
+        if short > 0 and cache is not None:
+            cache.evict(short)
+        if not self.allocator.can_allocate(new):
+            if hits:
+                self.allocator.release(hits)  # a shared page's tag is unchanged by this
+            return None
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.page_size
+        if cache is not None and seq.block_hashes:
+            self.cache_stats["query_tokens"] += seq.num_prompt_tokens
+            self.cache_stats["hit_tokens"] += seq.num_cached_tokens
+        return hits + self.allocator.allocate(new)

@@ -15,7 +15,9 @@ __all__ = ["SequenceStatus", "Sequence"]
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no pages
+    RECEIVING = "receiving"  # holds reserved pages; its KV is arriving from a prefill worker
     RUNNING = "running"  # holds its pages; prefilling until num_computed_tokens == num_prompt_tokens
+    HELD = "held"  # finished on a prefill worker; pages kept until its KV has been sent
     FINISHED = "finished"  # pages returned
 
 
@@ -30,6 +32,9 @@ class Sequence:
     page_ids: list[int] = field(default_factory=list)  # page table, in token order
     page_tags: list[int] = field(default_factory=list)  # generation tag expected for each page
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the prompt's full blocks
+    hold_pages: bool = False  # keep the pages after finishing (prefill role: they are sent, then released)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     stop_reason: str | int | None = None  # matched stop string or stop token id
     abort_requested: bool = False

@@ -1,0 +1,112 @@
+"""The engine's prefix cache: full prompt blocks kept in the KV pool and shared by reference.
+
+    hash (prefix_cache.hashing) -> (page id, the block's token ids)     LRU-ordered
+
+A cached block holds one page reference of its own. A request whose prompt starts
+with cached blocks shares those pages (one more reference each; the generation tag
+is unchanged, so the integrity check keeps passing) and computes only the rest.
+Every hit is re-verified against the stored token ids before the page is reused;
+a mismatch (a hash collision or a bug) ends the match there.
+
+Eviction: when admission needs pages that are not free, the least recently used
+blocks that nobody but the cache references (refcount 1) are released, oldest
+first. A block still read by a running request is never evicted. Evicting a block
+drops only that block, so a chain can lose its tail first (LRU is updated on every
+hit, so tails are older than heads only when they are used less).
+
+Each store and removal is reported through `on_event` (the worker publishes them
+to Redis, so routers know exactly which blocks this worker holds). Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from backend.page_allocator import PageAllocator
+
+__all__ = ["KVEvent", "PrefixCachePool"]
+
+
+class KVEvent(NamedTuple):
+    kind: str  # "stored" | "removed"
+    hashes: list[bytes]
+
+
+class _Entry(NamedTuple):
+    page: int
+    token_ids: tuple[int, ...]
+
+
+class PrefixCachePool:
+    def __init__(self, allocator: PageAllocator, block_size: int,
+                 on_event: Callable[[KVEvent], None] | None = None) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._on_event = on_event or (lambda ev: None)
+        self.stats = {"lookups": 0, "hit_blocks": 0, "queried_blocks": 0, "stored_blocks": 0, "evicted_blocks": 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def match(self, hashes: Sequence[bytes], token_ids: Sequence[int], max_blocks: int) -> list[int]:
+        """Pages of the longest verified cached prefix (at most `max_blocks`), each shared once more."""
+        self.stats["lookups"] += 1
+        self.stats["queried_blocks"] += min(len(hashes), max_blocks)
+        pages: list[int] = []
+        bs = self.block_size
+        for i, h in enumerate(hashes[:max_blocks]):
+            entry = self._entries.get(h)
+            if entry is None or entry.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break
+            self._entries.move_to_end(h)
+            pages.append(entry.page)
+        if pages:
+            self.allocator.share(pages)
+            self.stats["hit_blocks"] += len(pages)
+        return pages
+
+    def insert(self, hashes: Sequence[bytes], token_ids: Sequence[int], page_ids: Sequence[int]) -> None:
+        """Cache the full blocks of a computed prompt (blocks already cached are only touched)."""
+        bs, stored = self.block_size, []
+        for i, h in enumerate(hashes):
+            if h in self._entries:
+                self._entries.move_to_end(h)
+                continue
+            page = page_ids[i]
+            self.allocator.share([page])
+            self._entries[h] = _Entry(page, tuple(token_ids[i * bs:(i + 1) * bs]))
+            stored.append(h)
+        if stored:
+            self.stats["stored_blocks"] += len(stored)
+            self._on_event(KVEvent("stored", stored))
+
+    def evictable(self) -> int:
+        """Blocks that only the cache references (what `evict` could free now)."""
+        return sum(1 for e in self._entries.values() if self.allocator.refcount(e.page) == 1)
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` pages from least recently used unreferenced blocks; return how many."""
+        victims = []
+        for h, entry in self._entries.items():
+            if len(victims) == num_pages:
+                break
+            if self.allocator.refcount(entry.page) == 1:
+                victims.append(h)
+        if not victims:
+            return 0
+        pages = [self._entries.pop(h).page for h in victims]
+        self.allocator.release(pages)
+        self.stats["evicted_blocks"] += len(victims)
+        self._on_event(KVEvent("removed", victims))
+        return len(victims)
+
+    def clear(self) -> None:
+        """Drop every block (pages still shared by requests stay with them)."""
+        if self._entries:
+            hashes = list(self._entries)
+            self.allocator.release([e.page for e in self._entries.values()])
+            self._entries.clear()
+            self._on_event(KVEvent("removed", hashes))
