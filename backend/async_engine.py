@@ -36,7 +36,8 @@ class _Subscriber(NamedTuple):
 def _finish_event(seq: Sequence) -> FinishEvent:
     ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
     return FinishEvent(finish_reason=seq.finish_reason or "stop", prompt_tokens=seq.num_prompt_tokens,
-                       completion_tokens=len(seq.output_ids), stop_reason=seq.stop_reason, ttft_s=ttft,
+                       completion_tokens=len(seq.output_ids), cached_tokens=seq.num_cached_tokens,
+                       stop_reason=seq.stop_reason, ttft_s=ttft,
                        total_s=time.perf_counter() - seq.arrival_time)
 
 
@@ -101,8 +102,8 @@ class AsyncEngine:
                 pass
 
     # -- callers -----------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> AsyncIterator[Event]:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, *,
+               cache_salt: str | None = None, hold: bool = False) -> AsyncIterator[Event]:
         """Admit one request now and return its event stream.
 
         Refusals (bad params, prompt too long, queue full) raise here, synchronously, so a
@@ -115,8 +116,19 @@ class AsyncEngine:
         with self._lock:
             if request_id is not None and request_id in self._subs:
                 raise InvalidRequest(f"request id {request_id!r} is already in flight", request_id=request_id)
-            seq = self.engine.add_request(prompt_ids, params, request_id)
+            seq = self.engine.add_request(prompt_ids, params, request_id, cache_salt=cache_salt, hold=hold)
             self._subs[seq.request_id] = _Subscriber(loop, queue)
+        return self._stream(seq.request_id, queue)
+
+    def attach(self, seq: Sequence) -> AsyncIterator[Event]:
+        """Stream the events of a sequence that enters the engine later (decode role: `activate`).
+        Call before activating it; closing the stream early aborts it."""
+        self.start()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        with self._lock:
+            if seq.request_id in self._subs:
+                raise InvalidRequest(f"request id {seq.request_id!r} is already in flight", request_id=seq.request_id)
+            self._subs[seq.request_id] = _Subscriber(asyncio.get_running_loop(), queue)
         return self._stream(seq.request_id, queue)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -139,6 +151,11 @@ class AsyncEngine:
                 self._subs.pop(request_id, None)
             if not done:
                 self.engine.abort(request_id)
+
+    def detach(self, request_id: str) -> None:
+        """Drop a subscription whose stream was never read (idempotent)."""
+        with self._lock:
+            self._subs.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

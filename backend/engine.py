@@ -3,6 +3,12 @@
 `LLMEngine` is synchronous and single-threaded (the engine thread); requests
 enter through the scheduler's thread-safe `add`/`abort`. Each step returns
 `StepOutput`s: a new token, a finish, or both.
+
+Disaggregated roles use the same engine: a prefill worker runs requests with
+`max_tokens=1` and `hold=True` and reads their KV out (`read_kv`) before
+`release_held`; a decode worker `reserve`s pages, `install_kv`s what arrives and
+`activate`s the request, whose first token (sampled by the prefill worker) is
+emitted at the next step.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,10 +30,11 @@ from backend.linear import DEFAULT_BUCKETS
 from backend.model import LlamaModel
 from backend.model_runner import ModelRunner
 from backend.page_allocator import PageAllocator
+from backend.prefix_cache_pool import KVEvent, PrefixCachePool
 from backend.sampler import sample
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from backend.sequence import Sequence
+from backend.sequence import Sequence, SequenceStatus
 from backend.stop_checker import StopChecker
 
 __all__ = ["EngineConfig", "StepOutput", "LLMEngine"]
@@ -51,6 +59,8 @@ class EngineConfig:
     prefill_chunk_size: int = 256
     max_waiting: int = 256
     num_threads: int | None = None  # torch intra-op threads (None: leave as is)
+    prefix_caching: bool = False  # share full prompt blocks between requests (prefill and unified roles)
+    held_timeout_s: float = 60.0  # prefill role: pages of a request whose KV is never collected are freed
 
 
 class StepOutput(NamedTuple):
@@ -72,17 +82,20 @@ class LLMEngine:
         self.cache = create_kv_cache(cfg, config.kv_format, config.kv_cache_bytes, config.page_size, model.dtype,
                                      model.embed.device)
         self.allocator = PageAllocator(self.cache.num_pages)
+        self.kv_events: deque[KVEvent] = deque()  # prefix-cache blocks stored/removed, for the worker to publish
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
                             prefill_chunk_size=config.prefill_chunk_size, max_waiting=config.max_waiting),
-            self.allocator, config.page_size)
+            self.allocator, config.page_size,
+            PrefixCachePool(self.allocator, config.page_size, self.kv_events.append) if config.prefix_caching
+            else None)
         self.runner = ModelRunner(model, self.cache)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or cfg.eos_token_ids)
         self._stop_checkers: dict[str, StopChecker] = {}
         self.stats: dict[str, Any] = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0,
-                                       "cancelled": 0, "failed": 0, "integrity_checks": 0,
+                                       "cancelled": 0, "failed": 0, "integrity_checks": 0, "held_expired": 0,
                                        "integrity_aborts_by_cause": {"tag_mismatch": 0, "invalid_page": 0}}
 
     @classmethod
@@ -97,16 +110,72 @@ class LLMEngine:
         return cls(model, config, tokenizer)
 
     # -- requests ----------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        """Validate and queue; raises typed errors (nothing is queued then)."""
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                     cache_salt: str | None = None, hold: bool = False) -> Sequence:
+        """A validated Sequence (not queued); typed errors for bad parameters or ids."""
         params.validate(self.model.cfg.vocab_size)
         if any(not 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.model.cfg.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise InvalidSamplingParams("stop strings need a tokenizer; this model folder has none", field="stop")
-        seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, self.eos_token_ids)
+        seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, self.eos_token_ids, hold_pages=hold)
+        if self.scheduler.prefix_cache is not None:
+            from prefix_cache.hashing import block_hashes
+
+            seq.block_hashes = block_hashes(seq.prompt_ids, self.config.page_size, cache_salt or "")
+        self.scheduler.validate(seq)
+        return seq
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None, hold: bool = False) -> Sequence:
+        """Validate and queue; raises typed errors (nothing is queued then). `cache_salt` (set by the
+        gateway from the tenant, never by a client) keys prefix-cache sharing; `hold` keeps the pages
+        after the request finishes, until `release_held` (prefill role)."""
+        seq = self.new_sequence(prompt_ids, params, request_id, cache_salt, hold)
         self.scheduler.add(seq)
         return seq
+
+    # -- disaggregation (any thread) ------------------------------------------------------
+    def reserve(self, seq: Sequence) -> bool:
+        """Decode role: take every page `seq` may need before its KV is sent; False when not free now."""
+        return self.scheduler.reserve(seq)
+
+    def install_kv(self, seq: Sequence, layer: int, k: torch.Tensor, v: torch.Tensor,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        """Write the prompt's K/V of one layer ([T, kv_heads, head_dim]; FP8 with exponents, or float)
+        into `seq`'s reserved pages, after checking that the pages are still the ones reserved."""
+        if seq.status is not SequenceStatus.RECEIVING:
+            raise InvalidRequest(f"request {seq.request_id} holds no reservation")
+        found = self.allocator.tags_of(seq.page_ids)
+        for page, want, have in zip(seq.page_ids, seq.page_tags, found):
+            if want != have:
+                raise KVIntegrityError(
+                    f"KV transfer for request {seq.request_id} would land in page {page}, which changed hands "
+                    f"(expected tag {want}, found {have}); not written", request_id=seq.request_id, page=page,
+                    expected_tag=want, found_tag=have, cause="transfer_target")
+        slots = self.runner.slots(seq.page_ids, 0, k.shape[0])
+        self.cache.write_tokens(layer, slots, k, v, k_scale, v_scale)
+
+    def activate(self, seq: Sequence, first_token: int, generator_state: torch.Tensor | None = None) -> None:
+        """Decode role: every layer is installed; the first token (sampled by the prefill worker) is
+        emitted at the next step and decoding continues from it."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.output_ids = [first_token]
+        if generator_state is not None and seq.generator is not None:
+            seq.generator.set_state(generator_state)
+        self.scheduler.activate(seq)
+
+    def release_reserved(self, seq: Sequence) -> None:
+        self.scheduler.release_reserved(seq)
+
+    def read_kv(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill role: the prompt's K, V [T, kv_heads, head_dim] of a held request (compute dtype)."""
+        if seq.status is not SequenceStatus.HELD:
+            raise InvalidRequest(f"request {seq.request_id} is not held")
+        return self.cache.read_tokens(layer, self.runner.slots(seq.page_ids, 0, seq.num_prompt_tokens))
+
+    def release_held(self, request_id: str) -> bool:
+        return self.scheduler.release_held(request_id)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -116,9 +185,11 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        outputs = self._start_activated()
+        self._expire_held()
         batch = self.scheduler.schedule()
         now = time.perf_counter()
-        outputs = [StepOutput(s, None, now, True) for s in batch.aborted]
+        outputs += [StepOutput(s, None, now, True) for s in batch.aborted]
         for s in batch.aborted:
             self._stop_checkers.pop(s.request_id, None)
             self.stats["cancelled"] += 1
@@ -135,6 +206,33 @@ class LLMEngine:
             return outputs + self._fail(batch, err)
         self.stats["steps"] += 1
         return outputs + self.postprocess(batch, logits)
+
+    def _start_activated(self) -> list[StepOutput]:
+        """Emit the first token of requests whose KV arrived; finish those it already ends."""
+        outputs = []
+        now = time.perf_counter()
+        for s in self.scheduler.take_activated():
+            tok = s.output_ids[-1]
+            s.first_token_time = now
+            self.stats["generated_tokens"] += 1
+            reason = self._check_stop(s, tok)
+            if reason is not None:
+                self.scheduler.finish(s, reason)
+                self._stop_checkers.pop(s.request_id, None)
+                self.stats["finished"] += 1
+            outputs.append(StepOutput(s, tok, now, reason is not None))
+        return outputs
+
+    def _expire_held(self) -> None:
+        """Free held pages nobody collected within `held_timeout_s` (the transfer's reader died)."""
+        held = self.scheduler.held
+        if not held:
+            return
+        limit = time.perf_counter() - self.config.held_timeout_s
+        for rid in [rid for rid, s in list(held.items()) if (s.first_token_time or s.arrival_time) < limit]:
+            if self.scheduler.release_held(rid):
+                self.stats["held_expired"] += 1
+                log.warning("freed the held pages of %s: its KV was not collected in time", rid)
 
     def _check_integrity(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[StepOutput]]:
         """One batched page-tag check over the whole step, before the model runs.
@@ -204,6 +302,7 @@ class LLMEngine:
             self.stats["prompt_tokens"] += n
             if not s.is_prefilling:
                 sampled_seqs.append(s)
+                self.scheduler.prompt_computed(s)
         if not sampled_seqs:
             return []
         if logits.is_cuda:  # sampling runs on the CPU (per-request CPU generators); [B, vocab] is small
@@ -289,6 +388,16 @@ class LLMEngine:
             "kv_format": self.cache.format_name,
             "kv_bytes_per_token": self.cache.bytes_per_token,
             "max_model_len": self.max_model_len,
+            "held": len(self.scheduler.held),
+            "prefix_cache": self._prefix_cache_stats(),
             **self.stats,
             "integrity_aborts": sum(self.stats["integrity_aborts_by_cause"].values()),
         }
+
+    def _prefix_cache_stats(self) -> dict[str, object] | None:
+        cache = self.scheduler.prefix_cache
+        if cache is None:
+            return None
+        q = self.scheduler.cache_stats
+        return {"blocks": len(cache), **cache.stats, **q,
+                "hit_rate": q["hit_tokens"] / q["query_tokens"] if q["query_tokens"] else 0.0}

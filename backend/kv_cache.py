@@ -36,7 +36,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest
-from kernels.kv_store import dequantize_fp8_table, store_kv, store_kv_ref
+from kernels.kv_store import dequantize_fp8_ref, dequantize_fp8_table, store_kv, store_kv_ref
 
 __all__ = ["KV_FORMATS", "KVGeometry", "LayerKV", "PagedKVCache", "create_kv_cache", "kv_bytes_per_token",
            "pages_for_budget"]
@@ -129,6 +129,34 @@ class PagedKVCache:
         kv = self._layers[layer]
         fn = store_kv if k.is_cuda else store_kv_ref
         fn(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)
+
+    def write_tokens(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        """Install transferred K/V [T, kv_heads, head_dim] at slots [T]: FP8 values with their int8
+        exponents [T, kv_heads] are copied byte for byte into an FP8 pool; anything else goes
+        through `store` (quantised on the way in if the pool is FP8)."""
+        if k_scale is not None and self.quantised and k.dtype == torch.float8_e4m3fn:
+            kv = self._layers[layer]
+            g = self.geometry
+            pages, offsets = slots // g.page_size, slots % g.page_size
+            for x, e, cache, scale in ((k, k_scale, kv.k, kv.k_scale), (v, v_scale, kv.v, kv.v_scale)):
+                cache.view(torch.uint8)[pages, offsets] = x.view(torch.uint8).to(cache.device)
+                scale[pages, offsets] = e.to(scale.device)
+            return
+        if k_scale is not None:  # FP8 on the wire into a plain pool: dequantise first
+            k, v = dequantize_fp8_ref(k, k_scale), dequantize_fp8_ref(v, v_scale)
+        self.store(layer, slots, k.to(self.compute_dtype), v.to(self.compute_dtype))
+
+    def read_tokens(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [T, kv_heads, head_dim] at slots [T], dequantised to the compute dtype (never writes)."""
+        g = self.geometry
+        kv = self._layers[layer]
+        pages, offsets = slots // g.page_size, slots % g.page_size
+        k, v = kv.k[pages, offsets], kv.v[pages, offsets]
+        if self.quantised:
+            return (dequantize_fp8_ref(k, kv.k_scale[pages, offsets]).to(self.compute_dtype),
+                    dequantize_fp8_ref(v, kv.v_scale[pages, offsets]).to(self.compute_dtype))
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
     def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, P * PAGE_SIZE, num_kv_heads, head_dim] (compute dtype) for page_table [B, P] (int64)."""

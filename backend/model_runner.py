@@ -22,6 +22,12 @@ class ModelRunner:
     def _slot(self, page_ids: list[int], position: int) -> int:
         return page_ids[position // self.page_size] * self.page_size + position % self.page_size
 
+    def slots(self, page_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots [end - start] (int64) of positions start..end-1 under a page table."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(page_ids, dtype=torch.int64)
+        return (table[pos // self.page_size] * self.page_size + pos % self.page_size).to(self.device)
+
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepMetadata]:
         """Flat input ids [T] and metadata: decode rows first, then prefill chunks."""
         ps = self.page_size

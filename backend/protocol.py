@@ -18,6 +18,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     request_id: str | None = None
     model: str | None = None  # checked against the served model when given
+    cache_salt: str | None = None  # prefix-cache namespace, set by the gateway from the tenant (never a client)
 
 
 class TokenEvent(msgspec.Struct, tag="token", tag_field="event", gc=False):

@@ -1,6 +1,7 @@
-"""Internal worker HTTP API (Starlette): generate, cancel, health, stats.
+"""Internal worker HTTP API (Starlette): generate, prefill, cancel, health, stats.
 
     POST /v1/generate          GenerateRequest (JSON) -> NDJSON stream of events
+    POST /v1/prefill           PrefillRequest -> KV frames (roles prefill and unified; `prefill_server.py`)
     POST /v1/cancel/{id}       ends a request at the next step boundary
     GET  /health               {"status", "role", "model"}
     GET  /stats                running, waiting, pages used/free, bytes per token, counters (JSON)
@@ -11,10 +12,16 @@ prompt too long, queue full, wrong model) answer with their HTTP status and a
 JSON body `{"error": {"code", "type", "message", ...}}`. Once streaming, a
 failure arrives as an `error` event. A client that disconnects cancels its
 request; its pages return at the next step.
+
+Roles: `unified` runs both phases; `prefill` serves /v1/prefill for decode workers;
+`decode` answers /v1/generate by fetching each prompt's KV from a prefill worker
+(`decode_coordinator.py`) and decoding it here. A worker with prefix caching and a
+KV-event publisher reports the blocks it stores and evicts to Redis.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -25,9 +32,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from backend.async_engine import AsyncEngine
+from backend.decode_coordinator import DecodeCoordinator
+from backend.prefill_server import prefill_endpoint
+from backend.transfer_stats import TransferStats
 from backend.errors import EdgeServeError, InvalidRequest, ModelNotFound
 from backend.worker_metrics import CONTENT_TYPE, render_metrics, worker_registry
 from backend.protocol import GenerateRequest, encoder
+from prefix_cache.kv_events import KVEventPublisher
 
 __all__ = ["create_worker_app", "NDJSON"]
 
@@ -39,8 +50,13 @@ def _error_response(exc: EdgeServeError) -> JSONResponse:
     return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status)
 
 
-def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified") -> Starlette:
-    """The worker's ASGI app, serving `engine` under the name `model_name`."""
+def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified",
+                      coordinator: DecodeCoordinator | None = None,
+                      publisher: KVEventPublisher | None = None) -> Starlette:
+    """The worker's ASGI app, serving `engine` under the name `model_name` in `role`."""
+    if (role == "decode") != (coordinator is not None):
+        raise ValueError("a decode worker needs a DecodeCoordinator, and only a decode worker takes one")
+    prefill_stats = TransferStats()
 
     async def generate(request: Request) -> Response:
         try:
@@ -53,7 +69,8 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
             return _error_response(ModelNotFound(f"model {req.model!r} is not served here; this worker serves "
                                                  f"{model_name!r}", model=req.model))
         try:  # typed refusals surface here, before any byte is sent; then headers go out at once
-            stream = engine.submit(req.prompt_ids, req.params, req.request_id)
+            stream = (coordinator.submit(req) if coordinator is not None else
+                      engine.submit(req.prompt_ids, req.params, req.request_id, cache_salt=req.cache_salt))
         except EdgeServeError as exc:
             return _error_response(exc)
 
@@ -72,7 +89,9 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
         return JSONResponse({"status": "ok", "role": role, "model": model_name})
 
     async def stats(request: Request) -> Response:
-        return JSONResponse({"role": role, "model": model_name, **engine.engine.snapshot()})
+        transfer = coordinator.stats if coordinator is not None else prefill_stats
+        return JSONResponse({"role": role, "model": model_name, **engine.engine.snapshot(),
+                             "kv_transfer": transfer.snapshot()})
 
     registry = worker_registry(engine.engine, model_name, role)
 
@@ -86,12 +105,20 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
         Route("/stats", stats, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    if role in ("prefill", "unified"):
+        routes.append(Route("/v1/prefill", prefill_endpoint(engine, prefill_stats), methods=["POST"]))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.start()
+        task = asyncio.create_task(publisher.run()) if publisher is not None else None
         try:
             yield
         finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             engine.shutdown()
 
     return Starlette(routes=routes, lifespan=lifespan)

@@ -147,7 +147,8 @@ class Generation:
         cached = 0
         client: WorkerClient | None = None
         try:
-            request = GenerateRequest(self.prompt_ids, self.params, self.request_id, model=self.model.name)
+            request = GenerateRequest(self.prompt_ids, self.params, self.request_id, model=self.model.name,
+                                      cache_salt=self.tenant.id)  # tenants never share cached blocks
             candidates = self._pool.candidates(self.model)[:2]
             for attempt, client in enumerate(candidates):
                 self.worker_url = client.base_url

@@ -1,4 +1,7 @@
-"""`edgeserve serve`: run one worker (role unified) on a model.
+"""`edgeserve serve`: run one worker on a model, in role unified, prefill or decode.
+
+    edgeserve serve --role prefill --port 8101 --prefix-caching --redis-url redis://...
+    edgeserve serve --role decode  --port 8100 --kv-format fp8_e4m3 --prefill-worker http://127.0.0.1:8101
 
 `ENGINE_OPTIONS` lists the engine flags so `edgeserve up` can forward them to
 the worker it starts.
@@ -43,17 +46,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk-size", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="share cached prompt blocks between requests (prefill and unified roles)")
 
 
 # engine flags `up` forwards to its worker unchanged (dest names)
 ENGINE_OPTIONS = ("dtype", "kv_format", "device", "kv_cache_bytes", "page_size", "max_model_len", "max_num_seqs",
-                  "max_num_batched_tokens", "prefill_chunk_size", "max_waiting", "threads")
+                  "max_num_batched_tokens", "prefill_chunk_size", "max_waiting", "threads", "prefix_caching")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("serve", help="run one worker (role unified)")
+    serve = subparsers.add_parser("serve", help="run one worker (role unified, prefill or decode)")
     add_engine_args(serve)
-    serve.add_argument("--role", default="unified", choices=["unified"])
+    serve.add_argument("--role", default="unified", choices=["unified", "prefill", "decode"])
+    serve.add_argument("--prefill-worker", action="append", default=[],
+                       help="decode role: a prefill worker's URL (repeat for several)")
+    serve.add_argument("--kv-wire", default="fp8_e4m3", choices=["fp8_e4m3", "bf16"],
+                       help="decode role: KV format on the wire from prefill workers")
+    serve.add_argument("--redis-url", default=None, help="publish prefix-cache KV events to this Redis")
+    serve.add_argument("--worker-id", default=None, help="this worker's id in Redis (default: host:port)")
     serve.set_defaults(func=run_serve)
 
 
@@ -62,6 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from backend.async_engine import AsyncEngine
     from backend.engine import EngineConfig, LLMEngine
+    from backend.errors import InvalidRequest
     from backend.worker import create_worker_app
     from ops.pull import resolve_model
 
@@ -70,10 +82,27 @@ def run_serve(args: argparse.Namespace) -> int:
                           page_size=args.page_size, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           prefill_chunk_size=args.prefill_chunk_size, max_waiting=args.max_waiting,
-                          num_threads=args.threads, device=args.device)
+                          num_threads=args.threads, device=args.device,
+                          prefix_caching=args.prefix_caching and args.role != "decode")
     engine = LLMEngine.from_pretrained(model_dir, config)
     name = args.served_name or args.model
-    app = create_worker_app(AsyncEngine(engine), model_name=name, role=args.role)
+    async_engine = AsyncEngine(engine)
+    coordinator = publisher = None
+    if args.role == "decode":
+        from backend.decode_coordinator import DecodeCoordinator
+        from backend.kv_transfer import HttpKVTransport
+
+        if not args.prefill_worker:
+            raise InvalidRequest("--role decode needs at least one --prefill-worker URL")
+        coordinator = DecodeCoordinator(async_engine, args.prefill_worker, HttpKVTransport(),
+                                        wire_format=args.kv_wire)
+    if args.redis_url and config.prefix_caching:
+        from prefix_cache.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher(args.redis_url, name, args.worker_id or f"{args.host}:{args.port}",
+                                     engine.kv_events)
+    app = create_worker_app(async_engine, model_name=name, role=args.role, coordinator=coordinator,
+                            publisher=publisher)
     snap = engine.snapshot()
     print(f"edgeserve worker ({args.role}) serving {name} from {model_dir}\n"
           f"  KV pool: {snap['pages_total']} pages x {snap['page_size']} tokens ({snap['kv_format']}, "

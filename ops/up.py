@@ -43,9 +43,11 @@ def _worker_argv(args: argparse.Namespace, model: str) -> list[str]:
     argv = [sys.executable, "-m", "ops.cli", "serve", "--model", model, "--served-name", args.served_name,
             "--host", "127.0.0.1", "--port", str(args.worker_port)]
     for dest in ENGINE_OPTIONS:
-        value = getattr(args, dest)
-        if value is not None:
-            argv += [f"--{dest.replace('_', '-')}", str(value)]
+        value, flag = getattr(args, dest), f"--{dest.replace('_', '-')}"
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif value is not None:
+            argv += [flag, str(value)]
     return argv
 
 

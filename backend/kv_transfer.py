@@ -1,0 +1,198 @@
+"""KV transfer from a prefill worker to a decode worker: wire frames and the transport contract.
+
+One transfer is one stream of length-prefixed frames, prefill -> decode:
+
+    frame  = u32 big-endian header length | msgpack header (msgspec struct) | payload (header.payload_bytes)
+
+    KVBegin   first token, prompt length, geometry, wire format, sampler state, cached tokens
+    KVLayer   one layer: payload = K | V | K exponents | V exponents   (one frame per layer)
+    KVEnd     every layer sent
+    KVError   the prefill failed (typed error code); nothing more follows
+
+Pages travel as raw bytes with their dtype and shape, never as JSON numbers, in
+token order [num_tokens, num_kv_heads, head_dim] (K in the interleaved RoPE layout
+both sides use): page sizes of the two pools need not match. Wire formats:
+
+- ``fp8_e4m3``: e4m3 values plus one int8 power-of-two exponent per (token, KV
+  head), the FP8 pool format of `kernels/kv_store.py`, quantised by the prefill
+  worker on the way out. A decode worker with an FP8 pool copies the bytes as is.
+  head_dim + 1 bytes per (token, head) against BF16's 2 * head_dim: 65 vs 128 B.
+- ``bf16``: values only (for comparison, and for decode pools that are not FP8).
+
+Sending one frame per layer lets the decode worker install layer i while layer
+i + 1 is being read and sent. `KVTransport` is the seam where an RDMA transport
+(NIXL, Mooncake) would replace `HttpKVTransport` (a streamed HTTP response).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import httpx
+import msgspec
+import torch
+
+from backend.errors import BackendUnavailable, EdgeServeError, InvalidRequest, error_from_code
+from backend.sampling_params import SamplingParams
+from kernels.kv_store import quantize_fp8_ref
+
+__all__ = ["PrefillRequest", "KVBegin", "KVLayer", "KVEnd", "KVError", "Frame", "WIRE_FORMATS",
+           "encode_frame", "FrameReader", "encode_layer", "decode_layer", "KVTransport", "HttpKVTransport",
+           "KV_MEDIA_TYPE"]
+
+WIRE_FORMATS = ("fp8_e4m3", "bf16")
+KV_MEDIA_TYPE = "application/x-edgeserve-kv"
+_LEN = struct.Struct(">I")
+
+
+class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    cache_salt: str | None = None
+    wire_format: str = "fp8_e4m3"
+
+
+class KVBegin(msgspec.Struct, tag="begin", tag_field="frame"):
+    request_id: str
+    first_token: int
+    num_tokens: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    wire_format: str
+    cached_tokens: int = 0
+    generator_state: bytes | None = None  # the seeded sampler's state after the first token
+    payload_bytes: int = 0
+
+
+class KVLayer(msgspec.Struct, tag="layer", tag_field="frame"):
+    layer: int
+    value_bytes: int  # each of K and V
+    scale_bytes: int  # each of K and V exponents (0 for bf16)
+    payload_bytes: int
+
+
+class KVEnd(msgspec.Struct, tag="end", tag_field="frame"):
+    payload_bytes: int = 0
+
+
+class KVError(msgspec.Struct, tag="error", tag_field="frame"):
+    code: int
+    type: str
+    message: str
+    payload_bytes: int = 0
+
+
+Frame = KVBegin | KVLayer | KVEnd | KVError
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Frame)
+
+
+def encode_frame(header: Frame, payload: bytes = b"") -> bytes:
+    head = _encoder.encode(header)
+    return _LEN.pack(len(head)) + head + payload
+
+
+class FrameReader:
+    """Incremental parser: feed byte chunks as they arrive, take whole frames out."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, chunk: bytes) -> list[tuple[Frame, bytes]]:
+        self._buf += chunk
+        frames = []
+        while len(self._buf) >= _LEN.size:
+            (head_len,) = _LEN.unpack_from(self._buf)
+            if len(self._buf) < _LEN.size + head_len:
+                break
+            header = _decoder.decode(bytes(self._buf[_LEN.size:_LEN.size + head_len]))
+            end = _LEN.size + head_len + header.payload_bytes
+            if len(self._buf) < end:
+                break
+            frames.append((header, bytes(self._buf[_LEN.size + head_len:end])))
+            del self._buf[:end]
+        return frames
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+def encode_layer(layer: int, k: torch.Tensor, v: torch.Tensor, wire_format: str) -> bytes:
+    """One KVLayer frame from K, V [T, kv_heads, head_dim] (any float dtype)."""
+    if wire_format == "fp8_e4m3":
+        (kq, ke), (vq, ve) = quantize_fp8_ref(k), quantize_fp8_ref(v)
+        parts = [kq.view(torch.uint8), vq.view(torch.uint8), ke, ve]
+    elif wire_format == "bf16":
+        parts = [k.to(torch.bfloat16).view(torch.uint8), v.to(torch.bfloat16).view(torch.uint8)]
+    else:
+        raise InvalidRequest(f"unknown KV wire format {wire_format!r}; supported: {WIRE_FORMATS}")
+    raw = [p.contiguous().cpu().numpy().tobytes() for p in parts]
+    value_bytes, scale_bytes = len(raw[0]), len(raw[2]) if len(raw) > 2 else 0
+    payload = b"".join(raw)
+    return encode_frame(KVLayer(layer, value_bytes, scale_bytes, len(payload)), payload)
+
+
+def decode_layer(header: KVLayer, payload: bytes, begin: KVBegin) -> tuple[torch.Tensor, ...]:
+    """(k, v, k_exp, v_exp) tensors of one layer frame; exponents are None for bf16."""
+    shape = (begin.num_tokens, begin.num_kv_heads, begin.head_dim)
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    vb, sb = header.value_bytes, header.scale_bytes
+    if begin.wire_format == "fp8_e4m3":
+        k = buf[:vb].view(torch.float8_e4m3fn).view(shape)
+        v = buf[vb:2 * vb].view(torch.float8_e4m3fn).view(shape)
+        ke = buf[2 * vb:2 * vb + sb].view(torch.int8).view(shape[:2])
+        ve = buf[2 * vb + sb:].view(torch.int8).view(shape[:2])
+        return k, v, ke, ve
+    k = buf[:vb].view(torch.bfloat16).view(shape)
+    v = buf[vb:2 * vb].view(torch.bfloat16).view(shape)
+    return k, v, None, None
+
+
+class KVTransport(Protocol):
+    """Fetch one request's KV from a prefill worker, frame by frame.
+
+    `fetch` runs the prefill there and yields (header, payload) as frames arrive:
+    KVBegin, one KVLayer per layer, KVEnd. A refused or failed prefill raises its
+    typed error; a broken transport raises BackendUnavailable. Closing the iterator
+    early tells the prefill worker to free its side."""
+
+    def fetch(self, prefill_url: str, request: PrefillRequest) -> AsyncIterator[tuple[Frame, bytes]]: ...
+
+
+class HttpKVTransport:
+    """KV frames in the body of `POST {prefill_url}/v1/prefill` (loopback or a network)."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def fetch(self, prefill_url: str, request: PrefillRequest) -> AsyncIterator[tuple[Frame, bytes]]:
+        url = f"{prefill_url.rstrip('/')}/v1/prefill"
+        reader = FrameReader()
+        try:
+            async with self._client.stream("POST", url, content=msgspec.json.encode(request)) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise _http_error(resp)
+                async for chunk in resp.aiter_raw():
+                    for header, payload in reader.feed(chunk):
+                        if isinstance(header, KVError):
+                            raise error_from_code(header.code, header.message)
+                        yield header, payload
+        except httpx.HTTPError as exc:
+            raise BackendUnavailable(f"prefill worker {prefill_url} unreachable or transfer broken: {exc}") from exc
+
+
+def _http_error(resp: httpx.Response) -> EdgeServeError:
+    try:
+        err = resp.json()["error"]
+        return error_from_code(int(err["code"]), str(err["message"]))
+    except (ValueError, KeyError, TypeError):
+        return BackendUnavailable(f"prefill worker answered HTTP {resp.status_code}: {resp.text[:200]}")

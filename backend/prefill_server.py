@@ -1,0 +1,100 @@
+"""The prefill side of disaggregation: `POST /v1/prefill` computes a prompt and streams its KV out.
+
+The request runs in this worker's engine with `max_tokens=1` (the first token is
+sampled here, with the request's own sampling parameters and seed) and
+`hold=True`, so its pages outlive the finish. Then each layer's K/V is read from
+the pool, quantised to the wire format (FP8 by default) and sent as one frame
+(`kv_transfer.py`). The held pages are released when the last frame is out, or
+when the reader goes away mid-transfer (the response is cancelled: `finally`), or
+at the latest after the engine's `held_timeout_s`. Prefix caching, when on, makes
+a prompt that starts with cached blocks compute only its tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from backend.async_engine import AsyncEngine
+from backend.errors import EdgeServeError, InvalidRequest
+from backend.kv_transfer import KV_MEDIA_TYPE, WIRE_FORMATS, KVBegin, KVEnd, KVError, PrefillRequest, \
+    encode_frame, encode_layer
+from backend.protocol import ErrorEvent, FinishEvent, TokenEvent
+from backend.sampling_params import SamplingParams
+from backend.transfer_stats import TransferStats
+
+__all__ = ["prefill_endpoint"]
+
+_decoder = msgspec.json.Decoder(PrefillRequest)
+
+
+def _first_token_params(params: SamplingParams) -> SamplingParams:
+    """The request's sampling for exactly one token; stops are judged by the decode worker."""
+    fields = {f: getattr(params, f) for f in params.__struct_fields__}
+    return SamplingParams(**{**fields, "max_tokens": 1, "stop": [], "stop_token_ids": [], "ignore_eos": True})
+
+
+def prefill_endpoint(engine: AsyncEngine, stats: TransferStats):
+    """The Starlette endpoint serving `POST /v1/prefill` on `engine`."""
+
+    async def prefill(request: Request) -> Response:
+        try:
+            req = _decoder.decode(await request.body())
+            if req.wire_format not in WIRE_FORMATS:
+                raise InvalidRequest(f"unknown wire format {req.wire_format!r}", field="wire_format")
+            events = engine.submit(req.prompt_ids, _first_token_params(req.params), req.request_id,
+                                   cache_salt=req.cache_salt, hold=True)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return JSONResponse({"error": InvalidRequest(f"invalid prefill request: {exc}").to_dict()}, 400)
+        except EdgeServeError as exc:
+            return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status)
+        return StreamingResponse(_send(engine, req, events, stats), media_type=KV_MEDIA_TYPE)
+
+    return prefill
+
+
+async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator, stats: TransferStats
+                ) -> AsyncIterator[bytes]:
+    eng = engine.engine
+    first: int | None = None
+    cached, tokens, sent, started = 0, 0, 0, time.perf_counter()
+    try:
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                first = ev.token_ids[0]
+            elif isinstance(ev, FinishEvent):
+                cached = ev.cached_tokens
+            elif isinstance(ev, ErrorEvent):
+                yield encode_frame(KVError(ev.code, ev.type, ev.message))
+                return
+        seq = eng.scheduler.held.get(req.request_id)
+        if seq is None or first is None:
+            err = EdgeServeError(f"prefill of {req.request_id} ended without its KV")
+            yield encode_frame(KVError(err.code, type(err).__name__, err.message))
+            return
+        cfg = eng.model.cfg
+        state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
+        frame = encode_frame(KVBegin(req.request_id, first, seq.num_prompt_tokens, cfg.num_layers, cfg.num_kv_heads,
+                                     cfg.head_dim, req.wire_format, cached, state))
+        sent += len(frame)
+        yield frame
+        for layer in range(cfg.num_layers):
+            # reading and quantising a layer is CPU work: off the event loop
+            frame = await asyncio.to_thread(_layer_frame, eng, seq, layer, req.wire_format)
+            sent += len(frame)
+            yield frame
+        yield encode_frame(KVEnd())
+        tokens = seq.num_prompt_tokens
+    finally:
+        eng.release_held(req.request_id)
+        stats.record(sent, time.perf_counter() - started, ok=tokens > 0, tokens=tokens)
+
+
+def _layer_frame(eng, seq, layer: int, wire_format: str) -> bytes:
+    k, v = eng.read_kv(seq, layer)
+    return encode_layer(layer, k, v, wire_format)
