@@ -47,8 +47,8 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
     catalog = ModelCatalog(config.models)
     redis = aioredis.Redis.from_url(config.redis_url, max_connections=512)
     state = GatewayState(config=config, catalog=catalog, pool=WorkerPool(catalog.models, config.worker_timeout_s),
-                         tenants=TenantStore(redis), quotas=Quotas(redis), meter=Meter(redis),
-                         metrics=GatewayMetrics())
+                         tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s), quotas=Quotas(redis),
+                         meter=Meter(redis), metrics=GatewayMetrics())
 
     async def healthz(request: Request) -> Response:
         try:

@@ -34,3 +34,4 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     keepalive_s: float = 10.0  # SSE comment interval while a request waits for tokens
     worker_timeout_s: float = 300.0  # longest silence tolerated from a worker mid-stream
     max_request_bytes: int = 4 * 2**20
+    tenant_cache_s: float = 1.0  # reuse a tenant's record (quotas) this long; keys are checked every request

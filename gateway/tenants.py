@@ -97,8 +97,13 @@ def _tenant_from_hash(tenant_id: str, fields: dict) -> Tenant | None:
 class TenantStore:
     """Tenants and API keys of every gateway replica, in one Redis."""
 
-    def __init__(self, redis: redis.asyncio.Redis) -> None:
+    def __init__(self, redis: redis.asyncio.Redis, tenant_cache_s: float = 0.0) -> None:
+        """`tenant_cache_s` > 0 lets `authenticate` reuse a tenant record (name, quotas) for that long,
+        saving a round trip per request; the token itself is looked up every time, so a revoked
+        key stops working at once, while a quota change takes up to `tenant_cache_s` to apply."""
         self.redis = redis
+        self._tenant_cache_s = tenant_cache_s
+        self._tenant_cache: dict[str, tuple[float, Tenant]] = {}
         self._create = redis.register_script(_CREATE)
         self._set_quotas = redis.register_script(_SET_QUOTAS)
 
@@ -186,7 +191,19 @@ class TenantStore:
             raise AuthenticationError("malformed Authorization header (expected 'Bearer <api token>')")
         with redis_errors():
             tenant_id = text(await self.redis.hget(rk.api_key(hash_token(token)), "tenant_id"))
-        tenant = await self.get_tenant(tenant_id) if tenant_id else None
+        tenant = await self._cached_tenant(tenant_id) if tenant_id else None
         if tenant is None:
             raise AuthenticationError("invalid or revoked API token")
+        return tenant
+
+    async def _cached_tenant(self, tenant_id: str) -> Tenant | None:
+        now = time.monotonic()
+        hit = self._tenant_cache.get(tenant_id)
+        if hit is not None and now - hit[0] < self._tenant_cache_s:
+            return hit[1]
+        tenant = await self.get_tenant(tenant_id)
+        if tenant is not None and self._tenant_cache_s > 0:
+            if len(self._tenant_cache) > 100_000:
+                self._tenant_cache.clear()
+            self._tenant_cache[tenant_id] = (now, tenant)
         return tenant

@@ -138,3 +138,27 @@ def test_redis_down_is_a_typed_error() -> None:
                 await TenantStore(client).authenticate("Bearer es_whatever")
             assert type(info.value) is EdgeServeError
     asyncio.run(main())
+
+
+def test_the_tenant_cache_saves_lookups_but_never_outlives_a_revoked_key(redis_url: str) -> None:
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gateway.tenants import TenantStore
+
+    async def go() -> None:
+        r = aioredis.Redis.from_url(redis_url)
+        store = TenantStore(r, tenant_cache_s=60.0)
+        tenant = await store.create_tenant("cached", requests_per_minute=5)
+        key = await store.create_key(tenant.id)
+        assert (await store.authenticate(f"Bearer {key.token}")).requests_per_minute == 5
+        await store.set_quotas(tenant.id, requests_per_minute=9, tokens_per_day=None)
+        assert (await store.authenticate(f"Bearer {key.token}")).requests_per_minute == 5  # cached record
+        assert (await TenantStore(r).authenticate(f"Bearer {key.token}")).requests_per_minute == 9  # uncached
+        await store.revoke_key(key.key_id)
+        with pytest.raises(AuthenticationError):
+            await store.authenticate(f"Bearer {key.token}")  # revocation is immediate despite the cache
+        await r.aclose()
+
+    asyncio.run(go())

@@ -14,6 +14,7 @@ from backend.protocol import FinishEvent, GenerateRequest, TokenEvent, event_dec
 from backend.sampling_params import SamplingParams
 from backend.tokenizer import Tokenizer
 from backend.worker_client import WorkerClient
+from tests.backend.servers import serve_in_thread
 from ops.bench_gateway import Row, compare
 from ops.standin_worker import HELLO_WORLD, create_standin_app, token_text
 
@@ -28,8 +29,10 @@ def test_standin_speaks_the_worker_protocol() -> None:
             raw = await http.post("/v1/generate", content=msgspec.json.encode(
                 GenerateRequest([1, 2, 3], SamplingParams(max_tokens=50))))
             lines = [event_decoder.decode(line) for line in raw.content.splitlines() if line]
-            client = WorkerClient("http://standin", http)  # the gateway's own client reads it too
-            capped = [ev async for ev in client.generate(GenerateRequest([4, 5], SamplingParams(max_tokens=3)))]
+            with serve_in_thread(create_standin_app(7)) as url:  # the gateway's own client reads it too
+                client = WorkerClient(url)
+                capped = [ev async for ev in client.generate(GenerateRequest([4, 5], SamplingParams(max_tokens=3)))]
+                await client.aclose()
             bad = await http.post("/v1/generate", content=b'{"prompt_ids": "no"}')
             return lines, capped, [bad.status_code, bad.json()["error"]["code"]]
 
