@@ -10,7 +10,8 @@
       3. activate         the request joins the decode batch; its first token (sampled by
                           the prefill worker) is emitted at the next step, then decoding goes on
 
-Until a gateway routes pairs, this coordinator picks the prefill worker itself.
+The gateway's router names the prefill worker (`GenerateRequest.prefill_url`);
+without one, this coordinator picks from its own list (round-robin).
 Faults: if the prefill worker fails or times out mid-transfer, the reservation is
 kept and the fetch is retried once on the next prefill worker; no token has reached
 the client yet (the first token is emitted only after activation). When no prefill
@@ -46,8 +47,6 @@ class DecodeCoordinator:
     def __init__(self, engine: AsyncEngine, prefill_urls: list[str], transport: KVTransport, *,
                  wire_format: str = "fp8_e4m3", reserve_timeout_s: float = 30.0,
                  transfer_timeout_s: float = 60.0) -> None:
-        if not prefill_urls:
-            raise ValueError("a decode worker needs at least one prefill worker")
         self.engine = engine
         self.prefill_urls = list(prefill_urls)
         self.transport = transport
@@ -93,7 +92,12 @@ class DecodeCoordinator:
 
     async def _fetch_with_retry(self, seq: Sequence, req: GenerateRequest) -> tuple[int, torch.Tensor | None]:
         start = next(self._turn)
-        urls = [self.prefill_urls[(start + i) % len(self.prefill_urls)] for i in range(len(self.prefill_urls))][:2]
+        urls = [self.prefill_urls[(start + i) % len(self.prefill_urls)] for i in range(len(self.prefill_urls))]
+        if req.prefill_url:  # the router's pairing first, our own list as the fallback
+            urls = [req.prefill_url, *(u for u in urls if u != req.prefill_url)]
+        urls = urls[:2]
+        if not urls:
+            raise BackendUnavailable(f"no prefill worker for request {seq.request_id}: none configured, none routed")
         for attempt, url in enumerate(urls):
             try:
                 async with asyncio.timeout(self.transfer_timeout_s):

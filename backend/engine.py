@@ -389,6 +389,7 @@ class LLMEngine:
             "kv_bytes_per_token": self.cache.bytes_per_token,
             "max_model_len": self.max_model_len,
             "held": len(self.scheduler.held),
+            "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
             "prefix_cache": self._prefix_cache_stats(),
             **self.stats,
             "integrity_aborts": sum(self.stats["integrity_aborts_by_cause"].values()),

@@ -19,6 +19,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str | None = None
     model: str | None = None  # checked against the served model when given
     cache_salt: str | None = None  # prefix-cache namespace, set by the gateway from the tenant (never a client)
+    prefill_url: str | None = None  # decode role: the prefill worker the router paired it with
 
 
 class TokenEvent(msgspec.Struct, tag="token", tag_field="event", gc=False):

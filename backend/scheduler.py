@@ -166,6 +166,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted or waiting but not yet computed (routing load; racy reads are fine)."""
+        with self._lock:
+            waiting = sum(s.num_prompt_tokens for s in self.waiting)
+        return waiting + sum(s.num_prompt_tokens - s.num_computed_tokens for s in list(self.running))
+
     # -- engine thread ---------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running sequence: mark it and return its pages at once (or hold them, see `hold_pages`).

@@ -16,14 +16,16 @@ request; its pages return at the next step.
 Roles: `unified` runs both phases; `prefill` serves /v1/prefill for decode workers;
 `decode` answers /v1/generate by fetching each prompt's KV from a prefill worker
 (`decode_coordinator.py`) and decoding it here. A worker with prefix caching and a
-KV-event publisher reports the blocks it stores and evicts to Redis.
+KV-event publisher reports the blocks it stores and evicts to Redis; with a
+heartbeat it registers itself (role, region, live load) for gateways' routers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -38,7 +40,6 @@ from backend.transfer_stats import TransferStats
 from backend.errors import EdgeServeError, InvalidRequest, ModelNotFound
 from backend.worker_metrics import CONTENT_TYPE, render_metrics, worker_registry
 from backend.protocol import GenerateRequest, encoder
-from prefix_cache.kv_events import KVEventPublisher
 
 __all__ = ["create_worker_app", "NDJSON"]
 
@@ -52,8 +53,9 @@ def _error_response(exc: EdgeServeError) -> JSONResponse:
 
 def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified",
                       coordinator: DecodeCoordinator | None = None,
-                      publisher: KVEventPublisher | None = None) -> Starlette:
-    """The worker's ASGI app, serving `engine` under the name `model_name` in `role`."""
+                      background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> Starlette:
+    """The worker's ASGI app, serving `engine` under the name `model_name` in `role`. `background`
+    coroutines (the registry heartbeat, the KV-event publisher) run for the app's lifetime."""
     if (role == "decode") != (coordinator is not None):
         raise ValueError("a decode worker needs a DecodeCoordinator, and only a decode worker takes one")
     prefill_stats = TransferStats()
@@ -111,14 +113,13 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.start()
-        task = asyncio.create_task(publisher.run()) if publisher is not None else None
+        tasks = [asyncio.create_task(run()) for run in background]
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await asyncio.gather(*tasks, return_exceptions=True)
             engine.shutdown()
 
     return Starlette(routes=routes, lifespan=lifespan)

@@ -8,8 +8,10 @@
     GET  /healthz                                                   gateway and Redis reachable
     GET  /metrics                                                   Prometheus
 
-Gateways hold no state of their own: tenants, keys, usage and quotas are in Redis,
-so any number of them can share one Redis.
+Gateways hold no state of their own: tenants, keys, usage, quotas, the worker
+registry and the prefix index are in Redis, so any number of them can share one
+Redis. Models configured with worker URLs are served from that static list;
+otherwise the router reads the live registry (workers heartbeat into Redis).
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from starlette.routing import Route
 
 from backend.errors import InvalidRequest
 from gateway.config import GatewayConfig
+from prefix_cache.kv_events import PrefixIndex
 from gateway.envelopes import workers_error
 from gateway.metering import Meter
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_api import chat_completions, list_models
 from gateway.quotas import Quotas
+from gateway.registry_view import RegistryView, StaticView
+from gateway.router import Router
 from gateway.served_models import ModelCatalog
 from gateway.state import GatewayState
 from gateway.tenants import TenantStore
@@ -46,7 +51,11 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
     """The gateway for `config`; tokenizers load now, connections open lazily."""
     catalog = ModelCatalog(config.models)
     redis = aioredis.Redis.from_url(config.redis_url, max_connections=512)
-    state = GatewayState(config=config, catalog=catalog, pool=WorkerPool(catalog.models, config.worker_timeout_s),
+    static = {m.name: list(m.route.workers) for m in catalog.models if m.route.workers}
+    view = StaticView(static, config.region) if static else RegistryView(redis)
+    router = Router(view, PrefixIndex(redis), config.regions, policy=config.routing_policy,
+                    max_waiting=config.max_waiting_per_worker)
+    state = GatewayState(config=config, catalog=catalog, router=router, pool=WorkerPool(config.worker_timeout_s),
                          tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s), quotas=Quotas(redis),
                          meter=Meter(redis), metrics=GatewayMetrics())
 

@@ -1,12 +1,14 @@
-"""Gateway configuration: the models it serves, where their workers are, its region.
+"""Gateway configuration: the models it serves, where their workers are, its region, routing.
 
-Until routing lands (worker registry in Redis), each served model lists its worker
-URLs here and the gateway spreads requests over them round-robin.
+A model whose `workers` lists URLs is served from that static list; a model with
+no URLs is routed over the live worker registry in Redis (`router.py`).
 """
 
 from __future__ import annotations
 
 import msgspec
+
+from gateway.regions import RegionMap
 
 __all__ = ["ModelRoute", "GatewayConfig", "DEFAULT_ALIASES"]
 
@@ -22,7 +24,7 @@ class ModelRoute(msgspec.Struct, frozen=True):
 
     name: str
     model_dir: str
-    workers: list[str]
+    workers: list[str] = []  # static worker URLs; empty: route over the registry
     aliases: list[str] = []
     max_model_len: int | None = None  # default: the model's max_position_embeddings
 
@@ -35,3 +37,6 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     worker_timeout_s: float = 300.0  # longest silence tolerated from a worker mid-stream
     max_request_bytes: int = 4 * 2**20
     tenant_cache_s: float = 1.0  # reuse a tenant's record (quotas) this long; keys are checked every request
+    routing_policy: str = "prefix"  # "prefix" | "least-loaded" | "round-robin"
+    regions: RegionMap = RegionMap()
+    max_waiting_per_worker: int = 16  # a worker with this many waiting counts as saturated

@@ -17,8 +17,9 @@ completion tokens are the tokens that reached the gateway, also when the
 client left or the worker died mid-stream. A request refused before the worker
 admitted it is not metered; its quota reservation is released.
 
-A worker that fails before admitting the request (unreachable, or gone before
-the HTTP 200) is retried once on the next worker; after admission a failure
+Where it runs is the router's decision (`router.py`), made in `start`. A worker
+that fails before admitting the request (unreachable, or gone before the HTTP
+200) is retried once on the decision's second candidate; after admission a failure
 ends the stream with an error, since tokens may already have been shown.
 """
 
@@ -42,6 +43,7 @@ from gateway.envelopes import as_typed
 from gateway.metering import Meter, UsageRecord
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas, Reservation
+from gateway.router import RouteDecision, Router
 from gateway.served_models import ServedModel
 from gateway.tenants import Tenant
 from gateway.text_stream import TextStream
@@ -77,10 +79,13 @@ _Item = Delta | Done | EdgeServeError
 
 class Generation:
     def __init__(self, *, tenant: Tenant, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
-                 api: str, pool: WorkerPool, quotas: Quotas, meter: Meter, metrics: GatewayMetrics) -> None:
+                 api: str, region: str, router: Router, pool: WorkerPool, quotas: Quotas, meter: Meter,
+                 metrics: GatewayMetrics) -> None:
         self.request_id = uuid.uuid4().hex
         self.tenant, self.model, self.prompt_ids, self.params, self.api = tenant, model, prompt_ids, params, api
-        self._pool, self._quotas, self._meter, self._metrics = pool, quotas, meter, metrics
+        self.region = region
+        self._router, self._pool, self._quotas, self._meter, self._metrics = router, pool, quotas, meter, metrics
+        self.route: RouteDecision | None = None
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._accepted = asyncio.Event()
         self._producer: asyncio.Task[None] | None = None
@@ -95,6 +100,13 @@ class Generation:
                                                      self.params.max_tokens)
         if self._reservation.max_tokens < self.params.max_tokens:  # the day's tokens cap the completion
             self.params = SamplingParams(**{**_fields(self.params), "max_tokens": self._reservation.max_tokens})
+        try:
+            self.route = await self._router.route(self.model.name, self.tenant.id, self.prompt_ids,
+                                                  self.params.max_tokens, self.region, self.request_id)
+        except BaseException:
+            await self._meter.release(self._reservation)
+            raise
+        log.info("route %s: %s", self.request_id, self.route.reason)
         self._producer = asyncio.create_task(self._produce(), name=f"generation-{self.request_id}")
         accepted = asyncio.create_task(self._accepted.wait())
         await asyncio.wait({accepted, self._producer}, return_when=asyncio.FIRST_COMPLETED)
@@ -147,11 +159,13 @@ class Generation:
         cached = 0
         client: WorkerClient | None = None
         try:
-            request = GenerateRequest(self.prompt_ids, self.params, self.request_id, model=self.model.name,
-                                      cache_salt=self.tenant.id)  # tenants never share cached blocks
-            candidates = self._pool.candidates(self.model)[:2]
-            for attempt, client in enumerate(candidates):
+            candidates = self.route.candidates[:2]
+            for attempt, target in enumerate(candidates):
+                client = self._pool.client(target.worker.url)
                 self.worker_url = client.base_url
+                request = GenerateRequest(self.prompt_ids, self.params, self.request_id, model=self.model.name,
+                                          cache_salt=self.tenant.id,  # tenants never share cached blocks
+                                          prefill_url=target.prefill.url if target.prefill is not None else None)
                 try:
                     finish_reason, cached = await self._stream_from(client, request)
                     break
@@ -204,6 +218,7 @@ class Generation:
 
     async def _settle(self, finish_reason: str, error: EdgeServeError | None, cached: int) -> None:
         """Meter once (or release the reservation when no worker ever took the request)."""
+        self._router.done(self.request_id)
         try:
             if not self._accepted.is_set():
                 if self._reservation is not None:

@@ -47,7 +47,8 @@ async def chat_completions(request: Request) -> Response:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_list)
         gen = Generation(tenant=tenant, model=model, prompt_ids=prompt_ids, params=params, api=API,
-                         pool=state.pool, quotas=state.quotas, meter=state.meter, metrics=state.metrics)
+                         region=state.region_of(request), router=state.router, pool=state.pool,
+                         quotas=state.quotas, meter=state.meter, metrics=state.metrics)
         try:
             await gen.start()
         except BaseException:
@@ -56,7 +57,8 @@ async def chat_completions(request: Request) -> Response:
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return _error_response(exc, state)
     state.metrics.requests.labels(API, "200").inc()
-    headers = {"x-edgeserve-request-id": gen.request_id, "x-edgeserve-worker": gen.worker_url or ""}
+    headers = {"x-edgeserve-request-id": gen.request_id, "x-edgeserve-worker": gen.worker_url or "",
+               "x-edgeserve-route": gen.route.reason if gen.route is not None else ""}
     chunk = _ChunkMaker(f"chatcmpl-{gen.request_id}", req.model)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage

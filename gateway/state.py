@@ -11,6 +11,7 @@ from gateway.config import GatewayConfig
 from gateway.metering import Meter
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
+from gateway.router import Router
 from gateway.served_models import ModelCatalog
 from gateway.tenants import Tenant, TenantStore
 from gateway.worker_pool import WorkerPool
@@ -22,6 +23,7 @@ __all__ = ["GatewayState"]
 class GatewayState:
     config: GatewayConfig
     catalog: ModelCatalog
+    router: Router
     pool: WorkerPool
     tenants: TenantStore
     quotas: Quotas
@@ -35,6 +37,10 @@ class GatewayState:
         if account is not None and account != tenant.id:
             raise PermissionDenied("this API token cannot act on that account", account_id=account)
         return tenant
+
+    def region_of(self, request: Request) -> str:
+        """The request's region: trusted edge headers, else this gateway's own (`regions.py`)."""
+        return self.config.regions.request_region(request.headers, self.config.region)[0]
 
     async def body(self, request: Request) -> bytes:
         """The request body, refused (413) past the configured size before it is all read."""

@@ -52,7 +52,8 @@ async def workers_run(request: Request) -> Response:
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p or 1.0,
                                 top_k=req.top_k or 0, seed=req.seed)
         gen = Generation(tenant=tenant, model=model, prompt_ids=prompt_ids, params=params, api=API,
-                         pool=state.pool, quotas=state.quotas, meter=state.meter, metrics=state.metrics)
+                         region=state.region_of(request), router=state.router, pool=state.pool,
+                         quotas=state.quotas, meter=state.meter, metrics=state.metrics)
         try:
             await gen.start()
         except BaseException:
@@ -60,7 +61,8 @@ async def workers_run(request: Request) -> Response:
             raise
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return workers_error_response(exc, state)
-    headers = {"x-edgeserve-request-id": gen.request_id, "x-edgeserve-worker": gen.worker_url or ""}
+    headers = {"x-edgeserve-request-id": gen.request_id, "x-edgeserve-worker": gen.worker_url or "",
+               "x-edgeserve-route": gen.route.reason if gen.route is not None else ""}
     state.metrics.requests.labels(API, "200").inc()
     if req.stream:
         return StreamingResponse(

@@ -17,7 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("gateway", help="run a gateway replica (workers and Redis must be running)")
     p.add_argument("--model", default="smollm2-135m", help="model name or folder (its tokenizer and template)")
     p.add_argument("--served-name", default=None, help="the name workers serve it under (default: --model)")
-    p.add_argument("--worker", action="append", required=True, help="worker base URL (repeat for several)")
+    p.add_argument("--worker", action="append", default=[],
+                   help="a static worker URL (repeat for several); without any, route over the Redis registry")
+    p.add_argument("--policy", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
+                   help="how to pick among a region's workers")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
@@ -28,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_config(model: str, workers: list[str], redis_url: str, *, served_name: str | None = None,
-                 region: str = "local", max_model_len: int | None = None, keepalive_s: float = 10.0):
+                 region: str = "local", max_model_len: int | None = None, keepalive_s: float = 10.0,
+                 policy: str = "prefix"):
     """GatewayConfig for one model (pulled if it is a known name) served by `workers`."""
     from gateway.config import DEFAULT_ALIASES, GatewayConfig, ModelRoute
     from ops.pull import resolve_model
@@ -36,7 +40,8 @@ def build_config(model: str, workers: list[str], redis_url: str, *, served_name:
     name = served_name or model
     route = ModelRoute(name=name, model_dir=str(resolve_model(model)), workers=workers,
                        aliases=DEFAULT_ALIASES.get(name, []), max_model_len=max_model_len)
-    return GatewayConfig(models=[route], redis_url=redis_url, region=region, keepalive_s=keepalive_s)
+    return GatewayConfig(models=[route], redis_url=redis_url, region=region, keepalive_s=keepalive_s,
+                         routing_policy=policy)
 
 
 def freeze_heap() -> None:
@@ -54,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     from gateway.app import create_gateway_app
 
     config = build_config(args.model, args.worker, args.redis_url, served_name=args.served_name,
-                          region=args.region, max_model_len=args.max_model_len, keepalive_s=args.keepalive)
-    print(f"edgeserve gateway on http://{args.host}:{args.port} -> {', '.join(args.worker)}", flush=True)
+                          region=args.region, max_model_len=args.max_model_len, keepalive_s=args.keepalive,
+                          policy=args.policy)
+    where = ", ".join(args.worker) if args.worker else f"the worker registry in {args.redis_url}"
+    print(f"edgeserve gateway on http://{args.host}:{args.port} -> {where}", flush=True)
     app = create_gateway_app(config)
     freeze_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)

@@ -63,8 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="decode role: a prefill worker's URL (repeat for several)")
     serve.add_argument("--kv-wire", default="fp8_e4m3", choices=["fp8_e4m3", "bf16"],
                        help="decode role: KV format on the wire from prefill workers")
-    serve.add_argument("--redis-url", default=None, help="publish prefix-cache KV events to this Redis")
+    serve.add_argument("--redis-url", default=None,
+                       help="register in this Redis (heartbeat with live load) and publish prefix-cache KV events")
     serve.add_argument("--worker-id", default=None, help="this worker's id in Redis (default: host:port)")
+    serve.add_argument("--region", default="local", help="this worker's region (for gateways' routing)")
+    serve.add_argument("--advertise-url", default=None,
+                       help="the URL gateways reach this worker at (default: http://host:port)")
     serve.set_defaults(func=run_serve)
 
 
@@ -87,22 +91,28 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_pretrained(model_dir, config)
     name = args.served_name or args.model
     async_engine = AsyncEngine(engine)
-    coordinator = publisher = None
+    coordinator = None
     if args.role == "decode":
         from backend.decode_coordinator import DecodeCoordinator
         from backend.kv_transfer import HttpKVTransport
 
-        if not args.prefill_worker:
-            raise InvalidRequest("--role decode needs at least one --prefill-worker URL")
+        if not args.prefill_worker and not args.redis_url:
+            raise InvalidRequest("--role decode needs --prefill-worker URLs, or --redis-url (a gateway's router "
+                                 "then names the prefill worker for each request)")
         coordinator = DecodeCoordinator(async_engine, args.prefill_worker, HttpKVTransport(),
                                         wire_format=args.kv_wire)
-    if args.redis_url and config.prefix_caching:
+    background = []
+    if args.redis_url:
+        from backend.registration import Heartbeat
         from prefix_cache.kv_events import KVEventPublisher
 
-        publisher = KVEventPublisher(args.redis_url, name, args.worker_id or f"{args.host}:{args.port}",
-                                     engine.kv_events)
+        worker_id = args.worker_id or f"{args.host}:{args.port}"
+        url = args.advertise_url or f"http://{args.host}:{args.port}"
+        background.append(Heartbeat(args.redis_url, lambda: _record(engine, worker_id, url, name, args)).run)
+        if config.prefix_caching:
+            background.append(KVEventPublisher(args.redis_url, name, worker_id, engine.kv_events).run)
     app = create_worker_app(async_engine, model_name=name, role=args.role, coordinator=coordinator,
-                            publisher=publisher)
+                            background=background)
     snap = engine.snapshot()
     print(f"edgeserve worker ({args.role}) serving {name} from {model_dir}\n"
           f"  KV pool: {snap['pages_total']} pages x {snap['page_size']} tokens ({snap['kv_format']}, "
@@ -110,3 +120,14 @@ def run_serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 
+
+
+def _record(engine, worker_id: str, url: str, name: str, args: argparse.Namespace):
+    """This worker's registry record, with its live load (read on the event loop; racy reads are fine)."""
+    from backend.registration import WorkerRecord
+
+    snap = engine.snapshot()
+    return WorkerRecord(id=worker_id, url=url, role=args.role, model=name, region=args.region,
+                        page_size=int(snap["page_size"]), pages_total=int(snap["pages_total"]),
+                        pages_free=int(snap["pages_free"]), running=int(snap["running"]),
+                        waiting=int(snap["waiting"]), queued_prefill_tokens=int(snap["queued_prefill_tokens"]))

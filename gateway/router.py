@@ -1,0 +1,192 @@
+"""Where a request runs: region first, then prefix overlap against load, with a fallback.
+
+    route(model, tenant, prompt_ids, max_tokens, region) -> RouteDecision(candidates, reason)
+
+1. **Region.** Front workers (unified, or decode for disaggregated pools) are grouped
+   by region and the regions ordered by distance from the request's region
+   (`regions.py`). The first region with a live, unsaturated worker wins; when the
+   nearest is down or saturated the request spills to the next nearest, and the
+   reason says so. Saturated = its free pages cannot hold prompt + max_tokens, or
+   `waiting` (plus what this gateway sent since the last heartbeat) has reached
+   `max_waiting`.
+2. **Within the region**, by policy:
+   - `prefix` (default): the request's block hashes (`prefix_cache.hashing`, salted
+     with the tenant, so tenants never see each other's blocks) are looked up in the
+     Redis index of the workers' own KV events; each prefill-capable worker gets
+     `cost = queued prefill tokens + prompt tokens it would compute (minus its cached
+     overlap) + load_tokens * (running + waiting)`, the lowest cost wins. A hot prefix
+     therefore stays on its worker until the queue there outweighs the tokens saved,
+     then spreads.
+   - `least-loaded`: fewest running + waiting (+ in flight from this gateway).
+   - `round-robin`: in turn.
+   In a disaggregated pool the prefill worker is chosen by that score and the decode
+   worker by load (most free pages, fewest running).
+3. **Fallback.** The second-best target (same region, else the next region) is kept so
+   a worker that fails before accepting the request is retried once elsewhere.
+
+Load between heartbeats: the router remembers what it dispatched to each worker
+until the request ends (`done`), and adds what was sent after the worker's last
+record (requests and prompt tokens), so a burst within one refresh interval does
+not all land on the worker that looked idlest. Static workers (no records) count
+everything in flight.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from typing import NamedTuple
+
+from backend.errors import BackendUnavailable
+from backend.registration import WorkerRecord
+from gateway.regions import RegionMap
+from prefix_cache.hashing import block_hashes
+from prefix_cache.kv_events import PrefixIndex
+
+__all__ = ["Target", "RouteDecision", "Router", "POLICIES"]
+
+POLICIES = ("prefix", "least-loaded", "round-robin")
+
+
+class Target(NamedTuple):
+    worker: WorkerRecord  # receives /v1/generate (unified or decode)
+    prefill: WorkerRecord | None = None  # disaggregated pools: who computes the prompt
+
+
+class RouteDecision(NamedTuple):
+    candidates: list[Target]  # best first; the second is the retry target
+    reason: str
+    region: str
+    overlap_blocks: int = 0
+
+
+class _InFlight:
+    """Requests this gateway dispatched and that have not ended: per worker, (dispatch time, tokens)."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, dict[str, tuple[float, int]]] = defaultdict(dict)
+
+    def add(self, worker_id: str, request_id: str, tokens: int) -> None:
+        self.active[worker_id][request_id] = (time.time(), tokens)
+
+    def done(self, request_id: str) -> None:
+        for requests in self.active.values():
+            requests.pop(request_id, None)
+
+    def unseen(self, rec: WorkerRecord) -> tuple[int, int]:
+        """(requests, prompt tokens) sent after `rec` was written, so not in its load figures yet."""
+        items = [tok for t, tok in self.active[rec.id].values() if t > rec.updated_at]
+        return len(items), sum(items)
+
+
+class Router:
+    def __init__(self, view, index: PrefixIndex | None, regions: RegionMap, *, policy: str = "prefix",
+                 max_waiting: int = 16, load_tokens: int = 256) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose from {POLICIES}")
+        self.view, self.index, self.regions, self.policy = view, index, regions, policy
+        self.max_waiting, self.load_tokens = max_waiting, load_tokens
+        self._turn = itertools.count()
+        self._inflight = _InFlight()
+
+    def done(self, request_id: str) -> None:
+        """The request ended: it no longer loads the workers it was sent to."""
+        self._inflight.done(request_id)
+
+    async def route(self, model: str, tenant_id: str, prompt_ids: list[int], max_tokens: int,
+                    region: str, request_id: str) -> RouteDecision:
+        workers = await self.view.workers(model)
+        front = [w for w in workers if w.role in ("unified", "decode")]
+        if not front:
+            raise BackendUnavailable(f"no live worker serves {model}", model=model)
+        need = len(prompt_ids) + max_tokens
+        by_region: dict[str, list[WorkerRecord]] = defaultdict(list)
+        for w in front:
+            by_region[w.region].append(w)
+        order = self.regions.nearest_first(region, by_region)
+        chosen_region, skipped = None, []
+        for r in order:
+            if any(self._has_room(w, need) for w in by_region[r]):
+                chosen_region = r
+                break
+            skipped.append(r)
+        if chosen_region is None:  # everything saturated: the nearest region queues it
+            chosen_region = order[0]
+        ranked, overlap, why = await self._rank(model, tenant_id, prompt_ids, need,
+                                                [w for w in by_region[chosen_region] if self._has_room(w, need)]
+                                                or by_region[chosen_region], workers, chosen_region)
+        fallback = ranked[1:2]
+        if not fallback:  # retry target from the next region with room
+            for r in order:
+                if r != chosen_region:
+                    rest, _, _ = await self._rank(model, tenant_id, prompt_ids, need, by_region[r], workers, r)
+                    fallback = rest[:1]
+                    break
+        best = ranked[0]
+        self._inflight.add(best.worker.id, request_id, len(prompt_ids))
+        if best.prefill is not None:
+            self._inflight.add(best.prefill.id, request_id, len(prompt_ids))
+        where = f"region {chosen_region}"
+        if chosen_region != region:
+            where += f" (request from {region}; " + (f"{', '.join(skipped)} saturated or down)" if skipped
+                                                     else "nearest with workers)")
+        return RouteDecision([best, *fallback], f"{where}; {why}", chosen_region, overlap)
+
+    def _has_room(self, w: WorkerRecord, need: int) -> bool:
+        if w.pages_total == 0:  # capacity unknown (static configuration)
+            return True
+        return w.pages_free * w.page_size >= need and w.waiting + self._inflight.unseen(w)[0] < self.max_waiting
+
+    def _load(self, w: WorkerRecord) -> int:
+        return w.running + w.waiting + self._inflight.unseen(w)[0]
+
+    async def _rank(self, model: str, tenant_id: str, prompt_ids: list[int], need: int,
+                    front: list[WorkerRecord], workers: list[WorkerRecord], region: str
+                    ) -> tuple[list[Target], int, str]:
+        """Targets in `front`, best first, with the winner's prefix overlap (blocks) and the reason."""
+        if not front:
+            return [], 0, "no worker"
+        prefills = [w for w in workers if w.role == "prefill" and w.region == region] or \
+                   [w for w in workers if w.role == "prefill"]
+        disaggregated = any(w.role == "decode" for w in front)
+        if self.policy == "round-robin":
+            k = next(self._turn)
+            ordered = front[k % len(front):] + front[:k % len(front)]
+            pre = prefills[k % len(prefills)] if disaggregated and prefills else None
+            return [Target(w, pre) for w in ordered], 0, "policy round-robin"
+        if self.policy == "least-loaded" or disaggregated:
+            ordered = sorted(front, key=lambda w: (self._load(w), -w.pages_free, w.id))
+            if not disaggregated:
+                return [Target(w) for w in ordered], 0, f"policy least-loaded (load {self._load(ordered[0])})"
+        # prefix-aware: score the prefill-capable workers
+        scorable = prefills if disaggregated else front
+        overlap = await self._overlap(model, tenant_id, prompt_ids, scorable)
+        page = scorable[0].page_size or 16
+
+        def cost(w: WorkerRecord) -> float:
+            cached = min(overlap.get(w.id, 0) * page, len(prompt_ids) - 1)
+            queued = w.queued_prefill_tokens + self._inflight.unseen(w)[1]
+            return queued + (len(prompt_ids) - cached) + self.load_tokens * self._load(w)
+
+        if self.policy == "least-loaded":
+            scored = sorted(scorable, key=lambda w: (self._load(w), w.id))
+        else:
+            scored = sorted(scorable, key=lambda w: (cost(w), w.id))
+        best = scored[0]
+        why = (f"policy {self.policy}: {overlap.get(best.id, 0)} cached blocks of {len(prompt_ids) // page} "
+               f"on {best.id}, cost {cost(best):.0f} tokens")
+        if disaggregated:
+            decodes = sorted(front, key=lambda w: (self._load(w), -w.pages_free, w.id))
+            targets = [Target(d, best) for d in decodes]
+            if len(scored) > 1 and len(decodes) == 1:
+                targets.append(Target(decodes[0], scored[1]))
+            return targets, overlap.get(best.id, 0), why + f"; decode on {decodes[0].id} (load)"
+        return [Target(w) for w in scored], overlap.get(best.id, 0), why
+
+    async def _overlap(self, model: str, tenant_id: str, prompt_ids: list[int],
+                       workers: list[WorkerRecord]) -> dict[str, int]:
+        if self.index is None or not workers:
+            return {}
+        hashes = block_hashes(prompt_ids, workers[0].page_size or 16, tenant_id)
+        return await self.index.overlap(model, hashes) if hashes else {}

@@ -1,0 +1,187 @@
+"""Routing decisions against a real Redis with registered workers (records as workers write them)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from backend.async_engine import AsyncEngine
+from backend.decode_coordinator import DecodeCoordinator
+from backend.errors import BackendUnavailable
+from backend.kv_transfer import HttpKVTransport
+from backend.prefix_cache_pool import KVEvent
+from backend.registration import Heartbeat, WorkerRecord
+from backend.worker import create_worker_app
+from gateway.app import create_gateway_app
+from gateway.config import GatewayConfig, ModelRoute
+from gateway.regions import RegionMap
+from gateway.registry_view import RegistryView
+from gateway.router import Router
+from ops.redis_server import free_port
+from prefix_cache.hashing import block_hashes
+from prefix_cache.kv_events import KVEventPublisher, PrefixIndex
+from tests.backend.servers import serve_in_thread
+from tests.gateway.conftest import MODEL, make_account, tiny_engine, wait_pages_free
+from tests.gateway.test_api import auth
+
+REGIONS = RegionMap(latency_ms={"eu": {"us": 90.0, "ap": 200.0}, "us": {"ap": 120.0}},
+                    countries={"DE": "eu", "FR": "eu", "JP": "ap"})
+PROMPT = list(range(100, 180))  # 5 full blocks of 16
+
+
+def rec(wid: str, region: str = "eu", role: str = "unified", **load) -> WorkerRecord:
+    base = dict(id=wid, url=f"http://{wid}.invalid", role=role, model="m", region=region, page_size=16,
+                pages_total=100, pages_free=100, running=0, waiting=0, queued_prefill_tokens=0)
+    base.update(load)
+    return WorkerRecord(**base)
+
+
+async def register(redis_url: str, *records: WorkerRecord, ttl_s: float = 30.0) -> None:
+    for r in records:
+        hb = Heartbeat(redis_url, lambda r=r: r, ttl_s=ttl_s)
+        await hb.beat()
+        await hb.redis.aclose()
+
+
+async def holds(redis_url: str, worker_id: str, tenant: str, prompt: list[int], blocks: int) -> None:
+    """Publish, as worker `worker_id` would, that it caches the first `blocks` blocks of `prompt`."""
+    pub = KVEventPublisher(redis_url, "m", worker_id, deque([KVEvent("stored", block_hashes(prompt, 16, tenant)[:blocks])]))
+    await pub.flush()
+    await pub.redis.aclose()
+
+
+def router(redis_url: str, policy: str = "prefix") -> tuple[Router, aioredis.Redis]:
+    r = aioredis.Redis.from_url(redis_url)
+    return Router(RegistryView(r, refresh_s=0.0), PrefixIndex(r), REGIONS, policy=policy), r
+
+
+def test_expired_workers_are_never_routed_to(redis_url: str) -> None:
+    async def go() -> None:
+        rt, r = router(redis_url)
+        await register(redis_url, rec("a"), ttl_s=0.3)
+        assert (await rt.route("m", "t", PROMPT, 8, "eu", "r1")).candidates[0].worker.id == "a"
+        await asyncio.sleep(0.5)  # no heartbeat: the record expires
+        with pytest.raises(BackendUnavailable):
+            await rt.route("m", "t", PROMPT, 8, "eu", "r2")
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_nearest_region_first_then_spill_when_saturated_or_down(redis_url: str) -> None:
+    async def go() -> None:
+        rt, r = router(redis_url)
+        await register(redis_url, rec("eu1", "eu"), rec("us1", "us"), rec("ap1", "ap"))
+        d = await rt.route("m", "t", PROMPT, 8, "eu", "r1")
+        assert d.candidates[0].worker.id == "eu1" and d.region == "eu"
+        assert d.candidates[1].worker.id == "us1"  # the retry target: the next nearest region
+        assert (await rt.route("m", "t", PROMPT, 8, "ap", "r2")).candidates[0].worker.id == "ap1"
+        await register(redis_url, rec("eu1", "eu", pages_free=2))  # 32 tokens of room: saturated for 88
+        d = await rt.route("m", "t", PROMPT, 8, "eu", "r3")
+        assert d.candidates[0].worker.id == "us1" and "eu saturated or down" in d.reason
+        await register(redis_url, rec("eu1", "eu", waiting=16))  # a full wait queue saturates too
+        assert (await rt.route("m", "t", PROMPT, 8, "eu", "r4")).candidates[0].worker.id == "us1"
+        await r.delete("edgeserve:{m:m}:worker:us1:record")  # us1 stops answering (expired)
+        d = await rt.route("m", "t", PROMPT, 8, "eu", "r5")
+        assert d.candidates[0].worker.id == "ap1"  # eu saturated, us down: ap is next
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_request_region_comes_only_from_trusted_headers() -> None:
+    assert REGIONS.request_region({"cf-ipcountry": "JP"}, "eu") == ("ap", "country")
+    assert REGIONS.request_region({"x-edgeserve-region": "us", "cf-ipcountry": "JP"}, "eu") == ("us", "header")
+    assert REGIONS.request_region({"cf-ipcountry": "ZZ"}, "eu") == ("eu", "gateway")
+    untrusted = RegionMap(countries={"JP": "ap"}, trust_headers=False)
+    assert untrusted.request_region({"cf-ipcountry": "JP", "x-edgeserve-region": "ap"}, "eu") == ("eu", "gateway")
+
+
+def test_prefix_overlap_wins_until_the_load_outweighs_it(redis_url: str) -> None:
+    async def go() -> None:
+        rt, r = router(redis_url)
+        await register(redis_url, rec("a"), rec("b"))
+        await holds(redis_url, "b", "tenant-1", PROMPT, 4)
+        d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "r1")
+        assert d.candidates[0].worker.id == "b" and d.overlap_blocks == 4 and "4 cached blocks" in d.reason
+        rt.done("r1")
+        await register(redis_url, rec("b", queued_prefill_tokens=5000))  # b is buried in prefill work
+        assert (await rt.route("m", "tenant-1", PROMPT, 8, "eu", "r2")).candidates[0].worker.id == "a"
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_tenants_never_see_each_others_blocks(redis_url: str) -> None:
+    async def go() -> None:
+        rt, r = router(redis_url)
+        await register(redis_url, rec("a"), rec("b", running=1))
+        await holds(redis_url, "b", "tenant-1", PROMPT, 5)
+        d = await rt.route("m", "tenant-2", PROMPT, 8, "eu", "r1")  # same prompt, another tenant
+        assert d.overlap_blocks == 0 and d.candidates[0].worker.id == "a"
+        assert await PrefixIndex(r).overlap("m", block_hashes(PROMPT, 16, "tenant-2")) == {}
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_burst_between_heartbeats_spreads_and_policies_differ(redis_url: str) -> None:
+    async def go() -> None:
+        await register(redis_url, rec("a"), rec("b"), rec("c"))
+        for policy in ("prefix", "least-loaded", "round-robin"):
+            rt, r = router(redis_url, policy)
+            picks = [(await rt.route("m", "t", PROMPT, 8, "eu", f"{policy}{i}")).candidates[0].worker.id
+                     for i in range(3)]
+            assert sorted(picks) == ["a", "b", "c"], (policy, picks)  # in-flight counts until the next record
+            await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_disaggregated_pools_pair_a_prefill_worker_with_a_decode_worker(redis_url: str) -> None:
+    async def go() -> None:
+        rt, r = router(redis_url)
+        await register(redis_url, rec("p1", role="prefill"), rec("p2", role="prefill"),
+                       rec("d1", role="decode", running=3), rec("d2", role="decode"))
+        await holds(redis_url, "p2", "t", PROMPT, 3)
+        best = (await rt.route("m", "t", PROMPT, 8, "eu", "r1")).candidates[0]
+        assert (best.worker.id, best.prefill.id) == ("d2", "p2")
+        await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_gateway_routes_over_the_registry_retries_before_first_byte_and_drives_a_pair(
+        tiny_chat_dir, redis_url: str) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    pre_engine, dec_engine = tiny_engine(tiny_chat_dir), tiny_engine(tiny_chat_dir, kv_format="fp8_e4m3")
+    a_pre, a_dec = AsyncEngine(pre_engine), AsyncEngine(dec_engine)
+    coord = DecodeCoordinator(a_dec, [], HttpKVTransport())  # no list of its own: the router names the prefill
+    with serve_in_thread(create_worker_app(a_pre, MODEL, role="prefill")) as pre_url, \
+            serve_in_thread(create_worker_app(a_dec, MODEL, role="decode", coordinator=coord)) as dec_url:
+        def worker(wid, url, role, **load):
+            return WorkerRecord(id=wid, url=url, role=role, model=MODEL, region="eu", page_size=16,
+                                pages_total=100, pages_free=100, running=load.get("running", 0), waiting=0,
+                                queued_prefill_tokens=0)
+
+        asyncio.run(register(redis_url, worker("dead", dead, "decode"), worker("dec", dec_url, "decode", running=2),
+                             worker("pre", pre_url, "prefill")))
+        cfg = GatewayConfig(models=[ModelRoute(MODEL, str(tiny_chat_dir), max_model_len=512)], redis_url=redis_url,
+                            region="eu", routing_policy="least-loaded")
+        account = make_account(redis_url)
+        with serve_in_thread(create_gateway_app(cfg)) as url:
+            resp = httpx.post(f"{url}/v1/chat/completions", headers=auth(account.token), timeout=60,
+                              json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 5
+        assert resp.headers["x-edgeserve-worker"] == dec_url  # the dead (idler) worker was tried first
+        assert "least-loaded" in resp.headers["x-edgeserve-route"]
+        stats = httpx.get(f"{dec_url}/stats").json()["kv_transfer"]
+        assert stats["transfers"] == 1  # the KV came from the routed prefill worker
+        wait_pages_free(dec_engine)
+        wait_pages_free(pre_engine)
