@@ -212,15 +212,8 @@ class LLMEngine:
         outputs = []
         now = time.perf_counter()
         for s in self.scheduler.take_activated():
-            tok = s.output_ids[-1]
             s.first_token_time = now
-            self.stats["generated_tokens"] += 1
-            reason = self._check_stop(s, tok)
-            if reason is not None:
-                self.scheduler.finish(s, reason)
-                self._stop_checkers.pop(s.request_id, None)
-                self.stats["finished"] += 1
-            outputs.append(StepOutput(s, tok, now, reason is not None))
+            outputs.append(self._emit(s, s.output_ids[-1], now))
         return outputs
 
     def _expire_held(self) -> None:
@@ -314,14 +307,18 @@ class LLMEngine:
             s.output_ids.append(tok)
             if s.first_token_time is None:
                 s.first_token_time = now
-            self.stats["generated_tokens"] += 1
-            reason = self._check_stop(s, tok)
-            if reason is not None:
-                self.scheduler.finish(s, reason)
-                self._stop_checkers.pop(s.request_id, None)
-                self.stats["finished"] += 1
-            outputs.append(StepOutput(s, tok, now, reason is not None))
+            outputs.append(self._emit(s, tok, now))
         return outputs
+
+    def _emit(self, s: Sequence, tok: int, now: float) -> StepOutput:
+        """Count a new token of `s` and finish `s` if the token stops it."""
+        self.stats["generated_tokens"] += 1
+        reason = self._check_stop(s, tok)
+        if reason is not None:
+            self.scheduler.finish(s, reason)
+            self._stop_checkers.pop(s.request_id, None)
+            self.stats["finished"] += 1
+        return StepOutput(s, tok, now, reason is not None)
 
     def _check_stop(self, s: Sequence, tok: int) -> str | None:
         p = s.params

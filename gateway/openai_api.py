@@ -20,10 +20,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from backend.errors import EdgeServeError
 from backend.sampling_params import SamplingParams
 from gateway.envelopes import as_typed, error_headers, openai_error
-from gateway.generation import Delta, Done, Generation
+from gateway.generation import Delta, Done
 from gateway.schemas import ChatCompletionRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
-from gateway.state import GatewayState
+from gateway.state import GatewayState, response_headers
 
 __all__ = ["chat_completions", "list_models"]
 
@@ -46,19 +46,10 @@ async def chat_completions(request: Request) -> Response:
         max_tokens = req.max_completion_tokens or req.max_tokens or model.max_model_len - len(prompt_ids)
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_list)
-        gen = Generation(tenant=tenant, model=model, prompt_ids=prompt_ids, params=params, api=API,
-                         region=state.region_of(request), router=state.router, pool=state.pool,
-                         quotas=state.quotas, meter=state.meter, metrics=state.metrics)
-        try:
-            await gen.start()
-        except BaseException:
-            await gen.aclose()
-            raise
+        gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return _error_response(exc, state)
-    state.metrics.requests.labels(API, "200").inc()
-    headers = {"x-edgeserve-request-id": gen.request_id, "x-edgeserve-worker": gen.worker_url or "",
-               "x-edgeserve-route": gen.route.reason if gen.route is not None else ""}
+    headers = response_headers(gen)
     chunk = _ChunkMaker(f"chatcmpl-{gen.request_id}", req.model)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage

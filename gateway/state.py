@@ -7,16 +7,18 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from backend.errors import PermissionDenied, PromptTooLong
+from backend.sampling_params import SamplingParams
 from gateway.config import GatewayConfig
+from gateway.generation import Generation
 from gateway.metering import Meter
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
 from gateway.router import Router
-from gateway.served_models import ModelCatalog
+from gateway.served_models import ModelCatalog, ServedModel
 from gateway.tenants import Tenant, TenantStore
 from gateway.worker_pool import WorkerPool
 
-__all__ = ["GatewayState"]
+__all__ = ["GatewayState", "response_headers"]
 
 
 @dataclass
@@ -38,6 +40,20 @@ class GatewayState:
             raise PermissionDenied("this API token cannot act on that account", account_id=account)
         return tenant
 
+    async def start_generation(self, request: Request, api: str, tenant: Tenant, model: ServedModel,
+                               prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Quota, route and worker admission for one request; typed refusals raise (nothing left behind)."""
+        gen = Generation(tenant=tenant, model=model, prompt_ids=prompt_ids, params=params, api=api,
+                         region=self.region_of(request), router=self.router, pool=self.pool,
+                         quotas=self.quotas, meter=self.meter, metrics=self.metrics)
+        try:
+            await gen.start()
+        except BaseException:
+            await gen.aclose()
+            raise
+        self.metrics.requests.labels(api, "200").inc()
+        return gen
+
     def region_of(self, request: Request) -> str:
         """The request's region: trusted edge headers, else this gateway's own (`regions.py`)."""
         return self.config.regions.request_region(request.headers, self.config.region)[0]
@@ -58,3 +74,9 @@ class GatewayState:
 
 def _too_large(limit: int) -> PromptTooLong:
     return PromptTooLong(f"request body larger than {limit} bytes", max_request_bytes=limit)
+
+
+def response_headers(gen: Generation) -> dict[str, str]:
+    """Where the request ran and why (the router's decision), for the client and for debugging."""
+    return {"x-edgeserve-request-id": gen.request_id, "x-edgeserve-worker": gen.worker_url or "",
+            "x-edgeserve-route": gen.route.reason if gen.route is not None else ""}

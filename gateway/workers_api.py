@@ -24,7 +24,7 @@ from gateway.generation import Generation
 from gateway.redis_keys import utc_day
 from gateway.schemas import WorkersRunRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
-from gateway.state import GatewayState
+from gateway.state import GatewayState, response_headers
 
 __all__ = ["workers_run", "workers_usage", "workers_error_response"]
 
@@ -51,19 +51,10 @@ async def workers_run(request: Request) -> Response:
             prompt_ids = model.chat_prompt_ids([{"role": "user", "content": req.prompt or ""}])
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p or 1.0,
                                 top_k=req.top_k or 0, seed=req.seed)
-        gen = Generation(tenant=tenant, model=model, prompt_ids=prompt_ids, params=params, api=API,
-                         region=state.region_of(request), router=state.router, pool=state.pool,
-                         quotas=state.quotas, meter=state.meter, metrics=state.metrics)
-        try:
-            await gen.start()
-        except BaseException:
-            await gen.aclose()
-            raise
+        gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return workers_error_response(exc, state)
-    headers = {"x-edgeserve-request-id": gen.request_id, "x-edgeserve-worker": gen.worker_url or "",
-               "x-edgeserve-route": gen.route.reason if gen.route is not None else ""}
-    state.metrics.requests.labels(API, "200").inc()
+    headers = response_headers(gen)
     if req.stream:
         return StreamingResponse(
             sse_stream(gen, state.config.keepalive_s,
