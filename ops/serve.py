@@ -27,6 +27,16 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[match.group(2)])
 
 
+def _buckets(text: str) -> tuple[int, ...]:
+    """'8,32,128' -> (8, 32, 128); 'none' -> ()."""
+    if text.strip().lower() in ("none", ""):
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of row counts: {text!r} (e.g. 8,32,128 or none)") from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by `serve` and `up`."""
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name to pull, or a Hugging Face-format folder")
@@ -46,13 +56,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk-size", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--gemm-buckets", type=_buckets, default=None,
+                   help="row counts to pre-pack float32 weights for (default 8,32,128; each costs one copy of "
+                        "the weights, 0.54 GB for SmolLM2-135M); 'none' packs nothing")
     p.add_argument("--prefix-caching", action="store_true",
                    help="share cached prompt blocks between requests (prefill and unified roles)")
+    weights = ["fp32", "bf16", "fp8", "int4"]  # backend/weight_formats.py; default: as the checkpoint stores them
+    p.add_argument("--prefill-weights", default=None, choices=weights,
+                   help="linear-layer format for steps with prompt tokens (default: as stored; dense in --dtype)")
+    p.add_argument("--decode-weights", default=None, choices=weights,
+                   help="linear-layer format for pure decode steps (default: as stored); a format other than "
+                        "--prefill-weights holds a second copy of the linear layers")
+    p.add_argument("--int4-group-size", type=int, default=128, choices=[32, 64, 128, 256])
 
 
 # engine flags `up` forwards to its worker unchanged (dest names)
 ENGINE_OPTIONS = ("dtype", "kv_format", "device", "kv_cache_bytes", "page_size", "max_model_len", "max_num_seqs",
-                  "max_num_batched_tokens", "prefill_chunk_size", "max_waiting", "threads", "prefix_caching")
+                  "max_num_batched_tokens", "prefill_chunk_size", "max_waiting", "threads", "prefix_caching",
+                  "prefill_weights", "decode_weights", "int4_group_size")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,7 +108,9 @@ def run_serve(args: argparse.Namespace) -> int:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           prefill_chunk_size=args.prefill_chunk_size, max_waiting=args.max_waiting,
                           num_threads=args.threads, device=args.device,
-                          prefix_caching=args.prefix_caching and args.role != "decode")
+                          prefix_caching=args.prefix_caching and args.role != "decode",
+                          prefill_weights=args.prefill_weights, decode_weights=args.decode_weights,
+                          int4_group_size=args.int4_group_size)
     engine = LLMEngine.from_pretrained(model_dir, config)
     name = args.served_name or args.model
     async_engine = AsyncEngine(engine)

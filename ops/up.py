@@ -47,6 +47,8 @@ def _worker_argv(args: argparse.Namespace, model: str, redis_url: str) -> list[s
         value, flag = getattr(args, dest), f"--{dest.replace('_', '-')}"
         if isinstance(value, bool):
             argv += [flag] if value else []
+        elif isinstance(value, tuple):
+            argv += [flag, ",".join(map(str, value)) or "none"]
         elif value is not None:
             argv += [flag, str(value)]
     return argv
