@@ -216,6 +216,10 @@ class Scheduler:
             for s in dropped:
                 self.waiting.remove(s)
                 s.status, s.finish_reason = SequenceStatus.FINISHED, "cancelled"
+            # finished into `held` in the step that raced with the abort: its KV will never be collected
+            held = [self.held.pop(rid) for rid in ids if rid in self.held]
+        for s in held:
+            self._release_owned(s)
         for s in [s for s in self.running if s.request_id in ids]:
             self.finish(s, "cancelled")
             dropped.append(s)

@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "kernels": "ops.bench_kernels",
     "integrity": "ops.bench_integrity",
     "gateway": "ops.bench_gateway",
+    "pd": "ops.bench_pd",
 }
 
 

@@ -211,3 +211,15 @@ def test_a_transfer_into_a_page_that_changed_hands_is_refused(model_dir: Path) -
     assert info.value.details["cause"] == "transfer_target" and info.value.details["page"] == seq.page_ids[1]
     dec.release_reserved(seq)
     assert dec.allocator.num_free == dec.allocator.num_pages - 1  # only the page someone else now owns is in use
+
+
+def test_an_abort_racing_the_last_prefill_step_still_frees_the_held_pages(model_dir: Path) -> None:
+    pre = engine(model_dir, "bf16")
+    seq = pre.add_request(PROMPT, SamplingParams(max_tokens=1, **GREEDY), "r-race", hold=True)
+    while pre.has_work():
+        pre.step()  # the prefill finishes into `held` ...
+    assert pre.scheduler.held and pre.allocator.num_free < pre.allocator.num_pages
+    assert not pre.release_held("other")
+    pre.abort("r-race")  # ... while its reader is already gone and asked for an abort
+    pre.step()
+    assert all_free(pre) and seq.page_ids == []
