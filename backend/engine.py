@@ -387,6 +387,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "held": len(self.scheduler.held),
             "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
+            "pages_evictable": self.scheduler.prefix_cache.evictable() if self.scheduler.prefix_cache else 0,
             "prefix_cache": self._prefix_cache_stats(),
             **self.stats,
             "integrity_aborts": sum(self.stats["integrity_aborts_by_cause"].values()),

@@ -37,6 +37,7 @@ class WorkerRecord(msgspec.Struct, frozen=True):
     running: int
     waiting: int
     queued_prefill_tokens: int  # prompt tokens admitted or queued but not yet computed
+    pages_evictable: int = 0  # pages held only by the prefix cache: free for the taking (LRU eviction)
     updated_at: float = 0.0
 
 

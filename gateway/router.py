@@ -6,9 +6,9 @@
    by region and the regions ordered by distance from the request's region
    (`regions.py`). The first region with a live, unsaturated worker wins; when the
    nearest is down or saturated the request spills to the next nearest, and the
-   reason says so. Saturated = its free pages cannot hold prompt + max_tokens, or
-   `waiting` (plus what this gateway sent since the last heartbeat) has reached
-   `max_waiting`.
+   reason says so. Saturated = its free pages, counting cached blocks nobody reads
+   (evicted on demand), cannot hold prompt + max_tokens, or `waiting` (plus what this
+   gateway sent since the last heartbeat) has reached `max_waiting`.
 2. **Within the region**, by policy:
    - `prefix` (default): the request's block hashes (`prefix_cache.hashing`, salted
      with the tenant, so tenants never see each other's blocks) are looked up in the
@@ -124,9 +124,11 @@ class Router:
                     fallback = rest[:1]
                     break
         best = ranked[0]
-        self._inflight.add(best.worker.id, request_id, len(prompt_ids))
+        # what the winner will compute: the prompt less the blocks it already caches
+        to_compute = len(prompt_ids) - overlap * (best.worker.page_size or 16)
+        self._inflight.add(best.worker.id, request_id, to_compute if best.prefill is None else 0)
         if best.prefill is not None:
-            self._inflight.add(best.prefill.id, request_id, len(prompt_ids))
+            self._inflight.add(best.prefill.id, request_id, to_compute)
         where = f"region {chosen_region}"
         if chosen_region != region:
             where += f" (request from {region}; " + (f"{', '.join(skipped)} saturated or down)" if skipped
@@ -136,7 +138,8 @@ class Router:
     def _has_room(self, w: WorkerRecord, need: int) -> bool:
         if w.pages_total == 0:  # capacity unknown (static configuration)
             return True
-        return w.pages_free * w.page_size >= need and w.waiting + self._inflight.unseen(w)[0] < self.max_waiting
+        room = (w.pages_free + w.pages_evictable) * w.page_size  # cached blocks nobody reads are evicted on demand
+        return room >= need and w.waiting + self._inflight.unseen(w)[0] < self.max_waiting
 
     def _load(self, w: WorkerRecord) -> int:
         return w.running + w.waiting + self._inflight.unseen(w)[0]

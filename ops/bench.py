@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "integrity": "ops.bench_integrity",
     "gateway": "ops.bench_gateway",
     "pd": "ops.bench_pd",
+    "routing": "ops.bench_routing",
 }
 
 

@@ -109,7 +109,9 @@ def run_serve(args: argparse.Namespace) -> int:
                           prefill_chunk_size=args.prefill_chunk_size, max_waiting=args.max_waiting,
                           num_threads=args.threads, device=args.device,
                           prefix_caching=args.prefix_caching and args.role != "decode",
-                          prefill_weights=args.prefill_weights, decode_weights=args.decode_weights,
+                          # a prefill (decode) worker runs only prefill (decode) steps: hold one format
+                          prefill_weights=args.decode_weights if args.role == "decode" else args.prefill_weights,
+                          decode_weights=args.prefill_weights if args.role == "prefill" else args.decode_weights,
                           int4_group_size=args.int4_group_size)
     engine = LLMEngine.from_pretrained(model_dir, config)
     name = args.served_name or args.model
@@ -153,4 +155,5 @@ def _record(engine, worker_id: str, url: str, name: str, args: argparse.Namespac
     return WorkerRecord(id=worker_id, url=url, role=args.role, model=name, region=args.region,
                         page_size=int(snap["page_size"]), pages_total=int(snap["pages_total"]),
                         pages_free=int(snap["pages_free"]), running=int(snap["running"]),
-                        waiting=int(snap["waiting"]), queued_prefill_tokens=int(snap["queued_prefill_tokens"]))
+                        waiting=int(snap["waiting"]), queued_prefill_tokens=int(snap["queued_prefill_tokens"]),
+                        pages_evictable=int(snap["pages_evictable"]))

@@ -185,3 +185,18 @@ def test_gateway_routes_over_the_registry_retries_before_first_byte_and_drives_a
         assert stats["transfers"] == 1  # the KV came from the routed prefill worker
         wait_pages_free(dec_engine)
         wait_pages_free(pre_engine)
+
+
+def test_a_warm_worker_whose_pages_hold_evictable_cache_is_not_saturated(redis_url: str) -> None:
+    async def go() -> None:
+        rt, r = router(redis_url)
+        # eu1's pool is almost all cached blocks nobody reads: room once they are evicted
+        await register(redis_url, rec("eu1", "eu", pages_free=1, pages_evictable=90), rec("us1", "us"))
+        await holds(redis_url, "eu1", "t", PROMPT, 4)
+        d = await rt.route("m", "t", PROMPT, 8, "eu", "r1")
+        assert d.candidates[0].worker.id == "eu1" and d.overlap_blocks == 4
+        await register(redis_url, rec("eu1", "eu", pages_free=1, pages_evictable=2))  # really full now
+        assert (await rt.route("m", "t", PROMPT, 8, "eu", "r2")).candidates[0].worker.id == "us1"
+        await r.aclose()
+
+    asyncio.run(go())

@@ -1,0 +1,134 @@
+"""`edgeserve bench routing`: the pure helpers (workload, hit rate, load balance, targets); no model, no workers."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from ops import bench, bench_routing
+from ops.bench_routing import TurnResult, make_workload, summarize, turn_messages
+
+WORKERS = ["w1", "w2", "w3", "w4"]
+
+
+def _docs(n: int) -> list[str]:
+    return [" ".join(f"Document{d} speaks of example{d}x{i} matters at length." for i in range(80)) for d in range(n)]
+
+
+def _res(worker: str, prompt: int, cached: int, turn: int = 0, ttft: float | None = 0.5, completion: int = 16,
+         error: str | None = None) -> TurnResult:
+    return TurnResult(0, 0, turn, worker, 0.0, ttft, 1.0, prompt, cached, completion, error=error)
+
+
+def test_workload_is_deterministic_and_complete() -> None:
+    a = make_workload(_docs(4), tenants=3, conversations=2, turns=4, seed=7, system_words=50)
+    assert a == make_workload(_docs(4), tenants=3, conversations=2, turns=4, seed=7, system_words=50)
+    assert a != make_workload(_docs(4), tenants=3, conversations=2, turns=4, seed=8, system_words=50)
+    assert sorted((c.tenant, c.index) for c in a) == [(t, c) for t in range(3) for c in range(2)]
+    assert all(len(c.turns) == 4 for c in a)
+    # one system prompt per tenant, shared by its conversations, different between tenants
+    systems = {c.tenant: c.system for c in a}
+    assert all(c.system == systems[c.tenant] for c in a) and len(set(systems.values())) == 3
+    assert len(systems[0].split("\n\n", 1)[1].split()) == 50  # the document part is system_words long
+    with pytest.raises(ValueError):
+        make_workload(_docs(2), tenants=3, conversations=1, turns=1, seed=0)
+
+
+def test_each_turn_extends_the_previous_one() -> None:
+    conv = make_workload(_docs(2), tenants=2, conversations=3, turns=4, seed=1)[0]
+    previous = None
+    for k in range(4):
+        msgs = turn_messages(conv, k)
+        assert len(msgs) == 2 + 2 * k
+        assert msgs[0] == {"role": "system", "content": conv.system}
+        assert msgs[-1] == {"role": "user", "content": conv.turns[k][0]}
+        if previous is not None:  # previous turn's messages, then its answer, then the new question
+            assert msgs[:len(previous)] == previous
+            assert msgs[len(previous)] == {"role": "assistant", "content": conv.turns[k - 1][1]}
+        previous = msgs
+    assert len({q for q, _ in conv.turns}) > 1  # the questions vary
+
+
+def test_hit_rate_is_token_weighted_and_skips_errors() -> None:
+    results = [_res("w1", 1000, 900), _res("w2", 100, 0), _res("w3", 500, 500, error="HTTP 503")]
+    assert bench_routing.hit_rate(results) == pytest.approx(900 / 1100)  # a mean of ratios would be 0.45
+    assert bench_routing.hit_rate([]) == 0.0
+
+
+def test_ceiling_hit_rate_counts_whole_blocks_per_tenant() -> None:
+    a = list(range(100, 140))  # 40 tokens: 2 full blocks of 16
+    b = a + list(range(500, 520))  # a, then 20 more: 3 full blocks
+    # tenant 0: a (cold), then b (a's 2 blocks cached: 32); tenant 1 sends b: salted apart, cold;
+    # tenant 0 sends a again: its 2 blocks are cached, but a worker keeps >= 1 token to compute: (40-1)//16 = 2
+    prompts = [(0, a), (0, b), (1, b), (0, a)]
+    assert bench_routing.ceiling_hit_rate(prompts) == pytest.approx((32 + 0 + 32) / (40 + 60 + 60 + 40))
+    assert bench_routing.ceiling_hit_rate([(0, a[:32]), (0, a[:32])]) == pytest.approx(16 / 64)  # (32-1)//16 = 1
+    assert bench_routing.ceiling_hit_rate([]) == 0.0
+
+
+def test_max_over_mean_counts_idle_workers() -> None:
+    assert bench_routing.max_over_mean({"w1": 6, "w2": 2}, WORKERS) == pytest.approx(3.0)  # mean 2, not 4
+    assert bench_routing.max_over_mean({w: 5 for w in WORKERS}, WORKERS) == 1.0
+    assert bench_routing.max_over_mean({}, WORKERS) == 0.0
+
+
+def test_summarize() -> None:
+    results = [_res("w1", 400, 0, turn=0, ttft=2.0), _res("w1", 450, 400, turn=1, ttft=0.2),
+               _res("w2", 400, 0, turn=0, ttft=1.0), _res("w3", 450, 0, turn=1, ttft=0.5, completion=10),
+               _res("w4", 400, 0, turn=0, error="boom")]
+    s = summarize("prefix", results, WORKERS, wall_s=2.0)
+    assert (s.requests, s.errors) == (5, 1)
+    assert s.requests_per_worker == {"w1": 2, "w2": 1, "w3": 1, "w4": 0}
+    assert s.computed_tokens_per_worker == {"w1": 450, "w2": 400, "w3": 450, "w4": 0}
+    assert s.max_over_mean_load == pytest.approx(2 / 1.0)
+    assert s.hit_rate == pytest.approx(400 / 1700)
+    assert s.hit_rate_by_turn == {0: 0.0, 1: pytest.approx(400 / 900)}
+    assert s.ttft_p50_s == 1.0 and s.ttft_p95_s == 2.0  # nearest rank over 0.2, 0.5, 1.0, 2.0 (failed one left out)
+    assert s.requests_per_s == 2.0 and s.output_tok_s == (16 * 3 + 10) / 2.0
+
+
+def test_same_worker_rate_follows_each_conversation() -> None:
+    def at(tenant: int, conv: int, turn: int, worker: str, error: str | None = None) -> TurnResult:
+        return TurnResult(tenant, conv, turn, worker, 0.0, 0.1, 1.0, 100, 0, 16, error=error)
+
+    results = [at(0, 0, 0, "w1"), at(0, 0, 1, "w1"), at(0, 0, 2, "w2"),  # stayed, moved
+               at(0, 1, 0, "w2"), at(0, 1, 1, "w1"),  # moved (tenant 0 conversation 0 was on w1: a different one)
+               at(1, 0, 0, "w3"), at(1, 0, 1, "w3"),  # stayed
+               at(2, 0, 0, "w4", error="HTTP 503"), at(2, 0, 1, "w4")]  # previous turn failed: not a stay
+    assert bench_routing.same_worker_rate(results) == pytest.approx(2 / 5)
+    assert bench_routing.same_worker_rate(results[:1]) == 0.0
+
+
+def test_overlap_agreement_compares_the_route_reason_with_cached_tokens() -> None:
+    reason = "region local; policy prefix: {} cached blocks of 30 on w1, cost 96 tokens"
+    results = [_res("w1", 500, 432), _res("w1", 500, 0), _res("w2", 500, 448), _res("w3", 500, 0)]
+    for r, n in zip(results, [27, 0, 27, None]):
+        r.route = reason.format(n) if n is not None else "region local; policy round-robin"
+    assert bench_routing.overlap_agreement(results) == pytest.approx(2 / 3)  # 448 tokens = 28 blocks, not 27
+    assert math.isnan(bench_routing.overlap_agreement(results[3:]))
+
+
+def _summary(policy: str, hit: float, ttft: float, balance: float) -> bench_routing.PolicySummary:
+    return bench_routing.PolicySummary(policy, 10, 0, 1.0, hit, ttft, 2 * ttft, ttft, 1.0, 16.0, {}, {}, balance,
+                                       balance, {}, 0.5, 1.0)
+
+
+def test_targets() -> None:
+    good = {"prefix": _summary("prefix", 0.8, 0.5, 1.2), "round-robin": _summary("round-robin", 0.4, 0.9, 1.0),
+            "least-loaded": _summary("least-loaded", 0.3, 0.7, 1.0)}
+    assert [c["met"] for c in bench_routing.check_targets(good)] == [True, True, True]
+    bad = {**good, "prefix": _summary("prefix", 0.79, 0.7, 1.51)}  # just under 2x; ties a baseline; too uneven
+    checks = bench_routing.check_targets(bad)
+    assert [c["met"] for c in checks] == [False, False, False]
+    assert checks[0]["threshold"] == pytest.approx(0.8) and checks[1]["threshold"] == 0.7
+    assert [c["met"] for c in bench_routing.check_targets({"prefix": good["prefix"]})] == [True]  # baselines absent
+
+
+def test_registered_with_the_bench_command() -> None:
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "routing", "--quick", "--json", "out.json"])
+    assert args.func is bench_routing.run and args.quick and args.json_path == "out.json"
+    assert args.tenants == 8 and args.users == 8 and math.isclose(args.max_tokens, 16)
