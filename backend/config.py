@@ -42,6 +42,7 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    quantization: dict[str, Any] | None = None  # config.json's quantization_config (see weight_formats.py)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -86,6 +87,7 @@ class ModelConfig:
                 attention_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
+                quantization=raw.get("quantization_config") or None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json is missing or has a bad field: {exc}") from exc

@@ -37,7 +37,7 @@ from backend.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from backend.sequence import Sequence, SequenceStatus
 from backend.stop_checker import StopChecker
 
-__all__ = ["EngineConfig", "StepOutput", "LLMEngine"]
+__all__ = ["EngineConfig", "StepOutput", "TokenScores", "LLMEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,16 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads (None: leave as is)
     prefix_caching: bool = False  # share full prompt blocks between requests (prefill and unified roles)
     held_timeout_s: float = 60.0  # prefill role: pages of a request whose KV is never collected are freed
+    # linear-layer weight formats per phase (backend/weight_formats.py): fp32 | bf16 | fp8 | int4; None keeps
+    # the checkpoint's (dense: in the compute dtype). Equal formats share one copy; different ones hold two.
+    prefill_weights: str | None = None  # steps with prompt tokens
+    decode_weights: str | None = None  # pure decode steps
+    int4_group_size: int = 128  # 32 allowed
+
+
+class TokenScores(NamedTuple):
+    logprobs: torch.Tensor  # [len - 1] float32: log p(token i + 1 | tokens ..i)
+    top1: torch.Tensor  # [len - 1] bool: token i + 1 was the argmax
 
 
 class StepOutput(NamedTuple):
@@ -101,7 +111,8 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
         config = config or EngineConfig()
-        model = LlamaModel.from_pretrained(Path(model_dir), DTYPES[config.dtype], config.gemm_buckets, config.device)
+        model = LlamaModel.from_pretrained(Path(model_dir), DTYPES[config.dtype], config.gemm_buckets, config.device,
+                                           config.prefill_weights, config.decode_weights, config.int4_group_size)
         tokenizer = None
         if (Path(model_dir) / "tokenizer.json").exists():
             from backend.tokenizer import Tokenizer
@@ -350,12 +361,17 @@ class LLMEngine:
         what that format does to quality. Offline use: call it from the engine thread
         or with the engine idle, never concurrently with `step`.
         """
+        return self.score_tokens(token_ids).logprobs
+
+    @torch.inference_mode()
+    def score_tokens(self, token_ids: list[int]) -> TokenScores:
+        """`score`'s log-probabilities plus whether each token was the model's top-1 prediction."""
         seq = Sequence("score-" + uuid.uuid4().hex, list(token_ids), SamplingParams(max_tokens=1))
         n = len(token_ids)
         if not 2 <= n <= self.max_model_len:
             raise InvalidRequest(f"score needs 2..{self.max_model_len} tokens, got {n}")
         seq.page_ids = self.allocator.allocate(self.scheduler.pages_for(n))
-        logprobs = []
+        logprobs, top1 = [], []
         try:
             chunk = self.config.prefill_chunk_size
             for start in range(0, n - 1, chunk):
@@ -366,11 +382,12 @@ class LLMEngine:
                 logits = self.model.forward(input_ids, meta, self.cache).cpu()
                 targets = torch.tensor(token_ids[start + 1: start + 1 + take])
                 logprobs.append(logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1))
+                top1.append(logits.argmax(-1) == targets)
                 seq.num_computed_tokens += take
         finally:
             self.allocator.release(seq.page_ids)
             seq.page_ids = []
-        return torch.cat(logprobs)
+        return TokenScores(torch.cat(logprobs), torch.cat(top1))
 
     # -- introspection -----------------------------------------------------------------
     def snapshot(self) -> dict[str, object]:

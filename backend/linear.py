@@ -1,6 +1,14 @@
-"""Dense linear layers for the CPU runtime, with MKL-packed weights for small batches.
+"""The runtime GEMM objects of linear layers: dense (MKL-packed float32 buckets), INT4, FP8.
 
-Why: on this class of CPU (AVX-512 without BF16 units) a float32 GEMM with a
+Every object is called as ``y = linear(x)`` with x [T, in_features] in the compute
+dtype and returns y [T, out_features] in the same dtype; `nbytes` is what it holds.
+Which one a weight gets is decided by its format (`backend/weight_formats.py`).
+
+Dense weights (`Linear`) run a GEMM in the weight's dtype (activations are cast to
+it and back when the compute dtype differs); the rest of this docstring is about
+float32 weights on CPU.
+
+Why buckets: on this class of CPU (AVX-512 without BF16 units) a float32 GEMM with a
 small number of rows M (one decode step: M = running requests) over weights that
 are not in cache runs far below the machine's rate, because MKL repacks the
 weight on every call. MKL can pack a weight once for a given M
@@ -23,14 +31,24 @@ CPU build with MKL; everything else uses the plain GEMM.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Protocol
 
 import torch
 
-__all__ = ["Linear", "mkl_packing_available", "DEFAULT_BUCKETS"]
+__all__ = ["LinearOp", "Linear", "Int4Linear", "Fp8Linear", "mkl_packing_available", "DEFAULT_BUCKETS"]
 
 DEFAULT_BUCKETS: tuple[int, ...] = (8, 32, 128)
 _UNPACKED_MAX_ROWS = 4
 _UNPACKED_MIN_ROWS = 256  # large prefill batches: plain GEMM is compute-bound anyway, and saves chunk copies
+
+
+class LinearOp(Protocol):
+    """What the model calls: y [T, out_features] = linear(x [T, in_features]), compute dtype in and out."""
+
+    out_features: int
+    nbytes: int  # bytes of weight data held (MKL packs excluded)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def mkl_packing_available() -> bool:
@@ -83,6 +101,13 @@ class Linear:
         """Bytes of the weight (one copy; packs excluded)."""
         return self.weight.numel() * self.weight.element_size()
 
+    @property
+    def pack_bytes(self) -> int:
+        """Bytes of the MKL packs (~1.3x the weight per bucket). MKL sizes a pack in bytes and
+        torch allocates that many float32 elements, so only the first quarter is written
+        (and resident): the pack's bytes are its numel."""
+        return sum(p.numel() for p in self.packs.values())
+
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """The unpacked GEMM."""
         if self.bias is None:
@@ -90,6 +115,8 @@ class Linear:
         return torch.addmm(self.bias, x, self.weight_t)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:  # e.g. bf16 weights under float32 compute
+            return self(x.to(self.weight.dtype)).to(x.dtype)
         rows = x.shape[0]
         if not self.buckets or rows <= _UNPACKED_MAX_ROWS or rows >= _UNPACKED_MIN_ROWS:
             return self._dense(x)
@@ -109,3 +136,85 @@ class Linear:
             y = torch.ops.mkl._mkl_linear(part.contiguous(), self.packs[bucket], self.weight, self.bias, bucket)
             out[start: start + length] = y[:length]
         return out
+
+
+class Int4Linear:
+    """y = x @ W.T + bias for an INT4 group-wise weight (layout in `weight_formats.py`).
+
+    CPU: `torch.ops.aten._weight_int4pack_mm_for_cpu` on bfloat16 activations (its fast
+    path; float32 activations run 20-40x slower there), so x is cast to bfloat16 and y
+    back. The op wants K in whole groups and N a multiple of 16. A group of g columns
+    is run as g / r groups of r with the same scale and zero, r the largest power of
+    two <= g dividing K (>= 32; SmolLM2's K = 576 at g = 128 runs r = 64): the same
+    numbers with no per-call padding of x. Otherwise K is padded with zero columns per
+    call; N is padded with zero rows at load and y cut back.
+    CUDA: the Triton W4A16 kernel on the stored layout, in x's dtype.
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 in_features: int, bias: torch.Tensor | None = None) -> None:
+        self.group_size = group_size
+        self.in_features = in_features
+        self.out_features = qweight.shape[0]
+        self.bias = bias
+        self.cuda = qweight.device.type == "cuda"
+        if self.cuda:
+            self.qweight, self.scales, self.zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+            self.nbytes = sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+            return
+        from kernels.w4a16_gemm import unpack_int4_ref
+
+        n = qweight.shape[0]
+        run_group = group_size
+        while in_features % run_group and run_group > 32:
+            run_group //= 2
+        if in_features % run_group:
+            run_group = group_size  # pad K per call
+        self.run_group = run_group
+        split = group_size // run_group  # runtime groups per stored group
+        groups = -(-in_features // run_group)
+        self.k_padded = groups * run_group
+        n_padded = -(-n // 16) * 16
+        codes = torch.full((n_padded, self.k_padded), 8, dtype=torch.int32)  # code 8 with zero scale: 0
+        codes[:n, :in_features] = unpack_int4_ref(qweight)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # [N', K'/2] uint8
+        scales_and_zeros = torch.zeros(groups, n_padded, 2, dtype=torch.bfloat16)  # the op's [groups, N, 2]
+        scales_and_zeros[:, :n, 0] = scales.t().to(torch.bfloat16).repeat_interleave(split, dim=0)[:groups]
+        scales_and_zeros[:, :n, 1] = zeros.t().to(torch.bfloat16).repeat_interleave(split, dim=0)[:groups]
+        self.scales_and_zeros = scales_and_zeros
+        self.nbytes = self.packed.numel() + scales_and_zeros.numel() * 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cuda:
+            from kernels.w4a16_gemm import w4a16_gemm
+
+            y = w4a16_gemm(x.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
+        else:
+            xb = x.to(torch.bfloat16)
+            if self.k_padded != self.in_features:
+                xb = torch.nn.functional.pad(xb, (0, self.k_padded - self.in_features))
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.run_group, self.scales_and_zeros)
+            if y.shape[1] != self.out_features:
+                y = y[:, : self.out_features]
+            y = y.to(x.dtype)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class Fp8Linear:
+    """y = x @ W.T + bias for an FP8 weight with per-row block scales, through the Triton
+    W8A16 kernel (CUDA only: on CPU the FP8 format dequantises at load into a `Linear`)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+                 bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # [N, K] float8_e4m3fn
+        self.scale = scale  # [N, ceil(K / block_k)] float32
+        self.block = (1, block_k)
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self.nbytes = weight.numel() + scale.numel() * 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.fp8_gemm import fp8_gemm
+
+        y = fp8_gemm(x.contiguous(), self.weight, self.scale, self.block)
+        return y if self.bias is None else y.add_(self.bias)

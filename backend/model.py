@@ -10,10 +10,19 @@ one `gate_up` matrix [2 * intermediate, hidden], so one layer is four GEMMs
 (`linear.py` dispatches small batches to MKL-packed weights). q/k rows are
 reordered for the complex-multiply RoPE (see `rope.py`). Parameters are plain
 tensors (no nn.Module) to keep per-step dispatch short.
+
+Weights per phase: the linear layers can be held in one format for steps with
+prompt tokens ("prefill") and another for pure decode steps ("decode"), e.g. FP32
+or FP8 for compute-bound prefill and INT4 for bandwidth-bound decode (formats in
+`weight_formats.py`). `forward` picks the phase from the step: any prefill chunk
+makes it a prefill step. When both phases ask for the same format they share one
+copy; otherwise the linear layers are held twice (`weight_memory` says what each
+costs). Embeddings, norms, biases and the LM head are shared and stay dense.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,22 +31,26 @@ import torch.nn.functional as F
 
 from backend.attention import StepMetadata, paged_attention
 from backend.config import ModelConfig, load_config
+from backend.errors import WeightsError
 from backend.kv_cache import PagedKVCache
-from backend.linear import Linear
+from backend.linear import Linear, LinearOp
 from backend.rope import RotaryEmbedding, interleave_rope_rows
+from backend.weight_formats import DenseFormat, StoredWeight, WeightFormat, stored_format, weight_format
 from backend.weights import CheckpointReader
 
-__all__ = ["LayerWeights", "LlamaModel"]
+__all__ = ["LayerWeights", "LlamaModel", "PHASES"]
+
+PHASES = ("prefill", "decode")
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # [(H + 2 H_kv) * head_dim, hidden], with the q/k/v biases when the model has them
-    o_proj: Linear  # [hidden, H * head_dim]
+    qkv: LinearOp  # [(H + 2 H_kv) * head_dim, hidden], with the q/k/v biases when the model has them
+    o_proj: LinearOp  # [hidden, H * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear  # [hidden, intermediate]
+    gate_up: LinearOp  # [2 * intermediate, hidden]
+    down: LinearOp  # [hidden, intermediate]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,73 +62,156 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class LlamaModel:
     """Weights plus the forward pass of one mixed prefill/decode step."""
 
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
-                 lm_head: Linear, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: dict[str, list[LayerWeights]],
+                 norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype,
+                 formats: dict[str, WeightFormat] | None = None) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.embed = embed  # [vocab, hidden]
-        self.layers = layers
+        self.phase_layers = layers  # phase -> layers; the same list when both phases share a format
+        self.formats = formats or {}  # phase -> weight format of its linear layers
         self.norm = norm
         self.lm_head = lm_head  # [vocab, hidden], shares storage with embed when tied
         self.rope = RotaryEmbedding(cfg, embed.device)
         self.scale = cfg.head_dim ** -0.5
         self._split = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        self.steps_by_phase: Counter[str] = Counter()
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype = torch.float32,
-                        gemm_buckets: tuple[int, ...] = (), device: str = "cpu") -> LlamaModel:
-        """Load a Hugging Face-format folder (config.json + safetensors).
+                        gemm_buckets: tuple[int, ...] = (), device: str = "cpu",
+                        prefill_weights: str | None = None, decode_weights: str | None = None,
+                        group_size: int = 128) -> LlamaModel:
+        """Load a Hugging Face-format folder (config.json + safetensors), dense or quantised.
 
-        gemm_buckets: row counts to pre-pack float32 weights for (see `linear.py`)."""
+        prefill_weights / decode_weights: the format of the linear layers per phase
+        (fp32, bf16, fp8, int4; `group_size` for int4). None keeps the stored format: a
+        dense checkpoint in the compute dtype, a quantised one as it is. A format the
+        checkpoint already has is used as stored (its own group size); another is made
+        from the stored weights at load, one tensor at a time (FP8 -> INT4 goes through
+        the dequantised FP8 values). gemm_buckets: row counts to pre-pack float32
+        weights for (see `linear.py`)."""
         cfg = load_config(Path(model_dir))
         ckpt = CheckpointReader(Path(model_dir))
+        stored = stored_format(cfg.quantization)
+
+        def resolve(name: str | None) -> WeightFormat:
+            if name is None:
+                return stored or DenseFormat(dtype)
+            return stored if stored is not None and name == stored.name else weight_format(name, group_size)
+
+        formats = {"prefill": resolve(prefill_weights), "decode": resolve(decode_weights)}
+        targets = {repr(f): f for f in formats.values()}  # one copy per distinct format
 
         def get(name: str) -> torch.Tensor:
             return ckpt.get(name).to(device=device, dtype=dtype).contiguous()
 
-        layers = []
+        def read(module: str, shape: tuple[int, int]) -> tuple[WeightFormat, StoredWeight]:
+            """A linear weight as stored (dense: in its own dtype), checked against the config."""
+            if stored is None:
+                raw = ckpt.get(f"{module}.weight")
+                src: WeightFormat = DenseFormat(raw.dtype)
+                sw = src.read(lambda _: raw, module)  # refuses non-float (e.g. FP8) tensors
+            else:
+                src, sw = stored, stored.read(ckpt.get, module)
+            if sw.shape != shape:
+                raise WeightsError(f"{module} has shape {list(sw.shape)}, the config needs {list(shape)}",
+                                   tensor=module)
+            return src, sw
+
+        def convert(src: WeightFormat, sw: StoredWeight, dst: WeightFormat) -> StoredWeight:
+            return sw if repr(src) == repr(dst) else dst.quantize(src.dequantize(sw))
+
+        def linears(modules: list[tuple[str, tuple[int, int], int]],
+                    bias: torch.Tensor | None) -> dict[str, LinearOp]:
+            """One runtime linear per target format for modules fused along N; rows of modules
+            with heads > 0 are reordered for RoPE (see rope.py)."""
+            read_parts = [read(m, shape) for m, shape, _ in modules]
+            out = {}
+            for key, fmt in targets.items():
+                parts = []
+                for (src, sw), (_, shape, heads) in zip(read_parts, modules):
+                    part = convert(src, sw, fmt)
+                    if heads:
+                        part = fmt.permute_rows(part, interleave_rope_rows(torch.arange(shape[0]), heads,
+                                                                           cfg.head_dim))
+                    parts.append(part)
+                fused = fmt.cat_rows(parts) if len(parts) > 1 else parts[0]
+                fused = StoredWeight({k: t.to(device) for k, t in fused.tensors.items()}, fused.shape)
+                out[key] = fmt.linear(fused, bias, dtype, gemm_buckets)
+            return out
+
+        hidden, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q_rows, kv_rows = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        layers: dict[str, list[LayerWeights]] = {key: [] for key in targets}
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             qkv_names = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
             heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
             rope_rows = (True, True, False)  # q and k rows go to interleaved pairs (see rope.py)
-
-            def fused(suffix: str) -> torch.Tensor:
-                parts = [get(f"{n}.{suffix}") for n in qkv_names]
-                return torch.cat([interleave_rope_rows(w, h, cfg.head_dim) if r else w
-                                  for w, h, r in zip(parts, heads, rope_rows)])
-
-            bias = fused("bias") if cfg.attention_bias and f"{qkv_names[0]}.bias" in ckpt else None
-            layers.append(LayerWeights(
-                input_norm=get(f"{p}input_layernorm.weight"),
-                qkv=Linear(fused("weight"), bias, gemm_buckets),
-                o_proj=Linear(get(f"{p}self_attn.o_proj.weight"), None, gemm_buckets),
-                post_norm=get(f"{p}post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]), None,
-                               gemm_buckets),
-                down=Linear(get(f"{p}mlp.down_proj.weight"), None, gemm_buckets),
-            ))
+            bias = None
+            if cfg.attention_bias and f"{qkv_names[0]}.bias" in ckpt:
+                bias = torch.cat([interleave_rope_rows(get(f"{n}.bias"), h, hd) if r else get(f"{n}.bias")
+                                  for n, h, r in zip(qkv_names, heads, rope_rows)])
+            qkv = linears([(n, (rows, hidden), h if r else 0) for n, rows, h, r
+                           in zip(qkv_names, (q_rows, kv_rows, kv_rows), heads, rope_rows)], bias)
+            o_proj = linears([(f"{p}self_attn.o_proj", (hidden, q_rows), 0)], None)
+            gate_up = linears([(f"{p}mlp.gate_proj", (inter, hidden), 0), (f"{p}mlp.up_proj", (inter, hidden), 0)],
+                              None)
+            down = linears([(f"{p}mlp.down_proj", (hidden, inter), 0)], None)
+            input_norm, post_norm = get(f"{p}input_layernorm.weight"), get(f"{p}post_attention_layernorm.weight")
+            for key in targets:
+                layers[key].append(LayerWeights(input_norm=input_norm, qkv=qkv[key], o_proj=o_proj[key],
+                                                post_norm=post_norm, gate_up=gate_up[key], down=down[key]))
         embed = get("model.embed_tokens.weight")
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
         lm_head = Linear(embed if tied else get("lm_head.weight"), None, gemm_buckets)
-        return cls(cfg, embed, layers, get("model.norm.weight"), lm_head, dtype)
+        by_phase = {phase: layers[repr(fmt)] for phase, fmt in formats.items()}
+        return cls(cfg, embed, by_phase, get("model.norm.weight"), lm_head, dtype, formats)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights read per decode step (embedding row reads excluded, LM head included)."""
         per_layer = sum(l.input_norm.nbytes + l.post_norm.nbytes + l.qkv.nbytes + l.o_proj.nbytes
-                        + l.gate_up.nbytes + l.down.nbytes for l in self.layers)
+                        + l.gate_up.nbytes + l.down.nbytes for l in self.phase_layers["decode"])
         return per_layer + self.lm_head.nbytes
 
+    def weight_memory(self) -> dict[str, int]:
+        """Bytes held: `shared` (embedding, LM head unless tied, norms), per phase its linear
+        layers (`prefill`, `decode`: equal formats share one copy, counted in both and once in
+        `total`), `packs` (MKL packed copies of float32 weights) and `total`."""
+        shared = {id(self.embed): self.embed.nbytes, id(self.norm): self.norm.nbytes}
+        if self.lm_head.weight.data_ptr() != self.embed.data_ptr():
+            shared[id(self.lm_head.weight)] = self.lm_head.nbytes
+        per_phase: dict[str, int] = {}
+        linears: dict[int, LinearOp] = {}
+        for phase, layers in self.phase_layers.items():
+            per_phase[phase] = 0
+            for layer in layers:
+                shared[id(layer.input_norm)] = layer.input_norm.nbytes
+                shared[id(layer.post_norm)] = layer.post_norm.nbytes
+                for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                    per_phase[phase] += lin.nbytes
+                    linears[id(lin)] = lin
+        packs = sum(getattr(lin, "pack_bytes", 0) for lin in [*linears.values(), self.lm_head])
+        total = sum(shared.values()) + sum(lin.nbytes for lin in linears.values()) + packs
+        return {"shared": sum(shared.values()), **per_phase, "packs": packs, "total": total}
+
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: StepMetadata, cache: PagedKVCache) -> torch.Tensor:
-        """Logits [R, vocab] (float32) for rows `meta.logits_rows` of the flat batch input_ids [T]."""
+    def forward(self, input_ids: torch.Tensor, meta: StepMetadata, cache: PagedKVCache,
+                phase: str | None = None) -> torch.Tensor:
+        """Logits [R, vocab] (float32) for rows `meta.logits_rows` of the flat batch input_ids [T].
+
+        The linear layers are the `phase`'s (default: "prefill" if the step has a prefill
+        chunk, else "decode")."""
         cfg = self.cfg
+        phase = phase or ("prefill" if meta.prefills else "decode")
+        self.steps_by_phase[phase] += 1
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         freqs = self.rope.tables(meta.positions)
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.phase_layers[phase]):
             x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
             qk, v = qkv.split([num_qk_heads * cfg.head_dim, self._split[1]], dim=-1)

@@ -1,22 +1,37 @@
-"""Reading safetensors checkpoints (single file or sharded with an index).
+"""Reading and writing safetensors checkpoints (single file or sharded with an index).
 
 Every failure names the file: a missing shard, a truncated or corrupt file, a
 missing tensor. Tensors are loaded lazily one at a time (`safe_open`), so peak
-memory is the converted model plus one tensor.
+memory is the converted model plus one tensor; `spec` gives a tensor's dtype and
+shape from the header alone.
+
+`write_safetensors` streams a file: the header (every name, dtype, shape and offset)
+is written first from the specs, then each tensor's bytes as it is produced, so a
+writer holds one tensor at a time.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from backend.errors import WeightsError
+from backend.weight_formats import TensorSpec
 
-__all__ = ["CheckpointReader"]
+__all__ = ["CheckpointReader", "SAFETENSORS_DTYPES", "write_safetensors"]
+
+# safetensors header dtype names <-> torch dtypes
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 class CheckpointReader:
@@ -57,6 +72,19 @@ class CheckpointReader:
     def names(self) -> Iterator[str]:
         return iter(self.weight_map)
 
+    def spec(self, name: str) -> TensorSpec:
+        """dtype and shape of one tensor, from the file header (no data read)."""
+        file = self.weight_map.get(name)
+        if file is None:
+            raise WeightsError(f"tensor {name!r} not found in the checkpoint at {self.model_dir}", tensor=name,
+                               file=str(self.model_dir))
+        view = self._handles[file].get_slice(name)  # type: ignore[attr-defined]
+        dtype = SAFETENSORS_DTYPES.get(view.get_dtype())
+        if dtype is None:
+            raise WeightsError(f"tensor {name!r} in {self.model_dir / file} has unsupported dtype {view.get_dtype()}",
+                               tensor=name, file=str(self.model_dir / file))
+        return TensorSpec(dtype, tuple(view.get_shape()))
+
     def get(self, name: str) -> torch.Tensor:
         """Load one tensor; a missing or unreadable tensor names its file."""
         file = self.weight_map.get(name)
@@ -68,3 +96,32 @@ class CheckpointReader:
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             path = self.model_dir / file
             raise WeightsError(f"corrupt tensor {name!r} in {path}: {exc}", tensor=name, file=str(path)) from exc
+
+
+def write_safetensors(path: Path, specs: dict[str, TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]],
+                      metadata: dict[str, str] | None = None) -> int:
+    """Stream a safetensors file: the header from `specs` (in their order), then each tensor
+    of `tensors`, which must come in the same order and match its spec. Returns bytes written."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, spec in specs.items():
+        header[name] = {"dtype": _DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
+                        "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
+    order = iter(specs.items())
+    with Path(path).open("wb") as out:
+        out.write(struct.pack("<Q", len(header_bytes)))
+        out.write(header_bytes)
+        for name, tensor in tensors:
+            want_name, spec = next(order, (None, None))
+            if name != want_name or spec is None or TensorSpec(tensor.dtype, tuple(tensor.shape)) != spec:
+                raise WeightsError(f"{path}: tensor {name!r} {tensor.dtype} {tuple(tensor.shape)} does not match "
+                                   f"the planned header entry {want_name!r} {spec}", tensor=name, file=str(path))
+            out.write(memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy()))
+        missing = next(order, None)
+        if missing is not None:
+            raise WeightsError(f"{path}: tensor {missing[0]!r} planned in the header was never written",
+                               tensor=missing[0], file=str(path))
+    return 8 + len(header_bytes) + offset

@@ -17,8 +17,9 @@ BENCHES: dict[str, str] = {
     "kernels": "ops.bench_kernels",
     "integrity": "ops.bench_integrity",
     "gateway": "ops.bench_gateway",
-    "pd": "ops.bench_pd",
     "routing": "ops.bench_routing",
+    "pd": "ops.bench_pd",
+    "weights": "ops.bench_weights",
 }
 
 

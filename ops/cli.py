@@ -24,6 +24,7 @@ _SUBCOMMANDS: dict[str, str] = {
     "key": "ops.tenant",
     "chat": "ops.chat",
     "bench": "ops.bench",
+    "quantize": "ops.quantize",
 }
 
 

@@ -1,0 +1,231 @@
+"""W4A16 GEMM: y = x @ W.T with INT4 group-wise weights dequantised in registers.
+
+Reads the INT4 layout defined (with its numerics) in `backend/weight_formats.py`:
+
+    qweight  uint8     [N, K/2]        two codes per byte along K: column 2j in the low nibble,
+                                       column 2j + 1 in the high nibble
+    scales   bfloat16  [N, ceil(K/g)]  one per (row, group of g columns); the last group may be partial
+    zeros    bfloat16  [N, ceil(K/g)]  the value of the midpoint code 8
+    W[n, k] = (q[n, k] - 8) * scales[n, k // g] + zeros[n, k // g]
+
+`quantize_int4_ref` / `dequantize_int4_ref` here are the format's one implementation.
+
+Two paths, by the number of rows M of x [M, K]:
+- **split-K GEMV** (M <= GEMV_MAX_M, decode): grid (cdiv(N, BLOCK_N), SPLIT_K). Each
+  program dequantises its [BLOCK_N, BLOCK_K] weight tiles for one contiguous range of K
+  tiles once and multiplies every row of x by them (broadcast and sum: `tl.dot` needs 16
+  rows), writing float32 partial sums [SPLIT_K, M, N] that the launcher adds. Splitting K
+  gives a decode step, whose N alone fills few programs, enough of them to use the GPU.
+- **tiled GEMM** (larger M, prefill): grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)), a K loop
+  of `tl.dot` on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles into a float32 accumulator.
+BLOCK_K divides the group size, so a K tile needs one scale and one zero per row.
+Operands of the dots are x's dtype (float32: IEEE, no TF32); accumulation is float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import _dot_dtype
+
+__all__ = ["GEMV_MAX_M", "w4a16_gemm", "w4a16_gemm_ref", "quantize_int4_ref", "dequantize_int4_ref",
+           "unpack_int4_ref"]
+
+GEMV_MAX_M = 8  # rows up to which the split-K GEMV path runs
+
+
+# ---------------------------------------------------------------- helpers
+
+@triton.jit
+def _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, offs_k, k0, mask_n, K,
+                  stride_qn, stride_sn, stride_sg, GROUP: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] float32 weight tile at columns offs_k (inside one group)."""
+    mask = mask_n[:, None] & (offs_k[None, :] < K)
+    packed = tl.load(q_ptr + offs_n[:, None] * stride_qn + (offs_k[None, :] // 2), mask=mask, other=0)
+    codes = (packed.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 0xF  # low nibble: even column
+    group = k0 // GROUP
+    scale = tl.load(s_ptr + offs_n * stride_sn + group * stride_sg, mask=mask_n, other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + offs_n * stride_sn + group * stride_sg, mask=mask_n, other=0.0).to(tl.float32)
+    return (codes - 8).to(tl.float32) * scale[:, None] + zero[:, None]
+
+
+# ---------------------------------------------------------------- kernels
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    # pointers
+    x_ptr,  # [M, K]
+    q_ptr,  # [N, K/2] uint8
+    s_ptr, z_ptr,  # [N, groups] bfloat16
+    partial_ptr,  # [SPLIT_K, M, N] float32
+    # sizes
+    M, N, K, tiles_per_split,
+    # strides
+    stride_xm, stride_qn, stride_sn, stride_sg, stride_ps, stride_pm,
+    # meta-parameters
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program per (N tile, K range): every row of x against the range's weight tiles."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_s * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, offs_k, k0, mask_n, K, stride_qn, stride_sn, stride_sg,
+                          GROUP)  # [BLOCK_N, BLOCK_K]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    out_ptrs = partial_ptr + pid_s * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _w4a16_tiled_kernel(
+    # pointers
+    x_ptr,  # [M, K]
+    q_ptr,  # [N, K/2] uint8
+    s_ptr, z_ptr,  # [N, groups] bfloat16
+    y_ptr,  # [M, N]
+    # sizes
+    M, N, K,
+    # strides
+    stride_xm, stride_qn, stride_sn, stride_sg, stride_ym,
+    # meta-parameters
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per [BLOCK_M, BLOCK_N] output tile, looping over K."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, offs_k, k0, mask_n, K, stride_qn, stride_sn, stride_sg,
+                          GROUP)
+        acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ---------------------------------------------------------------- launcher
+
+def _check_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int) -> tuple[int, int, int]:
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, K] float32/bfloat16/float16 with contiguous rows, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    m, k = x.shape
+    n = qweight.shape[0]
+    groups = -(-k // group_size)
+    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (n, k // 2) or k % 2 or not qweight.is_contiguous():
+        raise ValueError(f"qweight must be contiguous uint8 [N, {k // 2}] for K = {k} (even), got "
+                         f"{tuple(qweight.shape)} {qweight.dtype}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != (n, groups) or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be float [{n}, {groups}] (group size {group_size}), got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    if scales.stride() != zeros.stride():
+        raise ValueError("scales and zeros must share strides")
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two >= 16, got {group_size}")
+    if not (x.device == qweight.device == scales.device == zeros.device):
+        raise ValueError("x, qweight, scales and zeros must be on one device")
+    return m, n, k
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int, split_k: int | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T in x's dtype, W the INT4 weight (layout above)."""
+    m, n, k = _check_args(x, qweight, scales, zeros, group_size)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    block_k = min(64, group_size)  # divides the group: one scale per row per tile
+    if m <= GEMV_MAX_M:
+        block_n = 32
+        k_tiles = triton.cdiv(k, block_k)
+        if split_k is None:  # enough programs to fill the GPU twice
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+            split_k = max(1, min(k_tiles, triton.cdiv(2 * sms, triton.cdiv(n, block_n))))
+        tiles_per_split = triton.cdiv(k_tiles, min(split_k, k_tiles))
+        split_k = triton.cdiv(k_tiles, tiles_per_split)
+        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        _w4a16_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+            x, qweight, scales, zeros, partial,
+            m, n, k, tiles_per_split,
+            x.stride(0), qweight.stride(0), scales.stride(0), scales.stride(1), partial.stride(0), partial.stride(1),
+            GROUP=group_size, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        )
+        return partial.sum(0).to(x.dtype) if split_k > 1 else y.copy_(partial[0])
+    dot_dtype = _dot_dtype(x.dtype) if x.dtype != torch.float16 else tl.float16
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    _w4a16_tiled_kernel[grid](
+        x, qweight, scales, zeros, y,
+        m, n, k,
+        x.stride(0), qweight.stride(0), scales.stride(0), scales.stride(1), y.stride(0),
+        GROUP=group_size, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,  # no TF32
+    )
+    return y
+
+
+# ---------------------------------------------------------------- torch reference and the format itself
+
+def unpack_int4_ref(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> codes int32 [N, K] in 0..15 (low nibble first)."""
+    low = (qweight & 0xF).to(torch.int32)
+    high = (qweight >> 4).to(torch.int32)
+    return torch.stack([low, high], dim=-1).view(qweight.shape[0], -1)
+
+
+def dequantize_int4_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                        in_features: int | None = None) -> torch.Tensor:
+    """The float32 weight [N, K] an INT4 weight stands for."""
+    codes = unpack_int4_ref(qweight)
+    k = in_features if in_features is not None else codes.shape[1]
+    s = scales.float().repeat_interleave(group_size, dim=1)[:, :k]
+    z = zeros.float().repeat_interleave(group_size, dim=1)[:, :k]
+    return (codes[:, :k] - 8).float() * s + z
+
+
+def quantize_int4_ref(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float [N, K] (K even) -> (qweight uint8 [N, K/2], scales, zeros bfloat16 [N, ceil(K/g)])."""
+    n, k = w.shape
+    groups = -(-k // group_size)
+    wf = w.float()
+    pad = groups * group_size - k
+    lo = torch.nn.functional.pad(wf, (0, pad), value=float("inf")).view(n, groups, group_size).amin(-1)
+    hi = torch.nn.functional.pad(wf, (0, pad), value=float("-inf")).view(n, groups, group_size).amax(-1)
+    flat = hi == lo  # a constant group: code 8 stands for the value itself
+    scales = torch.where(flat, 1.0, (hi - lo) / 15).to(torch.bfloat16)
+    zeros = torch.where(flat, lo, lo + 8 * scales.float()).to(torch.bfloat16)
+    s = scales.float().repeat_interleave(group_size, dim=1)[:, :k]
+    z = zeros.float().repeat_interleave(group_size, dim=1)[:, :k]
+    codes = (torch.round((wf - z) / s) + 8).clamp(0, 15).to(torch.uint8)  # [N, K]
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return qweight.contiguous(), scales, zeros
+
+
+def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group_size: int) -> torch.Tensor:
+    """Plain-torch `w4a16_gemm`: dequantise, then one float32 GEMM; returns x's dtype."""
+    w = dequantize_int4_ref(qweight, scales, zeros, group_size, x.shape[1])
+    return (x.float() @ w.t()).to(x.dtype)

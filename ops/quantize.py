@@ -1,0 +1,282 @@
+"""`edgeserve quantize IN OUT --to int4|fp8 [--group-size 128]`: convert a checkpoint's linear layers.
+
+IN is a Hugging Face folder (config.json + safetensors, one file or shards with an
+index) whose linear layers are dense (BF16, FP16, FP32) or FP8 (e4m3 with block
+scales, `weight_scale_inv`). Every ``*_proj.weight`` under ``model.layers.`` is
+converted to the target format (`backend/weight_formats.py`); every other tensor
+(embeddings, norms, biases, the LM head) is copied unchanged. FP8 -> INT4 dequantises
+each FP8 weight with its block scales first, then groups the float values.
+
+Streaming: the output header is planned from the input headers alone (a format's
+tensors have known dtypes and shapes), then each input tensor is read, converted and
+written before the next is read, so peak memory is one tensor and its outputs.
+Outputs of more than `--shard-bytes` are split into shards with an index.
+
+Atomic: everything is written into a temporary folder next to OUT, renamed to OUT
+only when complete; any failure (bad input, a corrupt tensor, Ctrl-C) removes it.
+OUT must not exist. Checked before anything is written, each a `WeightsError`: an
+unknown input format, missing tensors (every linear, norm and embedding the config
+implies; an FP8 weight's scales), an input already in the target format or in INT4,
+an INT4 group size other than 32/64/128/256, an odd in_features (INT4 packs two per
+byte), and FP8 scales that do not cover their weight.
+
+The size report counts tensor bytes (headers excluded): input, output, their ratio,
+the linear layers alone, and weight bytes per GPU at tensor parallel 1 and 8. Per GPU:
+column-parallel (q/k/v, gate/up) and row-parallel (o, down) linears, their scales,
+and the vocab-parallel embedding and LM head are split 1/TP; k/v projections are
+replicated when TP exceeds the number of KV heads (each GPU needs one whole KV head);
+norms are replicated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from backend.config import ModelConfig, load_config
+from backend.errors import WeightsError
+from backend.weight_formats import TensorSpec, WeightFormat, stored_format, weight_format
+from backend.weights import CheckpointReader, write_safetensors
+
+__all__ = ["register", "QuantizePlan", "plan_quantize", "quantize_checkpoint", "per_gpu_bytes", "SizeReport"]
+
+DEFAULT_SHARD_BYTES = 4 * 2**30
+Steps = list[tuple[str, dict[str, TensorSpec]]]  # (input tensor or linear module, its output tensors) in file order
+_SKIP_FILES = ("config.json", "model.safetensors.index.json")
+
+
+@dataclass
+class QuantizePlan:
+    """What will be written: output tensors in order, grouped by the input tensor they come from."""
+
+    cfg: ModelConfig
+    source: WeightFormat | None  # None: dense input
+    target: WeightFormat
+    steps: Steps = field(default_factory=list)
+    input_specs: dict[str, TensorSpec] = field(default_factory=dict)
+    linear_modules: set[str] = field(default_factory=set)
+
+    @property
+    def output_specs(self) -> dict[str, TensorSpec]:
+        return {name: spec for _, outs in self.steps for name, spec in outs.items()}
+
+
+@dataclass
+class SizeReport:
+    input_bytes: int
+    output_bytes: int
+    input_linear_bytes: int
+    output_linear_bytes: int
+    per_gpu_bytes: dict[int, int]  # tensor parallel degree -> output weight bytes per GPU
+
+    @property
+    def ratio(self) -> float:
+        return self.output_bytes / self.input_bytes
+
+    @property
+    def linear_ratio(self) -> float:
+        return self.output_linear_bytes / self.input_linear_bytes
+
+
+def _linear_modules(cfg: ModelConfig) -> list[str]:
+    """Every linear module the config implies, in layer order."""
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    return [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in names]
+
+
+def _required_tensors(cfg: ModelConfig) -> list[str]:
+    """The dense tensors the runtime needs besides the linears."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(cfg.num_layers):
+        names += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"]
+    return names
+
+
+def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightFormat) -> QuantizePlan:
+    """Check the input and plan every output tensor from the headers alone (no data read)."""
+    source = stored_format(cfg.quantization)
+    if source is not None and source.name == "int4":
+        raise WeightsError("the input is already INT4; quantize reads dense (BF16/FP16/FP32) or FP8 checkpoints")
+    if source is not None and source.name == target.name:
+        raise WeightsError(f"the input is already {target.name}; nothing to convert")
+    names = set(reader.names())
+    for name in _required_tensors(cfg):
+        if name not in names:
+            raise WeightsError(f"tensor {name!r} is missing from the checkpoint at {reader.model_dir}", tensor=name)
+    plan = QuantizePlan(cfg, source, target, input_specs={n: reader.spec(n) for n in reader.names()})
+    consumed: dict[str, str] = {}  # input tensor -> module it belongs to
+    for module in _linear_modules(cfg):
+        suffixes = source.suffixes if source is not None else ("weight",)
+        for suffix in suffixes:
+            if f"{module}.{suffix}" not in names:
+                raise WeightsError(f"tensor {module}.{suffix!s} is missing from the checkpoint at "
+                                   f"{reader.model_dir}", tensor=f"{module}.{suffix}")
+            consumed[f"{module}.{suffix}"] = module
+        spec = plan.input_specs[f"{module}.weight"]
+        if len(spec.shape) != 2:
+            raise WeightsError(f"{module}.weight must be 2-D, got shape {list(spec.shape)}", tensor=f"{module}.weight")
+        if source is None and (not spec.dtype.is_floating_point or spec.dtype.itemsize < 2):
+            raise WeightsError(f"{module}.weight is {spec.dtype}, but config.json declares no quantization_config; "
+                               f"known input formats: dense (bf16/fp16/fp32), fp8", tensor=f"{module}.weight")
+        if source is not None:  # the stored scales must cover the weight
+            stored = {s: plan.input_specs[f"{module}.{s}"] for s in source.suffixes}
+            if stored != source.specs((spec.shape[0], spec.shape[1])):
+                raise WeightsError(f"{module}: tensors {stored} do not fit {source!r} for a {list(spec.shape)} weight",
+                                   tensor=module)
+        if target.name == "int4" and spec.shape[1] % 2:
+            raise WeightsError(f"{module}.weight: INT4 packs two codes per byte, so in_features must be even; "
+                               f"got {list(spec.shape)}", tensor=f"{module}.weight")
+        plan.linear_modules.add(module)
+    for name in reader.names():  # checkpoint order; a module's outputs go where its .weight is
+        module = consumed.get(name)
+        if module is None:
+            plan.steps.append((name, {name: plan.input_specs[name]}))
+        elif name == f"{module}.weight":
+            shape = plan.input_specs[name].shape
+            outs = target.specs((shape[0], shape[1]))
+            plan.steps.append((module, {f"{module}.{s}": spec for s, spec in outs.items()}))
+    return plan
+
+
+def _produce(reader: CheckpointReader, plan: QuantizePlan, steps: Steps,
+             done: Callable[[], object]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Output tensors of `steps`, one input tensor (or linear module) at a time; `done()` after each."""
+    for key, _ in steps:
+        if key not in plan.linear_modules:
+            yield key, reader.get(key)
+        else:
+            if plan.source is None:
+                w = reader.get(f"{key}.weight")
+            else:
+                w = plan.source.dequantize(plan.source.read(reader.get, key))
+            for suffix, tensor in plan.target.quantize(w).tensors.items():
+                yield f"{key}.{suffix}", tensor
+        done()
+
+
+def _shards(steps: Steps, max_bytes: int) -> list[Steps]:
+    """Consecutive runs of steps of at most `max_bytes` each (a step is never split)."""
+    shards: list[Steps] = [[]]
+    size = 0
+    for step in steps:
+        nbytes = sum(spec.nbytes for spec in step[1].values())
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(step)
+        size += nbytes
+    return shards
+
+
+def per_gpu_bytes(specs: dict[str, TensorSpec], cfg: ModelConfig, tp: int) -> int:
+    """Weight bytes one GPU holds at tensor parallel `tp` (rules in the module docstring)."""
+    total = 0
+    for name, spec in specs.items():
+        module = name.rsplit(".", 1)[0]
+        if module.endswith(("k_proj", "v_proj")):
+            share = min(tp, cfg.num_kv_heads)  # replicated once TP exceeds the KV heads
+        elif module.endswith("_proj") or name in ("model.embed_tokens.weight", "lm_head.weight"):
+            share = tp
+        else:
+            share = 1
+        total += -(-spec.nbytes // share)
+    return total
+
+
+def size_report(plan: QuantizePlan) -> SizeReport:
+    out = plan.output_specs
+    linear_in = sum(s.nbytes for n, s in plan.input_specs.items() if n.rsplit(".", 1)[0] in plan.linear_modules)
+    linear_out = sum(s.nbytes for n, s in out.items() if n.rsplit(".", 1)[0] in plan.linear_modules)
+    return SizeReport(sum(s.nbytes for s in plan.input_specs.values()), sum(s.nbytes for s in out.values()),
+                      linear_in, linear_out, {tp: per_gpu_bytes(out, plan.cfg, tp) for tp in (1, 8)})
+
+
+def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                        progress: bool = True) -> SizeReport:
+    """Write `dst` (which must not exist) from `src` with its linear layers in `target`; atomic."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise WeightsError(f"{dst} already exists; choose a new output folder", file=str(dst))
+    cfg = load_config(src)
+    reader = CheckpointReader(src)
+    plan = plan_quantize(reader, cfg, target)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        shards = _shards(plan.steps, shard_bytes)
+        files = ["model.safetensors"] if len(shards) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        bar = tqdm(total=len(plan.steps), desc=f"quantize -> {target!r}", unit="tensor", disable=not progress)
+        weight_map: dict[str, str] = {}
+        with bar:
+            for file, steps in zip(files, shards):
+                specs = {name: spec for _, outs in steps for name, spec in outs.items()}
+                weight_map.update(dict.fromkeys(specs, file))
+                write_safetensors(tmp / file, specs, _produce(reader, plan, steps, bar.update),
+                                  {"edgeserve_weights": repr(target)})
+        if len(files) > 1:
+            total = sum(s.nbytes for s in plan.output_specs.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        raw = json.loads((src / "config.json").read_text())
+        raw["quantization_config"] = target.quantization_config()
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        for path in sorted(src.iterdir()):  # tokenizer, chat template, generation config ...
+            if path.is_file() and not path.name.startswith(".") and path.suffix != ".safetensors" \
+                    and path.name not in _SKIP_FILES:
+                shutil.copy2(path, tmp / path.name)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp made it private
+        tmp.rename(dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return size_report(plan)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def print_report(report: SizeReport, target: WeightFormat, cfg: ModelConfig) -> None:
+    print(f"size report ({target!r}; tensor bytes, headers excluded)")
+    print(f"  input          {_gb(report.input_bytes):>12}   ({report.input_bytes:,} B)")
+    print(f"  output         {_gb(report.output_bytes):>12}   ({report.output_bytes:,} B)")
+    print(f"  ratio          {report.ratio:>12.3f}")
+    print(f"  linear layers  {_gb(report.input_linear_bytes):>12} -> {_gb(report.output_linear_bytes)}"
+          f"   (ratio {report.linear_ratio:.3f})")
+    for tp, nbytes in report.per_gpu_bytes.items():
+        note = ""
+        if tp > 1 and (cfg.num_heads % tp or cfg.intermediate_size % tp):
+            note = f"   (arithmetic only: {cfg.num_heads} heads do not split {tp} ways)"
+        print(f"  per GPU, TP {tp}  {_gb(nbytes):>12}{note}")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("quantize", help="convert a checkpoint's linear layers to INT4 or FP8 (streamed)")
+    p.add_argument("input", type=Path, help="Hugging Face folder: dense (BF16/FP16/FP32) or FP8 safetensors")
+    p.add_argument("output", type=Path, help="new folder to write (must not exist)")
+    p.add_argument("--to", required=True, choices=["int4", "fp8"], help="target format of the linear layers")
+    p.add_argument("--group-size", type=int, default=128, help="INT4 group size along in_features (128; 32 allowed)")
+    p.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="largest output shard (bytes)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    target = weight_format(args.to, args.group_size)
+    report = quantize_checkpoint(args.input, args.output, target, shard_bytes=args.shard_bytes,
+                                 progress=not args.no_progress)
+    print(f"wrote {args.output}")
+    print_report(report, target, load_config(args.output))
+    return 0

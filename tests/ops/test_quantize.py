@@ -1,0 +1,190 @@
+"""`edgeserve quantize`: streamed output that loads like quantise-at-load, the size report, atomic failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backend.config import load_config
+from backend.engine import EngineConfig, LLMEngine
+from backend.errors import WeightsError
+from backend.weight_formats import weight_format
+from backend.weights import CheckpointReader
+from ops import quantize
+from ops.cli import main
+from tests.backend.test_weight_formats import _prefill_logits
+from tests.backend.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama checkpoint in BF16 (like the real source), with tokenizer-like side files."""
+    path = write_tiny_model(tmp_path_factory.mktemp("src") / "m", "llama", seed=7)
+    tensors = {n: t.bfloat16() for n, t in load_file(path / "model.safetensors").items()}
+    save_file(tensors, path / "model.safetensors")
+    (path / "special_tokens_map.json").write_text('{"eos_token": "x"}')  # a tokenizer side file
+    (path / ".edgeserve-complete").write_text("{}")
+    return path
+
+
+def _engine(path: Path, **kw) -> LLMEngine:
+    return LLMEngine.from_pretrained(path, EngineConfig(dtype="float32", kv_format="fp32", kv_cache_bytes=2**21,
+                                                        **kw))
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name)
+
+
+@pytest.mark.parametrize("to,group", [("int4", 128), ("int4", 32), ("fp8", 128)])
+def test_output_loads_and_equals_quantise_at_load(tiny: Path, tmp_path: Path, to: str, group: int) -> None:
+    out = tmp_path / "q"
+    report = quantize.quantize_checkpoint(tiny, out, weight_format(to, group), progress=False)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["quantization_config"] == weight_format(to, group).quantization_config()
+    assert (out / "special_tokens_map.json").read_text() == '{"eos_token": "x"}'
+    assert not (out / ".edgeserve-complete").exists()  # pull's marker is not a model file
+    assert not _leftovers(tmp_path)
+    ids = list(range(3, 43))
+    direct = _engine(out)  # the format as stored
+    at_load = _engine(tiny, prefill_weights=to, decode_weights=to, int4_group_size=group)
+    assert repr(direct.model.formats["decode"]) == repr(at_load.model.formats["decode"])
+    assert torch.equal(_prefill_logits(direct, ids), _prefill_logits(at_load, ids))
+    # the report is what is on disk
+    reader = CheckpointReader(out)
+    specs = {n: reader.spec(n) for n in reader.names()}
+    assert report.output_bytes == sum(s.nbytes for s in specs.values())
+    assert report.input_bytes == sum(CheckpointReader(tiny).spec(n).nbytes for n in CheckpointReader(tiny).names())
+    linear = sum(s.nbytes for n, s in specs.items() if "_proj." in n)
+    assert report.output_linear_bytes == linear and report.per_gpu_bytes[1] == report.output_bytes
+    assert report.ratio == report.output_bytes / report.input_bytes
+
+
+def test_fp8_to_int4_goes_through_the_dequantised_fp8(tiny: Path, tmp_path: Path) -> None:
+    fp8 = tmp_path / "fp8"
+    quantize.quantize_checkpoint(tiny, fp8, weight_format("fp8"), progress=False)
+    int4 = tmp_path / "int4"
+    quantize.quantize_checkpoint(fp8, int4, weight_format("int4", 32), progress=False)
+    assert load_config(int4).quantization["quant_method"] == "edgeserve_int4"
+    ids = list(range(5, 30))
+    via_file = _prefill_logits(_engine(int4), ids)
+    at_load = _prefill_logits(_engine(fp8, prefill_weights="int4", decode_weights="int4", int4_group_size=32), ids)
+    assert torch.equal(via_file, at_load)
+    fmt, fp8_fmt = weight_format("int4", 32), weight_format("fp8")
+    name = "model.layers.1.mlp.up_proj"
+    expected = fmt.quantize(fp8_fmt.dequantize(fp8_fmt.read(CheckpointReader(fp8).get, name)))
+    stored = fmt.read(CheckpointReader(int4).get, name)
+    assert all(torch.equal(stored.tensors[s], expected.tensors[s]) for s in fmt.suffixes)
+
+
+def test_shards_and_index(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sharded"
+    quantize.quantize_checkpoint(tiny, out, weight_format("int4", 128), shard_bytes=40_000, progress=False)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    ids = list(range(7, 20))
+    assert torch.equal(_prefill_logits(_engine(out), ids),
+                       _prefill_logits(_engine(tiny, prefill_weights="int4", decode_weights="int4"), ids))
+
+
+def test_per_gpu_bytes_split_and_replicate() -> None:
+    from backend.config import ModelConfig
+    from backend.weight_formats import TensorSpec
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+                      rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, tie_word_embeddings=True,
+                      attention_bias=False)
+    specs = {"model.layers.0.self_attn.q_proj.qweight": TensorSpec(torch.uint8, (32, 16)),  # 512 B
+             "model.layers.0.self_attn.k_proj.qweight": TensorSpec(torch.uint8, (16, 16)),  # 256 B, 2 KV heads
+             "model.layers.0.input_layernorm.weight": TensorSpec(torch.bfloat16, (32,)),  # 64 B, replicated
+             "model.embed_tokens.weight": TensorSpec(torch.bfloat16, (64, 32))}  # 4096 B, vocab-parallel
+    assert quantize.per_gpu_bytes(specs, cfg, 1) == 512 + 256 + 64 + 4096
+    assert quantize.per_gpu_bytes(specs, cfg, 8) == 64 + 128 + 64 + 512  # k_proj: one KV head per GPU
+
+
+@pytest.mark.parametrize("case", ["unknown_format", "missing_tensor", "missing_scale", "bad_group", "bad_scale_shape",
+                                  "already_target", "fails_midway", "exists"])
+def test_bad_input_leaves_nothing_behind(tiny: Path, tmp_path: Path, case: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in tiny.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    out = tmp_path / "out"
+    target = "int4"
+    group = 128
+    match = None
+    if case == "unknown_format":
+        raw = json.loads((src / "config.json").read_text())
+        raw["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+        (src / "config.json").write_text(json.dumps(raw))
+        match = "unknown weight format"
+    elif case == "missing_tensor":
+        tensors = load_file(src / "model.safetensors")
+        del tensors["model.layers.2.self_attn.v_proj.weight"]
+        save_file(tensors, src / "model.safetensors")
+        match = r"model\.layers\.2\.self_attn\.v_proj\.weight"
+    elif case in ("missing_scale", "bad_scale_shape", "already_target"):
+        quantize.quantize_checkpoint(tiny, tmp_path / "fp8", weight_format("fp8"), progress=False)
+        src = tmp_path / "fp8"
+        tensors = load_file(src / "model.safetensors")
+        name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+        if case == "missing_scale":
+            del tensors[name]
+            match = "down_proj.weight_scale_inv"
+        elif case == "bad_scale_shape":
+            tensors[name] = torch.ones(2, 2)
+            match = "do not fit fp8"
+        else:
+            target, match = "fp8", "already fp8"
+        save_file(tensors, src / "model.safetensors")
+    elif case == "bad_group":
+        group, match = 48, "group size 48"
+    elif case == "fails_midway":
+        calls = []
+        original = quantize.write_safetensors
+
+        def failing(path, specs, tensors, metadata=None):
+            def stop_after_five():
+                for item in tensors:
+                    calls.append(item[0])
+                    if len(calls) > 5:
+                        raise WeightsError("corrupt tensor (injected)")
+                    yield item
+            return original(path, specs, stop_after_five(), metadata)
+
+        monkeypatch.setattr(quantize, "write_safetensors", failing)
+        match = "injected"
+    elif case == "exists":
+        out.mkdir()
+        (out / "keep").write_text("mine")
+        match = "already exists"
+    argv = ["quantize", str(src), str(out), "--to", target, "--group-size", str(group), "--no-progress"]
+    with pytest.raises(WeightsError, match=match):
+        quantize.run(_args(argv))
+    assert main(argv) == 2  # the CLI prints the typed error and exits 2
+    assert not _leftovers(tmp_path)
+    if case == "exists":
+        assert (out / "keep").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep"]
+    else:
+        assert not out.exists()
+
+
+def _args(argv: list[str]):
+    from ops.cli import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+def test_cli_prints_the_size_report(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["quantize", str(tiny), str(tmp_path / "q"), "--to", "fp8", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    for line in ("input", "output", "ratio", "linear layers", "per GPU, TP 1", "per GPU, TP 8"):
+        assert line in text
