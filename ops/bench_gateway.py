@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ops.bench import write_report
 from ops.bench_engine import percentile
+from ops.redis_server import stop_process
 
 if TYPE_CHECKING:
     import httpx
@@ -330,13 +331,7 @@ def _child(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
 
 def _wait_http(url: str, proc: subprocess.Popen, log_path: Path, what: str, timeout_s: float) -> None:
@@ -507,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
 def _start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Path | None, litellm_note: str,
                    log: Callable[[str], None]) -> tuple[list[Target], str]:
     """Start Redis, the stand-in, the gateway (with a tenant and key) and LiteLLM if given; stopped by `stack`."""
-    from ops.redis_server import free_port, run_redis_server
+    from ops.redis_server import free_port, run_redis_server, stop_process
 
     logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgeserve-bench-gateway-")))
     redis_url = stack.enter_context(run_redis_server())

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from backend.errors import EdgeServeError
 
-__all__ = ["redis_server_binary", "run_redis_server", "free_port"]
+__all__ = ["redis_server_binary", "run_redis_server", "free_port", "stop_process"]
 
 
 def free_port() -> int:
@@ -25,6 +25,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM a child, SIGKILL it if it has not exited after `timeout_s`; always reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def redis_server_binary() -> str:
@@ -67,9 +78,4 @@ def run_redis_server(port: int | None = None, timeout_s: float = 10.0) -> Iterat
             client.close()
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, timeout_s=5)

@@ -88,13 +88,9 @@ def _child(argv: list[str]) -> Iterator[subprocess.Popen]:
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        from ops.redis_server import stop_process
+
+        stop_process(proc, timeout_s=15)
 
 
 async def _demo_key(redis_url: str) -> tuple[str, str]:
