@@ -14,8 +14,12 @@
     │   ├── UnsupportedArchitecture     code 5011  (500)
     │   └── WeightsError                code 5012  (500)
     ├── KVIntegrityError                code 5040  (500)
-    ├── BackendUnavailable              code 5003  (503)
-    └── RegistryUnavailable             code 5020  (503)
+    ├── BackendUnavailable              code 5003  (503, Retry-After)
+    │   ├── NoCapacity                  code 5006  (503, Retry-After)
+    │   ├── EngineStopped               code 5004  (503)
+    │   └── Draining                    code 5005  (503, Retry-After)
+    ├── RegistryUnavailable             code 5020  (503, Retry-After)
+    └── StoreUnavailable                code 5021  (503, Retry-After)
 
 Each class has a stable numeric ``code`` (3000s: the caller's fault or a
 temporary refusal, 5000s: ours, except 5007 "no such model", which keeps the
@@ -45,7 +49,11 @@ __all__ = [
     "WeightsError",
     "KVIntegrityError",
     "BackendUnavailable",
+    "NoCapacity",
+    "EngineStopped",
+    "Draining",
     "RegistryUnavailable",
+    "StoreUnavailable",
     "error_from_code",
 ]
 
@@ -143,12 +151,44 @@ class KVIntegrityError(EdgeServeError):
 
 
 class BackendUnavailable(EdgeServeError):
+    """A worker could not be reached, or its stream broke. Before admission the gateway retries elsewhere."""
+
     code = 5003
     http_status = 503
 
 
+class NoCapacity(BackendUnavailable):
+    """No live worker (or no complete prefill+decode pair) can serve this model now.
+
+    details: model, retry_after_s."""
+
+    code = 5006
+
+
+class EngineStopped(BackendUnavailable):
+    """The worker's engine thread died: every waiting and running request ends with this at once,
+    `/health` fails and the worker leaves the registry."""
+
+    code = 5004
+
+
+class Draining(BackendUnavailable):
+    """The worker (or gateway) is shutting down: it admits nothing new, and requests still running
+    when the drain timeout ends get this error. details: retry_after_s."""
+
+    code = 5005
+
+
 class RegistryUnavailable(EdgeServeError):
     code = 5020
+    http_status = 503
+
+
+class StoreUnavailable(EdgeServeError):
+    """The shared state store (Redis) is unreachable or timed out. The message carries no address;
+    the detail is logged. details: retry_after_s."""
+
+    code = 5021
     http_status = 503
 
 

@@ -50,11 +50,9 @@ def as_typed(exc: BaseException) -> EdgeServeError:
 
 
 def error_headers(exc: EdgeServeError) -> dict[str, str]:
-    """`Retry-After` for refusals that pass with time."""
-    if isinstance(exc, QuotaExceeded):
+    """`Retry-After` for refusals that pass with time: quota (429), capacity (429) and every 503."""
+    if isinstance(exc, (QuotaExceeded, CapacityError)) or exc.http_status == 503:
         return {"Retry-After": str(max(1, math.ceil(float(exc.details.get("retry_after_s", 1)))))}
-    if isinstance(exc, CapacityError):
-        return {"Retry-After": "1"}
     return {}
 
 
