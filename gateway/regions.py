@@ -3,7 +3,8 @@
 A request's region is, in order: an explicit region header (`x-edgeserve-region`),
 else the edge's country header (`cf-ipcountry`) mapped through `countries`, else
 the gateway's own region. Both headers are honoured only when `trust_headers` is
-set: they must be set by our own edge, never taken from a client as is.
+set (off by default; `edgeserve gateway --trust-region-headers`): they must be set by
+our own edge, which strips what clients send, never taken from a client as is.
 Distances are a table of round-trip latencies in ms (symmetric; a region is 0 from
 itself; a pair missing from the table counts as `default_ms`).
 """
@@ -24,7 +25,7 @@ class RegionMap(msgspec.Struct, frozen=True):
     latency_ms: dict[str, dict[str, float]] = {}
     countries: dict[str, str] = {}
     default_ms: float = 300.0
-    trust_headers: bool = True
+    trust_headers: bool = False  # only behind an edge that sets (and strips) these headers itself
 
     def distance(self, a: str, b: str) -> float:
         if a == b:

@@ -2,7 +2,10 @@
 
     route(model, tenant, prompt_ids, max_tokens, region) -> RouteDecision(candidates, reason)
 
-1. **Region.** Front workers (unified, or decode for disaggregated pools) are grouped
+0. **Capacity.** Front workers are unified workers, and decode workers while a prefill
+   worker is live (a decode worker alone cannot serve). None → `NoCapacity` (503,
+   Retry-After), never an error from an empty list.
+1. **Region.** Front workers are grouped
    by region and the regions ordered by distance from the request's region
    (`regions.py`). The first region with a live, unsaturated worker wins; when the
    nearest is down or saturated the request spills to the next nearest, and the
@@ -38,7 +41,7 @@ import time
 from collections import defaultdict
 from typing import NamedTuple
 
-from backend.errors import BackendUnavailable
+from backend.errors import NoCapacity
 from backend.registration import WorkerRecord
 from gateway.regions import RegionMap
 from prefix_cache.hashing import block_hashes
@@ -97,9 +100,14 @@ class Router:
     async def route(self, model: str, tenant_id: str, prompt_ids: list[int], max_tokens: int,
                     region: str, request_id: str) -> RouteDecision:
         workers = await self.view.workers(model)
-        front = [w for w in workers if w.role in ("unified", "decode")]
+        has_prefill = any(w.role == "prefill" for w in workers)
+        # a decode worker serves only beside a live prefill worker: without one it is no candidate
+        front = [w for w in workers if w.role == "unified" or (w.role == "decode" and has_prefill)]
         if not front:
-            raise BackendUnavailable(f"no live worker serves {model}", model=model)
+            why = ("decode workers are registered but no prefill worker is live"
+                   if any(w.role == "decode" for w in workers) else "no live worker serves it")
+            raise NoCapacity(f"no capacity for model {model}: {why}; retry shortly", model=model,
+                             retry_after_s=1)
         need = len(prompt_ids) + max_tokens
         by_region: dict[str, list[WorkerRecord]] = defaultdict(list)
         for w in front:

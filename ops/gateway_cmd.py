@@ -25,6 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--region", default="local")
+    p.add_argument("--trust-region-headers", action="store_true",
+                   help="route by the client's x-edgeserve-region / cf-ipcountry headers; only behind an edge that "
+                        "sets them itself and strips what clients send (default: off, the gateway's own region)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alive comments")
     p.set_defaults(func=run)
@@ -32,16 +35,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def build_config(model: str, workers: list[str], redis_url: str, *, served_name: str | None = None,
                  region: str = "local", max_model_len: int | None = None, keepalive_s: float = 10.0,
-                 policy: str = "prefix"):
+                 policy: str = "prefix", trust_region_headers: bool = False):
     """GatewayConfig for one model (pulled if it is a known name) served by `workers`."""
     from gateway.config import DEFAULT_ALIASES, GatewayConfig, ModelRoute
+    from gateway.regions import RegionMap
     from ops.pull import resolve_model
 
     name = served_name or model
     route = ModelRoute(name=name, model_dir=str(resolve_model(model)), workers=workers,
                        aliases=DEFAULT_ALIASES.get(name, []), max_model_len=max_model_len)
     return GatewayConfig(models=[route], redis_url=redis_url, region=region, keepalive_s=keepalive_s,
-                         routing_policy=policy)
+                         routing_policy=policy, regions=RegionMap(trust_headers=trust_region_headers))
 
 
 def freeze_heap() -> None:
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args.model, args.worker, args.redis_url, served_name=args.served_name,
                           region=args.region, max_model_len=args.max_model_len, keepalive_s=args.keepalive,
-                          policy=args.policy)
+                          policy=args.policy, trust_region_headers=args.trust_region_headers)
     where = ", ".join(args.worker) if args.worker else f"the worker registry in {args.redis_url}"
     print(f"edgeserve gateway on http://{args.host}:{args.port} -> {where}", flush=True)
     app = create_gateway_app(config)

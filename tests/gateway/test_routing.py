@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from backend.async_engine import AsyncEngine
 from backend.decode_coordinator import DecodeCoordinator
-from backend.errors import BackendUnavailable
+from backend.errors import BackendUnavailable, NoCapacity
 from backend.kv_transfer import HttpKVTransport
 from backend.prefix_cache_pool import KVEvent
 from backend.registration import Heartbeat, WorkerRecord
@@ -30,7 +30,7 @@ from tests.gateway.conftest import MODEL, make_account, tiny_engine, wait_pages_
 from tests.gateway.test_api import auth
 
 REGIONS = RegionMap(latency_ms={"eu": {"us": 90.0, "ap": 200.0}, "us": {"ap": 120.0}},
-                    countries={"DE": "eu", "FR": "eu", "JP": "ap"})
+                    countries={"DE": "eu", "FR": "eu", "JP": "ap"}, trust_headers=True)
 PROMPT = list(range(100, 180))  # 5 full blocks of 16
 
 
@@ -98,8 +98,25 @@ def test_request_region_comes_only_from_trusted_headers() -> None:
     assert REGIONS.request_region({"cf-ipcountry": "JP"}, "eu") == ("ap", "country")
     assert REGIONS.request_region({"x-edgeserve-region": "us", "cf-ipcountry": "JP"}, "eu") == ("us", "header")
     assert REGIONS.request_region({"cf-ipcountry": "ZZ"}, "eu") == ("eu", "gateway")
-    untrusted = RegionMap(countries={"JP": "ap"}, trust_headers=False)
+    untrusted = RegionMap(countries={"JP": "ap"})  # the default: a client's headers choose nothing
     assert untrusted.request_region({"cf-ipcountry": "JP", "x-edgeserve-region": "ap"}, "eu") == ("eu", "gateway")
+
+
+@pytest.mark.parametrize("policy", ["prefix", "least-loaded", "round-robin"])
+def test_decode_workers_without_a_live_prefill_worker_are_no_capacity_not_a_crash(redis_url: str,
+                                                                                   policy: str) -> None:
+    async def go() -> None:
+        rt, r = router(redis_url, policy)
+        await register(redis_url, rec("d1", role="decode"), rec("d2", role="decode"))
+        with pytest.raises(NoCapacity, match="no prefill worker") as info:
+            await rt.route("m", "t", PROMPT, 8, "eu", "r1")
+        assert info.value.http_status == 503 and info.value.details["retry_after_s"] >= 1
+        await register(redis_url, rec("u1", region="us"))  # a unified worker elsewhere still serves
+        best = (await rt.route("m", "t", PROMPT, 8, "eu", "r2")).candidates[0]
+        assert (best.worker.id, best.prefill) == ("u1", None)
+        await r.aclose()
+
+    asyncio.run(go())
 
 
 def test_prefix_overlap_wins_until_the_load_outweighs_it(redis_url: str) -> None:
@@ -200,3 +217,22 @@ def test_a_warm_worker_whose_pages_hold_evictable_cache_is_not_saturated(redis_u
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_gateway_answers_503_with_retry_after_when_only_decode_workers_are_live(tiny_chat_dir,
+                                                                                 redis_url: str) -> None:
+    asyncio.run(register(redis_url, WorkerRecord(id="d1", url="http://d1.invalid", role="decode", model=MODEL,
+                                                 region="local", page_size=16, pages_total=100, pages_free=100,
+                                                 running=0, waiting=0, queued_prefill_tokens=0)))
+    cfg = GatewayConfig(models=[ModelRoute(MODEL, str(tiny_chat_dir), max_model_len=512)], redis_url=redis_url)
+    account = make_account(redis_url)
+    with serve_in_thread(create_gateway_app(cfg)) as url:
+        chat = httpx.post(f"{url}/v1/chat/completions", headers=auth(account.token), timeout=30,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+        run = httpx.post(f"{url}/client/v4/accounts/{account.tenant_id}/ai/run/{MODEL}", headers=auth(account.token),
+                         timeout=30, json={"prompt": "hi", "max_tokens": 5})
+    for resp in (chat, run):
+        assert resp.status_code == 503, resp.text
+        assert int(resp.headers["retry-after"]) >= 1
+    assert chat.json()["error"]["edgeserve_code"] == NoCapacity.code
+    assert run.json()["errors"][0]["code"] == NoCapacity.code and run.json()["success"] is False
