@@ -47,21 +47,20 @@ import asyncio
 import contextlib
 import gc
 import os
-import platform
 import secrets
 import ssl
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ops.bench import write_report
 from ops.bench_engine import percentile
-from ops.redis_server import stop_process
+from ops.cluster import child_process, machine_info, wait_http
 
 if TYPE_CHECKING:
     import httpx
@@ -324,34 +323,6 @@ async def measure(targets: list[Target], points: list[int], streams: list[bool],
 
 # ---------------------------------------------------------------- processes
 
-@contextlib.contextmanager
-def _child(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    try:
-        yield proc
-    finally:
-        stop_process(proc)
-
-
-def _wait_http(url: str, proc: subprocess.Popen, log_path: Path, what: str, timeout_s: float) -> None:
-    import httpx
-
-    from backend.errors import BackendUnavailable
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    tail = log_path.read_text(errors="replace")[-1500:] if log_path.exists() else ""
-    state = f"exited with status {proc.returncode}" if proc.poll() is not None else f"not up in {timeout_s:.0f} s"
-    raise BackendUnavailable(f"{what} {state}; its log ends:\n{tail}")
-
-
 def ensure_litellm(venv: Path) -> tuple[Path | None, str | None, str]:
     """(litellm executable, version, note): installs litellm[proxy] into `venv` on first use, showing pip's output."""
     exe, python = venv / "bin" / "litellm", venv / "bin" / "python"
@@ -404,13 +375,6 @@ async def _tenant_token(redis_url: str) -> str:
         await client.aclose()
 
 
-def _machine() -> dict[str, Any]:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "cpu_model": model,
-            "python": platform.python_version(), "platform": platform.platform()}
-
-
 # ---------------------------------------------------------------- command
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -434,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     warmup_s = min(0.25, duration_s / 3)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
-    machine = _machine()
+    machine = machine_info()
 
     resolve_model(MODEL)  # pulled once, with progress, before anything starts
     litellm_exe, litellm_version, litellm_note = (None, None, "skipped (--no-litellm)")
@@ -507,22 +471,22 @@ def _start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Pa
     logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgeserve-bench-gateway-")))
     redis_url = stack.enter_context(run_redis_server())
     standin_url, gateway_port = f"http://127.0.0.1:{free_port()}", free_port()
-    standin = stack.enter_context(_child(
+    standin = stack.enter_context(child_process(
         [sys.executable, "-m", "ops.standin_worker", "--port", standin_url.rsplit(":", 1)[1],
          "--tokens", str(num_tokens)], logs / "standin.log"))
-    gateway = stack.enter_context(_child(
+    gateway = stack.enter_context(child_process(
         [sys.executable, "-m", "ops.cli", "gateway", "--model", MODEL, "--worker", standin_url,
          "--redis-url", redis_url, "--port", str(gateway_port), "--served-name", MODEL], logs / "gateway.log"))
     litellm = None
     if litellm_exe is not None:  # starts while the others come up; it is the slowest
         litellm_port, master_key = free_port(), "sk-bench-" + secrets.token_hex(8)
         _litellm_config(logs / "litellm.yaml", standin_url, master_key)
-        litellm = stack.enter_context(_child(
+        litellm = stack.enter_context(child_process(
             [str(litellm_exe), "--config", str(logs / "litellm.yaml"), "--host", "127.0.0.1",
              "--port", str(litellm_port)], logs / "litellm.log", env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"}))
-    _wait_http(f"{standin_url}/health", standin, logs / "standin.log", "the stand-in worker", 30)
+    wait_http(f"{standin_url}/health", standin, logs / "standin.log", "the stand-in worker", 30)
     gateway_url = f"http://127.0.0.1:{gateway_port}"
-    _wait_http(f"{gateway_url}/healthz", gateway, logs / "gateway.log", "the edgeserve gateway", 60)
+    wait_http(f"{gateway_url}/healthz", gateway, logs / "gateway.log", "the edgeserve gateway", 60)
     token = asyncio.run(_tenant_token(redis_url))
     targets = [Target("direct", f"{standin_url}/v1/chat/completions", {}, None),
                Target("edgeserve", f"{gateway_url}/v1/chat/completions", {"authorization": f"Bearer {token}"},
@@ -530,7 +494,7 @@ def _start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Pa
     if litellm is not None:
         litellm_url = f"http://127.0.0.1:{litellm_port}"
         try:
-            _wait_http(f"{litellm_url}/health/liveliness", litellm, logs / "litellm.log", "LiteLLM's proxy", 180)
+            wait_http(f"{litellm_url}/health/liveliness", litellm, logs / "litellm.log", "LiteLLM's proxy", 180)
             targets.append(Target("litellm", f"{litellm_url}/v1/chat/completions",
                                   {"authorization": f"Bearer {master_key}"}, litellm.pid))
         except Exception as exc:  # noqa: BLE001 - LiteLLM is a comparison, not a requirement

@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING, Any
 
 from ops.bench import write_report
 from ops.bench_engine import percentile
-from ops.bench_gateway import _child, _machine, _wait_http
+from ops.cluster import child_process, machine_info, wait_http
 
 if TYPE_CHECKING:
     from backend.worker_client import WorkerClient
@@ -404,9 +404,9 @@ class Workers:
             argv = [sys.executable, "-m", "ops.cli", "serve", *self.specs[name], *extra,
                     "--port", self.urls[name].rsplit(":", 1)[1]]
             self._stacks[name] = contextlib.ExitStack()
-            procs[name] = (self._stacks[name].enter_context(_child(argv, log_path)), log_path)
+            procs[name] = (self._stacks[name].enter_context(child_process(argv, log_path)), log_path)
         for name, (proc, log_path) in procs.items():
-            _wait_http(f"{self.urls[name]}/health", proc, log_path, f"worker {name}", 300)
+            wait_http(f"{self.urls[name]}/health", proc, log_path, f"worker {name}", 300)
             self.log(f"worker {name} up at {self.urls[name]} ({time.perf_counter() - started:.0f} s)")
 
     def stop(self, *names: str) -> None:
@@ -483,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
     wire = {"requests": 2 if quick else 4, "prompt_tokens": 512, "output_tokens": 2}
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
-    machine = {**_machine(), "uptime_start": uptime()}
+    machine = {**machine_info(), "uptime_start": uptime()}
     loads: dict[str, dict[str, Any]] = {}
 
     def mark(phase: str) -> None:

@@ -73,7 +73,7 @@ from typing import Any, NamedTuple
 
 from ops.bench import write_report
 from ops.bench_engine import percentile
-from ops.bench_gateway import _child, _machine, _wait_http
+from ops.cluster import child_process, machine_info, wait_http
 
 __all__ = ["add_arguments", "run", "Conversation", "TurnResult", "PolicySummary", "make_workload",
            "turn_messages", "hit_rate", "max_over_mean", "ceiling_hit_rate", "same_worker_rate",
@@ -400,19 +400,19 @@ def _start_fleet(stack: contextlib.ExitStack, redis_url: str, policy: str, kv_by
         wid, port = f"w{n}", free_port()
         workers[f"http://127.0.0.1:{port}"] = wid
         path = logs / f"{policy}-{wid}.log"
-        procs.append((stack.enter_context(_child(
+        procs.append((stack.enter_context(child_process(
             [sys.executable, "-m", "ops.cli", "serve", "--model", MODEL, "--port", str(port), "--threads", "1",
              "--prefix-caching", "--redis-url", redis_url, "--worker-id", wid, "--kv-cache-bytes", kv_bytes], path)),
             f"http://127.0.0.1:{port}/health", path, f"worker {wid}"))
     gateway_port = free_port()
     path = logs / f"{policy}-gateway.log"
-    procs.append((stack.enter_context(_child(
+    procs.append((stack.enter_context(child_process(
         [sys.executable, "-m", "ops.cli", "gateway", "--model", MODEL, "--redis-url", redis_url,
          "--port", str(gateway_port), "--policy", policy], path)),
         f"http://127.0.0.1:{gateway_port}/healthz", path, "the gateway"))
     started = time.perf_counter()
     for proc, url, path, what in procs:
-        _wait_http(url, proc, path, what, 180)
+        wait_http(url, proc, path, what, 180)
     _wait_registered(redis_url, list(workers.values()))
     log(f"  4 workers + gateway ({policy}) up in {time.perf_counter() - started:.0f} s")
     return Fleet(f"http://127.0.0.1:{gateway_port}", workers, [(proc, path, what) for proc, _, path, what in procs])
@@ -506,7 +506,7 @@ def run(args: argparse.Namespace) -> int:
     turns = args.turns or (3 if quick else 4)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
-    machine = {**_machine(), "load_avg_start": list(os.getloadavg()), "mem_available_gib_start": _mem_available_gib()}
+    machine = {**machine_info(), "load_avg_start": list(os.getloadavg()), "mem_available_gib_start": _mem_available_gib()}
     if machine["mem_available_gib_start"] < NUM_WORKERS * WORKER_RSS_GIB + 1:
         log(f"warning: {machine['mem_available_gib_start']:.1f} GiB of memory available; 4 workers take about "
             f"{NUM_WORKERS * WORKER_RSS_GIB:.0f} GiB: the kernel may kill one mid-run")
