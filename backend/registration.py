@@ -6,7 +6,10 @@
 Each heartbeat rewrites the record with a fresh expiry, so a worker that stops
 answering (crash, partition, SIGKILL) drops out of every gateway's view within
 `ttl_s` without anyone deleting it; a worker that stops cleanly deletes its record.
-Readers skip ids whose record has expired. Keys of one model share a hash tag.
+Readers skip ids whose record has expired (and remove them, with their prefix-index
+entries: `prefix_cache.kv_events.forget_worker`). Keys of one model share a hash tag.
+The Redis client has 1 s connect and reply timeouts (`backend.redis_client`); while
+Redis is away the worker keeps serving, retries every beat, and logs the outage once.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import time
 from collections.abc import Callable
 
 import msgspec
-import redis.asyncio as aioredis
+from redis import RedisError
+
+from backend.redis_client import OutageLog, connect
 
 __all__ = ["WorkerRecord", "record_key", "members_key", "Heartbeat"]
 
@@ -54,8 +59,9 @@ class Heartbeat:
 
     def __init__(self, redis_url: str, record: Callable[[], WorkerRecord], interval_s: float = 1.0,
                  ttl_s: float = 3.0) -> None:
-        self.redis = aioredis.Redis.from_url(redis_url)
+        self.redis = connect(redis_url)
         self.record, self.interval_s, self.ttl_s = record, interval_s, ttl_s
+        self._outage = OutageLog(log, "Redis (worker registry)")
 
     async def beat(self) -> WorkerRecord:
         rec = msgspec.structs.replace(self.record(), updated_at=time.time())
@@ -71,8 +77,11 @@ class Heartbeat:
             while True:
                 try:
                     rec = await self.beat()
-                except Exception:  # Redis away: keep serving, retry next beat
-                    log.warning("heartbeat to Redis failed", exc_info=True)
+                    self._outage.ok()
+                except (RedisError, OSError) as exc:  # Redis away: keep serving, retry next beat
+                    self._outage.failed(exc)
+                except Exception:  # noqa: BLE001 - a bad record must not stop the beat either
+                    log.exception("heartbeat failed")
                 await asyncio.sleep(self.interval_s)
         finally:
             with contextlib.suppress(Exception):

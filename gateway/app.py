@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -27,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from backend.errors import InvalidRequest
+from backend.redis_client import connect as connect_redis
 from gateway.config import GatewayConfig
 from prefix_cache.kv_events import PrefixIndex
 from gateway.envelopes import workers_error
@@ -50,7 +50,7 @@ ACCOUNT = "/client/v4/accounts/{account_id}/ai"
 def create_gateway_app(config: GatewayConfig) -> Starlette:
     """The gateway for `config`; tokenizers load now, connections open lazily."""
     catalog = ModelCatalog(config.models)
-    redis = aioredis.Redis.from_url(config.redis_url, max_connections=512)
+    redis = connect_redis(config.redis_url, max_connections=512)  # 1 s connect/reply timeouts: a 503 fast
     static = {m.name: list(m.route.workers) for m in catalog.models if m.route.workers}
     view = StaticView(static, config.region) if static else RegistryView(redis)
     router = Router(view, PrefixIndex(redis), config.regions, policy=config.routing_policy,
@@ -76,9 +76,11 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await state.meter.start()  # replays usage journaled while Redis was away
         try:
             yield
         finally:
+            await state.meter.aclose()
             await state.pool.aclose()
             await redis.aclose()
 

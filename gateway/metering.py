@@ -4,10 +4,13 @@ When a request ends (finished, cut at its length, cancelled or failed) the gatew
 records a `UsageRecord`. One Lua script, touching only the tenant's keys (one hash
 slot), does all of it atomically:
 
-1. ``SET metered:<request_id> NX EX 2 days``: if the marker exists the request was
-   already metered and nothing changes (retries and duplicate reports are free);
+1. ``SET metered:<request_id> NX EX 8 days``: if the marker exists the request was
+   already metered and nothing changes (retries, duplicate reports and journal
+   replays are free);
 2. ``HINCRBY usage:<day>`` ``<model>|requests`` (+1), ``|prompt_tokens``,
-   ``|cached_prompt_tokens`` and ``|completion_tokens``;
+   ``|cached_prompt_tokens`` and ``|completion_tokens``; the hash expires
+   `USAGE_RETENTION_DAYS` (400) days after its day ends: that is how long daily
+   usage can be read back;
 3. ``XADD usage-events MAXLEN ~ 1000000`` with every field of the record (as
    strings; ``error_code`` is empty when None): the billing export reads this;
 4. settles the quota `Reservation`: ``INCRBY tpd:<day>`` by
@@ -21,32 +24,57 @@ the part of ``prompt_tokens`` served from the prefix cache, not an addition to i
 A request admitted but never taken by a worker is not metered: `Meter.release`
 returns its whole reservation instead, under the same marker, so a request id is
 settled exactly once either way.
+
+**Across Redis outages.** When Redis cannot take a record or a release
+(`StoreUnavailable`, or any other store error), the entry goes to this gateway's
+local journal (`gateway.usage_journal`: append-only, fsynced) instead of being
+lost, and `record`/`release` return as if it were settled. A replay task
+(`start`/`aclose`; also started by the first journaled entry) sends the journal
+again at start and every `replay_interval_s` while entries remain, through the
+same scripts, so a replay of something Redis did take (a reply lost to a timeout)
+or a second replay changes nothing; once all are settled the file is truncated.
+A replayed record settles its reservation as it would have on time: the day is
+the reservation's, and the refund applies only while that day's counter exists.
+The marker lives `MARKER_TTL_S` (8 days): an entry replayed later than that after
+its request ended could count twice if its first attempt did reach Redis; such
+replays are logged as warnings.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
-from datetime import date, timedelta
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from backend.errors import InvalidRequest
+from backend.errors import EdgeServeError, InvalidRequest
 from gateway import redis_keys as rk
-from gateway.quotas import DAY_KEY_TTL_S, Reservation
+from gateway.quotas import Reservation
 from gateway.redis_keys import redis_errors, text, utc_day
+from gateway.usage_journal import UsageJournal, default_journal_dir
 
 if TYPE_CHECKING:
     import redis.asyncio
 
-__all__ = ["UsageRecord", "Meter", "METRICS", "MAX_USAGE_DAYS", "EVENTS_MAXLEN"]
+__all__ = ["UsageRecord", "Meter", "METRICS", "MAX_USAGE_DAYS", "EVENTS_MAXLEN", "MARKER_TTL_S",
+           "USAGE_RETENTION_DAYS"]
+
+log = logging.getLogger(__name__)
 
 METRICS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
 MAX_USAGE_DAYS = 93  # longest range one usage() call reads
 EVENTS_MAXLEN = 1_000_000  # approximate cap of each tenant's event stream
+MARKER_TTL_S = 8 * 86_400  # a request id stays "metered" this long: journal replays within it are exact
+USAGE_RETENTION_DAYS = 400  # a day's usage hash expires this many days after the day ends
 
 # KEYS: marker, usage hash, events stream[, tokens-per-day counter].
-# ARGV: model, prompt, cached, completion, refund delta, then the event's field/value pairs.
+# ARGV: model, prompt, cached, completion, refund delta, usage hash expiry (unix s),
+#       then the event's field/value pairs.
 # Returns 1 when recorded, 0 when this request id was already metered.
 _RECORD = """
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', MARKER_TTL) then return 0 end
@@ -55,12 +83,13 @@ redis.call('HINCRBY', KEYS[2], model .. '|requests', 1)
 redis.call('HINCRBY', KEYS[2], model .. '|prompt_tokens', ARGV[2])
 redis.call('HINCRBY', KEYS[2], model .. '|cached_prompt_tokens', ARGV[3])
 redis.call('HINCRBY', KEYS[2], model .. '|completion_tokens', ARGV[4])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', 'EVENTS_MAXLEN', '*', unpack(ARGV, 6))
+redis.call('EXPIREAT', KEYS[2], ARGV[6])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', 'EVENTS_MAXLEN', '*', unpack(ARGV, 7))
 if KEYS[4] and tonumber(ARGV[5]) ~= 0 and redis.call('EXISTS', KEYS[4]) == 1 then
   redis.call('INCRBY', KEYS[4], ARGV[5])
 end
 return 1
-""".replace("MARKER_TTL", str(DAY_KEY_TTL_S)).replace("EVENTS_MAXLEN", str(EVENTS_MAXLEN))
+""".replace("MARKER_TTL", str(MARKER_TTL_S)).replace("EVENTS_MAXLEN", str(EVENTS_MAXLEN))
 
 
 # KEYS: marker, tokens-per-day counter. ARGV: reserved tokens. Returns 1 when released, 0 when settled before.
@@ -68,7 +97,7 @@ _RELEASE = """
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', MARKER_TTL) then return 0 end
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DECRBY', KEYS[2], ARGV[1]) end
 return 1
-""".replace("MARKER_TTL", str(DAY_KEY_TTL_S))
+""".replace("MARKER_TTL", str(MARKER_TTL_S))
 
 
 class UsageRecord(msgspec.Struct, frozen=True):
@@ -94,6 +123,24 @@ def _event_fields(usage: UsageRecord) -> list[str]:
     return pairs
 
 
+class _Unsettled(msgspec.Struct, frozen=True):
+    """A journal entry: a record to meter (`usage` set), or a reservation to release (`usage` None)."""
+
+    usage: UsageRecord | None
+    reservation: Reservation | None
+    journaled_at: float
+
+
+def _journal_key(tenant_id: str, request_id: str) -> str:
+    return f"{tenant_id}/{request_id}"
+
+
+def _usage_expiry(day: str, retention_days: int) -> int:
+    """Unix time `retention_days` after the end of UTC `day`."""
+    start = datetime.fromisoformat(day).replace(tzinfo=UTC).timestamp()
+    return int(start) + (retention_days + 1) * 86_400
+
+
 def _record_from_event(fields: dict[str, str]) -> UsageRecord:
     ints = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")
     return UsageRecord(
@@ -104,20 +151,96 @@ def _record_from_event(fields: dict[str, str]) -> UsageRecord:
 
 
 class Meter:
-    """Exactly-once usage accounting, shared by all gateway replicas."""
+    """Exactly-once usage accounting, shared by all gateway replicas, journaled across Redis outages."""
 
-    def __init__(self, redis: redis.asyncio.Redis) -> None:
+    def __init__(self, redis: redis.asyncio.Redis, journal_path: Path | str | None = None, *,
+                 replay_interval_s: float = 2.0, usage_retention_days: int = USAGE_RETENTION_DAYS) -> None:
+        """`journal_path`: this gateway's journal file; by default the first free
+        ``gateway-<n>.jsonl`` in ``$EDGESERVE_HOME/journal``. Nothing touches the disk until
+        `start` or the first entry Redis cannot take."""
         self.redis = redis
+        self.journal_path = None if journal_path is None else Path(journal_path)
+        self.replay_interval_s, self.usage_retention_days = replay_interval_s, usage_retention_days
         self._record = redis.register_script(_RECORD)
         self._release = redis.register_script(_RELEASE)
+        self._journal: UsageJournal[_Unsettled] | None = None
+        self._replayer: asyncio.Task[None] | None = None
+        self._replaying = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Open the journal (taking over orphaned ones) and replay it now and every `replay_interval_s`."""
+        journal = await self._opened_journal()
+        await asyncio.to_thread(journal.adopt_orphans)
+        self._ensure_replayer()
+
+    async def aclose(self) -> None:
+        """Stop replaying and close the journal; what is still pending stays in the file for the next start."""
+        if self._replayer is not None:
+            self._replayer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replayer
+            self._replayer = None
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+
+    @property
+    def pending(self) -> int:
+        """Entries journaled and not yet settled in Redis."""
+        return 0 if self._journal is None else len(self._journal)
 
     async def record(self, usage: UsageRecord, reservation: Reservation | None = None) -> bool:
-        """Meter one finished request and settle its reservation; False if it was already metered."""
+        """Meter one finished request and settle its reservation; False if it was already metered.
+
+        When Redis cannot take it now the record is journaled (True: replay meters it later)."""
         if min(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) < 0:
             raise InvalidRequest("token counts must not be negative")
         if reservation is not None and (reservation.tenant_id, reservation.request_id) != (
                 usage.tenant_id, usage.request_id):
             raise InvalidRequest("the reservation belongs to another request")
+        try:
+            return await self._send_record(usage, reservation)
+        except EdgeServeError:
+            await self._journal_entry(usage.tenant_id, usage.request_id, _Unsettled(usage, reservation, time.time()))
+            return True
+
+    async def release(self, reservation: Reservation) -> bool:
+        """Return a whole reservation of a request that never ran (nothing is metered); False if settled before.
+
+        When Redis cannot take it now the release is journaled (True)."""
+        try:
+            return await self._send_release(reservation)
+        except EdgeServeError:
+            await self._journal_entry(reservation.tenant_id, reservation.request_id,
+                                      _Unsettled(None, reservation, time.time()))
+            return True
+
+    async def replay(self) -> int:
+        """Send every journaled entry to Redis (idempotent); how many settled. Stops at the first Redis error."""
+        journal = self._journal
+        if journal is None:
+            return 0
+        settled = 0
+        async with self._replaying:
+            for key, entry in journal.pending():
+                ended = entry.usage.ended_at if entry.usage is not None and entry.usage.ended_at else entry.journaled_at
+                if time.time() - ended > MARKER_TTL_S:
+                    log.warning("replaying usage entry %s older than its idempotency marker lives", key)
+                try:
+                    if entry.usage is not None:
+                        await self._send_record(entry.usage, entry.reservation)
+                    elif entry.reservation is not None:
+                        await self._send_release(entry.reservation)
+                except EdgeServeError:
+                    break  # Redis still away: try again next round
+                await asyncio.to_thread(journal.settle, key)
+                settled += 1
+            if settled:
+                log.warning("replayed %d journaled usage entries into Redis (%d still pending)", settled, len(journal))
+            await asyncio.to_thread(journal.compact)
+        return settled
+
+    async def _send_record(self, usage: UsageRecord, reservation: Reservation | None) -> bool:
         tenant_id = usage.tenant_id
         day = reservation.day if reservation is not None else utc_day(usage.ended_at or time.time())
         keys = [rk.metered(tenant_id, usage.request_id), rk.usage(tenant_id, day), rk.usage_events(tenant_id)]
@@ -126,16 +249,42 @@ class Meter:
             keys.append(rk.tokens_day(tenant_id, day))
             refund = usage.prompt_tokens + usage.completion_tokens - reservation.reserved_tokens
         args = [usage.model, usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, refund,
-                *_event_fields(usage)]
+                _usage_expiry(day, self.usage_retention_days), *_event_fields(usage)]
         with redis_errors():
             return bool(await self._record(keys=keys, args=args))
 
-    async def release(self, reservation: Reservation) -> bool:
-        """Return a whole reservation of a request that never ran (nothing is metered); False if settled before."""
+    async def _send_release(self, reservation: Reservation) -> bool:
         keys = [rk.metered(reservation.tenant_id, reservation.request_id),
                 rk.tokens_day(reservation.tenant_id, reservation.day)]
         with redis_errors():
             return bool(await self._release(keys=keys, args=[reservation.reserved_tokens]))
+
+    async def _opened_journal(self) -> UsageJournal[_Unsettled]:
+        if self._journal is None:
+            if self.journal_path is not None:
+                self._journal = await asyncio.to_thread(UsageJournal, self.journal_path, _Unsettled)
+            else:
+                self._journal = await asyncio.to_thread(UsageJournal.open_in, default_journal_dir(), _Unsettled)
+            log.info("usage journal: %s (%d entries pending)", self._journal.path, len(self._journal))
+        return self._journal
+
+    async def _journal_entry(self, tenant_id: str, request_id: str, entry: _Unsettled) -> None:
+        journal = await self._opened_journal()
+        await asyncio.to_thread(journal.append, _journal_key(tenant_id, request_id), entry)
+        self._ensure_replayer()
+
+    def _ensure_replayer(self) -> None:
+        if self._replayer is None or self._replayer.done():
+            self._replayer = asyncio.create_task(self._replay_loop(), name="usage-journal-replay")
+
+    async def _replay_loop(self) -> None:
+        while True:
+            if self.pending:
+                try:
+                    await self.replay()
+                except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
+                    log.exception("usage journal replay failed")
+            await asyncio.sleep(self.replay_interval_s)
 
     async def usage(self, tenant_id: str, start_day: str, end_day: str) -> dict[str, dict[str, dict[str, int]]]:
         """{day: {model: {metric: count}}} for the days in [start_day, end_day] that have usage."""

@@ -18,24 +18,44 @@ Only the key-lookup indexes (``apikey``, ``keyid``) and the tenant list are glob
     edgeserve:{t:<id>}:metered:<request_id>    string idempotency marker (2-day expiry)
 
 Stores accept clients with or without ``decode_responses``; `text` reads either.
+
+Every Redis call goes through `redis_errors`, the one translation into the typed
+hierarchy: Redis unreachable, timed out, loading, read-only or out of memory is
+`StoreUnavailable` (503, Retry-After `STORE_RETRY_AFTER_S`), whose message names no
+host, port or password; the detail goes to the log once per outage (`OutageLog`).
+Any other Redis error is a bug here: a bare 5000 "internal store error", logged.
+Clients come from `backend.redis_client.connect` (1 s connect and reply timeouts),
+so a stopped or hung Redis turns into that 503 within about a second.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
 import redis
+from redis import exceptions as rx
 
-from backend.errors import EdgeServeError
+from backend.errors import EdgeServeError, StoreUnavailable
+from backend.redis_client import OutageLog
 
 __all__ = [
     "PREFIX", "api_key", "key_id", "tenant", "tenant_keys", "tenants", "rpm_window",
     "tokens_day", "usage", "usage_events", "metered", "utc_day", "text", "redis_errors",
+    "STORE_UNAVAILABLE_ERRORS", "STORE_RETRY_AFTER_S", "store_outage",
 ]
 
 PREFIX = "edgeserve"
+STORE_RETRY_AFTER_S = 2
+# Redis is away or refusing writes for a while (not our bug): retrying later can work.
+STORE_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    rx.ConnectionError, rx.TimeoutError, rx.ReadOnlyError, rx.OutOfMemoryError, rx.MasterDownError,
+    rx.TryAgainError, rx.ClusterDownError, ConnectionError, TimeoutError)
+
+log = logging.getLogger(__name__)
+store_outage = OutageLog(log, "Redis (tenants, quotas, usage, registry)")
 
 
 def _t(tenant_id: str) -> str:
@@ -105,10 +125,17 @@ def text(value: bytes | str | None) -> str | None:
 
 @contextmanager
 def redis_errors() -> Iterator[None]:
-    """Translate redis-py errors into the project's hierarchy (EdgeServeError, code 5000)."""
+    """Translate redis-py errors into the typed hierarchy: StoreUnavailable (503) or a bare 5000.
+
+    Neither message carries Redis's address or the driver's text; that is logged
+    (an outage once, at its start)."""
     try:
         yield
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise EdgeServeError(f"redis unavailable: {exc}") from exc
+    except STORE_UNAVAILABLE_ERRORS as exc:
+        store_outage.failed(exc)
+        raise StoreUnavailable("the tenant and usage store is unavailable; retry shortly",
+                               retry_after_s=STORE_RETRY_AFTER_S) from exc
     except redis.RedisError as exc:
-        raise EdgeServeError(f"redis error: {exc}") from exc
+        log.error("Redis command failed", exc_info=exc)
+        raise EdgeServeError("internal store error") from exc
+    store_outage.ok()

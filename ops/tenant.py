@@ -48,15 +48,22 @@ def _limit(text: str) -> int | None:
 
 
 def _run(command: Command) -> Callable[[argparse.Namespace], int]:
-    """Wrap an async command: open the Redis client, run, close."""
+    """Wrap an async command: open the Redis client (bounded waits), run, close.
+
+    An unreachable Redis is reported with its URL, password removed (an admin's
+    terminal, not a client's response)."""
     def func(args: argparse.Namespace) -> int:
-        import redis.asyncio
+        from backend.errors import StoreUnavailable
+        from backend.redis_client import connect, redact
 
         async def main() -> int:
-            async with redis.asyncio.Redis.from_url(args.redis_url) as client:
+            async with connect(args.redis_url, socket_timeout_s=5.0) as client:
                 return await command(args, client)
 
-        return asyncio.run(main())
+        try:
+            return asyncio.run(main())
+        except StoreUnavailable as exc:
+            raise StoreUnavailable(f"Redis at {redact(args.redis_url)} is unreachable", **exc.details) from exc
     return func
 
 

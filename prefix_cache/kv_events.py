@@ -7,13 +7,28 @@ follows the caches exactly, a batch behind:
 
     edgeserve:{m:<model>}:block:<hash hex>          set of worker ids holding that block
     edgeserve:{m:<model>}:worker:<id>:blocks        set of block hashes a worker holds
-    edgeserve:{m:<model>}:kv-events                 stream of the raw events (audit, replay)
+    edgeserve:{m:<model>}:kv-events                 stream of the raw events (audit), capped
 
 All keys of one model share the hash tag `{m:<model>}` (one Redis Cluster slot,
 so a batch is one transaction). On start, and when it stops, a worker withdraws
-everything it had published (its cache starts empty and dies with it).
+everything it had published (its cache starts empty and dies with it). A worker
+that dies without withdrawing is cleaned up by the gateways' registry view once
+its record has expired (`forget_worker`).
+
+**When Redis is away** a batch that fails is kept and re-sent, in order, before
+newer events (the set operations are idempotent, so a batch that did land but
+whose reply was lost does no harm). The index is **stale** when events were lost:
+more than `max_unsent` waiting for Redis (they are dropped), or the engine's own
+event queue overflowed (`dropped()` grew). A stale index is rebuilt at the next
+flush that reaches Redis: the worker withdraws all its entries, then asks the
+engine to report its whole cache again (`resync()`, if given). Without a resync
+hook the index under-reports that worker until blocks are stored again; it never
+names blocks the worker does not hold, and hits are re-verified by the worker anyway.
+
 `PrefixIndex.overlap` answers a router's question: for a request's block hashes,
-how many leading blocks does each worker hold?
+how many leading blocks does each worker hold? When Redis cannot answer it
+returns no overlap (the router then ranks by load) and skips the index for
+`retry_s`, so a hung Redis costs one timeout per `retry_s`, not one per request.
 """
 
 from __future__ import annotations
@@ -21,15 +36,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
+from redis import RedisError
 
-__all__ = ["block_key", "worker_blocks_key", "events_key", "KVEventPublisher", "PrefixIndex"]
+from backend.redis_client import OutageLog, connect
+from backend.registration import members_key, record_key
+
+__all__ = ["block_key", "worker_blocks_key", "events_key", "forget_worker", "KVEventPublisher", "PrefixIndex",
+           "EVENTS_MAXLEN", "MAX_UNSENT_EVENTS"]
 
 log = logging.getLogger(__name__)
 EVENTS_MAXLEN = 100_000
+MAX_UNSENT_EVENTS = 50_000  # events held for Redis while it is away; past this the index goes stale
+
+# KEYS: the worker's record, the model's member set, the worker's block set. ARGV: worker id, block key prefix.
+# Returns -1 when the worker is alive (record present), else how many blocks it was removed from.
+_FORGET = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+redis.call('SREM', KEYS[2], ARGV[1])
+local hashes = redis.call('SMEMBERS', KEYS[3])
+for _, h in ipairs(hashes) do redis.call('SREM', ARGV[2] .. h, ARGV[1]) end
+redis.call('DEL', KEYS[3])
+return #hashes
+"""
 
 
 def _tag(model: str) -> str:
@@ -48,18 +81,35 @@ def events_key(model: str) -> str:
     return f"{_tag(model)}:kv-events"
 
 
+async def forget_worker(redis: aioredis.Redis, model: str, worker_id: str) -> int:
+    """Remove a dead worker (no live record) from the registry and the prefix index, atomically.
+
+    Returns how many blocks it was removed from, or -1 (nothing changed) when its record exists."""
+    return int(await redis.eval(_FORGET, 3, record_key(model, worker_id), members_key(model),
+                                worker_blocks_key(model, worker_id), worker_id, f"{_tag(model)}:block:"))
+
+
 class KVEventPublisher:
     """Drains a worker's KV events into the Redis index (run as a task in the worker's event loop)."""
 
-    def __init__(self, redis_url: str, model: str, worker_id: str, events: deque, interval_s: float = 0.02) -> None:
-        self.redis = aioredis.Redis.from_url(redis_url)
+    def __init__(self, redis_url: str, model: str, worker_id: str, events: deque, interval_s: float = 0.02, *,
+                 dropped: Callable[[], int] | None = None, resync: Callable[[], None] | None = None,
+                 max_unsent: int = MAX_UNSENT_EVENTS) -> None:
+        """`dropped`: how many events the engine has dropped so far (its queue is bounded); `resync`:
+        asks the engine to report every block it caches as one "stored" event (engine thread-safe)."""
+        self.redis = connect(redis_url)
         self.model, self.worker_id, self.events, self.interval_s = model, worker_id, events, interval_s
+        self._dropped, self._resync, self.max_unsent = dropped, resync, max_unsent
+        self._dropped_seen = dropped() if dropped is not None else 0
+        self._unsent: list = []  # events of batches Redis did not take, oldest first
+        self.stale = False  # True: withdraw everything (and resync) before the next batch
         self.published = 0
+        self._outage = OutageLog(log, f"Redis (prefix index of {worker_id})")
 
     async def run(self) -> None:
-        """Withdraw stale entries, then publish until cancelled; withdraw again on the way out."""
+        """Publish until cancelled (withdrawing leftovers first); withdraw again on the way out."""
+        self.stale = True  # a restarted worker's entries from its last life go first
         try:
-            await self.withdraw()
             while True:
                 await self.flush()
                 await asyncio.sleep(self.interval_s)
@@ -73,12 +123,41 @@ class KVEventPublisher:
         await self.redis.aclose()
 
     async def flush(self) -> int:
-        """Apply every queued event (one transaction); return how many."""
-        batch = []
+        """Apply queued events (re-sending any batch Redis missed first, rebuilding a stale index);
+        return how many were applied now."""
+        if self._dropped is not None and (seen := self._dropped()) != self._dropped_seen:
+            self._dropped_seen = seen
+            self._mark_stale("the engine dropped KV events (its queue overflowed)")
+        batch = self._unsent
         while self.events:
             batch.append(self.events.popleft())
-        if not batch:
+        self._unsent = []
+        try:
+            if self.stale:
+                await self.withdraw()
+                self.stale = False
+                if self._resync is not None:
+                    self._resync()
+            if batch:
+                await self._apply(batch)
+        except (RedisError, OSError) as exc:
+            self._outage.failed(exc)
+            if len(batch) > self.max_unsent:
+                self._mark_stale(f"{len(batch)} KV events waited for Redis")
+            else:
+                self._unsent = batch
             return 0
+        self._outage.ok()
+        self.published += len(batch)
+        return len(batch)
+
+    def _mark_stale(self, why: str) -> None:
+        log.warning("prefix index of worker %s is stale (%s): it is rebuilt when Redis is reachable", self.worker_id,
+                    why)
+        self.stale = True
+        self._unsent = []
+
+    async def _apply(self, batch: list) -> None:
         mine = worker_blocks_key(self.model, self.worker_id)
         pipe = self.redis.pipeline(transaction=True)
         for ev in batch:
@@ -92,13 +171,7 @@ class KVEventPublisher:
             pipe.xadd(events_key(self.model), {"worker": self.worker_id, "kind": ev.kind,
                                                "hashes": ",".join(h.hex() for h in ev.hashes)},
                       maxlen=EVENTS_MAXLEN, approximate=True)
-        try:
-            await pipe.execute()
-        except Exception:  # Redis away: the index misses this batch; it is re-sent on reconnect via withdraw
-            log.exception("could not publish %d KV events", len(batch))
-            return 0
-        self.published += len(batch)
-        return len(batch)
+        await pipe.execute()
 
     async def withdraw(self) -> None:
         """Remove this worker from every block it published."""
@@ -113,19 +186,28 @@ class KVEventPublisher:
 
 
 class PrefixIndex:
-    """Router side: read the index."""
+    """Router side: read the index; no overlap (rank by load) while Redis cannot answer."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
-        self.redis = redis
+    def __init__(self, redis: aioredis.Redis, retry_s: float = 2.0) -> None:
+        self.redis, self.retry_s = redis, retry_s
+        self._skip_until = 0.0
+        self._outage = OutageLog(log, "Redis (prefix index; routing by load meanwhile)")
 
     async def overlap(self, model: str, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each worker holding the first block: how many leading blocks of `hashes` it holds."""
-        if not hashes:
+        if not hashes or time.monotonic() < self._skip_until:
             return {}
         pipe = self.redis.pipeline(transaction=False)
         for h in hashes:
             pipe.smembers(block_key(model, h))
-        holders = [{m.decode() if isinstance(m, bytes) else m for m in s} for s in await pipe.execute()]
+        try:
+            replies = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._outage.failed(exc)
+            self._skip_until = time.monotonic() + self.retry_s
+            return {}
+        self._outage.ok()
+        holders = [{m.decode() if isinstance(m, bytes) else m for m in s} for s in replies]
         result: dict[str, int] = {}
         current = holders[0]
         for i, members in enumerate(holders):

@@ -10,7 +10,7 @@ import redis.asyncio
 
 from backend.errors import InvalidRequest
 from gateway import redis_keys as rk
-from gateway.metering import Meter, UsageRecord
+from gateway.metering import MARKER_TTL_S, USAGE_RETENTION_DAYS, Meter, UsageRecord
 from gateway.quotas import Quotas
 from gateway.tenants import Tenant
 
@@ -45,7 +45,7 @@ def test_the_same_request_is_metered_once(redis_url: str) -> None:
         assert await meter.usage("acme", day, day) == {day: {"smollm2-135m": {
             "requests": 1, "prompt_tokens": 100, "cached_prompt_tokens": 32, "completion_tokens": 50}}}
         assert await client.xlen(rk.usage_events("acme")) == 1
-        assert 2 * DAY - 5 < await client.ttl(rk.metered("acme", "req-1")) <= 2 * DAY
+        assert MARKER_TTL_S - 5 < await client.ttl(rk.metered("acme", "req-1")) <= MARKER_TTL_S
     _run(redis_url, body)
 
 
@@ -150,3 +150,20 @@ def test_concurrent_duplicate_reports_count_once(redis_url: str) -> None:
         assert await a.xlen(rk.usage_events("acme")) == 1
         assert int(await a.get(rk.tokens_day("acme", reservation.day))) == 150
     _run(redis_url, body, clients=2)
+
+
+def test_daily_usage_expires_after_the_documented_retention(redis_url: str) -> None:
+    import time
+
+    async def body(client):
+        now = time.time()
+        assert await Meter(client).record(_usage("fresh", ended_at=now))
+        day = rk.utc_day(now)
+        day_end = datetime.fromisoformat(day).replace(tzinfo=UTC).timestamp() + DAY
+        ttl = await client.ttl(rk.usage("acme", day))
+        assert abs(ttl - (day_end + USAGE_RETENTION_DAYS * DAY - now)) < 5
+        # a record from a day already past retention leaves no counters behind (replays of ancient entries)
+        old = now - (USAGE_RETENTION_DAYS + 2) * DAY
+        assert await Meter(client).record(_usage("ancient", ended_at=old))
+        assert not await client.exists(rk.usage("acme", rk.utc_day(old)))
+    _run(redis_url, body)

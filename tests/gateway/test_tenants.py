@@ -10,8 +10,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from backend.errors import AuthenticationError, EdgeServeError, InvalidRequest
+from backend.errors import AuthenticationError, InvalidRequest, StoreUnavailable
 from gateway import redis_keys as rk
+from gateway.redis_keys import STORE_RETRY_AFTER_S
 from gateway.tenants import Tenant, TenantStore
 from ops.redis_server import free_port
 
@@ -131,12 +132,17 @@ def test_tenant_validation_and_quota_updates(redis_url: str) -> None:
     _with_store(redis_url, body)
 
 
-def test_redis_down_is_a_typed_error() -> None:
+def test_redis_down_is_a_typed_503_without_its_address() -> None:
+    port = free_port()
+
     async def main():
-        async with redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0") as client:
-            with pytest.raises(EdgeServeError, match="redis unavailable") as info:
+        async with redis.asyncio.Redis.from_url(f"redis://:hunter2@127.0.0.1:{port}/0") as client:
+            with pytest.raises(StoreUnavailable) as info:
                 await TenantStore(client).authenticate("Bearer es_whatever")
-            assert type(info.value) is EdgeServeError
+        err = info.value
+        assert (err.code, err.http_status, err.details["retry_after_s"]) == (5021, 503, STORE_RETRY_AFTER_S)
+        assert str(port) not in repr(err.to_dict()) and "127.0.0.1" not in repr(err.to_dict())
+        assert "hunter2" not in repr(err.to_dict())
     asyncio.run(main())
 
 
