@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "BENCHES", "write_report"]
+__all__ = ["register", "BENCHES", "write_report", "provenance"]
 
 # bench name -> module with `add_arguments(parser)` and `run(args) -> int`
 BENCHES: dict[str, str] = {
@@ -20,6 +22,7 @@ BENCHES: dict[str, str] = {
     "routing": "ops.bench_routing",
     "pd": "ops.bench_pd",
     "weights": "ops.bench_weights",
+    "soak": "ops.bench_soak",
 }
 
 
@@ -42,3 +45,20 @@ def write_report(json_path: str, report: dict[str, Any]) -> Path:
     path.write_text(json.dumps(report, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def provenance() -> dict[str, object]:
+    """Which code ran and how: the git commit (None outside a checkout), whether the tree had
+    uncommitted changes to tracked files, and the command line."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "command": " ".join(["edgeserve", *sys.argv[1:]])}
