@@ -171,7 +171,7 @@ class Meter:
         """Open the journal (taking over orphaned ones) and replay it now and every `replay_interval_s`."""
         journal = await self._opened_journal()
         await asyncio.to_thread(journal.adopt_orphans)
-        self._ensure_replayer()
+        self._ensure_replayer(wait_first=False)
 
     async def aclose(self) -> None:
         """Stop replaying and close the journal; what is still pending stays in the file for the next start."""
@@ -271,13 +271,15 @@ class Meter:
     async def _journal_entry(self, tenant_id: str, request_id: str, entry: _Unsettled) -> None:
         journal = await self._opened_journal()
         await asyncio.to_thread(journal.append, _journal_key(tenant_id, request_id), entry)
-        self._ensure_replayer()
+        self._ensure_replayer(wait_first=True)  # Redis just failed: give it a moment
 
-    def _ensure_replayer(self) -> None:
+    def _ensure_replayer(self, wait_first: bool) -> None:
         if self._replayer is None or self._replayer.done():
-            self._replayer = asyncio.create_task(self._replay_loop(), name="usage-journal-replay")
+            self._replayer = asyncio.create_task(self._replay_loop(wait_first), name="usage-journal-replay")
 
-    async def _replay_loop(self) -> None:
+    async def _replay_loop(self, wait_first: bool) -> None:
+        if wait_first:
+            await asyncio.sleep(self.replay_interval_s)
         while True:
             if self.pending:
                 try:

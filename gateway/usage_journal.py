@@ -57,7 +57,7 @@ def default_journal_dir() -> Path:
 
 class _Line(msgspec.Struct, omit_defaults=True):
     key: str
-    entry: msgspec.Raw | None = None
+    entry: msgspec.Raw = msgspec.Raw(b"null")  # the entry's own JSON, decoded as the journal's type
     settled: bool = False
 
 
@@ -160,7 +160,7 @@ def _read(file: Any, decode: Any, path: Path) -> dict[str, Any]:
             line = line_decode(raw)
             if line.settled:
                 pending.pop(line.key, None)
-            elif line.entry is not None:
+            elif bytes(line.entry) != b"null":
                 pending[line.key] = decode(line.entry)
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.error("usage journal %s: unreadable line %d skipped", path, number)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from ops.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +52,13 @@ def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(smollm2_dir / name, path / name)
     return path
+
+
+@pytest.fixture
+def restartable_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own that keeps its data across `stop()`/`start()` (same port),
+    and can hang (`pause()`/`resume()`), for outage tests."""
+    from ops.redis_server import RedisServer
+
+    with RedisServer(tmp_path / "redis-data") as server:
+        yield server
