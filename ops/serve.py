@@ -135,7 +135,8 @@ def run_serve(args: argparse.Namespace) -> int:
         url = args.advertise_url or f"http://{args.host}:{args.port}"
         background.append(Heartbeat(args.redis_url, lambda: _record(engine, worker_id, url, name, args)).run)
         if config.prefix_caching:
-            background.append(KVEventPublisher(args.redis_url, name, worker_id, engine.kv_events).run)
+            background.append(KVEventPublisher(args.redis_url, name, worker_id, engine.kv_events,
+                                               dropped=lambda: engine.kv_events_dropped).run)
     app = create_worker_app(async_engine, model_name=name, role=args.role, coordinator=coordinator,
                             background=background)
     snap = engine.snapshot()
