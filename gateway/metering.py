@@ -168,9 +168,16 @@ class Meter:
         self._replaying = asyncio.Lock()
 
     async def start(self) -> None:
-        """Open the journal (taking over orphaned ones) and replay it now and every `replay_interval_s`."""
-        journal = await self._opened_journal()
-        await asyncio.to_thread(journal.adopt_orphans)
+        """Open the journal (taking over orphaned ones) and replay it now and every `replay_interval_s`.
+
+        A journal that cannot be opened (read-only disk) is logged as an error and the gateway
+        runs on: usage Redis cannot take is then logged, not kept."""
+        try:
+            journal = await self._opened_journal()
+            await asyncio.to_thread(journal.adopt_orphans)
+        except (OSError, EdgeServeError):
+            log.exception("no usage journal: usage recorded while Redis is away will be lost")
+            return
         self._ensure_replayer(wait_first=False)
 
     async def aclose(self) -> None:

@@ -13,9 +13,11 @@ Only the key-lookup indexes (``apikey``, ``keyid``) and the tenant list are glob
     edgeserve:{t:<id>}:keys                    set    key ids
     edgeserve:{t:<id>}:rpm                     zset   admitted requests, scored by Redis time (ms)
     edgeserve:{t:<id>}:tpd:<YYYY-MM-DD>        int    tokens used + reserved that UTC day
-    edgeserve:{t:<id>}:usage:<YYYY-MM-DD>      hash   "<model>|<metric>" -> int
-    edgeserve:{t:<id>}:usage-events            stream one entry per metered request
-    edgeserve:{t:<id>}:metered:<request_id>    string idempotency marker (2-day expiry)
+    edgeserve:{t:<id>}:usage:<YYYY-MM-DD>      hash   "<model>|<metric>" -> int (kept 400 days after the day)
+    edgeserve:{t:<id>}:usage-events            stream one entry per metered request (capped, ~1M)
+    edgeserve:{t:<id>}:metered:<request_id>    string idempotency marker (8-day expiry)
+
+Every key expires or is capped except the tenants, their keys and the indexes.
 
 Stores accept clients with or without ``decode_responses``; `text` reads either.
 
