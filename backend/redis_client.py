@@ -16,6 +16,7 @@ every failed call; `redact` names a Redis URL in logs without its password.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from urllib.parse import urlsplit, urlunsplit
@@ -41,15 +42,16 @@ def connect(url: str, *, max_connections: int | None = None, socket_timeout_s: f
 
 
 def redact(url: str) -> str:
-    """`url` with any user and password removed (``redis://:secret@host:6379/0`` -> ``redis://host:6379/0``)."""
+    """`url` without user, password or query (``redis://:secret@host:6379/0?password=x`` -> ``redis://host:6379/0``)."""
     parts = urlsplit(url)
-    if parts.password is None and parts.username is None:
-        return url
     host = parts.hostname or ""
     netloc = f"[{host}]" if ":" in host else host
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    with contextlib.suppress(ValueError):
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+    if not netloc:  # unix:///path
+        return f"{parts.scheme}://{parts.path}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 class OutageLog:

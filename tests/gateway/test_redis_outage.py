@@ -204,3 +204,15 @@ def test_routing_reads_degrade_while_redis_hangs(restartable_redis: RedisServer)
         await r.aclose()
 
     asyncio.run(main())
+
+
+def test_the_admin_cli_names_an_unreachable_redis_without_its_password(capsys: pytest.CaptureFixture[str]) -> None:
+    from ops.cli import main
+    from ops.redis_server import free_port
+
+    port = free_port()
+    t0 = time.monotonic()
+    assert main(["tenant", "list", "--redis-url", f"redis://:hunter2@127.0.0.1:{port}/0?password=hunter2"]) == 2
+    assert time.monotonic() - t0 < 3
+    err = capsys.readouterr().err
+    assert "5021" in err and f"redis://127.0.0.1:{port}/0 is unreachable" in err and "hunter2" not in err
