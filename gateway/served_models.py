@@ -2,11 +2,18 @@
 
 The gateway owns the text side of a request: it renders the chat template,
 tokenises, checks the context length, and detokenises what comes back, so
-workers only ever see token ids.
+workers only ever see token ids. Control tokens come only from the template:
+special-token text in messages stays text (`Tokenizer.encode_chat`).
+
+Encoding holds the CPU for about 0.3 us a character (1 ms at 3 KB of text on the
+development machine), while a hop to a thread costs about 60 us, so the async
+entry points encode prompts of `OFFLOAD_CHARS` or more in a thread (the tokenizer
+releases the GIL) and smaller ones inline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,7 +22,9 @@ from backend.errors import ModelLoadError, ModelNotFound, PromptTooLong
 from backend.tokenizer import Tokenizer
 from gateway.config import ModelRoute
 
-__all__ = ["ServedModel", "ModelCatalog"]
+__all__ = ["ServedModel", "ModelCatalog", "OFFLOAD_CHARS"]
+
+OFFLOAD_CHARS = 4096  # ~1.3 ms of encoding, some 20 thread hops
 
 
 class ServedModel:
@@ -34,12 +43,25 @@ class ServedModel:
         self.max_model_len = int(route.max_model_len or config.get("max_position_embeddings", 2048))
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template (generation prompt added)."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.check_length(self.tokenizer.encode(text))
+        """Token ids of `messages` rendered with the model's chat template (generation prompt added);
+        text in the messages never becomes a control token."""
+        return self.check_length(self.tokenizer.encode_chat(messages, add_generation_prompt=True))
 
     def raw_prompt_ids(self, prompt: str) -> list[int]:
+        """Token ids of a prompt the client templated itself (`raw`): its control tokens are kept."""
         return self.check_length(self.tokenizer.encode(prompt))
+
+    async def chat_prompt_ids_async(self, messages: list[dict[str, str]]) -> list[int]:
+        """`chat_prompt_ids`, in a thread when the messages are large (off the event loop)."""
+        if sum(len(m["content"]) for m in messages) < OFFLOAD_CHARS:
+            return self.chat_prompt_ids(messages)
+        return await asyncio.to_thread(self.chat_prompt_ids, messages)
+
+    async def raw_prompt_ids_async(self, prompt: str) -> list[int]:
+        """`raw_prompt_ids`, in a thread when the prompt is large (off the event loop)."""
+        if len(prompt) < OFFLOAD_CHARS:
+            return self.raw_prompt_ids(prompt)
+        return await asyncio.to_thread(self.raw_prompt_ids, prompt)
 
     def check_length(self, ids: list[int]) -> list[int]:
         """`ids`, or PromptTooLong when no token could follow them in the context."""
