@@ -5,6 +5,12 @@ error (`InvalidRequest`, 400); fields the API documents but we do not implement
 (penalties, logprobs, tools, n > 1) are refused with `InvalidSamplingParams`
 naming the field rather than silently ignored. Unknown fields are ignored, as
 the platforms we mirror do.
+
+Hostile bodies are bounded before they are decoded: JSON nested deeper than
+`MAX_JSON_DEPTH` (anywhere, unknown fields included) is refused with
+`InvalidRequest`, never a `RecursionError`; stop strings are capped in number
+(`MAX_STOP_STRINGS`) and length (`MAX_STOP_CHARS`), since every generated token
+is checked against each of them.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import msgspec
 from msgspec import Meta
 
 from backend.errors import InvalidRequest, InvalidSamplingParams
+from backend.sampling_params import MAX_STOP_STRINGS
 
 __all__ = [
     "ContentPart",
@@ -25,9 +32,14 @@ __all__ = [
     "ChatCompletionRequest",
     "decode_body",
     "plain_messages",
+    "MAX_JSON_DEPTH",
+    "MAX_STOP_CHARS",
 ]
 
 MAX_TOKENS_LIMIT = 131072
+MAX_JSON_DEPTH = 32  # a chat request needs 4 levels; OpenAI tool schemas nest a few more
+MAX_STOP_CHARS = 256
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 T = TypeVar("T")
 
@@ -82,7 +94,7 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Meta(ge=1)] = 1
-    stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: Seed | None = None
@@ -110,10 +122,8 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
 
     @property
     def stop_list(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise InvalidRequest("stop strings must be non-empty", field="stop")
-        return stops
+        """`stop` as a list (each string non-empty and bounded by the schema)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 def _refuse_penalties(**fields: tuple[float | None, float]) -> None:
@@ -123,14 +133,38 @@ def _refuse_penalties(**fields: tuple[float | None, float]) -> None:
 
 
 _FIELD_AT = re.compile(r"at `\$\.?([^`]*)`")
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def _json_depth(body: bytes) -> int:
+    """How deeply `body` nests arrays and objects (brackets inside strings do not count).
+
+    Cheap: a body with few brackets is not scanned; otherwise strings are cut out by a
+    regex and only the brackets left are walked. On malformed JSON the result may be an
+    overestimate, never an underestimate of what a parser would reach before it fails."""
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return 0
+    depth = deepest = 0
+    for byte in _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKET):
+        if byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
 
 
 def decode_body(body: bytes, schema: type[T]) -> T:
     """Decode and validate a JSON body; errors are `InvalidRequest` naming the field."""
     if not body.strip():
         raise InvalidRequest("empty request body; expected a JSON object")
+    if _json_depth(body) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
     try:
         req = msgspec.json.decode(body, type=schema)
+    except RecursionError as exc:  # the depth check bounds this; kept so no body can reach a traceback
+        raise InvalidRequest(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from exc
     except msgspec.ValidationError as exc:
         match = _FIELD_AT.search(str(exc))
         field = match.group(1) if match else ""
