@@ -4,29 +4,48 @@
     OpenAI:   {"error": {"message": "...", "type": "invalid_request_error", "param": "model",
                "code": "model_not_found", "edgeserve_code": 5007}}
 
-HTTP statuses come from the error class (`backend/errors.py`); 429s carry
-`Retry-After` (seconds). An exception that is not an `EdgeServeError` is a bug:
-it is logged with its traceback and answered as a bare 5000 without details.
+HTTP statuses come from the error class (`backend/errors.py`); 429s and 503s
+carry `Retry-After` (seconds). An exception that is not an `EdgeServeError` is a
+bug: it is logged with its traceback and answered as a bare 5000 without details,
+except a client that hung up while its body was read (Starlette's
+`ClientDisconnect`), which is that client's cancel (`RequestCancelled`, 499).
+
+Nothing internal reaches a client (`public_message`): a server-side failure
+whose message embeds a lower layer's exception text (a worker's URL, a store's
+address) is answered with its class's fixed sentence (`_PUBLIC`); every other
+message is passed through `redact`, which replaces URLs, IP addresses, host:port
+pairs and socket-address tuples with `[internal]`. The full message is logged.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Any
+
+from starlette.requests import ClientDisconnect
 
 from backend.errors import (
     AuthenticationError,
+    BackendUnavailable,
     CapacityError,
     EdgeServeError,
+    EngineStopped,
     InvalidRequest,
+    KVIntegrityError,
+    ModelLoadError,
     ModelNotFound,
     PermissionDenied,
     PromptTooLong,
     QuotaExceeded,
+    RegistryUnavailable,
+    RequestCancelled,
+    StoreUnavailable,
 )
 
-__all__ = ["as_typed", "error_headers", "workers_error", "workers_success", "openai_error"]
+__all__ = ["as_typed", "error_headers", "workers_error", "workers_success", "openai_error", "redact",
+           "public_message"]
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +60,48 @@ _OPENAI_TYPE: list[tuple[type[EdgeServeError], str, str | None]] = [  # first ma
 ]
 
 
+_INTERNAL = "[internal]"
+_ADDRESS = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+"  # any URL (credentials included)
+    r"|\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*\](?::\d+)?"  # [IPv6]:port
+    r"|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"  # IPv4[:port]
+    r"|\b(?=[\w.-]*[A-Za-z])[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?:\d{2,5}\b"  # host:port (a name)
+    r"|\(\s*'[^']*'\s*,\s*\d+[^)]*\)"  # a socket address as Python prints it: ('10.0.0.3', 8001)
+)
+# Server-side failures whose messages carry a lower layer's text: the client gets the class's sentence.
+_PUBLIC: dict[type[EdgeServeError], str] = {
+    EdgeServeError: "internal error",
+    BackendUnavailable: "the worker serving this request is unreachable or its stream broke; retry",
+    EngineStopped: "the worker's engine stopped; retry",
+    ModelLoadError: "the model could not be loaded",
+    KVIntegrityError: "the request's KV cache pages changed owner; it was aborted rather than read another's",
+    RegistryUnavailable: "the worker registry is unavailable; retry shortly",
+    StoreUnavailable: "the shared state store is unavailable; retry shortly",
+}
+
+
+def redact(text: str) -> str:
+    """`text` with URLs, IP addresses, host:port pairs and socket-address tuples replaced by `[internal]`."""
+    return _ADDRESS.sub(_INTERNAL, text)
+
+
+def public_message(exc: EdgeServeError) -> str:
+    """The message a client may see: the class's fixed sentence for server-side failures that embed
+    lower layers' text, else `exc.message` redacted (the original is logged when it differs)."""
+    message = _PUBLIC.get(type(exc)) or redact(exc.message)
+    if message != exc.message:
+        log.warning("error %d (%s) sent redacted: %s", exc.code, type(exc).__name__, exc.message)
+    return message
+
+
 def as_typed(exc: BaseException) -> EdgeServeError:
-    """`exc` itself when typed; otherwise a generic internal error (the original is logged)."""
+    """`exc` itself when typed; a client gone while its body was read is `RequestCancelled`;
+    anything else is a generic internal error (the original is logged with its traceback)."""
     if isinstance(exc, EdgeServeError):
         return exc
+    if isinstance(exc, ClientDisconnect):
+        log.info("client disconnected before its request body was read")
+        return RequestCancelled("client disconnected while sending the request")
     log.error("internal error", exc_info=exc)
     return EdgeServeError("internal error")
 
@@ -57,7 +114,7 @@ def error_headers(exc: EdgeServeError) -> dict[str, str]:
 
 
 def workers_error(exc: EdgeServeError) -> dict[str, Any]:
-    return {"result": None, "success": False, "errors": [{"code": exc.code, "message": exc.message}],
+    return {"result": None, "success": False, "errors": [{"code": exc.code, "message": public_message(exc)}],
             "messages": []}
 
 
@@ -73,5 +130,5 @@ def openai_error(exc: EdgeServeError) -> dict[str, Any]:
             break
     if isinstance(exc, QuotaExceeded) and exc.details.get("quota") == "tokens_per_day":
         code = "insufficient_quota"
-    return {"error": {"message": exc.message, "type": kind, "param": exc.details.get("field"),
+    return {"error": {"message": public_message(exc), "type": kind, "param": exc.details.get("field"),
                       "code": code or str(exc.code), "edgeserve_code": exc.code}}
