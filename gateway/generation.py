@@ -17,7 +17,9 @@ completion tokens are the tokens that reached the gateway, also when the
 client left or the worker died mid-stream. A request refused before the worker
 admitted it is not metered; its quota reservation is released.
 
-Where it runs is the router's decision (`router.py`), made in `start`. A worker
+Where it runs is the router's decision (`router.py`), made in `start`; the client
+sees it in `x-edgeserve-route` with workers named by role and rank (`prefill-1`),
+never by address, and the logs keep the addresses (`public_headers`). A worker
 that fails before admitting the request (unreachable, or gone before the HTTP
 200) is retried once on the decision's second candidate; after admission a failure
 ends the stream with an error, since tokens may already have been shown.
@@ -30,6 +32,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
@@ -39,7 +42,7 @@ from backend.errors import BackendUnavailable, EdgeServeError
 from backend.protocol import ErrorEvent, Event, FinishEvent, GenerateRequest, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.worker_client import WorkerClient
-from gateway.envelopes import as_typed
+from gateway.envelopes import as_typed, redact
 from gateway.metering import Meter, UsageRecord
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas, Reservation
@@ -115,6 +118,22 @@ class Generation:
             item = self._queue.get_nowait()
             assert isinstance(item, EdgeServeError), item
             raise item
+
+    def public_headers(self) -> dict[str, str]:
+        """Response headers for the client: the request id and the routing decision, with every
+        worker named by role and rank (`decode-1`) instead of its id or URL."""
+        if self.route is None:
+            return {"x-edgeserve-request-id": self.request_id}
+        labels: dict[str, str] = {}
+        per_role: Counter[str] = Counter()
+        for rec in (r for t in self.route.candidates for r in (t.worker, t.prefill) if r is not None):
+            if rec.id not in labels:
+                per_role[rec.role] += 1
+                labels[rec.id] = labels[rec.url] = f"{rec.role}-{per_role[rec.role]}"
+        reason = self.route.reason
+        for name in sorted(labels, key=len, reverse=True):  # a URL before the id it contains
+            reason = reason.replace(name, labels[name])
+        return {"x-edgeserve-request-id": self.request_id, "x-edgeserve-route": redact(reason)}
 
     async def events(self) -> AsyncIterator[Delta | Done]:
         """Text deltas, then one Done; a failure after admission raises its typed error."""

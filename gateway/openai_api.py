@@ -4,7 +4,8 @@ Streaming sends `chat.completion.chunk`s: the first carries `delta.role`, then
 `delta.content` pieces, then one with `finish_reason` ("stop" | "length") and an
 empty delta, then, with `stream_options.include_usage`, one with `choices: []`
 and `usage`, then `data: [DONE]`. Errors are OpenAI error objects, in-stream
-as a final `data: {"error": {...}}`.
+as a final `data: {"error": {...}}`. A client that disconnects cancels its request,
+streamed or not (`client_watch.py`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from backend.errors import EdgeServeError
 from backend.sampling_params import SamplingParams
+from gateway.client_watch import collect_or_cancel
 from gateway.envelopes import as_typed, error_headers, openai_error
 from gateway.generation import Delta, Done
 from gateway.schemas import ChatCompletionRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
-from gateway.state import GatewayState, response_headers
+from gateway.state import GatewayState
 
 __all__ = ["chat_completions", "list_models"]
 
@@ -42,14 +44,14 @@ async def chat_completions(request: Request) -> Response:
         tenant = await state.tenant_of(request)
         req = decode_body(await state.body(request), ChatCompletionRequest)
         model = state.catalog.resolve(req.model)
-        prompt_ids = model.chat_prompt_ids(plain_messages(req.messages))
+        prompt_ids = await model.chat_prompt_ids_async(plain_messages(req.messages))
         max_tokens = req.max_completion_tokens or req.max_tokens or model.max_model_len - len(prompt_ids)
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_list)
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return _error_response(exc, state)
-    headers = response_headers(gen)
+    headers = gen.public_headers()
     chunk = _ChunkMaker(f"chatcmpl-{gen.request_id}", req.model)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -73,7 +75,7 @@ async def chat_completions(request: Request) -> Response:
                        on_error=lambda e: sse_event(openai_error(e))),
             media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     try:
-        text, done = await gen.collect()
+        text, done = await collect_or_cancel(gen, request)
     except EdgeServeError as exc:
         await gen.aclose()
         return JSONResponse(openai_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})

@@ -6,7 +6,9 @@
 
 Model names may carry slashes (`@cf/huggingface/smollm2-135m-instruct`), so the
 route takes the rest of the path. Every error, before or during the stream, is
-the Workers envelope.
+the Workers envelope. A `prompt` is wrapped in the chat template as one user
+message, and control-token text in it stays text; only with `raw` is the prompt
+encoded as written. A client that disconnects cancels its request, streamed or not.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from backend.errors import EdgeServeError, InvalidRequest
 from backend.sampling_params import SamplingParams
+from gateway.client_watch import collect_or_cancel
 from gateway.envelopes import as_typed, error_headers, workers_error, workers_success
 from gateway.generation import Generation
 from gateway.redis_keys import utc_day
 from gateway.schemas import WorkersRunRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
-from gateway.state import GatewayState, response_headers
+from gateway.state import GatewayState
 
 __all__ = ["workers_run", "workers_usage", "workers_error_response"]
 
@@ -44,17 +47,17 @@ async def workers_run(request: Request) -> Response:
         model = state.catalog.resolve(request.path_params["model"])
         req = decode_body(await state.body(request), WorkersRunRequest)
         if req.messages is not None:
-            prompt_ids = model.chat_prompt_ids(plain_messages(req.messages))
-        elif req.raw:
-            prompt_ids = model.raw_prompt_ids(req.prompt or "")
+            prompt_ids = await model.chat_prompt_ids_async(plain_messages(req.messages))
+        elif req.raw:  # the client wrote its own template: its control tokens are meant
+            prompt_ids = await model.raw_prompt_ids_async(req.prompt or "")
         else:
-            prompt_ids = model.chat_prompt_ids([{"role": "user", "content": req.prompt or ""}])
+            prompt_ids = await model.chat_prompt_ids_async([{"role": "user", "content": req.prompt or ""}])
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p or 1.0,
                                 top_k=req.top_k or 0, seed=req.seed)
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return workers_error_response(exc, state)
-    headers = response_headers(gen)
+    headers = gen.public_headers()
     if req.stream:
         return StreamingResponse(
             sse_stream(gen, state.config.keepalive_s,
@@ -62,12 +65,12 @@ async def workers_run(request: Request) -> Response:
                        on_done=lambda d: [sse_event({"response": "", "usage": d.usage.to_dict()})],
                        on_error=lambda e: sse_event(workers_error(e), event="error")),
             media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    return await _collect(gen, headers)
+    return await _collect(gen, request, headers)
 
 
-async def _collect(gen: Generation, headers: dict[str, str]) -> JSONResponse:
+async def _collect(gen: Generation, request: Request, headers: dict[str, str]) -> JSONResponse:
     try:
-        text, done = await gen.collect()
+        text, done = await collect_or_cancel(gen, request)
     except EdgeServeError as exc:
         await gen.aclose()
         return JSONResponse(workers_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})

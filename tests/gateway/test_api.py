@@ -62,7 +62,10 @@ def test_workers_run_returns_the_workers_greedy_text_and_usage(gateway: Gateway,
     assert usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": fin.completion_tokens,
                      "total_tokens": len(prompt_ids) + fin.completion_tokens,
                      "prompt_tokens_details": {"cached_tokens": 0}}
-    assert resp.headers["x-edgeserve-worker"] == gateway.worker.url
+    # where it ran is told without the worker's address (issue 17 item 9)
+    assert "x-edgeserve-worker" not in resp.headers
+    route = resp.headers["x-edgeserve-route"]
+    assert "unified-1" in route and gateway.worker.url.split("//")[1] not in route
 
 
 def test_workers_stream_matches_non_stream_and_ends_with_usage_then_done(gateway: Gateway) -> None:
