@@ -4,8 +4,21 @@ The engine thread loops `step()` while there is work and sleeps on the
 scheduler's wake-up event otherwise. Each step's events are handed to the event
 loop in one `call_soon_threadsafe` call (not one per token). A caller that stops
 iterating (client gone, cancel) aborts its request; the pages return at the next
-step boundary. If a step fails, the engine ends the requests in it (pages
-returned) and each gets an `ErrorEvent`; the thread goes on serving the others.
+step boundary. A token for a request nobody subscribes to any more aborts it too.
+
+Failures. A step whose batch fails (model, sampling, integrity check) ends the
+requests in it, each with an `ErrorEvent`, and the thread goes on serving the
+others. The thread stops when the loop cannot go on: an exception escapes
+`LLMEngine.step()` (scheduling, activation, expiry: engine state may be half
+updated) or anywhere else in the loop, or `MAX_FAILED_STEPS_IN_ROW` steps in a row
+fail (a device that fails every step). Then it records `failure`, `alive` turns
+False, every subscribed request (waiting, running, held, receiving) gets an
+`ErrorEvent` of `EngineStopped` at once, the scheduler is closed (pages returned
+where possible) and `submit` / `attach` raise `EngineStopped` from then on. The
+worker's `/health` reads `alive`.
+
+`fail_all(err)` ends every subscribed request with `err` now (drain timeout);
+`num_active()` counts them.
 """
 
 from __future__ import annotations
@@ -15,22 +28,26 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from backend.engine import LLMEngine, StepOutput
-from backend.errors import InvalidRequest
+from backend.errors import EdgeServeError, EngineStopped, InvalidRequest
 from backend.protocol import ErrorEvent, Event, FinishEvent, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.sequence import Sequence
 
-__all__ = ["AsyncEngine"]
+__all__ = ["AsyncEngine", "MAX_FAILED_STEPS_IN_ROW"]
 
 log = logging.getLogger(__name__)
 
+MAX_FAILED_STEPS_IN_ROW = 3  # that many failed batches in a row stop the engine (the device is gone)
 
-class _Subscriber(NamedTuple):
+
+@dataclass(eq=False)
+class _Subscriber:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Event]
+    tokens: int = 0  # token ids delivered so far (completion_tokens of an error that ends it from outside)
 
 
 def _finish_event(seq: Sequence) -> FinishEvent:
@@ -45,10 +62,41 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._subs: dict[str, _Subscriber] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _subs and _failure
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="edgeserve-engine", daemon=True)
         self._started = False
+        self._failure: BaseException | None = None
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread stopped on a failure (see `failure`) or was shut down."""
+        if self._failure is not None:
+            return False
+        return not self._started or self._thread.is_alive()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the engine thread, or None while it serves."""
+        return self._failure
+
+    def num_active(self) -> int:
+        """Requests with a live subscription (submitted or attached, final event not yet delivered)."""
+        with self._lock:
+            return len(self._subs)
+
+    def fail_all(self, err: EdgeServeError) -> int:
+        """End every subscribed request now with `err` as its final `ErrorEvent`; return how many.
+
+        Any thread (the worker's event loop at its drain timeout). Each request is aborted too, so
+        its pages return at the next step boundary (a reservation still receiving KV: when its
+        reader releases it, or at its first token). The engine goes on serving new requests."""
+        with self._lock:
+            subs, self._subs = self._subs, {}
+        self._end(subs, err)
+        for rid in subs:
+            self.engine.abort(rid)
+        return len(subs)
 
     def start(self) -> None:
         if not self._started:
@@ -63,13 +111,42 @@ class AsyncEngine:
 
     # -- engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.engine.scheduler.wait_for_work(timeout=0.5)
-            if self._stop.is_set():
-                break
-            if not self.engine.has_work():
-                continue
-            self._deliver(self._events(self.engine.step()))
+        try:
+            while not self._stop.is_set():
+                self.engine.scheduler.wait_for_work(timeout=0.5)
+                if self._stop.is_set():
+                    break
+                if not self.engine.has_work():
+                    continue
+                outputs = self.engine.step()
+                if self.engine.failed_steps_in_row >= MAX_FAILED_STEPS_IN_ROW:
+                    raise RuntimeError(f"{self.engine.failed_steps_in_row} engine steps in a row failed")
+                self._deliver(self._events(outputs))
+        except BaseException as exc:  # noqa: BLE001 - the thread ends here; everyone waiting must hear of it
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Record the failure, refuse new work, free what can be freed, end every subscribed request."""
+        log.critical("the engine thread stopped; every request ends with EngineStopped", exc_info=exc)
+        err = EngineStopped("this worker's engine stopped; the request can be retried on another worker")
+        with self._lock:
+            self._failure = exc  # from here on submit/attach refuse
+        try:
+            self.engine.scheduler.close(err)
+            self.engine.publish(force=True)
+        except Exception:  # noqa: BLE001 - the subscribers must still be told
+            log.exception("could not close the stopped engine's scheduler")
+        with self._lock:
+            subs, self._subs = self._subs, {}
+        self._end(subs, err)
+
+    def _end(self, subs: dict[str, _Subscriber], err: EdgeServeError) -> None:
+        """Give each subscriber `err` as its final event (one call per event loop)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        for sub in subs.values():
+            ev = ErrorEvent(err.code, type(err).__name__, err.message, sub.tokens)
+            by_loop.setdefault(sub.loop, []).append((sub.queue, ev))
+        _post(by_loop)
 
     def _events(self, outputs: list[StepOutput]) -> list[tuple[str, Event]]:
         events: list[tuple[str, Event]] = []
@@ -88,32 +165,39 @@ class AsyncEngine:
 
     def _deliver(self, events: list[tuple[str, Event]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        orphans: list[str] = []
         with self._lock:
             for rid, ev in events:
-                # A final event ends the subscription here too, so a stream that was never
-                # iterated (its reader vanished before the first byte) leaves nothing behind.
-                sub = self._subs.pop(rid, None) if not isinstance(ev, TokenEvent) else self._subs.get(rid)
+                if isinstance(ev, TokenEvent):
+                    sub = self._subs.get(rid)
+                    if sub is None:  # nobody reads it any more (ended by fail_all, detached): stop it
+                        orphans.append(rid)
+                        continue
+                    sub.tokens += len(ev.token_ids)
+                else:
+                    # A final event ends the subscription here too, so a stream that was never
+                    # iterated (its reader vanished before the first byte) leaves nothing behind.
+                    sub = self._subs.pop(rid, None)
                 if sub is not None:
                     by_loop.setdefault(sub.loop, []).append((sub.queue, ev))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's loop is closed; its requests were aborted
-                pass
+        _post(by_loop)
+        for rid in orphans:
+            self.engine.abort(rid)
 
     # -- callers -----------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, *,
                cache_salt: str | None = None, hold: bool = False) -> AsyncIterator[Event]:
         """Admit one request now and return its event stream.
 
-        Refusals (bad params, prompt too long, queue full) raise here, synchronously, so a
-        server can answer them with an HTTP status and start streaming as soon as the
-        request is queued. Must be called from the event loop that reads the stream.
+        Refusals (bad params, prompt too long, queue full, EngineStopped) raise here,
+        synchronously, so a server can answer them with an HTTP status and start streaming
+        as soon as the request is queued. Must be called from the event loop that reads the stream.
         """
         self.start()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._lock:
+            self._check_alive()
             if request_id is not None and request_id in self._subs:
                 raise InvalidRequest(f"request id {request_id!r} is already in flight", request_id=request_id)
             seq = self.engine.add_request(prompt_ids, params, request_id, cache_salt=cache_salt, hold=hold)
@@ -122,10 +206,12 @@ class AsyncEngine:
 
     def attach(self, seq: Sequence) -> AsyncIterator[Event]:
         """Stream the events of a sequence that enters the engine later (decode role: `activate`).
-        Call before activating it; closing the stream early aborts it."""
+        Call before activating it; closing the stream early aborts it. Raises EngineStopped once the
+        engine thread has stopped."""
         self.start()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         with self._lock:
+            self._check_alive()
             if seq.request_id in self._subs:
                 raise InvalidRequest(f"request id {seq.request_id!r} is already in flight", request_id=seq.request_id)
             self._subs[seq.request_id] = _Subscriber(asyncio.get_running_loop(), queue)
@@ -136,6 +222,11 @@ class AsyncEngine:
         """Stream events for one request (`submit` and iterate). Refusals raise before the first event."""
         async for ev in self.submit(prompt_ids, params, request_id):
             yield ev
+
+    def _check_alive(self) -> None:
+        """Raise EngineStopped if the engine thread has stopped (call with the lock held)."""
+        if self._failure is not None:
+            raise EngineStopped("this worker's engine stopped; the request can be retried on another worker")
 
     async def _stream(self, request_id: str, queue: asyncio.Queue[Event]) -> AsyncIterator[Event]:
         done = False
@@ -148,7 +239,9 @@ class AsyncEngine:
                     return
         finally:
             with self._lock:
-                self._subs.pop(request_id, None)
+                sub = self._subs.get(request_id)
+                if sub is not None and sub.queue is queue:  # not a later request that reused the id
+                    del self._subs[request_id]
             if not done:
                 self.engine.abort(request_id)
 
@@ -159,6 +252,14 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+
+def _post(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]]) -> None:
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the caller's loop is closed; its requests were aborted
+            pass
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:

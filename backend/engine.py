@@ -9,6 +9,22 @@ Disaggregated roles use the same engine: a prefill worker runs requests with
 `release_held`; a decode worker `reserve`s pages, `install_kv`s what arrives and
 `activate`s the request, whose first token (sampled by the prefill worker) is
 emitted at the next step.
+
+A step's failure is confined to it when it comes from running its batch (the
+integrity check, the model, sampling and bookkeeping): that batch's requests end
+with the error, their pages return, `failed_steps_in_row` counts it and the next
+step goes on. A failure before the batch is known (taking activations, expiring
+held pages, scheduling) escapes `step()`: the caller (`AsyncEngine`) stops then.
+
+Other threads read the engine only through `snapshot()`: one-`len` counts (running,
+waiting, held, free pages) live, everything that needs iterating engine-thread
+structures (the prefix cache, queued prompt tokens, counters) as the values the
+engine thread last `publish`ed: at the end of a step at most every
+`PUBLISH_INTERVAL_S` while busy, and always at the end of the step that leaves it idle.
+
+Prefix-cache KV events (`kv_events`, drained by the worker's Redis publisher) are
+bounded by `EngineConfig.kv_events_max`: when nobody drains them the oldest are
+dropped and counted in `kv_events_dropped`, so a publisher can tell its index is stale.
 """
 
 from __future__ import annotations
@@ -37,9 +53,11 @@ from backend.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from backend.sequence import Sequence, SequenceStatus
 from backend.stop_checker import StopChecker
 
-__all__ = ["EngineConfig", "StepOutput", "TokenScores", "LLMEngine"]
+__all__ = ["EngineConfig", "StepOutput", "TokenScores", "LLMEngine", "PUBLISH_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
+
+PUBLISH_INTERVAL_S = 0.05  # while busy, `snapshot()`'s published values are at most this old (plus one step)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -66,6 +84,7 @@ class EngineConfig:
     prefill_weights: str | None = None  # steps with prompt tokens
     decode_weights: str | None = None  # pure decode steps
     int4_group_size: int = 128  # 32 allowed
+    kv_events_max: int = 10_000  # prefix-cache KV events kept for the publisher; older ones are dropped
 
 
 class TokenScores(NamedTuple):
@@ -92,13 +111,15 @@ class LLMEngine:
         self.cache = create_kv_cache(cfg, config.kv_format, config.kv_cache_bytes, config.page_size, model.dtype,
                                      model.embed.device)
         self.allocator = PageAllocator(self.cache.num_pages)
-        self.kv_events: deque[KVEvent] = deque()  # prefix-cache blocks stored/removed, for the worker to publish
+        # prefix-cache blocks stored/removed, for the worker to publish (popleft); bounded, drops counted
+        self.kv_events: deque[KVEvent] = deque(maxlen=config.kv_events_max)
+        self.kv_events_dropped = 0
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
                             prefill_chunk_size=config.prefill_chunk_size, max_waiting=config.max_waiting),
             self.allocator, config.page_size,
-            PrefixCachePool(self.allocator, config.page_size, self.kv_events.append) if config.prefix_caching
+            PrefixCachePool(self.allocator, config.page_size, self._record_kv_event) if config.prefix_caching
             else None)
         self.runner = ModelRunner(model, self.cache)
         self.tokenizer = tokenizer
@@ -107,6 +128,10 @@ class LLMEngine:
         self.stats: dict[str, Any] = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0,
                                        "cancelled": 0, "failed": 0, "integrity_checks": 0, "held_expired": 0,
                                        "integrity_aborts_by_cause": {"tag_mismatch": 0, "invalid_page": 0}}
+        self.failed_steps_in_row = 0  # steps whose batch failed since the last one that ran
+        self._published: dict[str, object] = {}
+        self._published_at = 0.0
+        self.publish(force=True)
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -154,7 +179,9 @@ class LLMEngine:
     def install_kv(self, seq: Sequence, layer: int, k: torch.Tensor, v: torch.Tensor,
                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         """Write the prompt's K/V of one layer ([T, kv_heads, head_dim]; FP8 with exponents, or float)
-        into `seq`'s reserved pages, after checking that the pages are still the ones reserved."""
+        into `seq`'s reserved pages, after checking that the pages are still the ones reserved.
+        Raises the stopping error (EngineStopped) once the engine thread has stopped."""
+        self.scheduler.check_open()
         if seq.status is not SequenceStatus.RECEIVING:
             raise InvalidRequest(f"request {seq.request_id} holds no reservation")
         found = self.allocator.tags_of(seq.page_ids)
@@ -176,14 +203,40 @@ class LLMEngine:
             seq.generator.set_state(generator_state)
         self.scheduler.activate(seq)
 
-    def release_reserved(self, seq: Sequence) -> None:
-        self.scheduler.release_reserved(seq)
+    def release_reserved(self, seq: Sequence) -> bool:
+        """Give back a reservation (see `Scheduler.release_reserved`); False when there was none."""
+        return self.scheduler.release_reserved(seq)
 
     def read_kv(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill role: the prompt's K, V [T, kv_heads, head_dim] of a held request (compute dtype)."""
+        """Prefill role: the prompt's K, V [T, kv_heads, head_dim] of a held request (compute dtype).
+
+        Any thread. The engine thread may free the held pages meanwhile (`_expire_held`, an abort)
+        and hand them to another request, so the pages' tags are checked before the copy and again
+        after it: a page that changed hands at any point raises KVIntegrityError (cause "held_read")
+        instead of returning another request's KV. On CUDA the copy is queued on the stream before
+        the second check, so a new owner's writes, issued after its allocation, land after it."""
         if seq.status is not SequenceStatus.HELD:
             raise InvalidRequest(f"request {seq.request_id} is not held")
-        return self.cache.read_tokens(layer, self.runner.slots(seq.page_ids, 0, seq.num_prompt_tokens))
+        pages, tags = seq.page_ids, seq.page_tags  # replaced, never mutated, when the pages are freed
+        self._check_held_pages(seq, pages, tags)
+        k, v = self.cache.read_tokens(layer, self.runner.slots(pages, 0, seq.num_prompt_tokens))
+        self._check_held_pages(seq, pages, tags)
+        return k, v
+
+    def _check_held_pages(self, seq: Sequence, pages: list[int], tags: list[int]) -> None:
+        self.scheduler.check_open()
+        if len(pages) < self.scheduler.pages_for(seq.num_prompt_tokens) or len(tags) != len(pages):
+            raise KVIntegrityError(
+                f"the held KV pages of request {seq.request_id} were freed before its KV was sent; not sent",
+                request_id=seq.request_id, page=None, expected_tag=None, found_tag=None, cause="held_read")
+        for page, want, have in zip(pages, tags, self.allocator.tags_of(pages)):
+            if want != have:
+                log.warning("kv integrity abort: held request %s page %s expected %s found %s", seq.request_id,
+                            page, want, have)
+                raise KVIntegrityError(
+                    f"the held KV page {page} of request {seq.request_id} changed hands while its KV was read "
+                    f"(expected tag {want}, found {have}); not sent", request_id=seq.request_id, page=page,
+                    expected_tag=want, found_tag=have, cause="held_read")
 
     def release_held(self, request_id: str) -> bool:
         return self.scheduler.release_held(request_id)
@@ -196,27 +249,42 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """schedule() -> run() -> postprocess(), then publish what other threads read."""
         outputs = self._start_activated()
         self._expire_held()
         batch = self.scheduler.schedule()
+        outputs += self._cancelled(batch.aborted)
+        if not batch.empty:
+            outputs += self._run_batch(batch)
+        self.publish()
+        return outputs
+
+    def _cancelled(self, aborted: list[Sequence]) -> list[StepOutput]:
         now = time.perf_counter()
-        outputs += [StepOutput(s, None, now, True) for s in batch.aborted]
-        for s in batch.aborted:
+        for s in aborted:
             self._stop_checkers.pop(s.request_id, None)
             self.stats["cancelled"] += 1
-        if self.config.integrity_check and not batch.empty:
-            batch, failed = self._check_integrity(batch)
-            outputs += failed
-        if batch.empty:
-            return outputs
+        return [StepOutput(s, None, now, True) for s in aborted]
+
+    def _run_batch(self, batch: ScheduledBatch) -> list[StepOutput]:
+        """Check, run and sample one batch. A failure anywhere in it ends the batch's requests with the
+        error (pages returned) and is counted in `failed_steps_in_row`; the engine goes on."""
+        outputs: list[StepOutput] = []
         try:
-            logits = self.runner.run(batch)
+            if self.config.integrity_check:
+                batch, failed = self._check_integrity(batch)
+                outputs += failed
+            if not batch.empty:
+                logits = self.runner.run(batch)
+                self.stats["steps"] += 1
+                outputs += self.postprocess(batch, logits)
         except Exception as exc:  # fail this step's requests, keep the engine serving
             log.exception("engine step failed")
+            self.failed_steps_in_row += 1
             err = exc if isinstance(exc, EdgeServeError) else EdgeServeError(f"engine step failed: {exc}")
             return outputs + self._fail(batch, err)
-        self.stats["steps"] += 1
-        return outputs + self.postprocess(batch, logits)
+        self.failed_steps_in_row = 0
+        return outputs
 
     def _start_activated(self) -> list[StepOutput]:
         """Emit the first token of requests whose KV arrived; finish those it already ends."""
@@ -228,12 +296,11 @@ class LLMEngine:
         return outputs
 
     def _expire_held(self) -> None:
-        """Free held pages nobody collected within `held_timeout_s` (the transfer's reader died)."""
-        held = self.scheduler.held
-        if not held:
+        """Free held pages nobody collected within `held_timeout_s` (the transfer's reader died or stalled;
+        a reader still copying them out gets KVIntegrityError from `read_kv`)."""
+        if not self.scheduler.held:
             return
-        limit = time.perf_counter() - self.config.held_timeout_s
-        for rid in [rid for rid, s in list(held.items()) if (s.first_token_time or s.arrival_time) < limit]:
+        for rid in self.scheduler.held_since(time.perf_counter() - self.config.held_timeout_s):
             if self.scheduler.release_held(rid):
                 self.stats["held_expired"] += 1
                 log.warning("freed the held pages of %s: its KV was not collected in time", rid)
@@ -285,12 +352,15 @@ class LLMEngine:
         return kept, failed
 
     def _fail(self, batch: ScheduledBatch, err: EdgeServeError) -> list[StepOutput]:
-        """End every sequence of a failed step so their pages return; report the error for each."""
+        """End every sequence of a failed step so their pages return; report the error for each
+        (also to one that finished in the step before it failed: its final event was not sent)."""
         now = time.perf_counter()
         failed = []
         for s in [*batch.decode, *(s for s, _ in batch.prefill)]:
             if s in self.scheduler.running:
                 self.scheduler.finish(s, "error")
+            else:  # finished in the step before it failed; if into `held`, nobody will read that KV
+                self.scheduler.release_held(s.request_id)
             self._stop_checkers.pop(s.request_id, None)
             failed.append(StepOutput(s, None, now, True, err))
         self.stats["failed"] += len(failed)
@@ -391,24 +461,50 @@ class LLMEngine:
 
     # -- introspection -----------------------------------------------------------------
     def snapshot(self) -> dict[str, object]:
-        """Live load and pool occupancy, for health/stats and routing."""
+        """Load and pool occupancy, for health/stats and routing; safe from any thread.
+
+        Counts that are one `len` (running, waiting, held, free pages) are read now; the rest
+        (queued prompt tokens, evictable pages, prefix-cache figures, counters) are the values the
+        engine thread last published (see the module docstring), never read off its structures here."""
+        free = self.allocator.num_free
         return {
+            **self._published,
             "running": len(self.scheduler.running),
             "waiting": self.scheduler.num_waiting,
+            "held": len(self.scheduler.held),
+            "pages_free": free,
+            "pages_used": self.allocator.num_pages - free,
+        }
+
+    def publish(self, force: bool = False) -> None:
+        """Engine thread (or with it stopped): recompute what `snapshot()` returns besides the live counts.
+        Skipped while busy if the last publication is younger than `PUBLISH_INTERVAL_S`, unless `force`."""
+        now = time.monotonic()
+        if not force and now - self._published_at < PUBLISH_INTERVAL_S and self.has_work():
+            return
+        cache = self.scheduler.prefix_cache
+        by_cause = dict(self.stats["integrity_aborts_by_cause"])
+        self._published = {  # a new dict each time: a reader holds the old one, never a half-written one
             "pages_total": self.allocator.num_pages,
-            "pages_free": self.allocator.num_free,
-            "pages_used": self.allocator.num_used,
             "page_size": self.cache.page_size,
             "kv_format": self.cache.format_name,
             "kv_bytes_per_token": self.cache.bytes_per_token,
             "max_model_len": self.max_model_len,
-            "held": len(self.scheduler.held),
             "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
-            "pages_evictable": self.scheduler.prefix_cache.evictable() if self.scheduler.prefix_cache else 0,
+            "pages_evictable": cache.evictable() if cache is not None else 0,
             "prefix_cache": self._prefix_cache_stats(),
             **self.stats,
-            "integrity_aborts": sum(self.stats["integrity_aborts_by_cause"].values()),
+            "integrity_aborts_by_cause": by_cause,
+            "integrity_aborts": sum(by_cause.values()),
+            "kv_events_dropped": self.kv_events_dropped,
         }
+        self._published_at = now
+
+    def _record_kv_event(self, event: KVEvent) -> None:
+        """The prefix cache's event sink: append, counting the oldest event a full list drops."""
+        if len(self.kv_events) == self.kv_events.maxlen:
+            self.kv_events_dropped += 1  # a publisher popping meanwhile makes this an overcount: stale, safe
+        self.kv_events.append(event)
 
     def _prefix_cache_stats(self) -> dict[str, object] | None:
         cache = self.scheduler.prefix_cache

@@ -9,8 +9,19 @@ engine. Each simulates a real class of page-reuse bug:
     writes its own K/V there.
 (b) `stale_page_table`: a request was preempted (its pages released and reused)
     and resumed with its old page table instead of a fresh one.
-(c) KV transfer landing in a reallocated page: needs disaggregation (a later
-    issue); until then (a) and (b).
+(c) a KV transfer landing in a reallocated page: a decode worker's reserved page
+    is reused while the prefill worker's KV is still arriving; apply (a) to the
+    reserved sequence between two `install_kv` calls, which must refuse the write
+    (KVIntegrityError, cause "transfer_target"; tests/backend/test_disagg.py).
+(d) `free_held_and_reallocate`: a prefill worker's held pages are freed (as
+    `_expire_held` does when the KV is not collected in time, or an abort) and
+    handed to a new owner while the prefill server is still reading the KV out;
+    `read_kv` must refuse (KVIntegrityError, cause "held_read") and the transfer
+    end with a KVError frame instead of shipping the new owner's KV
+    (tests/backend/test_engine_hardening.py).
+
+(a) and (b) are caught by the batched check before the victim's next step
+(tests/backend/test_integrity.py).
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ from __future__ import annotations
 from backend.engine import LLMEngine
 from backend.sequence import Sequence
 
-__all__ = ["free_and_reallocate", "stale_page_table"]
+__all__ = ["free_and_reallocate", "stale_page_table", "free_held_and_reallocate"]
 
 
 def _take_specific(engine: LLMEngine, page: int) -> None:
@@ -40,14 +51,19 @@ def free_and_reallocate(engine: LLMEngine, victim: Sequence, page_index: int = 0
     engine.allocator.release([page])
     _take_specific(engine, page)
     if new_owner_writes:
-        import torch
-
-        g = engine.cache.geometry
-        slots = torch.arange(page * g.page_size, (page + 1) * g.page_size)
-        for layer in range(g.num_layers):
-            k = torch.randn(g.page_size, g.num_kv_heads, g.head_dim, dtype=engine.model.dtype)
-            engine.cache.store(layer, slots, k, torch.randn_like(k))
+        _write_random(engine, page)
     return page
+
+
+def _write_random(engine: LLMEngine, page: int) -> None:
+    """The new owner stores its own K/V (random values) in every layer of `page`."""
+    import torch
+
+    g = engine.cache.geometry
+    slots = torch.arange(page * g.page_size, (page + 1) * g.page_size)
+    for layer in range(g.num_layers):
+        k = torch.randn(g.page_size, g.num_kv_heads, g.head_dim, dtype=engine.model.dtype)
+        engine.cache.store(layer, slots, k, torch.randn_like(k))
 
 
 def stale_page_table(engine: LLMEngine, victim: Sequence) -> list[int]:
@@ -56,4 +72,19 @@ def stale_page_table(engine: LLMEngine, victim: Sequence) -> list[int]:
     engine.allocator.release(pages)
     for page in pages:
         _take_specific(engine, page)
+    return pages
+
+
+def free_held_and_reallocate(engine: LLMEngine, victim: Sequence, new_owner_writes: bool = True) -> list[int]:
+    """Fault (d): free a held request's pages under its KV reader and give them all to a new owner.
+
+    Returns the page ids (now the new owner's). With `new_owner_writes`, the new owner's K/V
+    overwrite them, so a reader that did not check would ship another request's context."""
+    pages = list(victim.page_ids)
+    if not engine.release_held(victim.request_id):
+        raise ValueError(f"request {victim.request_id} holds no pages")
+    for page in pages:
+        _take_specific(engine, page)
+        if new_owner_writes:
+            _write_random(engine, page)
     return pages

@@ -61,13 +61,23 @@ class PageAllocator:
         return self.num_pages - len(self._free)
 
     def can_allocate(self, n: int) -> bool:
+        """Whether n pages are free now (advisory: another thread may take them next; see `try_allocate`)."""
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
         """Take n free pages (refcount 1 each) or raise CapacityError, taking none."""
+        pages = self.try_allocate(n)
+        if pages is None:
+            free = len(self._free)
+            raise CapacityError(f"need {n} KV pages, {free} free", needed=n, free=free)
+        return pages
+
+    def try_allocate(self, n: int) -> list[int] | None:
+        """Take n free pages (refcount 1 each), or None, taking none: the check and the take are one step
+        under the lock, so a caller racing another thread never sees a check pass and the take fail."""
         with self._lock:
             if n > len(self._free):
-                raise CapacityError(f"need {n} KV pages, {len(self._free)} free", needed=n, free=len(self._free))
+                return None
             pages = [self._free.popleft() for _ in range(n)]
             for p in pages:
                 self._refs[p] = 1

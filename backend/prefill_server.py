@@ -8,6 +8,11 @@ the pool, quantised to the wire format (FP8 by default) and sent as one frame
 when the reader goes away mid-transfer (the response is cancelled: `finally`), or
 at the latest after the engine's `held_timeout_s`. Prefix caching, when on, makes
 a prompt that starts with cached blocks compute only its tail.
+
+Each layer is read off the event loop while the engine thread may free the held
+pages (expiry, abort) and reuse them; `LLMEngine.read_kv` checks the pages' tags
+around the read, and a page that changed hands ends the transfer with a KVError
+frame (KVIntegrityError), never with another request's KV (integrity fault (d)).
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from backend.async_engine import AsyncEngine
+from backend.engine import LLMEngine
 from backend.errors import EdgeServeError, InvalidRequest
 from backend.kv_transfer import KV_MEDIA_TYPE, WIRE_FORMATS, KVBegin, KVEnd, KVError, PrefillRequest, \
     encode_frame, encode_layer
 from backend.protocol import ErrorEvent, FinishEvent, TokenEvent
 from backend.sampling_params import SamplingParams
+from backend.sequence import Sequence
 from backend.transfer_stats import TransferStats
 
 __all__ = ["prefill_endpoint"]
@@ -84,8 +91,11 @@ async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator,
         sent += len(frame)
         yield frame
         for layer in range(cfg.num_layers):
-            # reading and quantising a layer is CPU work: off the event loop
-            frame = await asyncio.to_thread(_layer_frame, eng, seq, layer, req.wire_format)
+            try:  # reading and quantising a layer is CPU work: off the event loop
+                frame = await asyncio.to_thread(_layer_frame, eng, seq, layer, req.wire_format)
+            except EdgeServeError as exc:  # the held pages changed hands (or the engine stopped)
+                yield encode_frame(KVError(exc.code, type(exc).__name__, exc.message))
+                return
             sent += len(frame)
             yield frame
         yield encode_frame(KVEnd())
@@ -95,6 +105,7 @@ async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator,
         stats.record(sent, time.perf_counter() - started, ok=tokens > 0, tokens=tokens)
 
 
-def _layer_frame(eng, seq, layer: int, wire_format: str) -> bytes:
+def _layer_frame(eng: LLMEngine, seq: Sequence, layer: int, wire_format: str) -> bytes:
+    """One layer's KV frame, read with `read_kv`'s tag checks (runs in a worker thread)."""
     k, v = eng.read_kv(seq, layer)
     return encode_layer(layer, k, v, wire_format)

@@ -25,23 +25,34 @@ requests may `hold_pages`: on finishing they move to `held` with their pages
 until `release_held` (after the KV is sent).
 
 Thread-safety: `add`, `abort`, `reserve`, `release_reserved`, `activate` and
-`release_held` may be called from any thread (they take the lock; the page
-allocator has its own); everything else runs on the engine thread.
+`release_held` may be called from any thread; everything else runs on the engine
+thread. The lock guards `waiting`, `held`, the activation list, the abort set and
+every status change of a reserved sequence (RECEIVING -> RUNNING in `take_activated`,
+RECEIVING -> FINISHED in `release_reserved`), so a reservation released by its reader
+after `activate` either never runs or was already running (then the reader aborts it).
+Pages are taken with the allocator's one-step `try_allocate` (its own lock), so an
+admission racing a reservation never finds the pages it counted gone.
+
+When the engine thread stops, `close` ends every request it knows of, returns what
+pages it can, and makes `add` and `reserve` raise the stopping error from then on.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from backend.errors import CapacityError, PromptTooLong
+from backend.errors import CapacityError, EdgeServeError, PromptTooLong
 from backend.page_allocator import PageAllocator
 from backend.prefix_cache_pool import PrefixCachePool
 from backend.sequence import Sequence, SequenceStatus
 
 __all__ = ["SchedulerConfig", "ScheduledBatch", "Scheduler"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,7 @@ class Scheduler:
         self._wakeup = threading.Event()
         self._abort_ids: set[str] = set()
         self.cache_stats = {"query_tokens": 0, "hit_tokens": 0}
+        self.closed: EdgeServeError | None = None  # set by `close`: the engine thread stopped
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -101,10 +113,17 @@ class Scheduler:
             raise CapacityError(f"request needs {self.pages_for(seq.max_total_tokens)} KV pages; the pool has "
                                 f"{self.allocator.num_pages}", pool_pages=self.allocator.num_pages)
 
+    def check_open(self) -> None:
+        """Raise (a fresh copy of) the stopping error once `close` has run."""
+        err = self.closed
+        if err is not None:
+            raise type(err)(err.message, **err.details)
+
     def add(self, seq: Sequence) -> None:
         """Queue a request, or raise PromptTooLong / CapacityError without queueing it."""
         self.validate(seq)
         with self._lock:
+            self.check_open()
             if len(self.waiting) >= self.config.max_waiting:
                 raise CapacityError(f"wait queue full ({self.config.max_waiting} requests)",
                                     max_waiting=self.config.max_waiting)
@@ -112,29 +131,38 @@ class Scheduler:
         self._wakeup.set()
 
     def reserve(self, seq: Sequence) -> bool:
-        """Decode role: take every page `seq` may need for its incoming KV; False if not free now."""
-        n = self.pages_for(seq.max_total_tokens)
-        if not self.allocator.can_allocate(n):
+        """Decode role: take every page `seq` may need for its incoming KV; False if not free now.
+        Raises the stopping error once the scheduler is closed."""
+        self.check_open()
+        pages = self.allocator.try_allocate(self.pages_for(seq.max_total_tokens))
+        if pages is None:
             return False
-        try:
-            seq.page_ids = self.allocator.allocate(n)
-        except CapacityError:  # taken meanwhile by the engine thread
-            return False
-        seq.page_tags = self.allocator.tags_of(seq.page_ids)
-        seq.status = SequenceStatus.RECEIVING
+        with self._lock:
+            seq.page_ids, seq.page_tags = pages, self.allocator.tags_of(pages)
+            seq.status = SequenceStatus.RECEIVING
         return True
 
-    def release_reserved(self, seq: Sequence) -> None:
-        """Give back the pages of a reservation whose KV never fully arrived."""
+    def release_reserved(self, seq: Sequence) -> bool:
+        """Give back the pages of a reservation whose KV never fully arrived, or that was activated
+        but not yet taken by the engine (it will not run then). False, changing nothing, when there
+        is no reservation (never reserved, released already, or running: abort it instead)."""
         with self._lock:
             if seq.status is not SequenceStatus.RECEIVING:
-                return
+                return False
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "cancelled"
+            if seq in self._activated:
+                self._activated.remove(seq)
         self._release_owned(seq)
+        return True
 
     def activate(self, seq: Sequence) -> None:
-        """Its KV is installed: run it from the next step (the engine takes it with `take_activated`)."""
+        """Its KV is installed: run it from the next step (the engine takes it with `take_activated`).
+        After `close` this does nothing: the request keeps its reservation until `release_reserved`."""
         with self._lock:
+            if seq.status is not SequenceStatus.RECEIVING:
+                raise ValueError(f"request {seq.request_id} holds no reservation ({seq.status.value})")
+            if self.closed is not None:
+                return
             self._activated.append(seq)
         self._wakeup.set()
 
@@ -197,10 +225,15 @@ class Scheduler:
         """Engine thread: sequences whose KV arrived since the last step, now running."""
         with self._lock:
             seqs, self._activated = self._activated, []
-        for s in seqs:
-            s.status = SequenceStatus.RUNNING
-            self.running.append(s)
+            for s in seqs:  # all RECEIVING: `release_reserved` takes a sequence out of the list
+                s.status = SequenceStatus.RUNNING
+        self.running.extend(seqs)
         return seqs
+
+    def held_since(self, limit: float) -> list[str]:
+        """Ids of held requests that finished (or arrived, if they never sampled) before `limit`."""
+        with self._lock:
+            return [rid for rid, s in self.held.items() if (s.first_token_time or s.arrival_time) < limit]
 
     def prompt_computed(self, seq: Sequence) -> None:
         """Engine thread: `seq`'s whole prompt is in the cache; offer its full blocks to the prefix cache."""
@@ -249,9 +282,8 @@ class Scheduler:
                 break
             with self._lock:
                 self.waiting.popleft()
-            seq.page_ids = pages
-            seq.page_tags = self.allocator.tags_of(seq.page_ids)
-            seq.status = SequenceStatus.RUNNING
+                seq.page_ids, seq.page_tags = pages, self.allocator.tags_of(pages)
+                seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_prompt_tokens - seq.num_computed_tokens, cfg.prefill_chunk_size, budget)
             prefill.append((seq, n))
@@ -269,7 +301,8 @@ class Scheduler:
         short = new - self.allocator.num_free
         if short > 0 and cache is not None:
             cache.evict(short)
-        if not self.allocator.can_allocate(new):
+        pages = self.allocator.try_allocate(new)  # a reservation may have taken free pages meanwhile
+        if pages is None:
             if hits:
                 self.allocator.release(hits)  # a shared page's tag is unchanged by this
             return None
@@ -277,4 +310,35 @@ class Scheduler:
         if cache is not None and seq.block_hashes:
             self.cache_stats["query_tokens"] += seq.num_prompt_tokens
             self.cache_stats["hit_tokens"] += seq.num_cached_tokens
-        return hits + self.allocator.allocate(new)
+        return hits + pages
+
+    # -- the engine thread stopped ------------------------------------------------------------
+    def close(self, err: EdgeServeError) -> list[Sequence]:
+        """End every request (waiting, activated, running, held) with finish reason "error", return the
+        pages each still owns and the prefix cache's, and refuse new work with `err` from now on.
+
+        Called when the engine thread cannot go on, possibly with its state half-updated by the step
+        that failed: each release is tried on its own and a failure is logged, not raised. Returns
+        the requests ended. Reservations not yet activated stay with their owner's `release_reserved`."""
+        with self._lock:
+            self.closed = err
+            waiting, self.waiting = list(self.waiting), deque()
+            activated, self._activated = self._activated, []
+            held = list(self.held.values())
+            self.held.clear()
+            self._abort_ids.clear()
+        running, self.running = self.running, []
+        ended = [*waiting, *activated, *running, *held]
+        for s in ended:
+            s.status, s.finish_reason = SequenceStatus.FINISHED, "error"
+            try:
+                self._release_owned(s)
+            except Exception:  # noqa: BLE001 - free what can be freed
+                log.exception("could not return the pages of %s", s.request_id)
+        if self.prefix_cache is not None:
+            try:
+                self.prefix_cache.clear()
+            except Exception:  # noqa: BLE001
+                log.exception("could not return the prefix cache's pages")
+        self._wakeup.set()
+        return ended

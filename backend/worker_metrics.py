@@ -1,8 +1,9 @@
 """Prometheus metrics of one worker, read from the engine at scrape time.
 
 A custom collector (no background thread, nothing to keep in sync): every
-scrape reads `LLMEngine.snapshot()` and reports pool occupancy, the active KV
-format's bytes per token, load and counters.
+scrape reads `LLMEngine.snapshot()` (values the engine thread published, safe
+from the scrape's thread) and reports pool occupancy, the active KV format's
+bytes per token, load and counters.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ _COUNTERS = {
     "cancelled": ("edgeserve_requests_cancelled", "Requests cancelled"),
     "failed": ("edgeserve_requests_failed", "Requests ended by a failed step"),
     "integrity_checks": ("edgeserve_kv_integrity_checks", "Batched KV page-tag checks run"),
+    "kv_events_dropped": ("edgeserve_kv_events_dropped",
+                          "Prefix-cache KV events dropped unpublished (the in-process list was full)"),
 }
 
 
