@@ -11,7 +11,10 @@
                           the prefill worker) is emitted at the next step, then decoding goes on
 
 The gateway's router names the prefill worker (`GenerateRequest.prefill_url`);
-without one, this coordinator picks from its own list (round-robin).
+without one, this coordinator picks from its own list (round-robin). A named one is
+accepted only if it is in that list or a live prefill worker registered for this
+model (`check_prefill_url`, `prefill_allowlist.py`): else a typed 400 before any
+connection is made, so a request cannot make this worker POST to any URL.
 Faults: if the prefill worker fails or times out mid-transfer, the reservation is
 kept and the fetch is retried once on the next prefill worker; no token has reached
 the client yet (the first token is emitted only after activation). When no prefill
@@ -32,8 +35,9 @@ from collections.abc import AsyncIterator
 import torch
 
 from backend.async_engine import AsyncEngine
-from backend.errors import BackendUnavailable, CapacityError, EdgeServeError
+from backend.errors import BackendUnavailable, CapacityError, EdgeServeError, InvalidRequest
 from backend.kv_transfer import KVBegin, KVEnd, KVLayer, KVTransport, PrefillRequest, decode_layer
+from backend.prefill_allowlist import PrefillAllowlist
 from backend.protocol import ErrorEvent, Event, GenerateRequest
 from backend.sequence import Sequence, SequenceStatus
 from backend.transfer_stats import TransferStats
@@ -44,11 +48,15 @@ log = logging.getLogger(__name__)
 
 
 class DecodeCoordinator:
+    """`registry_url` and `model`: also accept prefill workers registered in that Redis for `model`."""
+
     def __init__(self, engine: AsyncEngine, prefill_urls: list[str], transport: KVTransport, *,
                  wire_format: str = "fp8_e4m3", reserve_timeout_s: float = 30.0,
-                 transfer_timeout_s: float = 60.0) -> None:
+                 transfer_timeout_s: float = 60.0, registry_url: str | None = None,
+                 model: str | None = None) -> None:
         self.engine = engine
         self.prefill_urls = list(prefill_urls)
+        self.allowlist = PrefillAllowlist(self.prefill_urls, registry_url, model)
         self.transport = transport
         self.wire_format = wire_format
         self.reserve_timeout_s = reserve_timeout_s
@@ -56,8 +64,18 @@ class DecodeCoordinator:
         self.stats = TransferStats()
         self._turn = itertools.count()
 
+    async def check_prefill_url(self, prefill_url: str | None) -> None:
+        """Refuse (InvalidRequest, 400) a routed prefill worker that is neither configured nor registered."""
+        if prefill_url is not None and not await self.allowlist.allows(prefill_url):
+            raise InvalidRequest("prefill_url is not a configured or registered prefill worker of this model",
+                                 field="prefill_url")
+
+    async def aclose(self) -> None:
+        await self.allowlist.aclose()
+
     def submit(self, req: GenerateRequest) -> AsyncIterator[Event]:
-        """Validate now (raises typed errors) and return the request's event stream."""
+        """Validate now (raises typed errors) and return the request's event stream.
+        `req.prefill_url` must have passed `check_prefill_url`."""
         seq = self.engine.engine.new_sequence(req.prompt_ids, req.params, req.request_id)
         return self._run(seq, req)
 

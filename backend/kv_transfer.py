@@ -36,6 +36,7 @@ import torch
 
 from backend.errors import BackendUnavailable, EdgeServeError, InvalidRequest, error_from_code
 from backend.sampling_params import SamplingParams
+from backend.worker_auth import auth_headers
 from kernels.kv_store import quantize_fp8_ref
 
 __all__ = ["PrefillRequest", "KVBegin", "KVLayer", "KVEnd", "KVError", "Frame", "WIRE_FORMATS",
@@ -165,10 +166,12 @@ class KVTransport(Protocol):
 
 
 class HttpKVTransport:
-    """KV frames in the body of `POST {prefill_url}/v1/prefill` (loopback or a network)."""
+    """KV frames in the body of `POST {prefill_url}/v1/prefill` (loopback or a network), sent with
+    the worker token when there is one (`worker_auth.py`)."""
 
-    def __init__(self, timeout_s: float = 60.0) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+    def __init__(self, timeout_s: float = 60.0, token: str | None = None) -> None:
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0),
+                                         headers=auth_headers(token))
 
     async def aclose(self) -> None:
         await self._client.aclose()

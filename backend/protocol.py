@@ -2,6 +2,7 @@
 
 A generate call sends `GenerateRequest` and receives a stream of `Event`s:
 zero or more `TokenEvent`s, then exactly one `FinishEvent` or `ErrorEvent`.
+A cancel sends `CancelRequest` with the `cancel_key` its request was started with.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import msgspec
 
 from backend.sampling_params import SamplingParams
 
-__all__ = ["GenerateRequest", "TokenEvent", "FinishEvent", "ErrorEvent", "Event", "encoder", "event_decoder"]
+__all__ = ["GenerateRequest", "CancelRequest", "TokenEvent", "FinishEvent", "ErrorEvent", "Event", "encoder",
+           "event_decoder"]
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -20,6 +22,13 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None  # checked against the served model when given
     cache_salt: str | None = None  # prefix-cache namespace, set by the gateway from the tenant (never a client)
     prefill_url: str | None = None  # decode role: the prefill worker the router paired it with
+    cancel_key: str | None = None  # secret of the caller: /v1/cancel of this request must present it
+
+
+class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of `POST /v1/cancel/{request_id}`: the key the request was started with."""
+
+    cancel_key: str
 
 
 class TokenEvent(msgspec.Struct, tag="token", tag_field="event", gc=False):

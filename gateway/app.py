@@ -12,6 +12,11 @@ Gateways hold no state of their own: tenants, keys, usage, quotas, the worker
 registry and the prefix index are in Redis, so any number of them can share one
 Redis. Models configured with worker URLs are served from that static list;
 otherwise the router reads the live registry (workers heartbeat into Redis).
+
+Requests with too many or too large headers get 431 (`backend/http_limits.py`). A
+draining gateway (`app.state.drain`, run on SIGTERM by `ops/graceful.py`) answers
+new requests 503 `Draining`, lets open streams finish up to the drain timeout, then
+ends each with an in-stream `Draining` error; errors take each API's form (`render_error`).
 """
 
 from __future__ import annotations
@@ -21,15 +26,19 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Scope
 
-from backend.errors import InvalidRequest
+from backend.drain import Drain, DrainGate
+from backend.errors import EdgeServeError, InvalidRequest
+from backend.http_limits import HeaderLimitMiddleware, HeaderLimits
 from backend.redis_client import connect as connect_redis
 from gateway.config import GatewayConfig
 from prefix_cache.kv_events import PrefixIndex
-from gateway.envelopes import workers_error
+from gateway.envelopes import error_headers, openai_error, workers_error
 from gateway.metering import Meter
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from gateway.openai_api import chat_completions, list_models
@@ -42,7 +51,7 @@ from gateway.tenants import TenantStore
 from gateway.worker_pool import WorkerPool
 from gateway.workers_api import workers_run, workers_usage
 
-__all__ = ["create_gateway_app"]
+__all__ = ["create_gateway_app", "render_error"]
 
 ACCOUNT = "/client/v4/accounts/{account_id}/ai"
 
@@ -55,7 +64,8 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
     view = StaticView(static, config.region) if static else RegistryView(redis)
     router = Router(view, PrefixIndex(redis), config.regions, policy=config.routing_policy,
                     max_waiting=config.max_waiting_per_worker)
-    state = GatewayState(config=config, catalog=catalog, router=router, pool=WorkerPool(config.worker_timeout_s),
+    state = GatewayState(config=config, catalog=catalog, router=router,
+                         pool=WorkerPool(config.worker_timeout_s, config.worker_token),
                          tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s), quotas=Quotas(redis),
                          meter=Meter(redis), metrics=GatewayMetrics())
 
@@ -93,6 +103,23 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    drain = Drain(end_rest=state.pool.end_streams)
+    limits = HeaderLimits(max_bytes=config.max_header_bytes, max_count=config.max_headers)
+    middleware = [Middleware(HeaderLimitMiddleware, limits=limits, render=render_error),
+                  Middleware(DrainGate, drain=drain, admits=_admits, render=render_error)]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={404: not_found, 405: not_found})
     app.state.gateway = state
+    app.state.drain = drain
     return app
+
+
+def render_error(path: str, exc: EdgeServeError, status: int | None = None) -> Response:
+    """`exc` in the form of the API at `path`: an OpenAI error object under /v1/ paths (and the
+    account-scoped chat completions), else the Workers envelope; Retry-After where it applies."""
+    body = openai_error(exc) if "/v1/" in path else workers_error(exc)
+    return JSONResponse(body, status_code=status or exc.http_status, headers=error_headers(exc))
+
+
+def _admits(scope: Scope) -> bool:
+    return scope["method"] == "POST"  # every POST starts a generation

@@ -1,4 +1,5 @@
-"""Gateway configuration: the models it serves, where their workers are, its region, routing.
+"""Gateway configuration: the models it serves, where their workers are, its region, routing,
+the worker token it sends, and its request-header limits.
 
 A model whose `workers` lists URLs is served from that static list; a model with
 no URLs is routed over the live worker registry in Redis (`router.py`).
@@ -40,3 +41,6 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     routing_policy: str = "prefix"  # "prefix" | "least-loaded" | "round-robin"
     regions: RegionMap = RegionMap()
     max_waiting_per_worker: int = 16  # a worker with this many waiting counts as saturated
+    worker_token: str | None = None  # sent to workers as a Bearer token; keep it out of logs
+    max_header_bytes: int = 32 * 2**10  # request headers (names + values) past this: 431
+    max_headers: int = 100

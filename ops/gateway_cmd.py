@@ -1,12 +1,18 @@
 """`edgeserve gateway`: run one gateway replica in front of running workers.
 
-Replicas are stateless: run as many as you like against the same Redis.
+Replicas are stateless: run as many as you like against the same Redis. The
+gateway sends the worker token (`--worker-token` or `$EDGESERVE_WORKER_TOKEN`) on
+every worker call. SIGTERM or Ctrl-C drains it: new requests get 503 Draining, open
+streams finish for up to `--drain-timeout` seconds, the rest end with an in-stream
+Draining error; then it exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+
+from ops.serve import add_drain_arg
 
 __all__ = ["register", "build_config", "freeze_heap", "DEFAULT_REDIS_URL"]
 
@@ -30,12 +36,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "sets them itself and strips what clients send (default: off, the gateway's own region)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alive comments")
+    p.add_argument("--worker-token", default=None,
+                   help="the workers' shared token (default: $EDGESERVE_WORKER_TOKEN; the environment keeps it "
+                        "out of `ps`)")
+    add_drain_arg(p)
     p.set_defaults(func=run)
 
 
 def build_config(model: str, workers: list[str], redis_url: str, *, served_name: str | None = None,
                  region: str = "local", max_model_len: int | None = None, keepalive_s: float = 10.0,
-                 policy: str = "prefix", trust_region_headers: bool = False):
+                 policy: str = "prefix", trust_region_headers: bool = False, worker_token: str | None = None):
     """GatewayConfig for one model (pulled if it is a known name) served by `workers`."""
     from gateway.config import DEFAULT_ALIASES, GatewayConfig, ModelRoute
     from gateway.regions import RegionMap
@@ -45,7 +55,8 @@ def build_config(model: str, workers: list[str], redis_url: str, *, served_name:
     route = ModelRoute(name=name, model_dir=str(resolve_model(model)), workers=workers,
                        aliases=DEFAULT_ALIASES.get(name, []), max_model_len=max_model_len)
     return GatewayConfig(models=[route], redis_url=redis_url, region=region, keepalive_s=keepalive_s,
-                         routing_policy=policy, regions=RegionMap(trust_headers=trust_region_headers))
+                         routing_policy=policy, regions=RegionMap(trust_headers=trust_region_headers),
+                         worker_token=worker_token)
 
 
 def freeze_heap() -> None:
@@ -58,16 +69,19 @@ def freeze_heap() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    from backend.worker_auth import resolve_token
+    from gateway.app import create_gateway_app, render_error
+    from ops.graceful import serve
+    from ops.redact import redact_url
 
-    from gateway.app import create_gateway_app
-
+    token = resolve_token(args.worker_token)
     config = build_config(args.model, args.worker, args.redis_url, served_name=args.served_name,
                           region=args.region, max_model_len=args.max_model_len, keepalive_s=args.keepalive,
-                          policy=args.policy, trust_region_headers=args.trust_region_headers)
-    where = ", ".join(args.worker) if args.worker else f"the worker registry in {args.redis_url}"
-    print(f"edgeserve gateway on http://{args.host}:{args.port} -> {where}", flush=True)
+                          policy=args.policy, trust_region_headers=args.trust_region_headers, worker_token=token)
+    where = ", ".join(args.worker) if args.worker else f"the worker registry in {redact_url(args.redis_url)}"
+    print(f"edgeserve gateway on http://{args.host}:{args.port} -> {where}"
+          f"{'' if token else ' (no worker token)'}", flush=True)
     app = create_gateway_app(config)
     freeze_heap()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, render=render_error)
     return 0

@@ -5,6 +5,12 @@
 
 `ENGINE_OPTIONS` lists the engine flags so `edgeserve up` can forward them to
 the worker it starts.
+
+The worker token comes from `--worker-token` or `$EDGESERVE_WORKER_TOKEN` (see
+`backend/worker.py`); without one the worker serves only on loopback, unless
+`--insecure-no-worker-token`. SIGTERM or Ctrl-C drains it: it leaves the registry,
+refuses new work (503 Draining), lets in-flight requests finish for up to
+`--drain-timeout` seconds, ends the rest with `Draining`, and exits 0.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import argparse
 import logging
 import re
 
-__all__ = ["register", "DEFAULT_MODEL", "parse_bytes", "add_engine_args", "ENGINE_OPTIONS"]
+__all__ = ["register", "DEFAULT_MODEL", "parse_bytes", "add_engine_args", "add_worker_token_args", "add_drain_arg",
+           "ENGINE_OPTIONS"]
 
 DEFAULT_MODEL = "smollm2-135m"
 log = logging.getLogger(__name__)
@@ -90,18 +97,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--region", default="local", help="this worker's region (for gateways' routing)")
     serve.add_argument("--advertise-url", default=None,
                        help="the URL gateways reach this worker at (default: http://host:port)")
+    add_worker_token_args(serve)
+    add_drain_arg(serve)
     serve.set_defaults(func=run_serve)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def add_worker_token_args(p: argparse.ArgumentParser) -> None:
+    """--worker-token and --insecure-no-worker-token (serve and gateway)."""
+    p.add_argument("--worker-token", default=None,
+                   help="shared secret between gateways and workers (default: $EDGESERVE_WORKER_TOKEN; the "
+                        "environment keeps it out of `ps`)")
+    p.add_argument("--insecure-no-worker-token", action="store_true",
+                   help="allow a worker without a token on a non-loopback address (anyone who reaches it can "
+                        "call it)")
 
+
+def add_drain_arg(p: argparse.ArgumentParser) -> None:
+    """--drain-timeout (serve, gateway and up)."""
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/Ctrl-C, seconds in-flight requests may run on before they are ended with a "
+                        "typed Draining error (a second signal ends them at once)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
     from backend.async_engine import AsyncEngine
     from backend.engine import EngineConfig, LLMEngine
     from backend.errors import InvalidRequest
-    from backend.worker import create_worker_app
+    from backend.worker import create_worker_app, worker_error_response
+    from backend.worker_auth import check_bind, resolve_token
+    from ops.graceful import serve
     from ops.pull import resolve_model
+    from ops.redact import redact_url
 
+    token = resolve_token(args.worker_token)
+    warning = check_bind(args.host, token, args.insecure_no_worker_token)  # before the model loads
     model_dir = resolve_model(args.model)
     config = EngineConfig(dtype=args.dtype, kv_format=args.kv_format, kv_cache_bytes=args.kv_cache_bytes,
                           page_size=args.page_size, max_model_len=args.max_model_len,
@@ -124,26 +153,31 @@ def run_serve(args: argparse.Namespace) -> int:
         if not args.prefill_worker and not args.redis_url:
             raise InvalidRequest("--role decode needs --prefill-worker URLs, or --redis-url (a gateway's router "
                                  "then names the prefill worker for each request)")
-        coordinator = DecodeCoordinator(async_engine, args.prefill_worker, HttpKVTransport(),
-                                        wire_format=args.kv_wire)
-    background = []
+        coordinator = DecodeCoordinator(async_engine, args.prefill_worker, HttpKVTransport(token=token),
+                                        wire_format=args.kv_wire, registry_url=args.redis_url,
+                                        model=name if args.redis_url else None)
+    background, registration = [], None
     if args.redis_url:
         from backend.registration import Heartbeat
         from prefix_cache.kv_events import KVEventPublisher
 
         worker_id = args.worker_id or f"{args.host}:{args.port}"
         url = args.advertise_url or f"http://{args.host}:{args.port}"
-        background.append(Heartbeat(args.redis_url, lambda: _record(engine, worker_id, url, name, args)).run)
+        registration = Heartbeat(args.redis_url, lambda: _record(engine, worker_id, url, name, args)).run
         if config.prefix_caching:
             background.append(KVEventPublisher(args.redis_url, name, worker_id, engine.kv_events,
                                                dropped=lambda: engine.kv_events_dropped).run)
     app = create_worker_app(async_engine, model_name=name, role=args.role, coordinator=coordinator,
-                            background=background)
+                            background=background, registration=registration, token=token)
     snap = engine.snapshot()
-    print(f"edgeserve worker ({args.role}) serving {name} from {model_dir}\n"
+    where = f", registered in {redact_url(args.redis_url)}" if args.redis_url else ""
+    print(f"edgeserve worker ({args.role}) serving {name} from {model_dir} on http://{args.host}:{args.port}"
+          f"{where}\n"
           f"  KV pool: {snap['pages_total']} pages x {snap['page_size']} tokens ({snap['kv_format']}, "
           f"{snap['kv_bytes_per_token']} B/token), context {snap['max_model_len']}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    if warning:
+        print(warning, flush=True)
+    serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, render=worker_error_response)
     return 0
 
 

@@ -18,9 +18,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_in_thread(app, port: int | None = None) -> Iterator[str]:
+def serve_in_thread(app, port: int | None = None, http: type | str = "auto") -> Iterator[str]:
+    """Serve `app` on loopback until the block ends; `http` is uvicorn's HTTP protocol (class or name)."""
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                           http=http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
