@@ -116,7 +116,8 @@ class AsyncEngine:
                 self.engine.scheduler.wait_for_work(timeout=0.5)
                 if self._stop.is_set():
                     break
-                if not self.engine.has_work():
+                if not self.engine.has_work():  # idle: refresh what other threads changed (held pages freed)
+                    self.engine.publish(force=True)
                     continue
                 outputs = self.engine.step()
                 if self.engine.failed_steps_in_row >= MAX_FAILED_STEPS_IN_ROW:

@@ -20,7 +20,8 @@ Other threads read the engine only through `snapshot()`: one-`len` counts (runni
 waiting, held, free pages) live, everything that needs iterating engine-thread
 structures (the prefix cache, queued prompt tokens, counters) as the values the
 engine thread last `publish`ed: at the end of a step at most every
-`PUBLISH_INTERVAL_S` while busy, and always at the end of the step that leaves it idle.
+`PUBLISH_INTERVAL_S` while busy, always at the end of the step that leaves it idle,
+and (under `AsyncEngine`) whenever the idle thread wakes, e.g. after held pages are freed.
 
 Prefix-cache KV events (`kv_events`, drained by the worker's Redis publisher) are
 bounded by `EngineConfig.kv_events_max`: when nobody drains them the oldest are

@@ -173,6 +173,7 @@ class Scheduler:
         if seq is None:
             return False
         self._release_owned(seq)
+        self._wakeup.set()  # the engine thread republishes the pool's figures (`LLMEngine.snapshot`)
         return True
 
     def abort(self, request_id: str) -> None:

@@ -328,6 +328,26 @@ def test_snapshot_from_another_thread_while_the_prefix_cache_churns(model_dir: P
     assert snap["prefix_cache"]["evicted_blocks"] == pool.stats["evicted_blocks"]
 
 
+def test_an_idle_engine_republishes_after_held_pages_are_freed_off_its_thread(model_dir: Path) -> None:
+    engine = make(model_dir, prefix_caching=True)
+    aengine = AsyncEngine(engine)
+
+    async def scenario() -> tuple[int, int, int]:
+        await drain(aengine.submit(PROMPT, SamplingParams(max_tokens=1, **GREEDY), "p", cache_salt="t", hold=True))
+        before = engine.snapshot()["pages_evictable"]  # the cached blocks are still read by the held request
+        assert engine.release_held("p")  # the KV went out: the event loop frees the held pages
+        deadline = time.monotonic() + 2
+        while engine.snapshot()["pages_evictable"] == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return before, engine.snapshot()["pages_evictable"], len(engine.scheduler.prefix_cache)
+
+    try:
+        before, after, blocks = asyncio.run(scenario())
+    finally:
+        aengine.shutdown()
+    assert (before, after) == (0, blocks) and blocks == 2  # 37 tokens: two full blocks cached
+
+
 # -- item 4: fault (d), held pages freed and reused while the prefill server reads them -------------------
 @pytest.mark.parametrize("when", ["before_the_read", "during_the_read"])
 def test_held_pages_reused_under_the_kv_read_end_the_transfer_with_a_typed_error(model_dir: Path, when: str) -> None:
