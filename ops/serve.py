@@ -120,17 +120,18 @@ def add_drain_arg(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from backend.worker_auth import check_bind, resolve_token
+
+    token = resolve_token(args.worker_token)
+    warning = check_bind(args.host, token, args.insecure_no_worker_token)  # before torch and the model load
+
     from backend.async_engine import AsyncEngine
     from backend.engine import EngineConfig, LLMEngine
     from backend.errors import InvalidRequest
     from backend.worker import create_worker_app, worker_error_response
-    from backend.worker_auth import check_bind, resolve_token
     from ops.graceful import serve
     from ops.pull import resolve_model
     from ops.redact import redact_url
-
-    token = resolve_token(args.worker_token)
-    warning = check_bind(args.host, token, args.insecure_no_worker_token)  # before the model loads
     model_dir = resolve_model(args.model)
     config = EngineConfig(dtype=args.dtype, kv_format=args.kv_format, kv_cache_bytes=args.kv_cache_bytes,
                           page_size=args.page_size, max_model_len=args.max_model_len,
