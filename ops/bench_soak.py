@@ -18,7 +18,7 @@ Alongside, a malformed request every second or so, of every kind in turn (bad
 JSON, wrong types, 1000-deep nesting, no or unknown key, unknown model, another
 tenant's account, a 64 KB header, a body cut off mid-read).
 
-Faults, on a schedule spread over the run (each waits for the one before to recover):
+Faults, on a schedule spread over the run (each at its time, recovered or not the one before):
 
 - ``worker_kill``: SIGKILL the unified worker, restart it at once on the same port;
   recovered when a request straight to it succeeds;
@@ -55,7 +55,7 @@ from typing import Any
 
 from ops.bench import provenance, write_report
 from ops.cluster import Service, machine_info, wait_http, wait_redis
-from ops.soak_checks import Fault, RequestResult, TenantMetering, build_report
+from ops.soak_checks import Fault, RequestResult, TenantMetering, build_report, missing_ids
 from ops.soak_traffic import MODEL, Tenant, malformed_specs, send, send_cut_body, traffic_spec, worker_generate
 
 __all__ = ["add_arguments", "run", "Settings", "Cluster", "fault_schedule"]
@@ -99,6 +99,7 @@ class Cluster:
     """Redis, the three workers and two gateways, as restartable `Service`s."""
 
     def __init__(self, logs: Path, token: str) -> None:
+        from ops.pull import resolve_model
         from ops.redis_server import free_port, redis_server_binary
 
         self.logs, self.token = logs, token
@@ -119,9 +120,11 @@ class Cluster:
             "--worker-id", name, "--port", url.rsplit(":", 1)[1]], logs / f"{name}.log", self.env)
             for name, url in self.worker_urls.items()}
         self.gateway_urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+        # the gateways' usage journals go to this run's own home (given the model folder, they pull nothing)
+        home = {**self.env, "EDGESERVE_HOME": str(logs / "home")}
         self.gateways = [Service(f"gateway {i + 1}", [
-            sys.executable, "-m", "ops.cli", "gateway", "--model", MODEL, "--redis-url", self.redis_url,
-            "--port", url.rsplit(":", 1)[1]], logs / f"gateway{i + 1}.log", self.env)
+            sys.executable, "-m", "ops.cli", "gateway", "--model", str(resolve_model(MODEL)), "--served-name", MODEL,
+            "--redis-url", self.redis_url, "--port", url.rsplit(":", 1)[1]], logs / f"gateway{i + 1}.log", home)
             for i, url in enumerate(self.gateway_urls)]
 
     @property
@@ -232,7 +235,8 @@ class Soak:
                 res = await send(client, traffic_spec(rng, tenant, gateway, system), self.t0,
                                  self.s.request_timeout_s)
                 self.results.append(res)
-                pause = 0.5 if res.outcome == "refused" else 0.0  # a 429 is not a reason to spin
+                # a polite client: after a refusal or a 503 it waits a moment (Retry-After, at most 2 s)
+                pause = 0.0 if res.status in (None, 200) else 1.0
                 await asyncio.sleep(pause + rng.uniform(0.0, 0.3))
 
     async def _malformed(self, deadline: float) -> None:
@@ -253,16 +257,17 @@ class Soak:
 
     # -- faults --------------------------------------------------------------------
     async def _faults(self, deadline: float) -> None:
-        for at, kind in fault_schedule(deadline):
+        """Each fault at its time, whether or not the one before has recovered (a restarting worker
+        may still be loading when Redis goes down: paths fail independently in production too)."""
+        async def one(at: float, kind: str) -> None:
             await asyncio.sleep(max(0.0, at - self.now()))
-            if self.now() >= deadline:
-                self.log(f"fault {kind} skipped: the one before recovered too late")
-                continue
             fault = await {"worker_kill": self._worker_kill, "redis_restart": self._redis_restart,
                            "prefill_kill_mid_transfer": self._prefill_kill}[kind]()
             self.faults.append(fault)
             rec = "NOT RECOVERED" if fault.recovery_s is None else f"recovered in {fault.recovery_s:.1f} s"
-            self.log(f"[{fault.at_s:.0f} s] fault {kind}: {rec} {fault.detail}")
+            self.log(f"[{fault.at_s:.0f} s] fault {kind}: {rec} {str(fault.detail)[:300]}")
+
+        await asyncio.gather(*(one(at, kind) for at, kind in fault_schedule(deadline)))
 
     async def _worker_kill(self) -> Fault:
         svc = self.cluster.workers["unified"]
@@ -408,6 +413,22 @@ def wait_settled(redis_url: str, tenants: dict[str, Tenant], days: list[str], ca
         time.sleep(1.0)
 
 
+def diagnose_missing(redis_url: str, tenants: dict[str, Tenant], missing: dict[str, set[str]]) -> dict[str, Any]:
+    """For admitted requests without a usage event: is their idempotency marker set (settled as a
+    release, or a record that was skipped) or absent (never reached Redis)?"""
+    import redis
+
+    from gateway import redis_keys as rk
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    try:
+        return {name: {"marker_set": sorted(i for i in ids if client.exists(rk.metered(tenants[name].id, i))),
+                       "no_marker": sorted(i for i in ids if not client.exists(rk.metered(tenants[name].id, i)))}
+                for name, ids in missing.items() if ids and name in tenants}
+    finally:
+        client.close()
+
+
 def scan_logs(logs: Path) -> dict[str, int]:
     """Per process log: lines that report a traceback or an ERROR (findings, not targets)."""
     return {p.stem: sum("Traceback" in line or "ERROR" in line for line in p.read_text(errors="replace").splitlines())
@@ -417,7 +438,7 @@ def scan_logs(logs: Path) -> dict[str, int]:
 # ---------------------------------------------------------------- command
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--minutes", type=float, default=None, help="minutes of load (default 10; quick 1.5)")
+    p.add_argument("--minutes", type=float, default=None, help="minutes of load (default 10; quick 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs even when every target is met")
 
@@ -426,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.redis_keys import utc_day
     from ops.pull import resolve_model
 
-    settings = Settings(duration_s=60 * (args.minutes or (1.5 if args.quick else 10.0)), seed=args.seed,
+    settings = Settings(duration_s=60 * (args.minutes or (1.0 if args.quick else 10.0)), seed=args.seed,
                         redis_outage_s=4.0 if args.quick else 10.0)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
@@ -446,6 +467,7 @@ def run(args: argparse.Namespace) -> int:
         days = sorted({first_day, utc_day()})
         metered = wait_settled(cluster.redis_url, tenants, days, settings.settle_cap_s)
         alive = [svc.name for svc in cluster.services if not svc.alive]
+        diagnosis = diagnose_missing(cluster.redis_url, tenants, missing_ids(soak.results, metered))
     finally:
         cluster.stop()
     report = build_report(soak.results, soak.faults, metered, final_stats, grace_s=settings.grace_s,
@@ -453,7 +475,7 @@ def run(args: argparse.Namespace) -> int:
     report = {**provenance(), "quick": args.quick, "machine": machine_info(), "settings": asdict(settings),
               "model": MODEL, "worker_flags": WORKER_FLAGS, "tenants": {n: {"requests_per_minute": v[0],
               "tokens_per_day": v[1], "clients": v[2]} for n, v in TENANTS.items()},
-              **report, "processes_dead_at_end": alive, "log_error_lines": scan_logs(logs),
+              **report, "missing_diagnosis": diagnosis, "processes_dead_at_end": alive, "log_error_lines": scan_logs(logs),
               "final_worker_stats": final_stats, "total_s": round(time.perf_counter() - started, 1)}
     _print(report)
     write_report(args.json_path, report)

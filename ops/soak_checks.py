@@ -50,10 +50,13 @@ from typing import Any
 from backend.errors import error_from_code
 
 __all__ = ["RequestResult", "Fault", "TenantMetering", "classify_response", "classify_stream_error",
-           "error_code", "is_503_code", "in_fault_window", "tally", "metered_vs_sent", "leaked_pages",
-           "build_report", "check_targets", "REPORT_KEYS", "OUTCOMES"]
+           "error_code", "is_503_code", "in_fault_window", "tally", "metered_vs_sent", "missing_ids", "leaked_pages",
+           "build_report", "check_targets", "REPORT_KEYS", "OUTCOMES", "REQUEST_LOG_FIELDS",
+           "BACKGROUND_FAULTS"]
 
 OUTCOMES = ("ok", "refused", "typed_503", "untyped_5xx", "disconnected", "abandoned", "timeout", "connect_error")
+BACKGROUND_FAULTS = ("malformed_requests",)  # injected all along: no window, nothing to recover
+REQUEST_LOG_FIELDS = ("sent_s", "ended_s", "tenant", "api", "stream", "status", "outcome", "code", "admitted")
 REPORT_KEYS = ("requests", "status_counts", "untyped_5xx", "metered_vs_sent", "leaked_pages", "faults_injected",
                "max_recovery_s")
 
@@ -73,6 +76,7 @@ class RequestResult:
     delivered_tokens: int = 0
     error_code: int | None = None  # the typed error's code, when there was one
     detail: str = ""  # what went wrong, for the report (first 200 characters of a body or exception)
+    route: str = ""  # x-edgeserve-route: where the gateway sent it and why
 
     @property
     def admitted(self) -> bool:
@@ -155,8 +159,11 @@ def classify_stream_error(payload: Any) -> tuple[str, int | None]:
 
 def in_fault_window(result: RequestResult, faults: Sequence[Fault], grace_s: float, run_end_s: float) -> bool:
     """Whether the request's lifetime overlaps a fault's window: [injection, recovery + grace]
-    (a fault that never recovered stays open until the run's end)."""
+    (a fault that never recovered stays open until the run's end). Background faults (malformed
+    requests, sent all along) open no window: nothing they do excuses a 503."""
     for f in faults:
+        if f.kind in BACKGROUND_FAULTS:
+            continue
         end = (f.recovered_at_s if f.recovered_at_s is not None else run_end_s) + grace_s
         if result.sent <= end and result.ended >= f.at_s:
             return True
@@ -195,6 +202,11 @@ def metered_vs_sent(results: Iterable[RequestResult], metered: Mapping[str, Tena
     return out
 
 
+def missing_ids(results: Iterable[RequestResult], metered: Mapping[str, TenantMetering]) -> dict[str, set[str]]:
+    """Per tenant: admitted request ids without a usage event."""
+    return {t: c["admitted_ids"] - metered.get(t, TenantMetering()).request_ids for t, c in tally(results).items()}
+
+
 def leaked_pages(snap: Mapping[str, Any]) -> int:
     """Pages an idle worker does not have back: total - free - evictable (cached blocks nobody reads)."""
     evictable = snap.get("pages_evictable", (snap.get("prefix_cache") or {}).get("blocks", 0)) or 0
@@ -209,12 +221,15 @@ def build_report(results: Sequence[RequestResult], faults: Sequence[Fault], mete
     untyped = [r for r in results if r.outcome == "untyped_5xx"]
     unexpected = [r for r in results if r.outcome == "typed_503"
                   and not in_fault_window(r, faults, grace_s, run_end_s)]
-    recoveries = [f.recovery_s for f in faults if f.kind != "malformed_requests"]
+    recoveries = [f.recovery_s for f in faults if f.kind not in BACKGROUND_FAULTS]
     by_worker = {name: leaked_pages(s) for name, s in final_stats.items()}
     busy = {name: {k: s.get(k, 0) for k in ("running", "waiting", "held")} for name, s in final_stats.items()
             if any(s.get(k, 0) for k in ("running", "waiting", "held"))}
     examples = lambda rs: [{"tenant": r.tenant, "api": r.api, "stream": r.stream, "status": r.status,  # noqa: E731
-                            "code": r.error_code, "at_s": round(r.sent, 1), "detail": r.detail} for r in rs[:10]]
+                            "outcome": r.outcome, "code": r.error_code, "request_id": r.request_id,
+                            "route": r.route,
+                            "at_s": round(r.sent, 1),
+                            "ended_s": round(r.ended, 1), "detail": r.detail} for r in rs[:10]]
     report: dict[str, Any] = {
         "requests": len(results),
         "status_counts": dict(sorted(status_counts.items())),
@@ -231,9 +246,14 @@ def build_report(results: Sequence[RequestResult], faults: Sequence[Fault], mete
                              "recovery_s": None if f.recovery_s is None else round(f.recovery_s, 2),
                              "detail": f.detail} for f in faults],
         "max_recovery_s": None if any(x is None for x in recoveries) or not recoveries else round(max(recoveries), 2),
+        "missing_examples": {t: examples([r for r in results if r.tenant == t and r.request_id in ids])
+                             for t, ids in missing_ids(results, metered).items() if ids},
         "untyped_5xx_examples": examples(untyped),
         "unexpected_503_examples": examples(unexpected),
         "request_timeout_s": request_timeout_s,
+        "request_log_fields": REQUEST_LOG_FIELDS,
+        "request_log": [[round(r.sent, 2), round(r.ended, 2), r.tenant, r.api, r.stream, r.status, r.outcome,
+                         r.error_code, r.admitted] for r in results],
     }
     report["targets"] = check_targets(report)
     return report

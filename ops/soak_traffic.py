@@ -148,6 +148,7 @@ async def _exchange(client: httpx.AsyncClient, spec: RequestSpec, res: RequestRe
     try:
         res.status = resp.status_code
         res.request_id = resp.headers.get("x-edgeserve-request-id") or None
+        res.route = resp.headers.get("x-edgeserve-route", "")
         if resp.status_code != 200 or not spec.stream:
             body = await resp.aread()
             res.outcome, res.error_code = classify_response(resp.status_code, resp.headers, body)

@@ -137,7 +137,7 @@ def test_targets_miss_on_untyped_5xx_late_503_leaks_timeouts_and_unrecovered_fau
     assert report["max_recovery_s"] is None and report["timed_out"] == 1
     assert missed == {"untyped_5xx == 0", "leaked_pages == 0", "every worker idle (running, waiting, held 0)",
                       "no request waiting past its timeout", "every fault recovered"}
-    recovered = _report([late], [Fault("redis_restart", 50.0, 55.0)])
+    recovered = _report([late], [Fault("redis_restart", 50.0, 55.0), Fault("malformed_requests", 0.0, None)])
     assert recovered["unexpected_503"] == 1
     assert not next(t for t in recovered["targets"] if t["name"].startswith("typed 503s"))["met"]
 
