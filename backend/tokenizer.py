@@ -134,10 +134,6 @@ class Tokenizer:
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self._backend = backend
-        # A copy that encodes special-token text as plain text; a copy rather than a toggle on
-        # the shared instance, because encoding runs in worker threads (`encode_batch` releases the GIL).
-        self._plain = copy.deepcopy(backend)
-        self._plain.encode_special_tokens = True
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._chat_template = chat_template
@@ -221,6 +217,14 @@ class Tokenizer:
         adds what the post-processor adds (e.g. BOS), off by default because chat templates write
         their own. Releases the GIL while it encodes, so a thread can take a large text off an event loop."""
         return self._encode_batch([text], split_special_tokens, add_special_tokens)[0]
+
+    @cached_property
+    def _plain(self) -> _BackendTokenizer:
+        """A copy that encodes special-token text as plain text (built on first use: ~0.1 s). A copy
+        rather than a toggle on the shared one, because encoding runs in threads (it releases the GIL)."""
+        plain = copy.deepcopy(self._backend)
+        plain.encode_special_tokens = True
+        return plain
 
     def _encode_batch(self, texts: list[str], split_special_tokens: bool, add_special_tokens: bool = False
                       ) -> list[list[int]]:

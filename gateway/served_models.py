@@ -35,6 +35,7 @@ class ServedModel:
         self.name = route.name
         self.names = [route.name, *route.aliases]
         self.tokenizer = Tokenizer.from_model_dir(route.model_dir)
+        self.tokenizer.encode("", split_special_tokens=True)  # build its plain-text copy now, not on a request
         config_path = Path(route.model_dir) / "config.json"
         try:
             config = json.loads(config_path.read_text())

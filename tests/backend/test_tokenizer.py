@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backend.errors import InvalidRequest
 from backend.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -304,3 +306,29 @@ def test_split_special_tokens_encodes_their_text(tokenizer: Tokenizer) -> None:
     assert tokenizer.token_to_id("<|im_start|>") not in ids
     assert tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user"
     assert tokenizer.encode("<|im_start|>user") == [1, 4093]  # the default still matches them whole
+
+
+# Printable text: this vocabulary does not round-trip some control and unassigned code points
+# (U+0006, U+40000), which is the tokenizer's business, not the template's.
+_BMP = st.characters(max_codepoint=0xFFFF, exclude_categories=("Cc", "Cs", "Co", "Cn"))
+_PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_st", "art|>", "system", "user", "\n", " ", "\n\n"]
+
+
+@pytest.fixture(scope="module")
+def verbatim_tokenizers(tokenizer: Tokenizer) -> list[Tokenizer]:
+    return [_with_template(tokenizer, template) for template in VERBATIM_TEMPLATES.values()]
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(contents=st.lists(st.lists(st.sampled_from(_PIECES) | st.text(_BMP, max_size=6)).map("".join), min_size=1,
+                         max_size=3))
+def test_no_message_text_ever_becomes_a_control_token(verbatim_tokenizers: list[Tokenizer],
+                                                       contents: list[str]) -> None:
+    for tok in verbatim_tokenizers:
+        messages = [{"role": "user", "content": c} for c in contents]
+        ids = tok.encode_chat(messages)
+        own = tok.encode_chat([{"role": "user", "content": "x"} for _ in contents])
+        assert _specials(tok, ids) == _specials(tok, own)
+        assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(messages)
+        if not any("<|" in c for c in contents):  # benign text: the ids transformers would give
+            assert ids == tok.encode(tok.apply_chat_template(messages))
