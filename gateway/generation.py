@@ -18,8 +18,8 @@ client left or the worker died mid-stream. A request refused before the worker
 admitted it is not metered; its quota reservation is released.
 
 Where it runs is the router's decision (`router.py`), made in `start`; the client
-sees it in `x-edgeserve-route` with workers named by role and rank (`prefill-1`),
-never by address, and the logs keep the addresses (`public_headers`). A worker
+sees it in `x-edgeserve-worker` and `x-edgeserve-route` with workers named by an
+opaque tag (`worker_tag`), never by address; the logs keep the addresses. A worker
 that fails before admitting the request (unreachable, or gone before the HTTP
 200) is retried once on the decision's second candidate; after admission a failure
 ends the stream with an error, since tokens may already have been shown.
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
@@ -52,7 +52,7 @@ from gateway.tenants import Tenant
 from gateway.text_stream import TextStream
 from gateway.worker_pool import WorkerPool
 
-__all__ = ["Delta", "Done", "Usage", "Generation"]
+__all__ = ["Delta", "Done", "Usage", "Generation", "worker_tag"]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ class Generation:
         self._reservation: Reservation | None = None
         self._completion_tokens = 0
         self._started_at = time.time()
-        self.worker_url: str | None = None
+        self.worker_url: str | None = None  # for the logs; clients see `worker_tag(worker_id)`
+        self.worker_id: str | None = None
 
     async def start(self) -> None:
         """Admit against quotas and get the request accepted by a worker; raise typed refusals."""
@@ -120,20 +121,18 @@ class Generation:
             raise item
 
     def public_headers(self) -> dict[str, str]:
-        """Response headers for the client: the request id and the routing decision, with every
-        worker named by role and rank (`decode-1`) instead of its id or URL."""
+        """Response headers for the client: the request id, the worker's opaque tag, and the routing
+        decision with every worker named by its tag instead of its id or URL (`worker_tag`)."""
         if self.route is None:
             return {"x-edgeserve-request-id": self.request_id}
-        labels: dict[str, str] = {}
-        per_role: Counter[str] = Counter()
-        for rec in (r for t in self.route.candidates for r in (t.worker, t.prefill) if r is not None):
-            if rec.id not in labels:
-                per_role[rec.role] += 1
-                labels[rec.id] = labels[rec.url] = f"{rec.role}-{per_role[rec.role]}"
+        records = [r for t in self.route.candidates for r in (t.worker, t.prefill) if r is not None]
+        names = {name: worker_tag(r.id) for r in records for name in (r.id, r.url)}
         reason = self.route.reason
-        for name in sorted(labels, key=len, reverse=True):  # a URL before the id it contains
-            reason = reason.replace(name, labels[name])
-        return {"x-edgeserve-request-id": self.request_id, "x-edgeserve-route": redact(reason)}
+        for name in sorted(names, key=len, reverse=True):  # a URL before the id it contains
+            reason = reason.replace(name, names[name])
+        return {"x-edgeserve-request-id": self.request_id,
+                "x-edgeserve-worker": worker_tag(self.worker_id or self.route.candidates[0].worker.id),
+                "x-edgeserve-route": redact(reason)}
 
     async def events(self) -> AsyncIterator[Delta | Done]:
         """Text deltas, then one Done; a failure after admission raises its typed error."""
@@ -181,7 +180,7 @@ class Generation:
             candidates = self.route.candidates[:2]
             for attempt, target in enumerate(candidates):
                 client = self._pool.client(target.worker.url)
-                self.worker_url = client.base_url
+                self.worker_url, self.worker_id = client.base_url, target.worker.id
                 request = GenerateRequest(self.prompt_ids, self.params, self.request_id, model=self.model.name,
                                           cache_salt=self.tenant.id,  # tenants never share cached blocks
                                           prefill_url=target.prefill.url if target.prefill is not None else None)
@@ -257,6 +256,13 @@ class Generation:
                                            self._completion_tokens)
         except Exception:  # metering must never take the response down with it; it is logged loudly
             log.exception("metering failed for request %s (tenant %s)", self.request_id, self.tenant.id)
+
+
+def worker_tag(worker_id: str) -> str:
+    """The name clients see for a worker: `w-` and 12 hex digits of a hash of its registry id, stable
+    across gateways, so a benchmark or an operator can match it, but no URL or address. (A worker id
+    is `host:port` by default; ids chosen at random make the tag unguessable too.)"""
+    return "w-" + hashlib.blake2b(worker_id.encode(), digest_size=6).hexdigest()
 
 
 def _worker_error(ev: ErrorEvent) -> EdgeServeError:

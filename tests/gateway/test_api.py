@@ -14,6 +14,7 @@ from backend.protocol import FinishEvent, GenerateRequest, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.tokenizer import Tokenizer
 from backend.worker_client import WorkerClient
+from gateway.generation import worker_tag
 from tests.gateway.conftest import ALIAS, MODEL, Gateway, make_account, metered, wait_metered, wait_pages_free
 
 
@@ -62,10 +63,10 @@ def test_workers_run_returns_the_workers_greedy_text_and_usage(gateway: Gateway,
     assert usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": fin.completion_tokens,
                      "total_tokens": len(prompt_ids) + fin.completion_tokens,
                      "prompt_tokens_details": {"cached_tokens": 0}}
-    # where it ran is told without the worker's address (issue 17 item 9)
-    assert "x-edgeserve-worker" not in resp.headers
-    route = resp.headers["x-edgeserve-route"]
-    assert "unified-1" in route and gateway.worker.url.split("//")[1] not in route
+    # where it ran is told by an opaque tag, never the worker's address (issue 17 item 9)
+    tag = worker_tag(gateway.worker.url)  # a static worker's id is its URL
+    assert resp.headers["x-edgeserve-worker"] == tag and tag in resp.headers["x-edgeserve-route"]
+    assert not any(gateway.worker.url.split("//")[1] in v for v in resp.headers.values())
 
 
 def test_workers_stream_matches_non_stream_and_ends_with_usage_then_done(gateway: Gateway) -> None:
