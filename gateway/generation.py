@@ -11,8 +11,10 @@ client disconnect without tearing the worker stream apart mid-read. Cancelling
 the producer closes the worker stream (the worker aborts the request and frees
 its pages) and also sends an explicit cancel.
 
-Metering happens in the producer's `finally`, shielded from cancellation,
-exactly once per request id (the Redis script refuses a second record):
+Metering starts in the producer's `finally` as a task of its own, shielded from
+cancellation, and `aclose` waits for it; once the final item is queued, `aclose`
+no longer cancels the producer (the response side closes right after reading
+Done, while the metering is still on its way to Redis). Exactly once per request id (the Redis script refuses a second record):
 completion tokens are the tokens that reached the gateway, also when the
 client left or the worker died mid-stream. A request refused before the worker
 admitted it is not metered; its quota reservation is released.
@@ -92,6 +94,8 @@ class Generation:
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._accepted = asyncio.Event()
         self._producer: asyncio.Task[None] | None = None
+        self._ended = False  # the final item (Done or an error) is queued: nothing left to cancel
+        self._settling: asyncio.Future[None] | None = None  # the metering, once the producer ends
         self._reservation: Reservation | None = None
         self._completion_tokens = 0
         self._started_at = time.time()
@@ -167,9 +171,11 @@ class Generation:
         if producer is None:
             return
         with anyio.CancelScope(shield=True):  # a client disconnect cancels us; this must still finish
-            if not producer.done():
+            if not producer.done() and not self._ended:  # ended: only the metering is left, let it run
                 producer.cancel()
             await asyncio.wait({producer})
+            if self._settling is not None:
+                await asyncio.wait({self._settling})
 
     # -- producer task -----------------------------------------------------------------
     async def _produce(self) -> None:
@@ -199,9 +205,12 @@ class Generation:
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a typed item
             error = as_typed(exc)
             finish_reason = "error"
+            self._ended = True
             self._queue.put_nowait(error)
         finally:
-            await self._settle(finish_reason, error, cached)
+            # its own task, shielded: cancelling the producer (client gone) never cancels the metering
+            self._settling = asyncio.ensure_future(self._settle(finish_reason, error, cached))
+            await asyncio.shield(self._settling)
 
     async def _stream_from(self, client: WorkerClient, request: GenerateRequest) -> tuple[str, int]:
         text = TextStream(self.model.tokenizer, self.prompt_ids, self.params.stop)
@@ -227,6 +236,7 @@ class Generation:
                     self._queue.put_nowait(Delta(tail))
                 reason = "length" if ev.finish_reason == "length" else "stop"
                 usage = Usage(len(self.prompt_ids), ev.completion_tokens, ev.cached_tokens)
+                self._ended = True
                 self._queue.put_nowait(Done(reason, usage))
                 return reason, ev.cached_tokens
             elif isinstance(ev, ErrorEvent):
