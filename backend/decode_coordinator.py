@@ -121,7 +121,8 @@ class DecodeCoordinator:
                 async with asyncio.timeout(self.transfer_timeout_s):
                     return await self._fetch(url, seq, req, attempt)
             except (BackendUnavailable, TimeoutError) as exc:
-                if attempt == len(urls) - 1:
+                # another prefill worker cannot help when our own engine is the one that stopped
+                if attempt == len(urls) - 1 or not self.engine.alive:
                     if isinstance(exc, TimeoutError):
                         raise BackendUnavailable(f"KV transfer from {url} timed out after "
                                                  f"{self.transfer_timeout_s:.0f}s") from exc

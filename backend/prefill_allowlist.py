@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from backend.errors import StoreUnavailable
+from backend.redis_client import connect
 from backend.registration import WorkerRecord, members_key, record_key
 
 __all__ = ["PrefillAllowlist"]
@@ -34,8 +34,8 @@ class PrefillAllowlist:
             raise ValueError("reading the registry needs both redis_url and model")
         self.static = frozenset(_norm(u) for u in static_urls)
         self.model = model
-        self._redis = (aioredis.Redis.from_url(redis_url, socket_connect_timeout=timeout_s,
-                                               socket_timeout=timeout_s) if redis_url is not None else None)
+        self._redis = (connect(redis_url, socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
+                       if redis_url is not None else None)
 
     async def allows(self, url: str) -> bool:
         """True when `url` is a configured or a live registered prefill worker of this model.

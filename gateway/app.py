@@ -67,13 +67,14 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
     state = GatewayState(config=config, catalog=catalog, router=router,
                          pool=WorkerPool(config.worker_timeout_s, config.worker_token),
                          tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s), quotas=Quotas(redis),
-                         meter=Meter(redis), metrics=GatewayMetrics())
+                         meter=Meter(redis, config.usage_journal_path), metrics=GatewayMetrics())
 
     async def healthz(request: Request) -> Response:
         try:
             await redis.ping()
         except Exception as exc:  # noqa: BLE001 - health reports, never raises
-            return JSONResponse({"status": "degraded", "redis": f"unreachable: {type(exc).__name__}"}, 503)
+            return JSONResponse({"status": "degraded", "redis": f"unreachable: {type(exc).__name__}"}, 503,
+                                headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok", "region": config.region, "models": [m.name for m in catalog.models]})
 
     async def metrics(request: Request) -> Response:

@@ -41,6 +41,9 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     routing_policy: str = "prefix"  # "prefix" | "least-loaded" | "round-robin"
     regions: RegionMap = RegionMap()
     max_waiting_per_worker: int = 16  # a worker with this many waiting counts as saturated
+    # append-only file of usage Redis could not take yet (replayed when it returns); None: the first free
+    # $EDGESERVE_HOME/journal/gateway-<n>.jsonl (gateway/usage_journal.py)
+    usage_journal_path: str | None = None
     worker_token: str | None = None  # sent to workers as a Bearer token; keep it out of logs
     max_header_bytes: int = 32 * 2**10  # request headers (names + values) past this: 431
     max_headers: int = 100

@@ -18,7 +18,7 @@ from gateway.served_models import ModelCatalog, ServedModel
 from gateway.tenants import Tenant, TenantStore
 from gateway.worker_pool import WorkerPool
 
-__all__ = ["GatewayState", "response_headers"]
+__all__ = ["GatewayState"]
 
 
 @dataclass
@@ -74,9 +74,3 @@ class GatewayState:
 
 def _too_large(limit: int) -> PromptTooLong:
     return PromptTooLong(f"request body larger than {limit} bytes", max_request_bytes=limit)
-
-
-def response_headers(gen: Generation) -> dict[str, str]:
-    """Where the request ran and why (the router's decision), for the client and for debugging."""
-    return {"x-edgeserve-request-id": gen.request_id, "x-edgeserve-worker": gen.worker_url or "",
-            "x-edgeserve-route": gen.route.reason if gen.route is not None else ""}

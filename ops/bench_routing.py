@@ -32,7 +32,7 @@ Measured per policy (all requests of its run):
 - TTFT p50/p95 (client clock: request sent -> first chunk with content;
   nearest-rank, `ops.bench_engine.percentile`);
 - throughput: requests/s and output tokens/s over the run's wall time;
-- load per worker: requests (from the ``x-edgeserve-worker`` header) and prompt
+- load per worker: requests (from the ``x-edgeserve-worker`` header, a tag of the worker id) and prompt
   tokens computed (prompt - cached); `max_over_mean` = the busiest worker's
   share over the mean of all four (an idle worker counts as 0);
 - diagnostics: the share of later turns sent to the worker of the previous turn
@@ -71,6 +71,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from gateway.generation import worker_tag
 from ops.bench import write_report
 from ops.bench_engine import percentile
 from ops.cluster import child_process, machine_info, wait_http
@@ -272,8 +273,8 @@ async def send_turn(client, url: str, token: str, messages: list[dict[str, str]]
     text: list[str] = []
     try:
         async with client.stream("POST", url, json=body, headers={"authorization": f"Bearer {token}"}) as resp:
-            url_of_worker = resp.headers.get("x-edgeserve-worker", "")
-            res.worker = worker_ids.get(url_of_worker.rstrip("/"), url_of_worker)
+            tag = resp.headers.get("x-edgeserve-worker", "")  # an opaque tag of the worker's id, never its URL
+            res.worker = next((wid for wid in worker_ids.values() if worker_tag(wid) == tag), tag)
             res.route = resp.headers.get("x-edgeserve-route", "")
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"

@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trust-region-headers", action="store_true",
                    help="route by the client's x-edgeserve-region / cf-ipcountry headers; only behind an edge that "
                         "sets them itself and strips what clients send (default: off, the gateway's own region)")
+    p.add_argument("--usage-journal", default=None, metavar="PATH",
+                   help="file for usage Redis could not take yet, replayed when it returns (default: the first "
+                        "free $EDGESERVE_HOME/journal/gateway-<n>.jsonl)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alive comments")
     p.add_argument("--worker-token", default=None,
@@ -45,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def build_config(model: str, workers: list[str], redis_url: str, *, served_name: str | None = None,
                  region: str = "local", max_model_len: int | None = None, keepalive_s: float = 10.0,
-                 policy: str = "prefix", trust_region_headers: bool = False, worker_token: str | None = None):
+                 policy: str = "prefix", trust_region_headers: bool = False, worker_token: str | None = None,
+                 usage_journal: str | None = None):
     """GatewayConfig for one model (pulled if it is a known name) served by `workers`."""
     from gateway.config import DEFAULT_ALIASES, GatewayConfig, ModelRoute
     from gateway.regions import RegionMap
@@ -56,7 +60,7 @@ def build_config(model: str, workers: list[str], redis_url: str, *, served_name:
                        aliases=DEFAULT_ALIASES.get(name, []), max_model_len=max_model_len)
     return GatewayConfig(models=[route], redis_url=redis_url, region=region, keepalive_s=keepalive_s,
                          routing_policy=policy, regions=RegionMap(trust_headers=trust_region_headers),
-                         worker_token=worker_token)
+                         worker_token=worker_token, usage_journal_path=usage_journal)
 
 
 def freeze_heap() -> None:
@@ -70,15 +74,16 @@ def freeze_heap() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from backend.worker_auth import resolve_token
+    from backend.redis_client import redact
     from gateway.app import create_gateway_app, render_error
     from ops.graceful import serve
-    from ops.redact import redact_url
 
     token = resolve_token(args.worker_token)
     config = build_config(args.model, args.worker, args.redis_url, served_name=args.served_name,
                           region=args.region, max_model_len=args.max_model_len, keepalive_s=args.keepalive,
-                          policy=args.policy, trust_region_headers=args.trust_region_headers, worker_token=token)
-    where = ", ".join(args.worker) if args.worker else f"the worker registry in {redact_url(args.redis_url)}"
+                          policy=args.policy, trust_region_headers=args.trust_region_headers, worker_token=token,
+                          usage_journal=args.usage_journal)
+    where = ", ".join(args.worker) if args.worker else f"the worker registry in {redact(args.redis_url)}"
     print(f"edgeserve gateway on http://{args.host}:{args.port} -> {where}"
           f"{'' if token else ' (no worker token)'}", flush=True)
     app = create_gateway_app(config)

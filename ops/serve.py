@@ -131,7 +131,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from backend.worker import create_worker_app, worker_error_response
     from ops.graceful import serve
     from ops.pull import resolve_model
-    from ops.redact import redact_url
+    from backend.redis_client import redact
     model_dir = resolve_model(args.model)
     config = EngineConfig(dtype=args.dtype, kv_format=args.kv_format, kv_cache_bytes=args.kv_cache_bytes,
                           page_size=args.page_size, max_model_len=args.max_model_len,
@@ -171,7 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_worker_app(async_engine, model_name=name, role=args.role, coordinator=coordinator,
                             background=background, registration=registration, token=token)
     snap = engine.snapshot()
-    where = f", registered in {redact_url(args.redis_url)}" if args.redis_url else ""
+    where = f", registered in {redact(args.redis_url)}" if args.redis_url else ""
     print(f"edgeserve worker ({args.role}) serving {name} from {model_dir} on http://{args.host}:{args.port}"
           f"{where}\n"
           f"  KV pool: {snap['pages_total']} pages x {snap['page_size']} tokens ({snap['kv_format']}, "

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from ops.gateway_cmd import build_config, freeze_heap
     from ops.graceful import serve
     from ops.pull import resolve_model
-    from ops.redact import redact_url
+    from backend.redis_client import redact
 
     model_dir = resolve_model(args.model)  # pulls first, with progress, before anything starts
     args.served_name = args.served_name or args.model
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     token = resolve_token(None) or new_token()
     worker_env = {**os.environ, TOKEN_ENV: token}  # the environment, not argv: `ps` shows argv
     with _redis(args.redis_url) as redis_url:
-        print(f"[1/3] redis     {redact_url(redis_url)}", flush=True)
+        print(f"[1/3] redis     {redact(redis_url)}", flush=True)
         worker_url = f"http://127.0.0.1:{args.worker_port}"
         with _child(_worker_argv(args, str(model_dir), redis_url), worker_env, args.drain_timeout + 15) as worker:
             print(f"[2/3] worker    {worker_url} loading {args.served_name} ...", flush=True)

@@ -41,9 +41,10 @@ def _recover(redis: RedisServer, kind: str) -> None:
 
 
 def _gateway_app(model_dir: Path, worker_url: str, redis: RedisServer, journal: Path):
-    app = create_gateway_app(gateway_config(model_dir, [worker_url], redis.url))
+    app = create_gateway_app(gateway_config(model_dir, [worker_url], redis.url, usage_journal_path=str(journal)))
     meter = app.state.gateway.meter
-    meter.journal_path, meter.replay_interval_s = journal, 0.1  # (a config field would set these)
+    assert meter.journal_path == journal  # GatewayConfig.usage_journal_path reaches the meter
+    meter.replay_interval_s = 0.1
     return app
 
 
@@ -86,8 +87,6 @@ def test_redis_stopped_or_hung_is_a_fast_typed_503_without_its_address_then_reco
             assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/app.py's /healthz (owned elsewhere) answers 503 without "
-                                       "Retry-After; it should raise/translate StoreUnavailable via error_headers")
 def test_healthz_during_an_outage_carries_retry_after(worker: Worker, tiny_chat_dir: Path,
                                                       restartable_redis: RedisServer, tmp_path: Path) -> None:
     with serve_in_thread(_gateway_app(tiny_chat_dir, worker.url, restartable_redis, tmp_path / "j.jsonl")) as url:

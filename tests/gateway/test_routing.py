@@ -19,6 +19,7 @@ from backend.registration import Heartbeat, WorkerRecord
 from backend.worker import create_worker_app
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig, ModelRoute
+from gateway.generation import worker_tag
 from gateway.regions import RegionMap
 from gateway.registry_view import RegistryView
 from gateway.router import Router
@@ -178,7 +179,8 @@ def test_gateway_routes_over_the_registry_retries_before_first_byte_and_drives_a
     dead = f"http://127.0.0.1:{free_port()}"
     pre_engine, dec_engine = tiny_engine(tiny_chat_dir), tiny_engine(tiny_chat_dir, kv_format="fp8_e4m3")
     a_pre, a_dec = AsyncEngine(pre_engine), AsyncEngine(dec_engine)
-    coord = DecodeCoordinator(a_dec, [], HttpKVTransport())  # no list of its own: the router names the prefill
+    # no list of its own: the router names the prefill worker, which must be registered in Redis
+    coord = DecodeCoordinator(a_dec, [], HttpKVTransport(), registry_url=redis_url, model=MODEL)
     with serve_in_thread(create_worker_app(a_pre, MODEL, role="prefill")) as pre_url, \
             serve_in_thread(create_worker_app(a_dec, MODEL, role="decode", coordinator=coord)) as dec_url:
         def worker(wid, url, role, **load):
@@ -196,7 +198,8 @@ def test_gateway_routes_over_the_registry_retries_before_first_byte_and_drives_a
                               json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 5
-        assert resp.headers["x-edgeserve-worker"] == dec_url  # the dead (idler) worker was tried first
+        assert resp.headers["x-edgeserve-worker"] == worker_tag("dec")  # the dead (idler) worker was tried first
+        assert dec_url not in resp.headers["x-edgeserve-route"]  # clients see tags, never addresses
         assert "least-loaded" in resp.headers["x-edgeserve-route"]
         stats = httpx.get(f"{dec_url}/stats").json()["kv_transfer"]
         assert stats["transfers"] == 1  # the KV came from the routed prefill worker
