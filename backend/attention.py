@@ -47,12 +47,12 @@ class StepMetadata:
 
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64, where each token's K/V is written
-    num_decode: int
+    num_decode: int  # decode rows: rows 0..num_decode-1 of the flat batch, prompt chunks after them
     decode_page_table: torch.Tensor | None  # [D, P] int64 (padded with page 0)
     decode_mask: torch.Tensor | None  # [D, 1, 1, P*PAGE_SIZE] additive (0 or -inf), compute dtype
     decode_context_lens: torch.Tensor | None  # [D] int32, keys each decoding sequence attends to
     prefills: list[PrefillChunk]
-    logits_rows: torch.Tensor  # [R] int64, rows whose logits are sampled
+    logits_rows: torch.Tensor  # [R] int64, rows whose logits are sampled: the decode rows first, in order
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: StepMetadata,

@@ -11,13 +11,19 @@ one `gate_up` matrix [2 * intermediate, hidden], so one layer is four GEMMs
 reordered for the complex-multiply RoPE (see `rope.py`). Parameters are plain
 tensors (no nn.Module) to keep per-step dispatch short.
 
-Weights per phase: the linear layers can be held in one format for steps with
-prompt tokens ("prefill") and another for pure decode steps ("decode"), e.g. FP32
-or FP8 for compute-bound prefill and INT4 for bandwidth-bound decode (formats in
-`weight_formats.py`). `forward` picks the phase from the step: any prefill chunk
-makes it a prefill step. When both phases ask for the same format they share one
-copy; otherwise the linear layers are held twice (`weight_memory` says what each
-costs). Embeddings, norms, biases and the LM head are shared and stay dense.
+Weights per phase: the linear layers can be held in one format for prompt rows
+("prefill") and another for decode rows ("decode"), e.g. FP32 or FP8 for
+compute-bound prefill and INT4 for bandwidth-bound decode (formats in
+`weight_formats.py`). Every row runs on its own phase's weights, whatever shares its
+step: a step that mixes decode rows and prompt chunks (a unified worker's continuous
+batching) runs each GEMM as two row groups, the decode rows (the first
+`meta.num_decode`) on the decode format and the prompt rows on the prefill format;
+the LM head, though shared, is split the same way, so a decode row never shares a
+GEMM with a prompt row (see `sampler.py` for what that makes exact). A mixed step
+then reads both copies of the linear weights. When both phases ask for the same
+format they share one copy and every step runs each GEMM once over all its rows;
+otherwise the linear layers are held twice (`weight_memory` says what each costs).
+Embeddings, norms, biases and the LM head are shared and stay dense.
 """
 
 from __future__ import annotations
@@ -53,6 +59,14 @@ class LayerWeights:
     down: LinearOp  # [hidden, intermediate]
 
 
+def _linear(op: LinearOp, decode_op: LinearOp, x: torch.Tensor, split: int) -> torch.Tensor:
+    """op(x) [T, out_features]; with split > 0 the first `split` rows (a mixed step's decode
+    rows) run decode_op instead, as a GEMM of their own."""
+    if not split:
+        return op(x)
+    return torch.cat([decode_op(x[:split]), op(x[split:])])
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:  # one fused op
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -69,13 +83,14 @@ class LlamaModel:
         self.dtype = dtype
         self.embed = embed  # [vocab, hidden]
         self.phase_layers = layers  # phase -> layers; the same list when both phases share a format
+        self.shares_weights = layers["prefill"] is layers["decode"]  # one copy: no row groups in mixed steps
         self.formats = formats or {}  # phase -> weight format of its linear layers
         self.norm = norm
         self.lm_head = lm_head  # [vocab, hidden], shares storage with embed when tied
         self.rope = RotaryEmbedding(cfg, embed.device)
         self.scale = cfg.head_dim ** -0.5
         self._split = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-        self.steps_by_phase: Counter[str] = Counter()
+        self.steps_by_phase: Counter[str] = Counter()  # steps by their rows: "prefill", "decode", "mixed"
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype = torch.float32,
@@ -202,26 +217,33 @@ class LlamaModel:
                 phase: str | None = None) -> torch.Tensor:
         """Logits [R, vocab] (float32) for rows `meta.logits_rows` of the flat batch input_ids [T].
 
-        The linear layers are the `phase`'s (default: "prefill" if the step has a prefill
-        chunk, else "decode")."""
+        The first `meta.num_decode` rows (and logits rows) are decode rows and run on the decode
+        weights, the prompt rows after them on the prefill weights (two row groups per GEMM when
+        the formats differ). `phase` puts every row on that phase's weights instead."""
         cfg = self.cfg
-        phase = phase or ("prefill" if meta.prefills else "decode")
-        self.steps_by_phase[phase] += 1
+        d = meta.num_decode
+        rows = "mixed" if d and meta.prefills else "prefill" if meta.prefills else "decode"
+        self.steps_by_phase[rows] += 1
+        split = d if phase is None and rows == "mixed" and not self.shares_weights else 0
+        layers = self.phase_layers[phase or ("decode" if rows == "decode" else "prefill")]
+        decode_layers = self.phase_layers["decode"]
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         freqs = self.rope.tables(meta.positions)
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
-        for i, layer in enumerate(self.phase_layers[phase]):
+        for i, (layer, dec) in enumerate(zip(layers, decode_layers)):
             x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(x)
+            qkv = _linear(layer.qkv, dec.qkv, x, split)
             qk, v = qkv.split([num_qk_heads * cfg.head_dim, self._split[1]], dim=-1)
             qk = RotaryEmbedding.apply(qk.view(t, num_qk_heads, cfg.head_dim), freqs)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
             cache.store(i, meta.slots, k, v.view(t, cfg.num_kv_heads, cfg.head_dim))
             attn = paged_attention(q, cache, i, meta, self.scale)
-            h.add_(layer.o_proj(attn.reshape(t, -1)))
+            h.add_(_linear(layer.o_proj, dec.o_proj, attn.reshape(t, -1), split))
             x = _rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h.add_(layer.down(F.silu(gate).mul_(up)))
+            gate, up = _linear(layer.gate_up, dec.gate_up, x, split).chunk(2, dim=-1)
+            h.add_(_linear(layer.down, dec.down, F.silu(gate).mul_(up), split))
         h = _rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
+        if split and h.shape[0] > split:  # decode rows and completed prompts: the LM head per group too
+            return _linear(self.lm_head, self.lm_head, h, split).float()
         return self.lm_head(h).float()

@@ -4,8 +4,28 @@ Each row of the logits belongs to one request with its own temperature, top-k,
 top-p and (optional) seed. Greedy rows take the argmax. Sampled rows use the
 exponential race: with E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is distributed as
 Categorical(p), so one vectorised argmax replaces a multinomial draw per row, and
-a seeded request draws its noise from its own `torch.Generator`: the same seed
-gives the same tokens for the same logits whatever else is in the batch.
+a seeded request draws its noise from its own `torch.Generator` (one [vocab] draw
+per token): the same seed gives the same tokens for the same logits whatever else
+is in the batch.
+
+Whether a request's logits are the same in another batch is the model's part
+(`backend/model.py`), and what holds is this:
+
+- Weights, always: every row runs on its own phase's weights in every step, decode
+  rows on the decode format and prompt rows on the prefill format, whatever shares
+  the step.
+- Beside prompts, with distinct prefill and decode formats: a decode row never shares
+  a GEMM (the LM head included) with a prompt row, and every other op works row by
+  row, so its logits are bit-identical to those of a step with the same decode rows
+  and no prompt chunk. A seeded request decoded alone and one decoded while other
+  prompts prefill in its steps give the same tokens.
+- Float batch-invariance is a separate property, not promised: a GEMM's rounding
+  can change with its row count (MKL's float32 GEMM differs in the last bits between
+  1 and 2 rows on this CPU class), and decode attention pads keys to the step's
+  longest context. So with one format for both phases (prompt and decode rows share
+  each GEMM), or beside other decoding requests, the logits agree with the alone run
+  in all but the last bits, and a token can change only where two candidates tie to
+  within that rounding.
 """
 
 from __future__ import annotations

@@ -15,7 +15,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     """How to pick tokens and when to stop.
 
     temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters.
-    The same seed gives the same output whatever else is in the batch.
+    A seed fixes the sampling noise: the same seed and the same logits give the same
+    tokens whatever else is in the batch. The logits are bit-identical whether the
+    request decodes alone or beside other prompts' prefill when the prefill and decode
+    weight formats differ (the two kinds of rows then run separate GEMMs); otherwise
+    (one format, or other requests decoding beside it) they agree up to float rounding
+    in the last bits (see `backend/sampler.py`).
     """
 
     max_tokens: int = 256

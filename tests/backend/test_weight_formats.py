@@ -181,7 +181,7 @@ def test_quantised_model_logits_match_the_dequantised_dense_model(tmp_path: Path
 
 
 def test_each_phase_uses_its_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefill and mixed steps run the prefill format's linears, pure decode steps the decode format's."""
+    """Prompt rows run the prefill format's linears, decode rows the decode format's, in mixed steps too."""
     path = write_tiny_model(tmp_path / "m", "llama", seed=2)
     engine = _engine(path, prefill_weights="fp32", decode_weights="int4", max_num_batched_tokens=64)
     layers = engine.model.phase_layers
@@ -210,9 +210,11 @@ def test_each_phase_uses_its_format(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert step() == {"int4": 0, "dense": per_step + 1}  # prefill (+ the LM head, dense)
     assert step() == {"int4": per_step, "dense": 1}  # decode: INT4 linears, dense LM head
     engine.add_request(list(range(30, 40)), params)
-    assert step() == {"int4": 0, "dense": per_step + 1}  # a decode row plus a prefill chunk: prefill format
+    # a decode row beside a prompt that completes: each linear twice (decode row on INT4, prompt rows
+    # on FP32), the LM head once per row group
+    assert step() == {"int4": per_step, "dense": per_step + 2}
     assert step() == {"int4": per_step, "dense": 1}
-    assert engine.model.steps_by_phase == {"prefill": 2, "decode": 2}
+    assert engine.model.steps_by_phase == {"prefill": 1, "decode": 2, "mixed": 1}
 
 
 def test_memory_of_one_and_two_formats(tmp_path: Path) -> None:
