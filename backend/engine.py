@@ -82,8 +82,8 @@ class EngineConfig:
     held_timeout_s: float = 60.0  # prefill role: pages of a request whose KV is never collected are freed
     # linear-layer weight formats per phase (backend/weight_formats.py): fp32 | bf16 | fp8 | int4; None keeps
     # the checkpoint's (dense: in the compute dtype). Equal formats share one copy; different ones hold two.
-    prefill_weights: str | None = None  # steps with prompt tokens
-    decode_weights: str | None = None  # pure decode steps
+    prefill_weights: str | None = None  # rows of prompt tokens
+    decode_weights: str | None = None  # rows of decode tokens, in every step (mixed ones too)
     int4_group_size: int = 128  # 32 allowed
     kv_events_max: int = 10_000  # prefix-cache KV events kept for the publisher; older ones are dropped
 

@@ -70,11 +70,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share cached prompt blocks between requests (prefill and unified roles)")
     weights = ["fp32", "bf16", "fp8", "int4"]  # backend/weight_formats.py; default: as the checkpoint stores them
     p.add_argument("--prefill-weights", default=None, choices=weights,
-                   help="linear-layer format for steps with prompt tokens (default: as stored; dense in --dtype)")
+                   help="linear-layer format for prompt tokens (default: as stored; dense in --dtype)")
     p.add_argument("--decode-weights", default=None, choices=weights,
-                   help="linear-layer format for pure decode steps (default: as stored); a format other than "
+                   help="linear-layer format for decode tokens, also in steps mixed with prompts (default: as stored); "
+                        "a format other than "
                         "--prefill-weights holds a second copy of the linear layers")
-    p.add_argument("--int4-group-size", type=int, default=128, choices=[32, 64, 128, 256])
+    p.add_argument("--int4-group-size", type=int, default=128, choices=[32, 64, 128, 256],
+                   help="INT4 weights: values per scale group along K (default 128)")
 
 
 # engine flags `up` forwards to its worker unchanged (dest names)
