@@ -1,9 +1,22 @@
-# make serve: set up .venv if missing, install, pull the default model, run the local cluster.
-# make test:  set up .venv if missing, install (with test extras), run the whole suite.
+# make serve: set up .venv if missing, install the runtime, pull the default model, run the local cluster.
+# make test:  set up .venv if missing, install the runtime and the test extras, run the whole suite.
+#
+# PyTorch: the install asks for torch==2.13.0 first, so no other package can pull a different build.
+# Which build that is depends on where pip looks:
+#   make serve                                                  # pip's configured index (here: a CPU build on disk)
+#   make serve TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu     # CPU-only machine, no CUDA download
+#   make serve TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128   # NVIDIA GPU: the index for your CUDA
+#                                                                       # (then `edgeserve serve --device cuda`)
+# PyPI's own Linux x86_64 wheel is the CUDA build (several GB); the CPU index has the small one.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+PIP     := $(BIN)/pip --disable-pip-version-check
+TORCH   ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+HASH    := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+RUNTIME := $(VENV)/.runtime-$(HASH)
+TESTS   := $(VENV)/.tests-$(HASH)
 
 # keep freed tensor memory in the heap (see ops/cli.py: ALLOCATOR_TUNABLES)
 export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296
@@ -11,22 +24,29 @@ export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967296:glibc.malloc.tri
 .PHONY: serve test install bench
 
 $(BIN)/python:
+	@echo "edgeserve: creating $(VENV) with $(PY)"
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	@$(PIP) install --quiet --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
-	# torch is pinned first so nothing pulls a multi-GB CUDA build.
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
-	touch $(STAMP)
+$(RUNTIME): $(BIN)/python pyproject.toml
+	@echo "edgeserve: installing PyTorch ($(TORCH)$(if $(TORCH_INDEX_URL), from $(TORCH_INDEX_URL)))"
+	@$(PIP) install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) '$(TORCH)'
+	@echo "edgeserve: installing edgeserve and its runtime dependencies (starlette, uvicorn, redis, triton, ...)"
+	@$(PIP) install --quiet -e .
+	@touch $(RUNTIME)
 
-install: $(STAMP)
+$(TESTS): $(RUNTIME)
+	@echo "edgeserve: installing the test extras (pytest, hypothesis, transformers, openai, ...)"
+	@$(PIP) install --quiet -e '.[test]'
+	@touch $(TESTS)
 
-serve: $(STAMP)
+install: $(RUNTIME)
+
+serve: $(RUNTIME)
 	$(BIN)/edgeserve up
 
-test: $(STAMP)
+test: $(TESTS)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
-bench: $(STAMP)
+bench: $(TESTS)
 	$(BIN)/edgeserve bench engine
