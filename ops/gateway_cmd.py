@@ -24,20 +24,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model name or folder (its tokenizer and template)")
     p.add_argument("--served-name", default=None, help="the name workers serve it under (default: --model)")
     p.add_argument("--worker", action="append", default=[],
-                   help="a static worker URL (repeat for several); without any, route over the Redis registry")
+                   help="a static worker URL (repeat for several; default: none, route over the Redis registry)")
     p.add_argument("--policy", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
                    help="how to pick among a region's workers")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL))
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--region", default="local")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
+                   help="Redis with tenants, keys, usage and the worker registry ($REDIS_URL when set)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on")
+    p.add_argument("--region", default="local", help="this gateway's region: it prefers workers in the same one")
     p.add_argument("--trust-region-headers", action="store_true",
                    help="route by the client's x-edgeserve-region / cf-ipcountry headers; only behind an edge that "
                         "sets them itself and strips what clients send (default: off, the gateway's own region)")
     p.add_argument("--usage-journal", default=None, metavar="PATH",
                    help="file for usage Redis could not take yet, replayed when it returns (default: the first "
                         "free $EDGESERVE_HOME/journal/gateway-<n>.jsonl)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus reply the gateway admits (default: the model's context length)")
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alive comments")
     p.add_argument("--worker-token", default=None,
                    help="the workers' shared token (default: $EDGESERVE_WORKER_TOKEN; the environment keeps it "

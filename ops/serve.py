@@ -44,24 +44,30 @@ def _buckets(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"not a list of row counts: {text!r} (e.g. 8,32,128 or none)") from None
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Model and engine flags shared by `serve` and `up`."""
+def add_engine_args(p: argparse.ArgumentParser, listener: str = "the worker") -> None:
+    """Model and engine flags shared by `serve` and `up`; --host and --port are where `listener` listens."""
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name to pull, or a Hugging Face-format folder")
     p.add_argument("--served-name", default=None,
                    help="the name clients and the gateway use for the model (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--host", default="127.0.0.1", help=f"address {listener} listens on")
+    p.add_argument("--port", type=int, default=8100, help=f"port {listener} listens on")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="compute dtype (float32 is the fast one on CPUs without BF16 units)")
-    p.add_argument("--kv-format", default="fp32", choices=["fp32", "bf16", "fp8_e4m3"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=parse_bytes("512M"))
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--prefill-chunk-size", type=int, default=256)
-    p.add_argument("--max-waiting", type=int, default=256)
+    p.add_argument("--kv-format", default="fp32", choices=["fp32", "bf16", "fp8_e4m3"],
+                   help="how the KV cache stores keys and values (fp8_e4m3: a quarter of fp32's memory)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model runs (cuda needs a CUDA build of PyTorch)")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default="512M",
+                   help="memory for the KV cache (e.g. 512M, 2G): bounds how many tokens are held at once")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus reply, in tokens (default: the model's context length)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="most tokens computed in one step")
+    p.add_argument("--prefill-chunk-size", type=int, default=256,
+                   help="a long prompt is computed in chunks of this many tokens, between decode steps")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that may queue for a slot; more are refused (429)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--gemm-buckets", type=_buckets, default=None,
                    help="row counts to pre-pack float32 weights for (default 8,32,128; each costs one copy of "
@@ -76,7 +82,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a format other than "
                         "--prefill-weights holds a second copy of the linear layers")
     p.add_argument("--int4-group-size", type=int, default=128, choices=[32, 64, 128, 256],
-                   help="INT4 weights: values per scale group along K (default 128)")
+                   help="INT4 weights: values per scale group along K")
 
 
 # engine flags `up` forwards to its worker unchanged (dest names)
@@ -88,13 +94,16 @@ ENGINE_OPTIONS = ("dtype", "kv_format", "device", "kv_cache_bytes", "page_size",
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run one worker (role unified, prefill or decode)")
     add_engine_args(serve)
-    serve.add_argument("--role", default="unified", choices=["unified", "prefill", "decode"])
+    serve.add_argument("--role", default="unified", choices=["unified", "prefill", "decode"],
+                       help="unified runs whole requests; prefill and decode split them between two workers")
     serve.add_argument("--prefill-worker", action="append", default=[],
-                       help="decode role: a prefill worker's URL (repeat for several)")
+                       help="decode role: a prefill worker's URL (repeat for several; default: none, the gateway "
+                            "names one per request from the Redis registry)")
     serve.add_argument("--kv-wire", default="fp8_e4m3", choices=["fp8_e4m3", "bf16"],
                        help="decode role: KV format on the wire from prefill workers")
     serve.add_argument("--redis-url", default=None,
-                       help="register in this Redis (heartbeat with live load) and publish prefix-cache KV events")
+                       help="register in this Redis (heartbeat with live load) and publish prefix-cache KV events "
+                            "(default: none, not registered)")
     serve.add_argument("--worker-id", default=None, help="this worker's id in Redis (default: host:port)")
     serve.add_argument("--region", default="local", help="this worker's region (for gateways' routing)")
     serve.add_argument("--advertise-url", default=None,
@@ -111,7 +120,7 @@ def add_worker_token_args(p: argparse.ArgumentParser) -> None:
                         "environment keeps it out of `ps`)")
     p.add_argument("--insecure-no-worker-token", action="store_true",
                    help="allow a worker without a token on a non-loopback address (anyone who reaches it can "
-                        "call it)")
+                        "call it; default: refuse)")
 
 
 def add_drain_arg(p: argparse.ArgumentParser) -> None:

@@ -7,8 +7,9 @@
     edgeserve key create TENANT_ID [--json]                (the token is shown once, never again)
     edgeserve key revoke KEY_ID
 
-Every command takes ``--redis-url`` (default: $REDIS_URL, else redis://127.0.0.1:6379/0)
-and talks to the same Redis the gateways use (see `gateway.redis_keys`).
+Every command talks to the Redis the gateways use (see `gateway.redis_keys`): the one
+``--redis-url`` names, else $REDIS_URL, else the one the running `edgeserve up`
+recorded (`ops.cluster_record`), else redis://127.0.0.1:6379/0.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, date, datetime, timedelta
@@ -33,9 +33,14 @@ Command = Callable[[argparse.Namespace, "redis.asyncio.Redis"], Awaitable[int]]
 _KEEP: Any = object()  # set-quotas: a limit not given on the command line stays as it is
 
 
+LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
 def default_redis_url() -> str:
-    """$REDIS_URL, else the local default."""
-    return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    """$REDIS_URL, else the running `edgeserve up`'s Redis, else the local default."""
+    from ops.cluster_record import setting
+
+    return setting(None, "REDIS_URL", "redis_url", LOCAL_REDIS_URL)
 
 
 def _limit(text: str) -> int | None:
@@ -55,6 +60,8 @@ def _run(command: Command) -> Callable[[argparse.Namespace], int]:
     def func(args: argparse.Namespace) -> int:
         from backend.errors import StoreUnavailable
         from backend.redis_client import connect, redact
+
+        args.redis_url = args.redis_url or default_redis_url()
 
         async def main() -> int:
             async with connect(args.redis_url, socket_timeout_s=5.0) as client:
@@ -140,7 +147,9 @@ async def _key_revoke(args: argparse.Namespace, client: redis.asyncio.Redis) -> 
 
 def _command(group: argparse._SubParsersAction, name: str, help: str, command: Command) -> argparse.ArgumentParser:
     p = group.add_parser(name, help=help)
-    p.add_argument("--redis-url", default=default_redis_url(), help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
+    p.add_argument("--redis-url", default=None,
+                   help=f"the gateways' Redis (default: $REDIS_URL, else the running `edgeserve up`'s, else "
+                        f"{LOCAL_REDIS_URL})")
     p.set_defaults(func=_run(command))
     return p
 

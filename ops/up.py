@@ -5,13 +5,23 @@
                --worker-port; it registers in Redis and heartbeats its load
     gateway    in this process on --port, routing over that registry, with a demo tenant and a new API key
 
-A random worker token (or $EDGESERVE_WORKER_TOKEN) is handed to the worker through
-its environment, never argv, and to the gateway in its config.
+Before anything starts, both ports are checked: one in use ends the command with one
+line naming the process that holds it (and, when that is the running cluster, how to
+use or stop it), without a banner or a token.
 
-Ctrl-C (SIGINT to the whole process group) or SIGTERM drains the gateway (new
-requests get 503 Draining, open streams finish for up to --drain-timeout seconds);
-the worker, which gets the same Ctrl-C or a SIGTERM next, drains the same way; then
-the worker and Redis are stopped and waited for; nothing is left running.
+A random worker token (or $EDGESERVE_WORKER_TOKEN) is handed to the worker through
+its environment, never argv, and to the gateway in its config. Once the worker is
+ready, the cluster is recorded in the edgeserve home (`ops.cluster_record`: URLs,
+pids, the demo tenant and its token, mode 0600) so that `edgeserve chat`,
+`edgeserve tenant` and `edgeserve key` find it without flags; the record goes when
+`up` stops.
+
+Ctrl-C or SIGTERM stops the cluster in order, so nothing is left running and no part
+outlives what it depends on: the gateway drains (new requests get 503 Draining,
+open streams finish for up to --drain-timeout seconds), then the worker is sent
+SIGTERM and drains the same way, then Redis stops. The worker runs in its own
+process group and Redis with SIGINT blocked, so a terminal's Ctrl-C reaches only
+`up`; the worker also gets SIGTERM if `up` dies (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -26,21 +37,32 @@ import sys
 import time
 from collections.abc import Iterator
 
-__all__ = ["register", "DEMO_TENANT"]
+__all__ = ["register", "run", "DEMO_TENANT", "busy_port_message"]
 
 DEMO_TENANT = "demo"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+DESCRIPTION = """\
+Run Redis, a worker and the gateway on this machine until Ctrl-C. The banner shows an
+API token and commands to try. While `up` runs, `edgeserve chat`, `edgeserve tenant`
+and `edgeserve key` find this cluster without flags: it is recorded, with the token,
+in $EDGESERVE_HOME/cluster.json (default ~/.cache/edgeserve; mode 0600). Ctrl-C stops
+the gateway once in-flight requests finish, then the worker, then Redis."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ops.serve import add_drain_arg, add_engine_args
 
-    p = subparsers.add_parser("up", help="run the local cluster: Redis, a worker and the gateway")
-    add_engine_args(p)
+    p = subparsers.add_parser("up", help="run the local cluster: Redis, a worker and the gateway",
+                              description=DESCRIPTION)
+    add_engine_args(p, listener="the gateway")
     p.set_defaults(port=8080, func=run)
-    p.add_argument("--worker-port", type=int, default=8100)
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                   help="use this Redis instead of starting one (default: $REDIS_URL)")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--worker-port", type=int, default=8100, help="port of the worker (on 127.0.0.1)")
+    p.add_argument("--redis-url", default=None,
+                   help="use this Redis instead of starting one (default: $REDIS_URL, else a new redis-server on "
+                        "a free port)")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds the worker may take to load the model")
     add_drain_arg(p)
 
 
@@ -59,6 +81,26 @@ def _worker_argv(args: argparse.Namespace, model: str, redis_url: str) -> list[s
         elif value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def busy_port_message(ports: list[tuple[str, str, str, int]]) -> str | None:
+    """One line about the first of `ports` ((what, flag, host, port)) that a server could not listen on, or
+    None when all are free. When the holder is the running cluster, the line says how to use or stop it."""
+    from ops.cluster_record import running_cluster
+    from ops.hints import edgeserve_command
+    from ops.port_owner import describe_holder, port_free, port_holder
+
+    for what, flag, host, port in ports:
+        if port_free(host, port):
+            continue
+        holder, cluster = port_holder(port), running_cluster()
+        if holder is not None and cluster is not None and holder.pid in (cluster.pid, *cluster.worker_pids):
+            return (f"edgeserve up: a cluster is already running (pid {cluster.pid}, gateway {cluster.gateway_url},"
+                    f" since {cluster.started_at}); use it (`{edgeserve_command()} chat`) or stop it first (Ctrl-C "
+                    f"in its terminal, or `kill {cluster.pid}`)")
+        return (f"edgeserve up: port {port} ({what}) is in use by {describe_holder(holder)}; stop that or choose "
+                f"another {flag}")
+    return None
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, token: str) -> dict:
@@ -80,19 +122,38 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, token: str
 
 
 @contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Children started inside inherit a blocked SIGINT (redis-server keeps the mask): a terminal's Ctrl-C
+    does not stop them before the parts that still use them."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
 def _redis(url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
     from ops.redis_server import run_redis_server
 
-    with run_redis_server() as started:
-        yield started
+    with contextlib.ExitStack() as stack:
+        with _sigint_blocked():
+            redis_url = stack.enter_context(run_redis_server())
+        yield redis_url
+
+
+def _own_group_dying_with_parent() -> None:
+    """In the child before exec: its own process group (no terminal Ctrl-C), SIGTERM when `up` dies."""
+    os.setpgid(0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @contextlib.contextmanager
 def _child(argv: list[str], env: dict[str, str], stop_timeout_s: float) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(argv, stdout=None, stderr=None, env=env)
+    proc = subprocess.Popen(argv, stdout=None, stderr=None, env=env, preexec_fn=_own_group_dying_with_parent)
     try:
         yield proc
     finally:
@@ -120,21 +181,58 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _loopback(host: str) -> str:
+    """The address a local client uses for a server bound to `host`."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+
+
+def _banner(base: str, tenant: str, token: str, alias: str, served_name: str, record_file: str,
+            drain_timeout_s: float) -> str:
+    from ops.hints import edgeserve_command
+
+    cmd = edgeserve_command()
+    return f"""[3/3] gateway   {base}
+
+  account {tenant}, API token (shown once): {token}
+  (also kept, mode 0600, in {record_file} so the commands below need no flags)
+
+  curl -sN {base}/client/v4/accounts/{tenant}/ai/run/{alias} \\
+    -H "Authorization: Bearer {token}" -d '{{"prompt": "Write a haiku about the sea", "stream": true}}'
+  curl -s {base}/v1/chat/completions -H "Authorization: Bearer {token}" \\
+    -d '{{"model": "{served_name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+  {cmd} chat "Hello!"
+  {cmd} tenant list
+  {cmd} key create {tenant}
+
+  Ctrl-C stops everything once in-flight requests finish (at most {drain_timeout_s:.0f} s).
+"""
+
+
 def run(args: argparse.Namespace) -> int:
+    """Check the ports, start Redis, the worker and the gateway, serve until a signal, stop in order."""
+    busy = busy_port_message([("gateway", "--port", args.host, args.port),
+                              ("worker", "--worker-port", "127.0.0.1", args.worker_port)])
+    if busy:
+        print(busy, file=sys.stderr)
+        return 1
+
+    from backend.redis_client import redact
     from backend.worker_auth import TOKEN_ENV, new_token, resolve_token
     from gateway.app import create_gateway_app, render_error
+    from ops.cluster_record import new_record, record_path, remove_record, write_record
     from ops.gateway_cmd import build_config, freeze_heap
     from ops.graceful import serve
     from ops.pull import resolve_model
-    from backend.redis_client import redact
 
     model_dir = resolve_model(args.model)  # pulls first, with progress, before anything starts
     args.served_name = args.served_name or args.model
-    # SIGTERM ends the gateway like Ctrl-C does, so the `finally` blocks stop the children.
+    # SIGTERM (and a closed terminal) end the start-up like Ctrl-C; while serving, the gateway drains on them.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     token = resolve_token(None) or new_token()
     worker_env = {**os.environ, TOKEN_ENV: token}  # the environment, not argv: `ps` shows argv
-    with _redis(args.redis_url) as redis_url:
+    redis_arg = args.redis_url or os.environ.get("REDIS_URL")
+    with _redis(redis_arg) as redis_url:
         print(f"[1/3] redis     {redact(redis_url)}", flush=True)
         worker_url = f"http://127.0.0.1:{args.worker_port}"
         with _child(_worker_argv(args, str(model_dir), redis_url), worker_env, args.drain_timeout + 15) as worker:
@@ -143,24 +241,21 @@ def run(args: argparse.Namespace) -> int:
             # no static worker list: the gateway routes over the registry the worker heartbeats into
             config = build_config(str(model_dir), [], redis_url, served_name=args.served_name,
                                   max_model_len=int(stats["max_model_len"]), worker_token=token)
-            tenant, token = asyncio.run(_demo_key(redis_url))
-            base = f"http://{args.host}:{args.port}"
+            tenant, api_token = asyncio.run(_demo_key(redis_url))
+            base = f"http://{_loopback(args.host)}:{args.port}"
             alias = config.models[0].aliases[0] if config.models[0].aliases else args.served_name
-            print(f"""[3/3] gateway   {base}
-
-  account {tenant}, API token (shown once): {token}
-
-  curl -sN {base}/client/v4/accounts/{tenant}/ai/run/{alias} \\
-    -H "Authorization: Bearer {token}" -d '{{"prompt": "Write a haiku about the sea", "stream": true}}'
-  curl -s {base}/v1/chat/completions -H "Authorization: Bearer {token}" \\
-    -d '{{"model": "{args.served_name}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
-  EDGESERVE_TOKEN={token} edgeserve chat --url {base} "Hello!"
-
-  Ctrl-C stops everything once in-flight requests finish (at most {args.drain_timeout:.0f} s).
-""", flush=True)
-            app = create_gateway_app(config)
-            freeze_heap()
-            with contextlib.suppress(KeyboardInterrupt):
-                serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, render=render_error)
+            write_record(new_record(gateway_url=base, redis_url=redis_url, worker_urls=[worker_url],
+                                    worker_pids=[worker.pid], model=args.served_name, tenant_id=tenant,
+                                    token=api_token))
+            try:
+                print(_banner(base, tenant, api_token, alias, args.served_name, str(record_path()),
+                              args.drain_timeout), flush=True)
+                app = create_gateway_app(config)
+                freeze_heap()
+                with contextlib.suppress(KeyboardInterrupt):
+                    serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, render=render_error)
+            finally:
+                remove_record(pid=os.getpid())
+            print("edgeserve up: gateway stopped; stopping the worker, then redis", flush=True)
     print("edgeserve up: stopped gateway, worker and redis", flush=True)
     return 0
