@@ -5,6 +5,7 @@
     POST /client/v4/accounts/{account_id}/ai/v1/chat/completions    OpenAI chat, account-scoped
     POST /v1/chat/completions                                       OpenAI chat
     GET  /v1/models                                                 served models and aliases
+    GET  /v1/models/{model}                                         one of them (404 model_not_found)
     GET  /healthz                                                   gateway and Redis reachable
     GET  /metrics                                                   Prometheus
 
@@ -13,10 +14,14 @@ registry and the prefix index are in Redis, so any number of them can share one
 Redis. Models configured with worker URLs are served from that static list;
 otherwise the router reads the live registry (workers heartbeat into Redis).
 
-Requests with too many or too large headers get 431 (`backend/http_limits.py`). A
+Errors take each API's form (`render_error`): an OpenAI error object under `/v1/`
+(and the account-scoped chat completions), else the Workers envelope; that holds for
+unknown routes (404) and wrong methods (405, with `Allow`) too. Requests with too
+many or too large headers get 431 (`backend/http_limits.py`), a POST whose body is not
+sent as JSON 415 (`content_type.py`). A
 draining gateway (`app.state.drain`, run on SIGTERM by `ops/graceful.py`) answers
 new requests 503 `Draining`, lets open streams finish up to the drain timeout, then
-ends each with an in-stream `Draining` error; errors take each API's form (`render_error`).
+ends each with an in-stream `Draining` error.
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ from backend.http_limits import HeaderLimitMiddleware, HeaderLimits
 from backend.redis_client import connect as connect_redis
 from gateway.config import GatewayConfig
 from prefix_cache.kv_events import PrefixIndex
-from gateway.envelopes import error_headers, openai_error, workers_error
+from gateway.content_type import JsonContentTypeMiddleware
+from gateway.envelopes import error_headers, openai_error, openai_status, workers_error
 from gateway.metering import Meter
 from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from gateway.openai_api import chat_completions, list_models
+from gateway.openai_api import chat_completions, get_model, list_models
 from gateway.quotas import Quotas
 from gateway.registry_view import RegistryView, StaticView
 from gateway.router import Router
@@ -80,10 +86,19 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def not_found(request: Request, exc: Exception) -> Response:
+    async def no_route(request: Request, exc: Exception) -> Response:
+        """404 for a path no route serves, 405 (with `Allow`) for a method its route does not take."""
         status = exc.status_code if isinstance(exc, HTTPException) else 404
-        err = InvalidRequest(f"no route {request.method} {request.url.path}")
-        return JSONResponse(workers_error(err), status_code=status)
+        allowed = exc.headers.get("Allow", "") if isinstance(exc, HTTPException) and exc.headers else ""
+        allow = ", ".join(sorted(m.strip() for m in allowed.split(",") if m.strip()))  # Starlette's is a set
+        if status == 405:
+            err = InvalidRequest(f"{request.url.path} does not take {request.method}; it takes {allow}")
+        else:
+            err = InvalidRequest(f"no such URL: {request.method} {request.url.path}")
+        response = render_error(request.url.path, err, status)
+        if allow:
+            response.headers["Allow"] = allow
+        return response
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -101,25 +116,30 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
         Route(f"{ACCOUNT}/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     drain = Drain(end_rest=state.pool.end_streams)
     limits = HeaderLimits(max_bytes=config.max_header_bytes, max_count=config.max_headers)
     middleware = [Middleware(HeaderLimitMiddleware, limits=limits, render=render_error),
+                  Middleware(JsonContentTypeMiddleware, render=render_error),
                   Middleware(DrainGate, drain=drain, admits=_admits, render=render_error)]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
-                    exception_handlers={404: not_found, 405: not_found})
+                    exception_handlers={404: no_route, 405: no_route})
     app.state.gateway = state
     app.state.drain = drain
     return app
 
 
 def render_error(path: str, exc: EdgeServeError, status: int | None = None) -> Response:
-    """`exc` in the form of the API at `path`: an OpenAI error object under /v1/ paths (and the
-    account-scoped chat completions), else the Workers envelope; Retry-After where it applies."""
-    body = openai_error(exc) if "/v1/" in path else workers_error(exc)
-    return JSONResponse(body, status_code=status or exc.http_status, headers=error_headers(exc))
+    """`exc` in the form of the API at `path`: an OpenAI error object (and OpenAI's status) under /v1/
+    paths (and the account-scoped chat completions), else the Workers envelope; `status` overrides
+    the error's own; Retry-After where it applies."""
+    if "/v1/" in path:
+        status = status or openai_status(exc)
+        return JSONResponse(openai_error(exc, status), status_code=status, headers=error_headers(exc))
+    return JSONResponse(workers_error(exc), status_code=status or exc.http_status, headers=error_headers(exc))
 
 
 def _admits(scope: Scope) -> bool:

@@ -4,8 +4,17 @@
     OpenAI:   {"error": {"message": "...", "type": "invalid_request_error", "param": "model",
                "code": "model_not_found", "edgeserve_code": 5007}}
 
-HTTP statuses come from the error class (`backend/errors.py`); 429s and 503s
-carry `Retry-After` (seconds). An exception that is not an `EdgeServeError` is a
+HTTP statuses come from the error class (`backend/errors.py`), which is what the
+Workers API answers. The OpenAI API answers as OpenAI does, so its official client
+raises the matching exception class (`openai_status`): an unknown model is 404
+`model_not_found` (Workers: 400, 5007), a prompt plus `max_tokens` over the context
+is 400 `context_length_exceeded` (Workers: 413, 3006), while a request body over
+the size limit stays 413 `request_too_large` on both (it is a `PromptTooLong`
+whose details carry `max_request_bytes`). Refusals made before any handler runs
+(unknown route 404, wrong method 405, unsupported media type 415, headers 431)
+are rendered with their status given explicitly and name it in the OpenAI `code`.
+429s and 503s carry `Retry-After` (seconds); a requests-per-minute refusal also
+carries `x-ratelimit-limit-requests` and `x-ratelimit-remaining-requests: 0`. An exception that is not an `EdgeServeError` is a
 bug: it is logged with its traceback and answered as a bare 5000 without details,
 except a client that hung up while its body was read (Starlette's
 `ClientDisconnect`), which is that client's cancel (`RequestCancelled`, 499).
@@ -44,21 +53,22 @@ from backend.errors import (
     StoreUnavailable,
 )
 
-__all__ = ["as_typed", "error_headers", "workers_error", "workers_success", "openai_error", "redact",
-           "public_message"]
+__all__ = ["as_typed", "error_headers", "workers_error", "workers_success", "openai_error", "openai_status",
+           "redact", "public_message", "is_body_too_large"]
 
 log = logging.getLogger(__name__)
 
 _OPENAI_TYPE: list[tuple[type[EdgeServeError], str, str | None]] = [  # first match wins
     (ModelNotFound, "invalid_request_error", "model_not_found"),
-    (PromptTooLong, "invalid_request_error", "context_length_exceeded"),
-    (InvalidRequest, "invalid_request_error", None),
+    (InvalidRequest, "invalid_request_error", None),  # its code by status (_OPENAI_STATUS_CODE), if one fits
     (AuthenticationError, "authentication_error", "invalid_api_key"),
     (PermissionDenied, "permission_error", None),
     (QuotaExceeded, "rate_limit_error", "rate_limit_exceeded"),
     (CapacityError, "rate_limit_error", "server_overloaded"),
 ]
-
+# Codes for refusals known by their status; a prompt over the context is the 400 PromptTooLong.
+_OPENAI_STATUS_CODE: dict[int, str] = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large",
+                                       415: "unsupported_media_type", 431: "request_header_fields_too_large"}
 
 _INTERNAL = "[internal]"
 _ADDRESS = re.compile(
@@ -107,10 +117,21 @@ def as_typed(exc: BaseException) -> EdgeServeError:
 
 
 def error_headers(exc: EdgeServeError) -> dict[str, str]:
-    """`Retry-After` for refusals that pass with time: quota (429), capacity (429) and every 503."""
+    """`Retry-After` for refusals that pass with time: quota (429), capacity (429) and every 503;
+    a requests-per-minute refusal also says its limit and that none are left."""
+    headers: dict[str, str] = {}
     if isinstance(exc, (QuotaExceeded, CapacityError)) or exc.http_status == 503:
-        return {"Retry-After": str(max(1, math.ceil(float(exc.details.get("retry_after_s", 1)))))}
-    return {}
+        headers["Retry-After"] = str(max(1, math.ceil(float(exc.details.get("retry_after_s", 1)))))
+    if isinstance(exc, QuotaExceeded) and exc.details.get("quota") == "requests_per_minute" \
+            and exc.details.get("limit") is not None:
+        headers["x-ratelimit-limit-requests"] = str(exc.details["limit"])
+        headers["x-ratelimit-remaining-requests"] = "0"
+    return headers
+
+
+def is_body_too_large(exc: EdgeServeError) -> bool:
+    """Whether `exc` refuses a request body over the size limit (not a prompt over the context)."""
+    return isinstance(exc, PromptTooLong) and "max_request_bytes" in exc.details
 
 
 def workers_error(exc: EdgeServeError) -> dict[str, Any]:
@@ -118,17 +139,35 @@ def workers_error(exc: EdgeServeError) -> dict[str, Any]:
             "messages": []}
 
 
-def workers_success(result: Any) -> dict[str, Any]:
-    return {"result": result, "success": True, "errors": [], "messages": []}
+def workers_success(result: Any, messages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The Workers success envelope; `messages` are notices about the result (`{"code", "message"}`)."""
+    return {"result": result, "success": True, "errors": [], "messages": messages or []}
 
 
-def openai_error(exc: EdgeServeError) -> dict[str, Any]:
+def openai_status(exc: EdgeServeError) -> int:
+    """The HTTP status OpenAI answers `exc` with: 404 for an unknown model, 400 for a prompt over
+    the context; otherwise the class's (which the Workers API always uses)."""
+    if isinstance(exc, ModelNotFound):
+        return 404
+    if isinstance(exc, PromptTooLong) and not is_body_too_large(exc):
+        return 400
+    return exc.http_status
+
+
+def openai_error(exc: EdgeServeError, status: int | None = None) -> dict[str, Any]:
+    """`exc` as an OpenAI error object; `status` is the one it goes out with when that is not
+    `openai_status(exc)` (route, method, media-type and header refusals), and names its `code`."""
+    status = status or openai_status(exc)
     kind, code = "server_error", None
     for cls, k, c in _OPENAI_TYPE:
         if isinstance(exc, cls):
             kind, code = k, c
             break
+    if isinstance(exc, PromptTooLong) and status == 400:
+        code = "context_length_exceeded"
+    elif kind == "invalid_request_error" and code is None:
+        code = _OPENAI_STATUS_CODE.get(status)
     if isinstance(exc, QuotaExceeded) and exc.details.get("quota") == "tokens_per_day":
         code = "insufficient_quota"
-    return {"error": {"message": public_message(exc), "type": kind, "param": exc.details.get("field"),
+    return {"error": {"message": public_message(exc), "type": kind, "param": exc.details.get("field") or None,
                       "code": code or str(exc.code), "edgeserve_code": exc.code}}

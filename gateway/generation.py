@@ -88,6 +88,7 @@ class Generation:
                  metrics: GatewayMetrics) -> None:
         self.request_id = uuid.uuid4().hex
         self.tenant, self.model, self.prompt_ids, self.params, self.api = tenant, model, prompt_ids, params, api
+        self.requested_max_tokens = params.max_tokens  # `params.max_tokens` is lower when the day's quota caps it
         self.region = region
         self._router, self._pool, self._quotas, self._meter, self._metrics = router, pool, quotas, meter, metrics
         self.route: RouteDecision | None = None
@@ -123,6 +124,16 @@ class Generation:
             item = self._queue.get_nowait()
             assert isinstance(item, EdgeServeError), item
             raise item
+
+    @property
+    def reservation(self) -> Reservation | None:
+        """What quota admission granted and left (None before `start`)."""
+        return self._reservation
+
+    @property
+    def capped_by_quota(self) -> bool:
+        """Whether the tenant's tokens per day lowered `max_tokens` below what the client asked."""
+        return self.params.max_tokens < self.requested_max_tokens
 
     def public_headers(self) -> dict[str, str]:
         """Response headers for the client: the request id, the worker's opaque tag, and the routing

@@ -1,10 +1,16 @@
-"""OpenAI-compatible chat: `POST /v1/chat/completions` (also under the account path) and `GET /v1/models`.
+"""OpenAI-compatible chat: `POST /v1/chat/completions` (also under the account path), `GET /v1/models`
+and `GET /v1/models/{model}`.
 
 Streaming sends `chat.completion.chunk`s: the first carries `delta.role`, then
 `delta.content` pieces, then one with `finish_reason` ("stop" | "length") and an
 empty delta, then, with `stream_options.include_usage`, one with `choices: []`
 and `usage`, then `data: [DONE]`. Errors are OpenAI error objects, in-stream
-as a final `data: {"error": {...}}`. A client that disconnects cancels its request,
+as a final `data: {"error": {...}}`, with OpenAI's statuses (`envelopes.openai_status`),
+so the official client raises the class OpenAI would: `NotFoundError` for an unknown
+model, `BadRequestError` for a prompt plus `max_tokens` over the context or an invalid
+or missing field (named in `param`). When the tenant's tokens per day lower
+`max_tokens`, `finish_reason` is "length" and the response carries
+`x-edgeserve-quota-capped-max-tokens` (`state.py`). A client that disconnects cancels its request,
 streamed or not (`client_watch.py`).
 """
 
@@ -21,13 +27,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from backend.errors import EdgeServeError
 from backend.sampling_params import SamplingParams
 from gateway.client_watch import collect_or_cancel
-from gateway.envelopes import as_typed, error_headers, openai_error
+from gateway.envelopes import as_typed, error_headers, openai_error, openai_status
 from gateway.generation import Delta, Done
+from gateway.served_models import ServedModel
 from gateway.schemas import ChatCompletionRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
 from gateway.state import GatewayState
 
-__all__ = ["chat_completions", "list_models"]
+__all__ = ["chat_completions", "list_models", "get_model"]
 
 API = "openai"
 
@@ -35,7 +42,12 @@ API = "openai"
 def _error_response(exc: BaseException, state: GatewayState) -> JSONResponse:
     typed = as_typed(exc)
     state.metrics.requests.labels(API, str(typed.code)).inc()
-    return JSONResponse(openai_error(typed), status_code=typed.http_status, headers=error_headers(typed))
+    return _error_json(typed)
+
+
+def _error_json(exc: EdgeServeError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(openai_error(exc), status_code=openai_status(exc),
+                        headers={**error_headers(exc), **(headers or {})})
 
 
 async def chat_completions(request: Request) -> Response:
@@ -51,7 +63,7 @@ async def chat_completions(request: Request) -> Response:
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return _error_response(exc, state)
-    headers = gen.public_headers()
+    headers = state.response_headers(gen)
     chunk = _ChunkMaker(f"chatcmpl-{gen.request_id}", req.model)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -78,7 +90,7 @@ async def chat_completions(request: Request) -> Response:
         text, done = await collect_or_cancel(gen, request)
     except EdgeServeError as exc:
         await gen.aclose()
-        return JSONResponse(openai_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})
+        return _error_json(exc, headers)
     body = {"id": chunk.id, "object": "chat.completion", "created": chunk.created, "model": req.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "finish_reason": done.finish_reason, "logprobs": None}],
@@ -105,6 +117,22 @@ async def list_models(request: Request) -> Response:
         await state.tenant_of(request)
     except Exception as exc:  # noqa: BLE001
         return _error_response(exc, state)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "edgeserve", "root": m.name,
-             "max_model_len": m.max_model_len} for m in state.catalog.models for name in m.names]
+    data = [_model_object(name, m) for m in state.catalog.models for name in m.names]
     return JSONResponse({"object": "list", "data": data})
+
+
+async def get_model(request: Request) -> Response:
+    """`GET /v1/models/{model}`: one served model or alias, as in the list; 404 `model_not_found`."""
+    state: GatewayState = request.app.state.gateway
+    try:
+        await state.tenant_of(request)
+        name = request.path_params["model"]
+        model = state.catalog.resolve(name)
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc, state)
+    return JSONResponse(_model_object(name, model))
+
+
+def _model_object(name: str, model: ServedModel) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "edgeserve", "root": model.name,
+            "max_model_len": model.max_model_len}

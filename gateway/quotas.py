@@ -15,6 +15,9 @@ Two limits, both optional (`Tenant.requests_per_minute`, `Tenant.tokens_per_day`
   (returns what the request did not use). Refused: Retry-After = seconds until
   the next UTC midnight. The counter expires two days after its last admission.
 
+An admission also returns what it left (requests in the window, tokens today), for
+the response's rate-limit headers (`rate_limit_headers`), without another round trip.
+
 Both checks and both writes run in one script invocation, so concurrent admissions
 from any number of replicas serialise in Redis, and a refused request consumes
 nothing. The script reads the clock with ``TIME``, so every replica shares Redis's
@@ -42,7 +45,7 @@ from gateway.tenants import Tenant
 if TYPE_CHECKING:
     import redis.asyncio
 
-__all__ = ["Reservation", "Quotas", "WINDOW_MS", "DAY_KEY_TTL_S"]
+__all__ = ["Reservation", "Quotas", "rate_limit_headers", "WINDOW_MS", "DAY_KEY_TTL_S"]
 
 WINDOW_MS = 60_000  # the requests-per-minute window
 DAY_KEY_TTL_S = 2 * 86_400  # tokens-per-day counters outlive their day by a day
@@ -50,7 +53,7 @@ DAY_KEY_TTL_S = 2 * 86_400  # tokens-per-day counters outlive their day by a day
 # KEYS[1] rpm zset, KEYS[2..4] tokens-per-day counters of candidate days.
 # ARGV: rpm limit, tpd limit ("" = unlimited), request id, prompt tokens, max tokens,
 #       then the candidate day numbers (days since the epoch), in KEYS order.
-# Returns {'ok', day, reserved, granted} | {'rpm', day, retry_after_s}
+# Returns {'ok', day, reserved, granted, requests_left, tokens_left} | {'rpm', day, retry_after_s}
 #       | {'tpd', day, retry_after_s} | {'day', day} (no candidate is the server's day).
 _ADMIT = """
 local t = redis.call('TIME')
@@ -76,23 +79,25 @@ if rpm_limit then
   end
 end
 
-local reserved = 0
+local reserved, requests_left, tokens_left = 0, 0, 0
 if tpd_limit then
   local left = tpd_limit - tonumber(redis.call('GET', tpd_key) or '0') - prompt
   if left < 1 then return {'tpd', day, 86400 - now_s % 86400} end
   granted = math.min(granted, left)
   reserved = prompt + granted
+  tokens_left = left - granted
 end
 
 if rpm_limit then
   redis.call('ZADD', KEYS[1], now_ms, ARGV[3] .. ':' .. t[1] .. string.format('%06d', tonumber(t[2])))
   redis.call('PEXPIRE', KEYS[1], WINDOW_MS + 1000)
+  requests_left = rpm_limit - redis.call('ZCARD', KEYS[1])
 end
 if reserved > 0 then
   redis.call('INCRBY', tpd_key, reserved)
   redis.call('EXPIRE', tpd_key, DAY_TTL)
 end
-return {'ok', day, reserved, granted}
+return {'ok', day, reserved, granted, requests_left, tokens_left}
 """.replace("WINDOW_MS", str(WINDOW_MS)).replace("DAY_TTL", str(DAY_KEY_TTL_S))
 
 
@@ -104,6 +109,9 @@ class Reservation(NamedTuple):
     day: str  # UTC day (Redis clock) the tokens were reserved against
     reserved_tokens: int  # reserved against tokens_per_day (0 when unlimited)
     max_tokens: int  # completion budget granted: min(requested, left today - prompt_tokens)
+    # What the admission left, from the same script run (None where the tenant has no such limit):
+    requests_left: int | None = None  # admissions left in the current 60 s window
+    tokens_left: int | None = None  # tokens left today once this reservation is taken
 
 
 def _day_name(day_number: int) -> str:
@@ -134,7 +142,9 @@ class Quotas:
                 reply = await self._admit(keys=keys, args=[rpm, tpd, request_id, prompt_tokens, max_tokens, *days])
             status, day = text(reply[0]), int(reply[1])
             if status == "ok":
-                return Reservation(tenant.id, request_id, _day_name(day), int(reply[2]), int(reply[3]))
+                return Reservation(tenant.id, request_id, _day_name(day), int(reply[2]), int(reply[3]),
+                                   None if tenant.requests_per_minute is None else int(reply[4]),
+                                   None if tenant.tokens_per_day is None else int(reply[5]))
             if status == "rpm":
                 raise QuotaExceeded(f"tenant {tenant.id} is over its limit of {rpm} requests per minute",
                                     quota="requests_per_minute", limit=tenant.requests_per_minute,
@@ -145,3 +155,20 @@ class Quotas:
                                     limit=tenant.tokens_per_day, retry_after_s=int(reply[2]))
             centre = day  # this client's clock is over a day off Redis's: retry on Redis's day
         raise EdgeServeError("quota admission did not settle on a UTC day (Redis clock jumping?)")
+
+
+def rate_limit_headers(tenant: Tenant, reservation: Reservation | None) -> dict[str, str]:
+    """OpenAI's rate-limit headers for an admitted request, for the limits `tenant` has:
+    `x-ratelimit-limit-requests` / `x-ratelimit-remaining-requests` (per minute) and
+    `x-ratelimit-limit-tokens` / `x-ratelimit-remaining-tokens` (per UTC day, this request's
+    reservation taken). Empty for a tenant without quotas."""
+    headers: dict[str, str] = {}
+    if reservation is None:
+        return headers
+    if tenant.requests_per_minute is not None and reservation.requests_left is not None:
+        headers["x-ratelimit-limit-requests"] = str(tenant.requests_per_minute)
+        headers["x-ratelimit-remaining-requests"] = str(reservation.requests_left)
+    if tenant.tokens_per_day is not None and reservation.tokens_left is not None:
+        headers["x-ratelimit-limit-tokens"] = str(tenant.tokens_per_day)
+        headers["x-ratelimit-remaining-tokens"] = str(reservation.tokens_left)
+    return headers

@@ -1,7 +1,8 @@
 """Request bodies of the public API (msgspec structs) and their validation.
 
 Decoding is strict about types and ranges and names the offending field in the
-error (`InvalidRequest`, 400); fields the API documents but we do not implement
+error (`InvalidRequest`, 400, `field` as a path such as `messages[0].content`; a
+missing field is named too, which OpenAI's clients read as `param`); fields the API documents but we do not implement
 (penalties, logprobs, tools, n > 1) are refused with `InvalidSamplingParams`
 naming the field rather than silently ignored. Unknown fields are ignored, as
 the platforms we mirror do.
@@ -133,6 +134,7 @@ def _refuse_penalties(**fields: tuple[float | None, float]) -> None:
 
 
 _FIELD_AT = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
@@ -166,15 +168,23 @@ def decode_body(body: bytes, schema: type[T]) -> T:
     except RecursionError as exc:  # the depth check bounds this; kept so no body can reach a traceback
         raise InvalidRequest(f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from exc
     except msgspec.ValidationError as exc:
-        match = _FIELD_AT.search(str(exc))
-        field = match.group(1) if match else ""
-        raise InvalidRequest(f"invalid request: {exc}", field=field) from exc
+        raise InvalidRequest(f"invalid request: {exc}", field=_field_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"malformed JSON: {exc}") from exc
     validate = getattr(req, "validate", None)
     if validate is not None:
         validate()
     return req
+
+
+def _field_of(error: str) -> str:
+    """The field a msgspec validation error is about, as a path: `messages[0].content` for a
+    missing `content` at `$.messages[0]`, `model` for a missing top-level `model`."""
+    at, missing = _FIELD_AT.search(error), _MISSING.search(error)
+    path = at.group(1) if at else ""
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path
 
 
 def plain_messages(messages: list[Message]) -> list[dict[str, str]]:

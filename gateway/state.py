@@ -1,4 +1,11 @@
-"""What every request handler needs, built once per gateway app."""
+"""What every request handler needs, built once per gateway app: the caller's tenant, its
+request body (size-limited), a started generation, and the response headers both APIs send.
+
+Response headers of an admitted request (`response_headers`): the generation's own
+(`x-edgeserve-request-id`, worker tag, route), OpenAI's `x-ratelimit-*` figures where
+the tenant has quotas (`quotas.rate_limit_headers`), and, when the tenant's tokens per
+day lowered `max_tokens`, `x-edgeserve-quota-capped-max-tokens: <granted>`.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +19,15 @@ from gateway.config import GatewayConfig
 from gateway.generation import Generation
 from gateway.metering import Meter
 from gateway.metrics import GatewayMetrics
-from gateway.quotas import Quotas
+from gateway.quotas import Quotas, rate_limit_headers
 from gateway.router import Router
 from gateway.served_models import ModelCatalog, ServedModel
 from gateway.tenants import Tenant, TenantStore
 from gateway.worker_pool import WorkerPool
 
-__all__ = ["GatewayState"]
+__all__ = ["GatewayState", "QUOTA_CAP_HEADER"]
+
+QUOTA_CAP_HEADER = "x-edgeserve-quota-capped-max-tokens"
 
 
 @dataclass
@@ -42,7 +51,14 @@ class GatewayState:
 
     async def start_generation(self, request: Request, api: str, tenant: Tenant, model: ServedModel,
                                prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Quota, route and worker admission for one request; typed refusals raise (nothing left behind)."""
+        """Quota, route and worker admission for one request; typed refusals raise (nothing left behind).
+        A prompt plus `max_tokens` over the model's context is refused here, before any quota is taken."""
+        wanted = len(prompt_ids) + params.max_tokens
+        if wanted > model.max_model_len:
+            raise PromptTooLong(f"{model.name}'s context is {model.max_model_len} tokens; this request asks for "
+                                f"{wanted} ({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion)",
+                                prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,
+                                max_model_len=model.max_model_len)
         gen = Generation(tenant=tenant, model=model, prompt_ids=prompt_ids, params=params, api=api,
                          region=self.region_of(request), router=self.router, pool=self.pool,
                          quotas=self.quotas, meter=self.meter, metrics=self.metrics)
@@ -53,6 +69,14 @@ class GatewayState:
             raise
         self.metrics.requests.labels(api, "200").inc()
         return gen
+
+    @staticmethod
+    def response_headers(gen: Generation) -> dict[str, str]:
+        """Headers for an admitted request's response (module docstring), on both APIs."""
+        headers = {**gen.public_headers(), **rate_limit_headers(gen.tenant, gen.reservation)}
+        if gen.capped_by_quota:
+            headers[QUOTA_CAP_HEADER] = str(gen.params.max_tokens)
+        return headers
 
     def region_of(self, request: Request) -> str:
         """The request's region: trusted edge headers, else this gateway's own (`regions.py`)."""

@@ -9,6 +9,10 @@ route takes the rest of the path. Every error, before or during the stream, is
 the Workers envelope. A `prompt` is wrapped in the chat template as one user
 message, and control-token text in it stays text; only with `raw` is the prompt
 encoded as written. A client that disconnects cancels its request, streamed or not.
+
+When the tenant's tokens per day lower `max_tokens`, the response says so: a
+`messages` entry `{"code": 3036, "message": "max_tokens lowered from N to M ..."}`
+and, streamed or not, the header `x-edgeserve-quota-capped-max-tokens: M` (`state.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from backend.errors import EdgeServeError, InvalidRequest
+from backend.errors import EdgeServeError, InvalidRequest, QuotaExceeded
 from backend.sampling_params import SamplingParams
 from gateway.client_watch import collect_or_cancel
 from gateway.envelopes import as_typed, error_headers, workers_error, workers_success
@@ -57,7 +61,7 @@ async def workers_run(request: Request) -> Response:
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return workers_error_response(exc, state)
-    headers = gen.public_headers()
+    headers = state.response_headers(gen)
     if req.stream:
         return StreamingResponse(
             sse_stream(gen, state.config.keepalive_s,
@@ -75,8 +79,17 @@ async def _collect(gen: Generation, request: Request, headers: dict[str, str]) -
         await gen.aclose()
         return JSONResponse(workers_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})
     # metering finishes in the background: the answer does not wait for Redis
-    return JSONResponse(workers_success({"response": text, "usage": done.usage.to_dict()}), headers=headers,
-                        background=BackgroundTask(gen.aclose))
+    return JSONResponse(workers_success({"response": text, "usage": done.usage.to_dict()}, _notices(gen)),
+                        headers=headers, background=BackgroundTask(gen.aclose))
+
+
+def _notices(gen: Generation) -> list[dict[str, object]]:
+    """The envelope's `messages`: whether the day's token quota lowered `max_tokens`."""
+    if not gen.capped_by_quota:
+        return []
+    return [{"code": QuotaExceeded.code,
+             "message": f"max_tokens lowered from {gen.requested_max_tokens} to {gen.params.max_tokens}: "
+                        "that is what the account's daily token quota has left after the prompt"}]
 
 
 async def workers_usage(request: Request) -> Response:

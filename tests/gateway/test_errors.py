@@ -45,11 +45,11 @@ def test_bad_workers_requests(gateway: Gateway, body: bytes, status: int, code: 
     wait_pages_free(gateway.worker.engine)
 
 
-def test_unknown_model_is_5007_and_400(gateway: Gateway) -> None:
+def test_unknown_model_is_5007_and_400_on_workers_and_404_on_openai(gateway: Gateway) -> None:
     resp = post_run(gateway, {"prompt": "hi"}, model="@cf/meta/nope")
     assert resp.status_code == 400 and resp.json()["errors"][0]["code"] == 5007
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.account.token, max_retries=0)
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert info.value.body["code"] == "model_not_found" and info.value.body["edgeserve_code"] == 5007
 

@@ -41,7 +41,9 @@ def test_requests_per_minute_refuses_the_fourth_and_consumes_nothing(redis_url: 
         quotas = Quotas(client)
         for i in range(3):
             r = await quotas.admit(tenant, f"req-{i}", prompt_tokens=10, max_tokens=20)
-            assert r == Reservation("acme", f"req-{i}", r.day, 30, 20)
+            # what is left comes back with the admission (rate-limit headers): 3 - (i + 1) requests, and
+            # 10_000 - 30 (i + 1) tokens
+            assert r == Reservation("acme", f"req-{i}", r.day, 30, 20, 2 - i, 10_000 - 30 * (i + 1))
         used = int(await client.get(rk.tokens_day("acme", r.day)))
         for attempt in range(2):
             with pytest.raises(QuotaExceeded) as info:
@@ -80,9 +82,10 @@ def test_tokens_per_day_caps_the_grant_then_refuses(redis_url: str) -> None:
         quotas = Quotas(client)
         now_s, _ = await _server_time(client)
         first = await quotas.admit(tenant, "r1", prompt_tokens=30, max_tokens=50)
-        assert first == Reservation("acme", "r1", rk.utc_day(now_s), 80, 50)
+        assert first == Reservation("acme", "r1", rk.utc_day(now_s), 80, 50, None, 20)  # no rpm limit: None
         second = await quotas.admit(tenant, "r2", prompt_tokens=10, max_tokens=50)
         assert (second.reserved_tokens, second.max_tokens) == (20, 10)  # capped: 100 - 80 - 10
+        assert second.tokens_left == 0
         key = rk.tokens_day("acme", first.day)
         assert int(await client.get(key)) == 100
         assert 2 * 86_400 - 5 < await client.ttl(key) <= 2 * 86_400
