@@ -1,8 +1,8 @@
 """The one place typed errors become HTTP: status, headers, Workers envelope, OpenAI object.
 
     Workers:  {"result": null, "success": false, "errors": [{"code": 5007, "message": "..."}], "messages": []}
-    OpenAI:   {"error": {"message": "...", "type": "invalid_request_error", "param": "model",
-               "code": "model_not_found", "edgeserve_code": 5007}}
+    OpenAI:   {"error": {"message": "...", "type": "invalid_request_error", "param": null,
+               "code": "model_not_found", "edgeserve_code": 5007}}     (param: the field at fault, if one is)
 
 HTTP statuses come from the error class (`backend/errors.py`), which is what the
 Workers API answers. The OpenAI API answers as OpenAI does, so its official client
@@ -14,9 +14,10 @@ whose details carry `max_request_bytes`). Refusals made before any handler runs
 (unknown route 404, wrong method 405, unsupported media type 415, headers 431)
 are rendered with their status given explicitly and name it in the OpenAI `code`.
 429s and 503s carry `Retry-After` (seconds); a requests-per-minute refusal also
-carries `x-ratelimit-limit-requests` and `x-ratelimit-remaining-requests: 0`. An exception that is not an `EdgeServeError` is a
-bug: it is logged with its traceback and answered as a bare 5000 without details,
-except a client that hung up while its body was read (Starlette's
+carries `x-ratelimit-limit-requests` and `x-ratelimit-remaining-requests: 0`.
+
+An exception that is not an `EdgeServeError` is a bug: it is logged with its
+traceback and answered as a bare 5000 without details, except a client that hung up while its body was read (Starlette's
 `ClientDisconnect`), which is that client's cancel (`RequestCancelled`, 499).
 
 Nothing internal reaches a client (`public_message`): a server-side failure
