@@ -69,6 +69,16 @@ def _resolve(args: argparse.Namespace) -> None:
     args.model = setting(args.model, None, "model", DEFAULT_MODEL)
 
 
+def _refusal(resp: httpx.Response) -> str:
+    """One line for a non-200 answer: the gateway's error object, or the start of whatever else answered."""
+    resp.read()
+    try:
+        err = resp.json()["error"]
+        return f"error {err.get('edgeserve_code')} ({resp.status_code}): {err.get('message')}"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"error ({resp.status_code}) from {resp.request.url}: {' '.join(resp.text.split())[:200]}"
+
+
 def _turn(client: httpx.Client, args: argparse.Namespace, messages: list[dict[str, str]]) -> str | None:
     """Stream one reply to stdout; return its text (what arrived before a Ctrl-C, too), or None when
     there is no reply (an error, printed, or a Ctrl-C before it began). A reply always ends with a newline."""
@@ -77,13 +87,11 @@ def _turn(client: httpx.Client, args: argparse.Namespace, messages: list[dict[st
     if args.seed is not None:
         body["seed"] = args.seed
     parts: list[str] | None = None  # a list once the reply has started
+    note = ""  # said on stderr after the reply's line ends: token counts, or that it was stopped
     try:
         with client.stream("POST", f"{args.url}/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
-                resp.read()
-                err = resp.json().get("error", {})
-                print(f"error {err.get('edgeserve_code')} ({resp.status_code}): {err.get('message')}",
-                      file=sys.stderr)
+                print(_refusal(resp), file=sys.stderr)
                 return None
             parts = []
             for line in resp.iter_lines():
@@ -91,8 +99,7 @@ def _turn(client: httpx.Client, args: argparse.Namespace, messages: list[dict[st
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    print(f"\nerror {chunk['error'].get('edgeserve_code')}: {chunk['error']['message']}",
-                          file=sys.stderr)
+                    note = f"error {chunk['error'].get('edgeserve_code')}: {chunk['error']['message']}"
                     return None
                 for choice in chunk["choices"]:
                     piece = choice["delta"].get("content") or ""
@@ -101,14 +108,15 @@ def _turn(client: httpx.Client, args: argparse.Namespace, messages: list[dict[st
                     sys.stdout.flush()
                 if chunk.get("usage"):
                     u = chunk["usage"]
-                    print(f"\n[{u['prompt_tokens']} prompt + {u['completion_tokens']} completion tokens]",
-                          file=sys.stderr, end="")
+                    note = f"[{u['prompt_tokens']} prompt + {u['completion_tokens']} completion tokens]"
     except KeyboardInterrupt:  # closing the stream (leaving the `with`) makes the gateway cancel the request
-        print("\n[stopped]", file=sys.stderr, end="" if parts is not None else "\n")
+        note = "[stopped]"
     finally:
         if parts is not None:
             sys.stdout.write("\n")
             sys.stdout.flush()
+        if note:
+            print(note, file=sys.stderr, flush=True)
     return None if parts is None else "".join(parts)
 
 

@@ -96,10 +96,25 @@ def test_tenant_usage_prints_json(redis_url: str, capsys) -> None:
         _cli("tenant", "usage", "acme", "--from", "2020-01-01", "--to", "2021-01-01", "--redis-url", redis_url)
 
 
-def test_redis_url_defaults_to_the_environment(monkeypatch) -> None:
-    parser = argparse.ArgumentParser()
-    monkeypatch.setenv("REDIS_URL", "redis://example:1234/3")
-    tenant_cli.register(parser.add_subparsers(dest="command", required=True))
-    assert parser.parse_args(["key", "revoke", "abc"]).redis_url == "redis://example:1234/3"
-    monkeypatch.delenv("REDIS_URL")
+def test_redis_url_comes_from_the_flag_the_environment_the_running_cluster_or_the_default(
+        redis_url: str, tmp_path, monkeypatch, capsys) -> None:
+    from ops.cli import main
+    from ops.cluster_record import new_record, write_record
+
+    monkeypatch.setenv("EDGESERVE_HOME", str(tmp_path))
+    monkeypatch.delenv("REDIS_URL", raising=False)
     assert tenant_cli.default_redis_url() == "redis://127.0.0.1:6379/0"
+    # what `edgeserve up` leaves while it runs (this process stands in for it): the admin commands find its Redis
+    write_record(new_record(gateway_url="http://127.0.0.1:1", redis_url=redis_url, worker_urls=[], worker_pids=[],
+                            model="m", tenant_id="demo", token="es_x"))
+    assert main(["tenant", "create", "Acme", "--id", "acme"]) == 0
+    assert capsys.readouterr().out == "acme\n"
+    assert _store_call(redis_url, "get_tenant", "acme") == Tenant("acme", "Acme", None, None)
+    assert main(["key", "create", "acme", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tenant_id"] == "acme"
+
+    monkeypatch.setenv("REDIS_URL", "redis://example:1234/3")
+    assert tenant_cli.default_redis_url() == "redis://example:1234/3"
+    parser = argparse.ArgumentParser()
+    tenant_cli.register(parser.add_subparsers(dest="command", required=True))
+    assert parser.parse_args(["key", "revoke", "abc", "--redis-url", "redis://flag:1/0"]).redis_url == "redis://flag:1/0"
