@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -29,15 +30,21 @@ log = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose exit signals drain the app first (and are not re-raised afterwards)."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout_s: float,
+                 on_ready: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self.drain, self.drain_timeout_s = drain, drain_timeout_s
+        self.drain, self.drain_timeout_s, self.on_ready = drain, drain_timeout_s, on_ready
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
 
     async def serve(self, sockets=None) -> None:  # noqa: ANN001 - uvicorn's signature
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:  # noqa: ANN001 - uvicorn's signature
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:  # listening: requests are answered from now on
+            self.on_ready()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is None:
@@ -60,10 +67,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(app: Starlette, host: str, port: int, *, drain_timeout_s: float, render: ErrorRender,
-          limits: HeaderLimits = HeaderLimits()) -> None:
-    """Run `app` (with a `Drain` at `app.state.drain`) until a signal and its drain have ended."""
+          limits: HeaderLimits = HeaderLimits(), on_ready: Callable[[], None] | None = None) -> None:
+    """Run `app` (with a `Drain` at `app.state.drain`) until a signal and its drain have ended;
+    `on_ready` runs once it listens."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             http=guarded_http_protocol(limits, render), timeout_graceful_shutdown=5)
-    server = DrainingServer(config, app.state.drain, drain_timeout_s)
+    server = DrainingServer(config, app.state.drain, drain_timeout_s, on_ready)
     server.run()
 

@@ -244,16 +244,20 @@ def run(args: argparse.Namespace) -> int:
             tenant, api_token = asyncio.run(_demo_key(redis_url))
             base = f"http://{_loopback(args.host)}:{args.port}"
             alias = config.models[0].aliases[0] if config.models[0].aliases else args.served_name
-            write_record(new_record(gateway_url=base, redis_url=redis_url, worker_urls=[worker_url],
-                                    worker_pids=[worker.pid], model=args.served_name, tenant_id=tenant,
-                                    token=api_token))
-            try:
+            record = new_record(gateway_url=base, redis_url=redis_url, worker_urls=[worker_url],
+                                worker_pids=[worker.pid], model=args.served_name, tenant_id=tenant, token=api_token)
+
+            def ready() -> None:  # the gateway listens: record the cluster, then tell the user
+                write_record(record)
                 print(_banner(base, tenant, api_token, alias, args.served_name, str(record_path()),
                               args.drain_timeout), flush=True)
+
+            try:
                 app = create_gateway_app(config)
                 freeze_heap()
                 with contextlib.suppress(KeyboardInterrupt):
-                    serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, render=render_error)
+                    serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, render=render_error,
+                          on_ready=ready)
             finally:
                 remove_record(pid=os.getpid())
             print("edgeserve up: gateway stopped; stopping the worker, then redis", flush=True)
