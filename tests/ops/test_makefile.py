@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,7 +14,9 @@ def dry_run(tmp_path: Path, *args: str) -> str:
     """`make -n ARGS` in a copy of the project's build files with no .venv (a fresh clone)."""
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
-    done = subprocess.run(["make", "-n", *args], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # not a sub-make
+    done = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
