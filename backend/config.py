@@ -1,7 +1,11 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-Only the fields the Llama-family runtime needs are kept; everything is checked
-here once so the model code can trust it.
+One flat config for every registered architecture (`backend/models/`): the dense
+GQA decoder fields, plus partial rotary and per-head q/k norm (Glm4Moe) and the
+mixture-of-experts fields (zero / off for dense models). Only the fields the
+runtime needs are kept; everything is checked here once so the model code can
+trust it. A field config.json omits takes the default of the family's own
+Hugging Face config class (the registry's `config_defaults`).
 """
 
 from __future__ import annotations
@@ -12,19 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from backend.errors import ModelLoadError, UnsupportedArchitecture
+from backend.models import ARCHITECTURES
 
 __all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES", "load_config"]
 
-# architectures name in config.json -> attention projections carry a bias
-SUPPORTED_ARCHITECTURES: dict[str, bool] = {
-    "LlamaForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(ARCHITECTURES))  # config.json `architectures[0]`
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a dense GQA decoder (Llama, Qwen2, SmolLM2)."""
+    """Shape and numerics of a GQA decoder (Llama, Qwen2, SmolLM2, Glm4Moe)."""
 
     architecture: str
     vocab_size: int
@@ -43,23 +44,45 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     quantization: dict[str, Any] | None = None  # config.json's quantization_config (see weight_formats.py)
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dims of a head only
+    use_qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    # mixture of experts (num_experts 0: every layer is a dense SwiGLU MLP of intermediate_size)
+    num_experts: int = 0  # routed experts per MoE layer (n_routed_experts)
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # per routed expert; the shared MLP has this times n_shared_experts
+    n_shared_experts: int = 0
+    n_group: int = 1  # expert groups; the top `topk_group` groups are kept before the top-k
+    topk_group: int = 1
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0  # layers below this index use the dense MLP
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the last layer (not run)
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones; as transformers, int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer >= self.first_k_dense_replace
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Validate a parsed config.json; unknown architectures name the supported ones."""
+        """Validate a parsed config.json; an unknown `architectures[0]` names the supported ones."""
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        arch = archs[0] if archs else None
+        if arch not in ARCHITECTURES:
             raise UnsupportedArchitecture(
-                f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
+                f"unsupported architecture {arch or raw.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
                 architectures=archs,
-                supported=sorted(SUPPORTED_ARCHITECTURES),
+                supported=list(SUPPORTED_ARCHITECTURES),
             )
+        raw = {**ARCHITECTURES[arch].config_defaults, **{k: v for k, v in raw.items() if v is not None}}
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
@@ -84,16 +107,36 @@ class ModelConfig:
                 rope_theta=float(rope_theta),
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])),
+                attention_bias=bool(raw.get("attention_bias", False)),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 quantization=raw.get("quantization_config") or None,
+                partial_rotary_factor=float(rope_params.get("partial_rotary_factor")
+                                            or raw.get("partial_rotary_factor") or 1.0),
+                use_qk_norm=bool(raw.get("use_qk_norm", False)),
+                num_experts=int(raw.get("n_routed_experts") or raw.get("num_local_experts") or 0),
+                num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+                n_shared_experts=int(raw.get("n_shared_experts") or 0),
+                n_group=int(raw.get("n_group") or 1),
+                topk_group=int(raw.get("topk_group") or 1),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+                num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json is missing or has a bad field: {exc}") from exc
         if cfg.num_heads % cfg.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads {num_heads} not divisible by "
                                  f"num_key_value_heads {cfg.num_kv_heads}")
+        if cfg.rotary_dim % 2 or not 0 < cfg.rotary_dim <= cfg.head_dim:
+            raise ModelLoadError(f"partial_rotary_factor {cfg.partial_rotary_factor} gives a rotary dim of "
+                                 f"{cfg.rotary_dim} for head_dim {cfg.head_dim} (must be even, 2..head_dim)")
+        if cfg.num_experts and (cfg.num_experts % cfg.n_group or cfg.topk_group > cfg.n_group
+                                or not 0 < cfg.num_experts_per_tok <= cfg.num_experts):
+            raise ModelLoadError(f"bad MoE routing: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, "
+                                 f"n_group {cfg.n_group}, topk_group {cfg.topk_group}")
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitecture(f"hidden_act {raw.get('hidden_act')!r} unsupported (silu only)")
         return cfg

@@ -44,7 +44,7 @@ from backend.config import ModelConfig
 from backend.errors import EdgeServeError, InvalidRequest, InvalidSamplingParams, KVIntegrityError
 from backend.kv_cache import create_kv_cache
 from backend.linear import DEFAULT_BUCKETS
-from backend.model import LlamaModel
+from backend.model import DecoderModel, load_model
 from backend.model_runner import ModelRunner
 from backend.page_allocator import PageAllocator
 from backend.prefix_cache_pool import KVEvent, PrefixCachePool
@@ -102,7 +102,7 @@ class StepOutput(NamedTuple):
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, config: EngineConfig, tokenizer: object | None = None) -> None:
+    def __init__(self, model: DecoderModel, config: EngineConfig, tokenizer: object | None = None) -> None:
         self.model = model
         self.config = config
         cfg: ModelConfig = model.cfg
@@ -137,8 +137,8 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
         config = config or EngineConfig()
-        model = LlamaModel.from_pretrained(Path(model_dir), DTYPES[config.dtype], config.gemm_buckets, config.device,
-                                           config.prefill_weights, config.decode_weights, config.int4_group_size)
+        model = load_model(Path(model_dir), DTYPES[config.dtype], config.gemm_buckets, config.device,
+                           config.prefill_weights, config.decode_weights, config.int4_group_size)
         tokenizer = None
         if (Path(model_dir) / "tokenizer.json").exists():
             from backend.tokenizer import Tokenizer

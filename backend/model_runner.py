@@ -6,14 +6,14 @@ import torch
 
 from backend.attention import PrefillChunk, StepMetadata
 from backend.kv_cache import PagedKVCache
-from backend.model import LlamaModel
+from backend.model import DecoderModel
 from backend.scheduler import ScheduledBatch
 
 __all__ = ["ModelRunner"]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache) -> None:
+    def __init__(self, model: DecoderModel, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
         self.page_size = cache.page_size

@@ -1,14 +1,18 @@
-"""Rotary position embeddings (RoPE) with the common scaling kinds.
+"""Rotary position embeddings (RoPE) with the common scaling kinds, full or partial.
 
-Checkpoints use the "rotate half" convention (Hugging Face Llama): for a head
-vector x of size D, dimension i < D/2 is rotated together with dimension i + D/2:
-    (x_i, x_{i+D/2}) -> (x_i cos - x_{i+D/2} sin, x_{i+D/2} cos + x_i sin),  angle p * f_i.
+Checkpoints use the "rotate half" (NeoX) convention (Hugging Face Llama): for a
+head vector x whose first R dims rotate (R = D, the head size, except with a
+`partial_rotary_factor`: R = int(D * factor), Glm4Moe's 0.5), dimension i < R/2 is
+rotated together with dimension i + R/2, and dims R..D-1 pass through unchanged:
+    (x_i, x_{i+R/2}) -> (x_i cos - x_{i+R/2} sin, x_{i+R/2} cos + x_i sin),  angle p * f_i.
 At load time the q/k projection rows of every head are reordered into
-interleaved pairs (i, i + D/2) -> (2i, 2i+1) (`interleave_rope_rows`), so the
-rotation is one complex multiply per head: view pairs as complex numbers and
-multiply by exp(i p f). q.k is unchanged by the reordering because q and k are
-reordered alike; **K pages therefore hold keys in the interleaved layout**.
-The frequencies f_i = theta^(-2i/D) are rescaled by the config's `rope_scaling`
+interleaved pairs (i, i + R/2) -> (2i, 2i+1) over its first R rows, the others
+staying where they are (`interleave_rope_rows`), so the rotation is one complex
+multiply per head: view the first R dims as complex pairs and multiply by
+exp(i p f). q.k is unchanged by the reordering because q and k are reordered
+alike (a per-head q/k RMSNorm weight is reordered with them; the norm itself does
+not care about order); **K pages therefore hold keys in the interleaved layout**.
+The frequencies f_i = theta^(-2i/R) are rescaled by the config's `rope_scaling`
 (or `rope_parameters`) kind:
 
 - ``default``: unchanged.
@@ -45,8 +49,8 @@ def _rope_type(scaling: dict[str, Any] | None) -> str:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] (float32) and the cos/sin attention factor."""
-    dim = cfg.head_dim
+    """Inverse frequencies [rotary_dim/2] (float32) and the cos/sin attention factor."""
+    dim = cfg.rotary_dim
     base = cfg.rope_theta
     scaling = cfg.rope_scaling or {}
     kind = _rope_type(scaling)
@@ -101,11 +105,15 @@ def _yarn(cfg: ModelConfig, scaling: dict[str, Any], dim: int, base: float) -> t
     return inv_freq, float(attention_factor)
 
 
-def interleave_rope_rows(weight: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder q/k projection rows (or biases) of each head from halves to interleaved pairs."""
+def interleave_rope_rows(weight: torch.Tensor, num_heads: int, head_dim: int,
+                         rotary_dim: int | None = None) -> torch.Tensor:
+    """Reorder q/k projection rows (or biases, or a per-head norm weight with num_heads 1) of each
+    head: its first `rotary_dim` (default: all) rows from halves to interleaved pairs, the rest kept."""
+    rot = rotary_dim or head_dim
     rest = weight.shape[1:]
-    w = weight.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2)
-    return w.reshape(num_heads * head_dim, *rest).contiguous()
+    w = weight.reshape(num_heads, head_dim, *rest)
+    pairs = w[:, :rot].reshape(num_heads, 2, rot // 2, *rest).transpose(1, 2).reshape(num_heads, rot, *rest)
+    return torch.cat([pairs, w[:, rot:]], dim=1).reshape(num_heads * head_dim, *rest).contiguous()
 
 
 class RotaryEmbedding:
@@ -114,16 +122,20 @@ class RotaryEmbedding:
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
         inv_freq, attention_factor = rope_inv_freq(cfg)
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)  # [max_pos, head_dim/2]
+        angles = torch.outer(positions, inv_freq)  # [max_pos, rotary_dim/2]
         self.freqs = torch.polar(torch.full_like(angles, attention_factor), angles).to(device)  # complex64
 
     def tables(self, positions: torch.Tensor) -> torch.Tensor:
-        """exp(i p f) for the given positions, [T, 1, head_dim/2] to broadcast over heads."""
+        """exp(i p f) for the given positions, [T, 1, rotary_dim/2] to broadcast over heads."""
         return self.freqs[positions].unsqueeze(1)
 
     @staticmethod
     def apply(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] (interleaved pairs) by per-token `tables` output."""
+        """Rotate x [T, heads, head_dim] (interleaved pairs over its first rotary_dim dims) by a
+        per-token `tables` output; dims past rotary_dim pass through."""
         t, heads, dim = x.shape
+        rot = 2 * freqs.shape[-1]
+        if rot < dim:
+            return torch.cat([RotaryEmbedding.apply(x[..., :rot], freqs), x[..., rot:]], dim=-1)
         pairs = torch.view_as_complex(x.float().reshape(t, heads, dim // 2, 2))
         return torch.view_as_real(pairs * freqs).reshape(t, heads, dim).to(x.dtype)

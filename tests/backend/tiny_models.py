@@ -1,4 +1,4 @@
-"""Tiny random Llama/Qwen2 checkpoints written by `transformers` (test helper, not a test)."""
+"""Tiny random Llama/Qwen2/Glm4Moe checkpoints written by `transformers` (test helper, not a test)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,54 @@ def write_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+GLM4_MOE_TINY: dict[str, Any] = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+    n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+    routed_scaling_factor=1.5, use_qk_norm=False, attention_bias=False, max_position_embeddings=512,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, num_nextn_predict_layers=0)
+
+
+def write_tiny_glm4_moe(path: Path, seed: int = 0, partial_rotary_factor: float = 0.5, mtp_layers: int = 0,
+                        **overrides: Any) -> Path:
+    """Save a random float32 `Glm4MoeForCausalLM` (hidden 64, 8 experts; `GLM4_MOE_TINY` with
+    `overrides`) to `path`. Weights are scaled up from transformers' 0.02 init so the router's
+    choices are decisive and the experts matter; the correction bias is small and positive.
+    `mtp_layers` appends that many random layers' tensors as `model.layers.{num_hidden_layers + j}.*`
+    (how real checkpoints store multi-token prediction), which the reference ignores."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    kwargs = {**GLM4_MOE_TINY, **overrides}
+    cfg = transformers.Glm4MoeConfig(**kwargs)
+    cfg.rope_parameters = {**(cfg.rope_parameters or {}), "partial_rotary_factor": partial_rotary_factor}
+    model = transformers.Glm4MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("gate.weight"):
+                p.normal_(0.0, 0.5)
+            elif "experts" in name or "mlp" in name:
+                p.normal_(0.0, 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand_like(b) * 0.05)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    if mtp_layers:
+        f = next(Path(path).glob("*.safetensors"))
+        tensors = load_file(f)
+        last = f"model.layers.{kwargs['num_hidden_layers'] - 1}."
+        for j in range(mtp_layers):
+            extra = f"model.layers.{kwargs['num_hidden_layers'] + j}."
+            tensors.update({extra + k[len(last):]: torch.randn_like(v) for k, v in tensors.items()
+                            if k.startswith(last)})
+            tensors[extra + "eh_proj.weight"] = torch.randn(kwargs["hidden_size"], 2 * kwargs["hidden_size"])
+        save_file(tensors, f, metadata={"format": "pt"})
     return path
 
 

@@ -1,0 +1,104 @@
+"""Checkpoint tensors -> runtime weights, in the formats each phase asks for.
+
+The linear layers can be held in one format for prompt rows ("prefill") and another
+for decode rows ("decode") (formats in `weight_formats.py`). A `WeightLoader` resolves
+the two names against what the checkpoint stores (None keeps the stored format: a
+dense checkpoint in the compute dtype, a quantised one as it is; a format the
+checkpoint already has is used as stored), and builds **one runtime copy per
+distinct format** (`targets`, keyed by the format's repr): equal formats share one
+copy. A weight stored in another format is converted at load, one tensor at a time
+(FP8 -> INT4 goes through the dequantised FP8 values). Everything that is not a
+linear weight (embeddings, norms, biases, the MoE router) is read dense through `get`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from backend.config import ModelConfig
+from backend.errors import WeightsError
+from backend.linear import LinearOp
+from backend.rope import interleave_rope_rows
+from backend.weight_formats import DenseFormat, StoredWeight, WeightFormat, stored_format, weight_format
+from backend.weights import CheckpointReader
+
+__all__ = ["LinearSpec", "WeightLoader"]
+
+LinearSpec = tuple[str, tuple[int, int], int]  # module name, its [out, in] shape, RoPE heads (0: rows kept)
+
+
+class WeightLoader:
+    """One model folder being read: its config, its checkpoint and the per-phase formats."""
+
+    def __init__(self, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, gemm_buckets: tuple[int, ...] = (),
+                 device: str = "cpu", prefill_weights: str | None = None, decode_weights: str | None = None,
+                 group_size: int = 128) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.gemm_buckets = gemm_buckets
+        self.ckpt = CheckpointReader(Path(model_dir))
+        self.stored = stored_format(cfg.quantization)
+
+        def resolve(name: str | None) -> WeightFormat:
+            if name is None:
+                return self.stored or DenseFormat(dtype)
+            if self.stored is not None and name == self.stored.name:
+                return self.stored
+            return weight_format(name, group_size)
+
+        self.formats = {"prefill": resolve(prefill_weights), "decode": resolve(decode_weights)}
+        self.targets = {repr(f): f for f in self.formats.values()}  # one copy per distinct format
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt
+
+    def get(self, name: str) -> torch.Tensor:
+        """A dense tensor in the compute dtype on the device."""
+        return self.ckpt.get(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def read(self, module: str, shape: tuple[int, int] | None = None) -> tuple[WeightFormat, StoredWeight]:
+        """A linear weight as stored (dense: in its own dtype), checked against `shape` when given.
+        In a quantised checkpoint, a module stored without its format's extra tensors (a layer the
+        quantiser left dense) is read dense."""
+        stored = self.stored
+        if stored is None or f"{module}.{stored.suffixes[-1]}" not in self.ckpt and f"{module}.weight" in self.ckpt:
+            raw = self.ckpt.get(f"{module}.weight")
+            src: WeightFormat = DenseFormat(raw.dtype)
+            sw = src.read(lambda _: raw, module)  # refuses non-float (e.g. FP8) tensors
+        else:
+            src, sw = stored, stored.read(self.ckpt.get, module)
+        if shape is not None and sw.shape != shape:
+            raise WeightsError(f"{module} has shape {list(sw.shape)}, the config needs {list(shape)}",
+                               tensor=module)
+        return src, sw
+
+    def read_dense(self, module: str, shape: tuple[int, int]) -> torch.Tensor:
+        """A linear weight dequantised to float32 (FP8 block-scaled experts, for instance)."""
+        src, sw = self.read(module, shape)
+        return src.dequantize(sw).float()
+
+    @staticmethod
+    def convert(src: WeightFormat, sw: StoredWeight, dst: WeightFormat) -> StoredWeight:
+        return sw if repr(src) == repr(dst) else dst.quantize(src.dequantize(sw))
+
+    def linears(self, modules: list[LinearSpec], bias: torch.Tensor | None = None) -> dict[str, LinearOp]:
+        """One runtime linear per target format for `modules` fused along N (rows concatenated in
+        order); rows of modules with heads > 0 are reordered for RoPE (see rope.py)."""
+        cfg = self.cfg
+        read_parts = [self.read(m, shape) for m, shape, _ in modules]
+        out = {}
+        for key, fmt in self.targets.items():
+            parts = []
+            for (src, sw), (_, shape, heads) in zip(read_parts, modules):
+                part = self.convert(src, sw, fmt)
+                if heads:
+                    perm = interleave_rope_rows(torch.arange(shape[0]), heads, cfg.head_dim, cfg.rotary_dim)
+                    part = fmt.permute_rows(part, perm)
+                parts.append(part)
+            fused = fmt.cat_rows(parts) if len(parts) > 1 else parts[0]
+            fused = StoredWeight({k: t.to(self.device) for k, t in fused.tensors.items()}, fused.shape)
+            out[key] = fmt.linear(fused, bias, self.dtype, self.gemm_buckets)
+        return out

@@ -1,0 +1,22 @@
+"""RMSNorm as the reference computes it: in float32, cast back, then scaled.
+
+    y = weight * (x / sqrt(mean(x^2) + eps))
+
+Over the last dim, so the same function normalises whole rows ([T, hidden]) and
+single heads ([T, heads, head_dim], Glm4Moe's q/k norm, whose weight [heads, head_dim]
+or [head_dim] broadcasts).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x over its last dim, times `weight` (broadcast), in x's dtype."""
+    if x.dtype == torch.float32 and weight.shape == x.shape[-1:]:  # one fused op
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
