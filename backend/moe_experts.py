@@ -1,0 +1,201 @@
+"""The routed experts of an MoE layer: the token layout by expert, and the paths that run them.
+
+Every expert is a SwiGLU MLP, ``down(silu(gate(x)) * up(x))``, stored as transformers
+v5 fuses it: gate_up [2I, H] (gate rows first, then up rows) and down [H, I], per
+expert, in one of the project's weight formats (`backend/weight_formats.py`).
+
+**Layout** (`sort_by_expert`): the T*k (token, choice) slots are sorted by expert,
+stably (token order inside an expert), with offsets [E + 1] so that expert e's slots
+are rows offsets[e]..offsets[e+1] of the gathered activations. An expert with no slot
+has an empty run and costs nothing on any path. The Triton kernel
+(`kernels/fused_moe.py`) pads the same runs to its BLOCK_M.
+
+**Paths** (chosen per call; `default_path` picks one by what the weights allow):
+- ``grouped`` (CPU, dense weights): two `torch._grouped_mm` calls over all E experts
+  with ``offs`` = offsets[1:] as int32, one C++ call each instead of one Python call
+  per expert. Dense means fp32/bf16 weights, and FP8 ones, which the CPU dequantises
+  at load into the compute dtype (it has no FP8 GEMM). The stacked weights are kept
+  K-major, w13 [E, H, 2I] and w2 [E, I, H] contiguous: MKL's small-row GEMMs read
+  that layout ~1.4x faster than the transposed view at 1-8 tokens (BENCHMARKS.md).
+- ``loop`` (any format): one GEMM pair per hit expert on its contiguous slice of
+  the sorted tokens. Dense weights use slices of the stacked tensors; INT4 runs one
+  `Int4Linear` per expert (bfloat16 activations, see `linear.py`).
+- ``fused`` (CUDA): `kernels.fused_moe.fused_moe` on the stacked stored tensors in
+  the checkpoint layout (w13 [E, 2I, ...], w2 [E, H, ...]) with their scales.
+
+Each path returns the *unweighted* expert outputs per sorted slot (CPU) or the
+weighted sum (fused); `RoutedExperts.__call__` applies the routing weights and sums
+over the k choices in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from backend.linear import Linear, LinearOp
+from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, StoredWeight, WeightFormat
+
+__all__ = ["ExpertLayout", "sort_by_expert", "RoutedExperts", "PATHS", "grouped_mm_available", "fused_format_name",
+           "fused_moe_args"]
+
+PATHS = ("grouped", "loop", "fused")
+
+
+class ExpertLayout(NamedTuple):
+    """The T*k routing slots sorted by expert (see the module docstring)."""
+
+    token_index: torch.Tensor  # [T*k] int64: the token of each sorted slot
+    slot_weight: torch.Tensor  # [T*k] float32: its routing weight
+    offsets: torch.Tensor  # [E + 1] int64: expert e owns sorted slots offsets[e]..offsets[e+1]-1
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor) -> ExpertLayout:
+    """Sort the slots of topk_ids [T, k] (int, in 0..num_experts-1) and their weights
+    topk_weights [T, k] by expert, stably."""
+    flat = topk_ids.reshape(-1).long()  # [T*k] expert of slot s = t*k + j
+    order = torch.argsort(flat, stable=True)  # [T*k]
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return ExpertLayout(order // topk_ids.shape[1], topk_weights.reshape(-1).float()[order], offsets)
+
+
+def grouped_mm_available() -> bool:
+    """True when this torch has `torch._grouped_mm` with a CPU kernel (2.9 onwards)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        torch._grouped_mm(torch.ones(2, 2), torch.ones(1, 2, 2), offs=torch.tensor([2], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def fused_format_name(fmt: WeightFormat) -> str | None:
+    """The name `kernels.fused_moe` knows `fmt` by, or None when it has no kernel for it."""
+    if isinstance(fmt, DenseFormat):
+        return fmt.name if fmt.dtype in (torch.float32, torch.bfloat16) else None
+    return fmt.name if isinstance(fmt, (Fp8Format, Int4Format)) else None
+
+
+def fused_moe_args(fmt: WeightFormat, gate_up: Sequence[StoredWeight], down: Sequence[StoredWeight]
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, object]]:
+    """(w13, w2, keyword arguments) of `kernels.fused_moe.fused_moe` for experts stored in
+    `fmt`: each stored tensor stacked over experts, in the checkpoint's [N, K] layout."""
+    args: dict[str, object] = {"fmt": fused_format_name(fmt)}
+    stacked = []
+    for name, parts in (("w13", gate_up), ("w2", down)):
+        if isinstance(fmt, Fp8Format) and len({p.tensors["weight_scale_inv"].shape for p in parts}) > 1:
+            parts = [fmt.rowwise(p) for p in parts]  # some experts were row-expanded at load: all of them
+        t = {s: torch.stack([p.tensors[s] for p in parts]) for s in parts[0].tensors}
+        if isinstance(fmt, Int4Format):
+            stacked.append(t["qweight"])  # [E, N, K/2] uint8
+            args[f"{name}_scale"], args[f"{name}_zeros"] = t["scales"], t["zeros"]  # [E, N, ceil(K/g)]
+        else:
+            stacked.append(t["weight"])  # [E, N, K]
+            if isinstance(fmt, Fp8Format):
+                args[f"{name}_scale"] = t["weight_scale_inv"]  # [E, ceil(N/128) or N, ceil(K/128)]
+    if isinstance(fmt, Int4Format):
+        args["group_size"] = fmt.group_size
+    return stacked[0], stacked[1], args
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for h = [gate | up] [M, 2I]."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+class RoutedExperts:
+    """E SwiGLU experts in one weight format, built from their stored weights.
+
+    gate_up[e] is expert e's [2I, H] weight, down[e] its [H, I]. On CPU the weights
+    become runtime GEMMs through `fmt.linear`; when those are dense they are stacked
+    K-major for the grouped path (one copy; the per-expert objects are dropped). On
+    CUDA, formats the fused kernel takes are stacked as stored."""
+
+    def __init__(self, fmt: WeightFormat, gate_up: Sequence[StoredWeight], down: Sequence[StoredWeight],
+                 compute_dtype: torch.dtype) -> None:
+        if not gate_up or len(gate_up) != len(down):
+            raise ValueError(f"need one gate_up and one down weight per expert, got {len(gate_up)} and {len(down)}")
+        (two_i, h), (h2, i) = gate_up[0].shape, down[0].shape
+        if two_i != 2 * i or h2 != h or any(g.shape != (two_i, h) for g in gate_up) \
+                or any(d.shape != (h, i) for d in down):
+            raise ValueError(f"expert weights must all be gate_up [2I, H] and down [H, I]; got {gate_up[0].shape} "
+                             f"and {down[0].shape} for expert 0")
+        self.num_experts, self.hidden_size, self.intermediate_size = len(gate_up), h, i
+        self.fmt, self.compute_dtype = fmt, compute_dtype
+        self.device = next(iter(gate_up[0].tensors.values())).device
+        self.w13: torch.Tensor | None = None  # CPU dense: [E, H, 2I]; CUDA fused: [E, 2I, ...] as stored
+        self.w2: torch.Tensor | None = None  # CPU dense: [E, I, H]; CUDA fused: [E, H, ...] as stored
+        self.fused_args: dict[str, object] = {}  # CUDA: fused_moe's fmt, scales, zeros and group size
+        self.ops: list[tuple[LinearOp, LinearOp]] = []  # per-expert (gate_up, down) for the loop path
+        if self.device.type == "cuda" and fused_format_name(fmt) is not None:
+            self.w13, self.w2, self.fused_args = fused_moe_args(fmt, gate_up, down)
+            self.paths: tuple[str, ...] = ("fused",)
+            return
+        ops = [(fmt.linear(g, None, compute_dtype), fmt.linear(d, None, compute_dtype)) for g, d in zip(gate_up, down)]
+        if self.device.type == "cpu" and all(type(a) is Linear and type(b) is Linear for a, b in ops):
+            self.w13 = torch.stack([a.weight.t() for a, _ in ops])  # [E, H, 2I]
+            self.w2 = torch.stack([b.weight.t() for _, b in ops])  # [E, I, H]
+            self.paths = ("grouped", "loop") if grouped_mm_available() else ("loop",)
+        else:
+            self.ops = ops
+            self.paths = ("loop",)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of expert weights held (scales and zeros included)."""
+        tensors = [t for t in (self.w13, self.w2) if t is not None]
+        tensors += [t for t in self.fused_args.values() if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(a.nbytes + b.nbytes for a, b in self.ops)
+
+    def default_path(self, tokens: int) -> str:
+        """The path to run `tokens` tokens on: fused on CUDA, else grouped when the weights are dense."""
+        return self.paths[0]
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 path: str | None = None) -> torch.Tensor:
+        """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for x [T, H] -> [T, H] float32."""
+        path = path or self.default_path(x.shape[0])
+        if path not in self.paths:
+            raise ValueError(f"path {path!r} is not available for {self.fmt!r} experts on {self.device.type}; "
+                             f"available: {', '.join(self.paths)}")
+        if path == "fused":
+            from kernels.fused_moe import fused_moe
+
+            return fused_moe(x.contiguous(), self.w13, self.w2, topk_weights, topk_ids, **self.fused_args).float()
+        layout = sort_by_expert(topk_ids, self.num_experts, topk_weights)
+        xs = x[layout.token_index]  # [T*k, H] tokens gathered in expert order
+        ys = self._grouped(xs, layout.offsets) if path == "grouped" else self._loop(xs, layout.offsets)
+        out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)  # [T, H]
+        return out.index_add_(0, layout.token_index, ys.float().mul_(layout.slot_weight[:, None]))
+
+    def _grouped(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Unweighted expert outputs [T*k, H] of the sorted slots, by two grouped GEMMs."""
+        dtype = self.w13.dtype
+        offs = offsets[1:].to(torch.int32)  # [E] cumulative slot counts
+        h = torch._grouped_mm(xs.to(dtype), self.w13, offs=offs)  # [T*k, 2I]
+        return torch._grouped_mm(_swiglu(h), self.w2, offs=offs)  # [T*k, H]
+
+    def _loop(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Unweighted expert outputs [T*k, H] of the sorted slots, one GEMM pair per hit expert."""
+        dense = self.w13 is not None
+        xs = xs.to(self.w13.dtype) if dense else xs
+        ys = xs.new_empty(xs.shape[0], self.hidden_size)  # [T*k, H]
+        bounds = offsets.tolist()
+        for e in range(self.num_experts):
+            start, end = bounds[e], bounds[e + 1]
+            if start == end:
+                continue
+            rows = xs[start:end]  # [n_e, H]
+            if dense:
+                ys[start:end] = torch.mm(_swiglu(torch.mm(rows, self.w13[e])), self.w2[e])
+            else:
+                gate_up, down = self.ops[e]
+                ys[start:end] = down(_swiglu(gate_up(rows)))
+        return ys

@@ -1,0 +1,255 @@
+"""The MoE block against transformers' own Glm4Moe MoE module, its paths against each
+other, and quantised experts against the dense block on their dequantised weights.
+
+Weights are fresh random tensors at scales other than 1 (transformers leaves the
+expert weights uninitialised and the gate at zero, so every tensor is set here). The
+correction bias is small and positive: transformers versions differ in how they fill
+masked groups (0 or -inf), which only matters when a biased score can go negative.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.linear import Int4Linear
+from backend.moe import MoEBlock, MoEConfig, route
+from backend.moe_experts import RoutedExperts, fused_moe_args, grouped_mm_available, sort_by_expert
+from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, WeightFormat
+
+transformers = pytest.importorskip("transformers")
+from transformers import Glm4MoeConfig  # noqa: E402
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE  # noqa: E402
+
+FP32 = DenseFormat(torch.float32)
+PATHS = ["grouped", "loop"] if grouped_mm_available() else ["loop"]
+
+
+def hf_moe(experts: int, top_k: int, n_group: int, topk_group: int, norm: bool, scale: float, shared: int,
+           hidden: int = 36, inter: int = 20) -> Glm4MoeMoE:
+    """transformers' MoE module on a tiny config, every weight random."""
+    cfg = Glm4MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
+                        num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm,
+                        routed_scaling_factor=scale, n_shared_experts=shared)
+    with warnings.catch_warnings():  # n_shared_experts = 0 makes zero-size shared weights
+        warnings.simplefilter("ignore", UserWarning)
+        moe = Glm4MoeMoE(cfg).eval()
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.randn(experts, hidden) * 0.3)
+        moe.gate.e_score_correction_bias.copy_(torch.rand(experts) * 0.05)
+        moe.experts.gate_up_proj.copy_(torch.randn(experts, 2 * inter, hidden) * 0.15)
+        moe.experts.down_proj.copy_(torch.randn(experts, hidden, inter) * 0.2)
+        for lin in (moe.shared_experts.gate_proj, moe.shared_experts.up_proj, moe.shared_experts.down_proj):
+            lin.weight.copy_(torch.randn_like(lin.weight) * 0.25)
+    return moe
+
+
+def our_block(moe: Glm4MoeMoE, fmt: WeightFormat = FP32, compute_dtype: torch.dtype = torch.float32) -> MoEBlock:
+    c = moe.config
+    shared = None, None
+    if c.n_shared_experts:
+        s = moe.shared_experts
+        shared = torch.cat([s.gate_proj.weight, s.up_proj.weight]).detach(), s.down_proj.weight.detach()
+    cfg = MoEConfig.from_hf(c.to_dict())
+    return MoEBlock.build(moe.gate.weight.detach(), moe.gate.e_score_correction_bias, moe.experts.gate_up_proj.detach(),
+                          moe.experts.down_proj.detach(), *shared, cfg, fmt, compute_dtype)
+
+
+CASES = {  # experts, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor, n_shared, tokens
+    "groups-top8-shared": (16, 8, 4, 2, True, 2.5, 1, 13),
+    "groups-top2-nonorm": (16, 2, 4, 3, False, 1.7, 0, 9),
+    "top1-idle-experts": (12, 1, 1, 1, True, 0.8, 1, 3),
+    "8groups-top8-nonorm-2shared": (32, 8, 8, 3, False, 2.827, 2, 21),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_routing_and_output_match_transformers(case: tuple) -> None:
+    *hf_args, tokens = case
+    moe = hf_moe(*hf_args)
+    block = our_block(moe)
+    x = torch.randn(tokens, moe.config.hidden_size) * 1.7
+    with torch.no_grad():
+        _, ref_w, ref_ids = moe.gate(x)
+        ref = moe(x[None])[0]
+    ids, w = block.route(x)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (tokens, hf_args[1])
+    order, ref_order = ids.sort(dim=1), ref_ids.sort(dim=1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices), rtol=1e-6, atol=1e-7)
+    if hf_args[2] > 1:  # every pick lies in one of topk_group groups
+        groups = ids // (hf_args[0] // hf_args[2])
+        assert all(len(set(row)) <= hf_args[3] for row in groups.tolist())
+    if tokens * hf_args[1] < hf_args[0]:
+        assert ids.unique().numel() < hf_args[0]  # some experts get no token
+    for path in PATHS:
+        out = block(x, path=path)
+        assert out.shape == x.shape and out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_group_limit_excludes_the_best_expert_of_a_masked_group() -> None:
+    """Group 1 holds the single best expert, but group 0's top-2 sum is larger: with one
+    group allowed, the best expert is out; with both allowed it is in."""
+    h = 8
+    x = torch.randn(1, h) * 2
+    logits = torch.tensor([[2.0, 1.9, -3.0, -3.0, 3.0, -4.0, -4.0, -4.0]])  # groups of 4
+    gate = torch.linalg.lstsq(x, logits).solution.t()  # [E, H] with x @ gate.T = logits
+    limited = route(x, gate, None, MoEConfig(8, 2, n_group=2, topk_group=1))
+    free = route(x, gate, None, MoEConfig(8, 2, n_group=2, topk_group=2))
+    assert sorted(limited.topk_ids[0].tolist()) == [0, 1]
+    assert sorted(free.topk_ids[0].tolist()) == [0, 4]
+    s = torch.sigmoid(logits[0])
+    torch.testing.assert_close(limited.topk_weights.sum(), torch.tensor(1.0))
+    assert torch.allclose(free.topk_weights.sort().values, (s[[0, 4]] / s[[0, 4]].sum()).sort().values)
+
+
+def test_correction_bias_selects_but_does_not_weigh() -> None:
+    x = torch.randn(5, 24)
+    gate = torch.randn(6, 24)
+    bias = torch.zeros(6)
+    bias[3] = 10.0  # expert 3 always chosen
+    r = route(x, gate, bias, MoEConfig(6, 2, norm_topk_prob=False, routed_scaling_factor=3.0))
+    assert (r.topk_ids == 3).any(dim=1).all()
+    s = torch.sigmoid(x @ gate.t())
+    torch.testing.assert_close(r.topk_weights, 3.0 * s.gather(1, r.topk_ids))
+
+
+def test_sort_by_expert_layout() -> None:
+    t, k, e = 11, 3, 9
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    w = torch.rand(t, k) + 0.1
+    lay = sort_by_expert(ids, e, w)
+    assert lay.offsets.shape == (e + 1,) and lay.offsets[0] == 0 and lay.offsets[-1] == t * k
+    assert torch.equal(lay.offsets.diff(), torch.bincount(ids.reshape(-1), minlength=e))
+    for expert in range(e):
+        run = lay.token_index[lay.offsets[expert]: lay.offsets[expert + 1]]
+        assert torch.equal(run, (ids == expert).any(dim=1).nonzero().squeeze(1))  # its tokens, in order
+        for tok, weight in zip(run.tolist(), lay.slot_weight[lay.offsets[expert]: lay.offsets[expert + 1]].tolist()):
+            assert weight == w[tok][ids[tok] == expert].item()
+
+
+def test_idle_experts_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INT4 experts run one Int4Linear pair per *hit* expert (the loop path)."""
+    moe = hf_moe(16, 2, 1, 1, True, 1.0, 0, hidden=64, inter=32)
+    block = our_block(moe, Int4Format(32))
+    calls = []
+    original = Int4Linear.__call__
+    monkeypatch.setattr(Int4Linear, "__call__", lambda self, x: calls.append(x.shape[0]) or original(self, x))
+    x = torch.randn(3, 64)
+    block(x)
+    hit = block.route(x).topk_ids.unique().numel()
+    assert hit < 16 and len(calls) == 2 * hit and sum(calls) == 2 * 3 * 2
+
+
+def _dequantised_block(block: MoEBlock, fmt: WeightFormat, moe: Glm4MoeMoE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' dequantised weights [E, 2I, H], [E, H, I] as `fmt` stores them."""
+    gu = torch.stack([fmt.dequantize(fmt.quantize(w)) for w in moe.experts.gate_up_proj.detach()])
+    dn = torch.stack([fmt.dequantize(fmt.quantize(w)) for w in moe.experts.down_proj.detach()])
+    return gu, dn
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp8_experts_equal_the_dense_block_on_dequantised_weights(path: str) -> None:
+    moe = hf_moe(16, 4, 2, 1, True, 2.0, 1, hidden=136, inter=72)  # partial 128-blocks
+    fmt = Fp8Format()
+    block = our_block(moe, fmt)
+    gu, dn = _dequantised_block(block, fmt, moe)
+    s = moe.shared_experts
+    dense = MoEBlock.build(moe.gate.weight.detach(), moe.gate.e_score_correction_bias, gu, dn,
+                           fmt.dequantize(fmt.quantize(torch.cat([s.gate_proj.weight, s.up_proj.weight]).detach())),
+                           fmt.dequantize(fmt.quantize(s.down_proj.weight.detach())), block.cfg, FP32, torch.float32)
+    x = torch.randn(9, 136) * 0.6
+    out, ref = block(x, path=path), dense(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert (out - moe(x[None])[0]).abs().max() > 1e-4  # the weights really are quantised
+
+
+def test_int4_experts_equal_the_dense_block_on_dequantised_weights() -> None:
+    """INT4 experts read bfloat16 activations and write bfloat16 (the CPU INT4 GEMM): the
+    reference rounds at the same places and runs float32 GEMMs on the dequantised weights."""
+    moe = hf_moe(16, 4, 4, 2, False, 1.5, 0, hidden=96, inter=40)
+    fmt = Int4Format(32)
+    block = our_block(moe, fmt)
+    gu, dn = _dequantised_block(block, fmt, moe)
+    x = torch.randn(7, 96) * 1.3
+    ids, w = block.route(x)
+    bf = lambda t: t.bfloat16().float()  # noqa: E731
+    ref = torch.zeros(7, 96)
+    bound = torch.zeros(7, 96)  # |terms| summed: the scale a bf16 rounding flip moves
+    for t in range(7):
+        for e, weight in zip(ids[t].tolist(), w[t].tolist()):
+            gate, up = bf(bf(x[t]) @ gu[e].t()).chunk(2)
+            act = bf(F.silu(gate) * up)
+            ref[t] += weight * bf(act @ dn[e].t())
+            bound[t] += abs(weight) * (act.abs() @ dn[e].abs().t())
+    out = block(x)
+    assert ((out - ref).abs() <= 2.0 ** -7 * bound + 1e-6).all()
+    assert (out - ref).abs().max() < 0.05 * (out - moe(x[None])[0].detach()).abs().max()  # far below quantisation
+
+
+def test_bf16_compute_paths_agree() -> None:
+    moe = hf_moe(16, 4, 1, 1, True, 2.5, 1)
+    block = our_block(moe, DenseFormat(torch.bfloat16), torch.bfloat16)
+    x = torch.randn(10, 36).bfloat16()
+    outs = [block(x, path=p) for p in PATHS]
+    assert all(o.dtype == torch.bfloat16 for o in outs)
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        torch.testing.assert_close(outs[0].float(), moe(x.float()[None])[0], rtol=5e-2, atol=5e-2)
+
+
+def test_nbytes_counts_every_weight() -> None:
+    e, h, i = 16, 64, 32
+    moe = hf_moe(e, 2, 1, 1, True, 1.0, 1, hidden=h, inter=i)
+    dense, int4 = our_block(moe), our_block(moe, Int4Format(32))
+    assert dense.nbytes == 4 * (e * h + e + e * 3 * h * i + 3 * h * i)
+    gate = 4 * (e * h + e)
+    assert gate + (dense.nbytes - gate) / 8 < int4.nbytes < gate + (dense.nbytes - gate) / 4
+
+
+def test_config_rejects_impossible_routing() -> None:
+    with pytest.raises(ValueError, match="n_group"):
+        MoEConfig(10, 2, n_group=4)
+    with pytest.raises(ValueError, match="top_k"):
+        MoEConfig(16, 5, n_group=4, topk_group=1)
+    with pytest.raises(ValueError, match="topk_group"):
+        MoEConfig(16, 2, n_group=4, topk_group=5)
+
+
+@pytest.mark.parametrize("fmt", [FP32, DenseFormat(torch.bfloat16), Fp8Format(), Int4Format(32)], ids=repr)
+def test_kernel_arguments_fit_the_fused_moe_reference(fmt: WeightFormat) -> None:
+    """What the block hands the CUDA kernel, checked on CPU by the kernel's torch reference."""
+    fused_moe = pytest.importorskip("kernels.fused_moe")
+    moe = hf_moe(8, 2, 1, 1, True, 1.5, 0, hidden=64, inter=40)
+    block = our_block(moe, fmt)
+    gu = [fmt.quantize(w) for w in moe.experts.gate_up_proj.detach()]
+    dn = [fmt.quantize(w) for w in moe.experts.down_proj.detach()]
+    w13, w2, kwargs = fused_moe_args(fmt, gu, dn)
+    x = torch.randn(5, 64)
+    ids, w = block.route(x)
+    expected = RoutedExperts(fmt, gu, dn, torch.float32)(x, ids, w, "loop")
+    tol = 2e-2 if isinstance(fmt, Int4Format) or fmt.name == "bf16" else 1e-5
+    torch.testing.assert_close(fused_moe.fused_moe_ref(x, w13, w2, w, ids, **kwargs), expected, rtol=tol, atol=tol)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the kernel itself, interpreted on CPU tensors
+        torch.testing.assert_close(fused_moe.fused_moe(x, w13, w2, w, ids, **kwargs), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available(),
+                    reason="needs a CUDA device and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("fmt", [FP32, DenseFormat(torch.bfloat16), Fp8Format(), Int4Format(32)], ids=repr)
+def test_cuda_block_runs_the_fused_kernel(fmt: WeightFormat) -> None:
+    moe = hf_moe(32, 8, 4, 2, True, 2.5, 1, hidden=256, inter=128)
+    cpu = our_block(moe, fmt)
+    gpu = our_block(moe.cuda(), fmt)
+    assert gpu.experts.paths == ("fused",)
+    x = torch.randn(37, 256)
+    tol = 3e-2 if isinstance(fmt, Int4Format) or fmt.name == "bf16" else 1e-4
+    torch.testing.assert_close(gpu(x.cuda()).cpu(), cpu(x), rtol=tol, atol=tol)
