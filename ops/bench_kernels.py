@@ -1,10 +1,20 @@
-"""Paged decode attention on CUDA: FP8 vs BF16 KV pages, by batch and context length.
+"""CUDA kernels: paged decode attention (FP8 vs BF16 pages) and the fused MoE (vs torch).
 
-Each row times `paged_decode_attention` (bf16 queries, automatic num_splits) over
+`--parts attention,moe` chooses the sections (both by default).
+
+**attention**: each row times `paged_decode_attention` (bf16 queries, automatic num_splits) over
 pages laid out in a random order, with CUDA events (`triton.testing.do_bench`,
 median). KV bytes are what the kernel must read: K and V of every context token
 (values plus FP8 exponents); GB/s = KV bytes / time, and %bw compares that with
 the device's read bandwidth measured in the same run (a large sum).
+
+**moe**: one MoE layer's routed experts (`kernels.fused_moe.fused_moe`), GLM-4.5-Air's
+shape by default (H 4096, I 1408, 128 experts, top-8), bf16 activations, random
+distinct top-k per token, experts in bf16, fp8 (128 x 128 blocks) and int4 (g 128),
+against the torch path: a loop over the hit experts of bf16 `F.linear`s on weights
+already dense in bf16 (the best torch can do without a fused kernel: no per-call
+dequantisation, at bf16's memory cost). GB/s = bytes of the hit experts' stored
+weights (and scales) / fused time, the figure that bounds decode.
 """
 
 from __future__ import annotations
@@ -28,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=32, help="query heads (Llama-3-8B shape by default)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--parts", default="attention,moe", help="sections to run: attention, moe")
+    p.add_argument("--moe-tokens", default="1,16,128,1024")
+    p.add_argument("--moe-shape", default="4096,1408,128,8", help="hidden, moe intermediate, experts, top-k")
+    p.add_argument("--moe-formats", default="bf16,fp8,int4")
 
 
 def _read_bandwidth_gb_s() -> float:
@@ -57,10 +71,7 @@ def _make_cache(fmt: str, batch: int, context: int, kv_heads: int, head_dim: int
     return (k_cache, v_cache, k_scale, v_scale, page_table, context_lens), kv_bytes
 
 
-def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("bench kernels needs a CUDA device")
-        return 1
+def _bench_attention(args: argparse.Namespace) -> dict:
     from triton.testing import do_bench
 
     from kernels.paged_attention import default_num_splits, paged_decode_attention
@@ -95,9 +106,90 @@ def run(args: argparse.Namespace) -> int:
         speedup = f"{r['fp8_speedup']:.2f}" if "fp8_speedup" in r else ""
         print(f"{r['format']:<10}{r['batch']:>6}{r['context']:>8}{r['num_splits']:>7}{r['us']:>9.1f}"
               f"{r['kv_mb']:>8.1f}{r['gb_s']:>8.0f}{r['pct_of_read_bw']:>6.0f}{speedup:>7}")
-    report = {"device": torch.cuda.get_device_name(), "read_bandwidth_gb_s": bandwidth, "page_size": PAGE_SIZE,
-              "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "results": rows}
-    path = write_report(args.json_path, report)
+    return {"read_bandwidth_gb_s": bandwidth, "page_size": PAGE_SIZE, "heads": args.heads, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "results": rows}
+
+
+def _stored_experts(fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Stacked bf16 expert weights [E, N, K] in `fmt`: {"w": ..., "scale": ..., "zeros": ...}."""
+    from kernels.fp8_gemm import quantize_fp8_blocks_ref
+    from kernels.w4a16_gemm import quantize_int4_ref
+
+    if fmt == "bf16":
+        return {"w": w}
+    quantise = quantize_fp8_blocks_ref if fmt == "fp8" else (lambda m: quantize_int4_ref(m, 128))
+    parts = [quantise(m) for m in w]
+    return dict(zip(("w", "scale", "zeros"), (torch.stack(t) for t in zip(*parts))))
+
+
+def _torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> torch.Tensor:
+    """The torch path: per hit expert, bf16 GEMMs on its gathered tokens, weighted, index_add'ed."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    flat, k, inter = topk_ids.reshape(-1), topk_ids.shape[1], w2.shape[2]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start:start + count]
+        start += count
+        gate, up = torch.nn.functional.linear(x[slots // k], w13[expert]).split(inter, dim=1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+        out.index_add_(0, slots // k, y.float() * topk_weights.reshape(-1)[slots, None])
+    return out.to(x.dtype)
+
+
+def _bench_moe(args: argparse.Namespace) -> list[dict]:
+    from triton.testing import do_bench
+
+    from kernels.fused_moe import fused_moe
+
+    h, inter, experts, top_k = (int(v) for v in args.moe_shape.split(","))
+    tokens_list = [int(t) for t in args.moe_tokens.split(",")]
+    if getattr(args, "quick", False):
+        tokens_list = tokens_list[:1] + tokens_list[-1:]
+    w13 = torch.randn(experts, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5  # [E, 2I, H]
+    w2 = torch.randn(experts, h, inter, device="cuda", dtype=torch.bfloat16) * inter ** -0.5  # [E, H, I]
+    rows = []
+    for fmt in args.moe_formats.split(","):
+        s13, s2 = _stored_experts(fmt, w13), _stored_experts(fmt, w2)
+        kwargs = {"fmt": fmt, "w13_scale": s13.get("scale"), "w2_scale": s2.get("scale"),
+                  "w13_zeros": s13.get("zeros"), "w2_zeros": s2.get("zeros")}
+        bytes_per_expert = sum(t[0].numel() * t.element_size() for t in (*s13.values(), *s2.values()))
+        for tokens in tokens_list:
+            x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+            topk_ids = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=1).indices  # [T, k] distinct
+            topk_weights = torch.rand(tokens, top_k, device="cuda")
+            hit = int(topk_ids.unique().numel())
+            fused_ms = do_bench(lambda: fused_moe(x, s13["w"], s2["w"], topk_weights, topk_ids, **kwargs))
+            torch_ms = do_bench(lambda: _torch_moe(x, w13, w2, topk_weights, topk_ids))
+            rows.append({"format": fmt, "tokens": tokens, "experts_hit": hit, "fused_us": fused_ms * 1e3,
+                         "torch_bf16_us": torch_ms * 1e3, "speedup": torch_ms / fused_ms,
+                         "weight_gb_s": hit * bytes_per_expert / (fused_ms * 1e-3) / 1e9})
+        del s13, s2
+    print(f"fused MoE: hidden {h}, moe intermediate {inter}, {experts} experts, top-{top_k}, bf16 activations")
+    print(f"{'format':<8}{'tokens':>7}{'hit':>5}{'fused us':>10}{'torch us':>10}{'x':>7}{'GB/s':>8}")
+    for r in rows:
+        print(f"{r['format']:<8}{r['tokens']:>7}{r['experts_hit']:>5}{r['fused_us']:>10.1f}"
+              f"{r['torch_bf16_us']:>10.1f}{r['speedup']:>7.2f}{r['weight_gb_s']:>8.0f}")
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA device")
+        return 1
+    parts = args.parts.split(",")
+    report: dict = {"device": torch.cuda.get_device_name()}
+    if "attention" in parts:
+        report.update(_bench_attention(args))
+    if "moe" in parts:
+        h, inter, experts, top_k = (int(v) for v in args.moe_shape.split(","))
+        report["fused_moe"] = {"hidden": h, "moe_intermediate": inter, "experts": experts, "top_k": top_k,
+                               "results": _bench_moe(args)}
+    write_report(args.json_path, report)
     return 0
 
 
@@ -106,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     out = os.environ.get("OUT")
     p.add_argument("--json", dest="json_path",
                    default=str(Path(out) / "bench_kernels.json") if out else "bench-results/kernels.json")
-    p.add_argument("--quick", action="store_true", help="one batch size and one context length")
+    p.add_argument("--quick", action="store_true",
+                   help="one batch size and one context length; the first and last MoE token counts")
     add_arguments(p)
     return run(p.parse_args(argv))
 

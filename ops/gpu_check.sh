@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (fits a single ~8-minute run on a lent H200):
-#   1. the CUDA variants of the kernel tests, compiled for the device (no interpreter);
-#   2. the kernel microbenchmark: paged decode attention, FP8 vs BF16 pages.
+#   1. the CUDA variants of the kernel tests, compiled for the device (no interpreter),
+#      the fused MoE's larger shapes in every weight format among them;
+#   2. the kernel microbenchmark: paged decode attention, FP8 vs BF16 pages; the fused
+#      MoE per expert format (bf16, fp8, int4) against the torch path (a bf16 expert loop).
 # Results go to $OUT (or bench-results/): pytest.log, bench_kernels.json.
 # Usage: ops/gpu_check.sh   (PY=... to choose the interpreter)
 set -uo pipefail
@@ -24,5 +26,5 @@ status=0
 timeout 300 "$PY" -m pytest -m cuda tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-timeout 150 "$PY" -m ops.bench_kernels --json "$OUT/bench_kernels.json" || status=1
+timeout 200 "$PY" -m ops.bench_kernels --json "$OUT/bench_kernels.json" || status=1
 exit $status
