@@ -13,7 +13,8 @@ has an empty run and costs nothing on any path. The Triton kernel
 **Paths** (chosen per call; `default_path` picks one by what the weights allow):
 - ``grouped`` (CPU, dense weights): two `torch._grouped_mm` calls over all E experts
   with ``offs`` = offsets[1:] as int32, one C++ call each instead of one Python call
-  per expert. Dense means fp32/bf16 weights, and FP8 ones, which the CPU dequantises
+  per expert. It needs every stride a multiple of 16 bytes (H, I in float32: multiples
+  of 4; bfloat16: of 8); other shapes take the loop. Dense means fp32/bf16 weights, and FP8 ones, which the CPU dequantises
   at load into the compute dtype (it has no FP8 GEMM). The stacked weights are kept
   K-major, w13 [E, H, 2I] and w2 [E, I, H] contiguous: MKL's small-row GEMMs read
   that layout ~1.4x faster than the transposed view at 1-8 tokens (BENCHMARKS.md).
@@ -31,6 +32,7 @@ over the k choices in float32.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -64,12 +66,13 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, topk_weights: torch
     return ExpertLayout(order // topk_ids.shape[1], topk_weights.reshape(-1).float()[order], offsets)
 
 
+@cache
 def grouped_mm_available() -> bool:
     """True when this torch has `torch._grouped_mm` with a CPU kernel (2.9 onwards)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        torch._grouped_mm(torch.ones(2, 2), torch.ones(1, 2, 2), offs=torch.tensor([2], dtype=torch.int32))
+        torch._grouped_mm(torch.ones(4, 4), torch.ones(1, 4, 4), offs=torch.tensor([4], dtype=torch.int32))
     except (RuntimeError, NotImplementedError):
         return False
     return True
@@ -142,7 +145,9 @@ class RoutedExperts:
         if self.device.type == "cpu" and all(type(a) is Linear and type(b) is Linear for a, b in ops):
             self.w13 = torch.stack([a.weight.t() for a, _ in ops])  # [E, H, 2I]
             self.w2 = torch.stack([b.weight.t() for _, b in ops])  # [E, I, H]
-            self.paths = ("grouped", "loop") if grouped_mm_available() else ("loop",)
+            row_bytes = [n * self.w13.element_size() for n in (h, i, 2 * i)]  # it needs 16-byte strides
+            aligned = all(b % 16 == 0 for b in row_bytes)
+            self.paths = ("grouped", "loop") if aligned and grouped_mm_available() else ("loop",)
         else:
             self.ops = ops
             self.paths = ("loop",)

@@ -86,10 +86,23 @@ def test_routing_and_output_match_transformers(case: tuple) -> None:
         assert all(len(set(row)) <= hf_args[3] for row in groups.tolist())
     if tokens * hf_args[1] < hf_args[0]:
         assert ids.unique().numel() < hf_args[0]  # some experts get no token
+    assert block.experts.paths == tuple(PATHS)
     for path in PATHS:
         out = block(x, path=path)
         assert out.shape == x.shape and out.dtype == torch.float32
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_unaligned_shapes_take_the_loop() -> None:
+    """torch._grouped_mm needs 16-byte strides: hidden 38 in float32 (152 bytes) has none."""
+    moe = hf_moe(8, 2, 2, 1, True, 1.3, 1, hidden=38, inter=20)
+    block = our_block(moe)
+    assert block.experts.paths == ("loop",)
+    with pytest.raises(ValueError, match="not available"):
+        block(torch.randn(2, 38), path="grouped")
+    x = torch.randn(6, 38)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), moe(x[None])[0], rtol=1e-5, atol=1e-5)
 
 
 def test_group_limit_excludes_the_best_expert_of_a_masked_group() -> None:
@@ -194,9 +207,10 @@ def test_int4_experts_equal_the_dense_block_on_dequantised_weights() -> None:
 
 
 def test_bf16_compute_paths_agree() -> None:
-    moe = hf_moe(16, 4, 1, 1, True, 2.5, 1)
+    moe = hf_moe(16, 4, 1, 1, True, 2.5, 1, hidden=48, inter=24)
     block = our_block(moe, DenseFormat(torch.bfloat16), torch.bfloat16)
-    x = torch.randn(10, 36).bfloat16()
+    assert block.experts.paths == tuple(PATHS)
+    x = torch.randn(10, 48).bfloat16()
     outs = [block(x, path=p) for p in PATHS]
     assert all(o.dtype == torch.bfloat16 for o in outs)
     for o in outs[1:]:
