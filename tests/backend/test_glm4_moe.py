@@ -181,3 +181,43 @@ def test_fp8_block_scaled_checkpoint_matches_transformers_on_the_dequantised_wei
         expected = ref(torch.tensor([ids])).logits[0]
     got = _our_logits_all_rows(_engine(path), ids)
     assert (got - expected).abs().max().item() <= ATOL
+
+
+def test_disaggregated_prefill_decode_pair_equals_unified(default_dir: Path) -> None:
+    """A prefill worker (bf16 KV) ships the prompt's KV to a decode worker over loopback HTTP; the
+    greedy tokens equal a unified engine's with the same KV format, and both pools end empty."""
+    from tests.backend.test_disagg import GREEDY, generate, pair, tokens, unified, wait_free
+
+    prompt = torch.randint(3, 320, (37,)).tolist()
+    with pair(default_dir, decode_kv="bf16", wire="bf16") as (url, dec, prefills):
+        got = tokens(generate(url, prompt, max_tokens=10, **GREEDY))
+        assert got == unified(default_dir, "bf16", prompt, max_tokens=10, **GREEDY)
+        wait_free(dec, *prefills)
+
+
+def test_int4_decode_experts_run_decode_rows_in_mixed_steps(default_dir: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """--decode-weights int4 makes the experts INT4 (the router stays float32); in a mixed step the
+    decode rows go through the INT4 MoE block and the prompt rows through the fp32 one."""
+    from backend.moe import MoEBlock
+
+    engine = _engine(default_dir, prefill_weights="fp32", decode_weights="int4", int4_group_size=32)
+    dec_moe = engine.model.phase_layers["decode"][1].moe
+    pre_moe = engine.model.phase_layers["prefill"][1].moe
+    assert dec_moe is not pre_moe and dec_moe.nbytes < pre_moe.nbytes / 3
+    assert dec_moe.gate_weight.dtype == torch.float32
+    assert engine.model.weight_memory()["decode"] < engine.model.weight_memory()["prefill"] / 3
+    rows: dict[int, list[int]] = {id(dec_moe): [], id(pre_moe): []}
+    call = MoEBlock.__call__
+
+    def spy(self: MoEBlock, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
+        rows.setdefault(id(self), []).append(x.shape[0])
+        return call(self, x, path)
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request(torch.randint(0, 320, (9,)).tolist(), params)
+    engine.step()  # the prompt alone
+    engine.add_request(torch.randint(0, 320, (6,)).tolist(), params)
+    monkeypatch.setattr(MoEBlock, "__call__", spy)
+    engine.step()  # one decode row beside a 6-token prompt
+    assert rows[id(dec_moe)] == [1] and rows[id(pre_moe)] == [6]
