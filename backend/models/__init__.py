@@ -1,7 +1,7 @@
 """The architecture registry: `architectures[0]` of config.json -> the module that wires it.
 
 Each architecture is one short module under `backend/models/` with a
-`build(loader) -> list[dict[str, LayerWeights]]`-style `load` function (see
+`load_layers(loader) -> {format: [LayerWeights]}` function (see
 `backend/models/llama.py`) assembled from the shared pieces in `backend/layers/`.
 The table below is the one place an architecture name is recognised: `config.py`
 validates config.json against it (an unknown name is refused with the supported
@@ -20,7 +20,7 @@ __all__ = ["ARCHITECTURES", "Architecture", "architecture_module"]
 
 
 class Architecture(NamedTuple):
-    module: str  # dotted path of the module with `load(loader)`
+    module: str  # dotted path of the module with `load_layers(loader)`
     config_defaults: dict[str, Any]  # config.json fields the family's HF config class defaults when absent
 
 

@@ -46,7 +46,8 @@ def load_layers(loader: WeightLoader) -> dict[str, list[LayerWeights]]:
         else:
             gate_up, down = load_mlp(loader, f"{p}mlp.", cfg.intermediate_size)
             mlps = {key: {"gate_up": gate_up[key], "down": down[key]} for key in loader.targets}
-        input_norm, post_norm = loader.get(f"{p}input_layernorm.weight"), loader.get(f"{p}post_attention_layernorm.weight")
+        input_norm = loader.get(f"{p}input_layernorm.weight")
+        post_norm = loader.get(f"{p}post_attention_layernorm.weight")
         for key in loader.targets:
             layers[key].append(LayerWeights(input_norm, attn.qkv[key], attn.o_proj[key], post_norm,
                                             qk_norm=attn.qk_norm, **mlps[key]))
