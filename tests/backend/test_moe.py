@@ -159,7 +159,7 @@ def test_idle_experts_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hit < 16 and len(calls) == 2 * hit and sum(calls) == 2 * 3 * 2
 
 
-def _dequantised_block(block: MoEBlock, fmt: WeightFormat, moe: Glm4MoeMoE) -> tuple[torch.Tensor, torch.Tensor]:
+def _dequantised_experts(fmt: WeightFormat, moe: Glm4MoeMoE) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' dequantised weights [E, 2I, H], [E, H, I] as `fmt` stores them."""
     gu = torch.stack([fmt.dequantize(fmt.quantize(w)) for w in moe.experts.gate_up_proj.detach()])
     dn = torch.stack([fmt.dequantize(fmt.quantize(w)) for w in moe.experts.down_proj.detach()])
@@ -171,7 +171,7 @@ def test_fp8_experts_equal_the_dense_block_on_dequantised_weights(path: str) -> 
     moe = hf_moe(16, 4, 2, 1, True, 2.0, 1, hidden=136, inter=72)  # partial 128-blocks
     fmt = Fp8Format()
     block = our_block(moe, fmt)
-    gu, dn = _dequantised_block(block, fmt, moe)
+    gu, dn = _dequantised_experts(fmt, moe)
     s = moe.shared_experts
     dense = MoEBlock.build(moe.gate.weight.detach(), moe.gate.e_score_correction_bias, gu, dn,
                            fmt.dequantize(fmt.quantize(torch.cat([s.gate_proj.weight, s.up_proj.weight]).detach())),
@@ -189,7 +189,7 @@ def test_int4_experts_equal_the_dense_block_on_dequantised_weights() -> None:
     moe = hf_moe(16, 4, 4, 2, False, 1.5, 0, hidden=96, inter=40)
     fmt = Int4Format(32)
     block = our_block(moe, fmt)
-    gu, dn = _dequantised_block(block, fmt, moe)
+    gu, dn = _dequantised_experts(fmt, moe)
     x = torch.randn(7, 96) * 1.3
     ids, w = block.route(x)
     bf = lambda t: t.bfloat16().float()  # noqa: E731
