@@ -2,10 +2,21 @@
 
 IN is a Hugging Face folder (config.json + safetensors, one file or shards with an
 index) whose linear layers are dense (BF16, FP16, FP32) or FP8 (e4m3 with block
-scales, `weight_scale_inv`). Every ``*_proj.weight`` under ``model.layers.`` is
-converted to the target format (`backend/weight_formats.py`); every other tensor
-(embeddings, norms, biases, the LM head) is copied unchanged. FP8 -> INT4 dequantises
-each FP8 weight with its block scales first, then groups the float values.
+scales, `weight_scale_inv`). The linear modules are the architecture's
+(`backend/models/checkpoint_layout.py`): attention q/k/v/o and the dense MLP's
+gate/up/down, and in mixture-of-experts layers every routed expert's
+``mlp.experts.{j}.{gate,up,down}_proj`` and the shared experts' projections, each
+converted to the target format (`backend/weight_formats.py`) one expert matrix at a
+time. Every other tensor is copied unchanged: embeddings, norms, biases, the LM head,
+the MoE router (``mlp.gate.weight`` and ``mlp.gate.e_score_correction_bias``, which
+the runtime keeps in float32), and multi-token-prediction layers stored as
+``model.layers.{num_hidden_layers}.*``. Those are copied, not dropped or converted:
+the runtime does not run them, so a conversion could not be checked, and copying
+keeps the output a complete checkpoint at the cost of one layer's bytes (1/47 of
+GLM-4.5-Air). FP8 -> INT4 dequantises each FP8 weight with its block scales first,
+then groups the float values. A checkpoint with experts stored fused
+(``mlp.experts.gate_up_proj`` [E, 2I, H]) is refused: it is named as missing its
+per-expert tensors.
 
 Streaming: the output header is planned from the input headers alone (a format's
 tensors have known dtypes and shapes), then each input tensor is read, converted and
@@ -44,6 +55,7 @@ from tqdm import tqdm
 
 from backend.config import ModelConfig, load_config
 from backend.errors import WeightsError
+from backend.models.checkpoint_layout import checkpoint_layout
 from backend.weight_formats import TensorSpec, WeightFormat, stored_format, weight_format
 from backend.weights import CheckpointReader, write_safetensors
 
@@ -87,21 +99,6 @@ class SizeReport:
         return self.output_linear_bytes / self.input_linear_bytes
 
 
-def _linear_modules(cfg: ModelConfig) -> list[str]:
-    """Every linear module the config implies, in layer order."""
-    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-    return [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in names]
-
-
-def _required_tensors(cfg: ModelConfig) -> list[str]:
-    """The dense tensors the runtime needs besides the linears."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(cfg.num_layers):
-        names += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"]
-    return names
-
-
 def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightFormat) -> QuantizePlan:
     """Check the input and plan every output tensor from the headers alone (no data read)."""
     source = stored_format(cfg.quantization)
@@ -110,12 +107,13 @@ def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightForm
     if source is not None and source.name == target.name:
         raise WeightsError(f"the input is already {target.name}; nothing to convert")
     names = set(reader.names())
-    for name in _required_tensors(cfg):
+    layout = checkpoint_layout(cfg)
+    for name in layout.required:
         if name not in names:
             raise WeightsError(f"tensor {name!r} is missing from the checkpoint at {reader.model_dir}", tensor=name)
     plan = QuantizePlan(cfg, source, target, input_specs={n: reader.spec(n) for n in reader.names()})
     consumed: dict[str, str] = {}  # input tensor -> module it belongs to
-    for module in _linear_modules(cfg):
+    for module in layout.linears:
         suffixes = source.suffixes if source is not None else ("weight",)
         for suffix in suffixes:
             if f"{module}.{suffix}" not in names:
@@ -257,7 +255,7 @@ def print_report(report: SizeReport, target: WeightFormat, cfg: ModelConfig) -> 
           f"   (ratio {report.linear_ratio:.3f})")
     for tp, nbytes in report.per_gpu_bytes.items():
         note = ""
-        if tp > 1 and (cfg.num_heads % tp or cfg.intermediate_size % tp):
+        if tp > 1 and (cfg.num_heads % tp or cfg.intermediate_size % tp or cfg.moe_intermediate_size % tp):
             note = f"   (arithmetic only: {cfg.num_heads} heads do not split {tp} ways)"
         print(f"  per GPU, TP {tp}  {_gb(nbytes):>12}{note}")
 

@@ -12,12 +12,13 @@ from safetensors.torch import load_file, save_file
 from backend.config import load_config
 from backend.engine import EngineConfig, LLMEngine
 from backend.errors import WeightsError
-from backend.weight_formats import weight_format
+from backend.models.checkpoint_layout import checkpoint_layout
+from backend.weight_formats import stored_format, weight_format
 from backend.weights import CheckpointReader
 from ops import quantize
 from ops.cli import main
 from tests.backend.test_weight_formats import _prefill_logits
-from tests.backend.tiny_models import write_tiny_model
+from tests.backend.tiny_models import write_tiny_glm4_moe, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +189,124 @@ def test_cli_prints_the_size_report(tiny: Path, tmp_path: Path, capsys: pytest.C
     text = capsys.readouterr().out
     for line in ("input", "output", "ratio", "linear layers", "per GPU, TP 1", "per GPU, TP 8"):
         assert line in text
+
+
+# --- mixture-of-experts checkpoints (Glm4Moe) -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Glm4Moe (one dense layer, two MoE layers of 8 experts in 2 groups, a shared expert) with
+    one MTP layer stored after the last. moe_intermediate_size 128 keeps FP8's 128-row scale blocks
+    whole when the loader stacks an expert's gate and up rows (so FP8 loads without re-rounding)."""
+    return write_tiny_glm4_moe(tmp_path_factory.mktemp("moe") / "m", seed=11, mtp_layers=1, n_group=2, topk_group=1,
+                               moe_intermediate_size=128)
+
+
+def _moe_engine(path: Path, **kw) -> LLMEngine:
+    return LLMEngine.from_pretrained(path, EngineConfig(dtype="float32", kv_format="fp32", kv_cache_bytes=2**21,
+                                                        gemm_buckets=(), **kw))
+
+
+def _dequantized_copy(src: Path, dst: Path) -> Path:
+    """`src` (a quantised checkpoint) with every linear dequantised to a float32 `.weight`: the operand
+    the quantised model computes with, as a dense checkpoint."""
+    cfg = load_config(src)
+    fmt = stored_format(cfg.quantization)
+    reader = CheckpointReader(src)
+    linears = set(checkpoint_layout(cfg).linears)
+    tensors = {}
+    for name in reader.names():
+        module = name.rsplit(".", 1)[0]
+        if module not in linears:
+            tensors[name] = reader.get(name)
+        elif name == f"{module}.{fmt.suffixes[0]}":
+            tensors[f"{module}.weight"] = fmt.dequantize(fmt.read(reader.get, module)).float()
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((src / "config.json").read_text())
+    del raw["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+@pytest.mark.parametrize("to,group,weight_rtol,dense_rtol", [("int4", 32, 0.12, 0.8), ("fp8", 128, 0.04, 0.45)])
+def test_moe_checkpoint_quantises_experts_keeps_router_and_loads(tiny_moe: Path, tmp_path: Path, to: str,
+                                                                 group: int, weight_rtol: float,
+                                                                 dense_rtol: float) -> None:
+    out = tmp_path / "q"
+    fmt = weight_format(to, group)
+    report = quantize.quantize_checkpoint(tiny_moe, out, fmt, progress=False)
+    cfg = load_config(out)
+    src, dst = CheckpointReader(tiny_moe), CheckpointReader(out)
+    names = set(dst.names())
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    assert moe_layers == [1, 2] and cfg.num_experts == 8
+    # every routed and shared expert projection is stored in the target format, nothing of it dense
+    experts = [f"model.layers.{i}.mlp.{e}.{p}_proj" for i in moe_layers
+               for e in [*(f"experts.{j}" for j in range(cfg.num_experts)), "shared_experts"]
+               for p in ("gate", "up", "down")]
+    for module in experts:
+        stored = {s: dst.spec(f"{module}.{s}") for s in fmt.suffixes}
+        assert stored == fmt.specs(tuple(src.spec(f"{module}.weight").shape))
+        if to == "int4":
+            assert f"{module}.weight" not in names and stored["qweight"].dtype == torch.uint8
+        else:
+            assert stored["weight"].dtype == torch.float8_e4m3fn
+        w = src.get(f"{module}.weight").float()
+        err = (fmt.dequantize(fmt.read(dst.get, module)) - w).norm() / w.norm()
+        assert 0 < err < weight_rtol  # quantised, and close to the source weight
+    assert report.output_linear_bytes < report.input_linear_bytes / (6 if to == "int4" else 3)
+    # the router, norms, embeddings, LM head and the MTP layer (not run) are the input's bytes
+    kept = [n for n in src.names() if not n.endswith("_proj.weight") or n.startswith(f"model.layers.{cfg.num_layers}.")]
+    for i in moe_layers:
+        assert {f"model.layers.{i}.mlp.gate.weight", f"model.layers.{i}.mlp.gate.e_score_correction_bias"} <= set(kept)
+    assert any(n.startswith(f"model.layers.{cfg.num_layers}.mlp.experts.") for n in kept)
+    for name in kept:
+        a, b = src.get(name), dst.get(name)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    # the engine loads it and stays near the dense model (routing flips make tiny random models
+    # sensitive: a whole-logits relative error of ~0.2 for FP8, ~0.5 for INT4; an unrelated model ~1.4)
+    ids = torch.randint(3, 320, (29,)).tolist()
+    got = _prefill_logits(_moe_engine(out), ids)
+    dense = _prefill_logits(_moe_engine(tiny_moe), ids)
+    assert 0 < ((got - dense).norm() / dense.norm()).item() < dense_rtol
+    if to == "fp8":  # FP8 runs dequantised on CPU: exactly the dequantised operand as a dense checkpoint
+        operand = _prefill_logits(_moe_engine(_dequantized_copy(out, tmp_path / "deq")), ids)
+        assert (got - operand).abs().max().item() <= 1e-5
+    else:  # INT4 runs bf16 activations (a routing flip away from any dense operand): equal to what
+        # quantise-at-load makes of the dense checkpoint, bit for bit
+        at_load = _moe_engine(tiny_moe, prefill_weights="int4", decode_weights="int4", int4_group_size=group)
+        assert torch.equal(got, _prefill_logits(at_load, ids))
+
+
+def test_moe_checkpoint_with_a_missing_expert_is_refused_before_writing(tiny_moe: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in tiny_moe.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.2.mlp.experts.5.down_proj.weight"]
+    save_file(tensors, src / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"model\.layers\.2\.mlp\.experts\.5\.down_proj\.weight"):
+        quantize.quantize_checkpoint(src, tmp_path / "out", weight_format("fp8"), progress=False)
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
+
+
+def test_checkpoint_layout_per_architecture(tmp_path: Path) -> None:
+    """Llama's linears are its attention and MLP projections per layer (as before MoE); Glm4Moe's dense
+    layers have the MLP, its MoE layers every expert and the shared one, and the router is required."""
+    llama = load_config(write_tiny_model(tmp_path / "l", "llama", num_hidden_layers=2))
+    layout = checkpoint_layout(llama)
+    assert layout.linears == [f"model.layers.{i}.{n}" for i in range(2) for n in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert not any("gate.weight" in n for n in layout.required)
+    glm = load_config(write_tiny_glm4_moe(tmp_path / "g", use_qk_norm=True, n_shared_experts=0))
+    layout = checkpoint_layout(glm)
+    assert "model.layers.0.mlp.down_proj" in layout.linears and "model.layers.1.mlp.down_proj" not in layout.linears
+    assert [m for m in layout.linears if ".mlp.experts." in m][:3] == [
+        f"model.layers.1.mlp.experts.0.{p}_proj" for p in ("gate", "up", "down")]
+    assert len([m for m in layout.linears if ".mlp.experts." in m]) == 2 * 8 * 3
+    assert not any("shared_experts" in m for m in layout.linears)  # n_shared_experts 0
+    assert {"model.layers.1.mlp.gate.weight", "model.layers.2.self_attn.k_norm.weight"} <= set(layout.required)
+    assert "model.layers.0.mlp.gate.weight" not in layout.required  # a dense layer has no router

@@ -1,0 +1,77 @@
+"""Which checkpoint tensors an architecture's layers read, by role, without loading anything.
+
+Tools that rewrite a checkpoint tensor by tensor (`edgeserve quantize`) need to know
+which tensors are linear weights (converted to another weight format) and which
+dense tensors the runtime cannot do without (checked before anything is written).
+Both follow from the architecture and its config, so they are stated here, per
+architecture module of the registry (`backend/models/__init__.py`), next to the
+wiring they describe:
+
+    GQA decoders (Llama, Qwen2, Glm4Moe), per layer i below num_hidden_layers, `model.layers.{i}.`:
+      linears  self_attn.{q,k,v,o}_proj
+               dense layer (every layer of a dense model; i < first_k_dense_replace of a MoE one):
+                 mlp.{gate,up,down}_proj
+               MoE layer: mlp.experts.{j}.{gate,up,down}_proj for j < n_routed_experts, and
+                 mlp.shared_experts.{gate,up,down}_proj when n_shared_experts > 0
+      dense    input_layernorm.weight, post_attention_layernorm.weight,
+               self_attn.{q,k}_norm.weight (use_qk_norm), mlp.gate.weight (MoE layers: the router)
+    and model.embed_tokens.weight, model.norm.weight.
+
+Everything else a checkpoint holds (biases, the router's `e_score_correction_bias`,
+the LM head, multi-token-prediction layers stored as `model.layers.{num_hidden_layers}.*`)
+is optional here: the loader reads what it finds, and rewriting tools copy it as
+stored. The router is never a linear of this list: it stays float32 (`backend/moe.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from backend.config import ModelConfig
+from backend.errors import UnsupportedArchitecture
+from backend.models import ARCHITECTURES
+
+__all__ = ["CheckpointLayout", "checkpoint_layout"]
+
+_SWIGLU = ("gate_proj", "up_proj", "down_proj")
+
+
+class CheckpointLayout(NamedTuple):
+    linears: list[str]  # linear modules `<m>` (tensors `<m>.weight`, or a quantised format's), in layer order
+    required: list[str]  # dense tensors the runtime needs besides the linears
+
+
+def _gqa_decoder(cfg: ModelConfig) -> CheckpointLayout:
+    """GQA attention and, per layer, a dense SwiGLU MLP or a MoE block (`cfg.is_moe_layer`)."""
+    linears: list[str] = []
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        linears += [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v", "o")]
+        required += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+        if cfg.use_qk_norm:
+            required += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+        if not cfg.is_moe_layer(i):
+            linears += [f"{p}mlp.{n}" for n in _SWIGLU]
+            continue
+        required.append(f"{p}mlp.gate.weight")
+        linears += [f"{p}mlp.experts.{j}.{n}" for j in range(cfg.num_experts) for n in _SWIGLU]
+        if cfg.n_shared_experts:
+            linears += [f"{p}mlp.shared_experts.{n}" for n in _SWIGLU]
+    return CheckpointLayout(linears, required)
+
+
+_LAYOUTS: dict[str, Callable[[ModelConfig], CheckpointLayout]] = {  # registry module -> its layout
+    "backend.models.llama": _gqa_decoder,
+    "backend.models.glm4_moe": _gqa_decoder,
+}
+
+
+def checkpoint_layout(cfg: ModelConfig) -> CheckpointLayout:
+    """The linear modules and required dense tensors of `cfg`'s architecture (see the module docstring)."""
+    module = ARCHITECTURES[cfg.architecture].module
+    if module not in _LAYOUTS:
+        raise UnsupportedArchitecture(f"no checkpoint layout for {cfg.architecture} ({module}); add one to "
+                                      f"backend/models/checkpoint_layout.py")
+    return _LAYOUTS[module](cfg)
