@@ -12,16 +12,23 @@ Checkpoint names under `<prefix>mlp.` (Hugging Face, DeepSeek-V3 / Glm4Moe):
     experts.down_proj                 [E, H, I]  in memory (gate rows first, then up)
     shared_experts.{gate,up,down}_proj.weight    one SwiGLU MLP of I * n_shared_experts
 
-Experts in any stored format are dequantised to float32 one expert at a time and
-stacked; `MoEBlock.build` then makes each target format from them.
+Experts are converted one expert at a time from their stored format into each target
+format (`WeightLoader.convert`: as stored when the formats agree, so an FP8 checkpoint
+served in FP8 is never widened), and `MoEBlock.from_stored` takes them as they are: peak
+extra memory at load is one expert in float32, not a layer's experts (a GLM-4.6 layer's
+160 experts would be 15 GB in float32).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
+from backend.errors import WeightsError
 from backend.layers.loader import WeightLoader
 from backend.moe import MoEBlock, MoEConfig
+from backend.weight_formats import DenseFormat, StoredWeight, WeightFormat
 
 __all__ = ["load_moe", "moe_config"]
 
@@ -33,26 +40,31 @@ def moe_config(loader: WeightLoader) -> MoEConfig:
                      routed_scaling_factor=cfg.routed_scaling_factor)
 
 
-def _experts(loader: WeightLoader, p: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [E, 2I, H] and down [E, H, I] in float32, from per-expert or fused names."""
+_Stored = tuple[WeightFormat, StoredWeight]
+
+
+def _expert_weights(loader: WeightLoader, p: str) -> Iterator[tuple[list[_Stored], _Stored]]:
+    """Per expert, one at a time: its gate_up parts ([gate [I, H], up [I, H]], or the fused [2I, H])
+    and down [H, I] as stored, from per-expert or fused checkpoint names."""
     cfg = loader.cfg
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     if f"{p}experts.gate_up_proj" in loader:
-        gate_up, down = (loader.ckpt.get(f"{p}experts.{n}").float() for n in ("gate_up_proj", "down_proj"))
+        gate_up, down = (loader.ckpt.get(f"{p}experts.{n}") for n in ("gate_up_proj", "down_proj"))
         if gate_up.shape != (e, 2 * i, h) or down.shape != (e, h, i):
-            from backend.errors import WeightsError
-
             raise WeightsError(f"{p}experts has gate_up {list(gate_up.shape)} / down {list(down.shape)}, the config "
                                f"needs {[e, 2 * i, h]} / {[e, h, i]}", tensor=f"{p}experts.gate_up_proj")
-        return gate_up, down
-    gate_up = torch.empty(e, 2 * i, h)  # [E, 2I, H]
-    down = torch.empty(e, h, i)  # [E, H, I]
+        src = DenseFormat(gate_up.dtype)
+        for j in range(e):
+            yield [(src, src.quantize(gate_up[j]))], (src, src.quantize(down[j]))
+        return
     for j in range(e):
         q = f"{p}experts.{j}."
-        gate_up[j, :i] = loader.read_dense(f"{q}gate_proj", (i, h))
-        gate_up[j, i:] = loader.read_dense(f"{q}up_proj", (i, h))
-        down[j] = loader.read_dense(f"{q}down_proj", (h, i))
-    return gate_up, down
+        yield [loader.read(f"{q}gate_proj", (i, h)), loader.read(f"{q}up_proj", (i, h))], \
+            loader.read(f"{q}down_proj", (h, i))
+
+
+def _on(sw: StoredWeight, device: torch.device | str) -> StoredWeight:
+    return StoredWeight({k: t.to(device) for k, t in sw.tensors.items()}, sw.shape)
 
 
 def load_moe(loader: WeightLoader, prefix: str) -> dict[str, MoEBlock]:
@@ -63,15 +75,24 @@ def load_moe(loader: WeightLoader, prefix: str) -> dict[str, MoEBlock]:
     gate_weight = loader.ckpt.get(f"{p}gate.weight").float().to(dev)  # [E, H]
     bias_name = f"{p}gate.e_score_correction_bias"
     bias = loader.ckpt.get(bias_name).float().to(dev) if bias_name in loader else None  # [E]
-    gate_up, down = (t.to(dev) for t in _experts(loader, p))
-    shared_gate_up = shared_down = None
+    targets = loader.targets
+    gate_ups: dict[str, list[StoredWeight]] = {key: [] for key in targets}
+    downs: dict[str, list[StoredWeight]] = {key: [] for key in targets}
+    for gate_up_parts, (down_src, down_sw) in _expert_weights(loader, p):
+        for key, fmt in targets.items():
+            parts = [loader.convert(src, sw, fmt) for src, sw in gate_up_parts]
+            gate_ups[key].append(_on(fmt.cat_rows(parts) if len(parts) > 1 else parts[0], dev))  # [2I, H]
+            downs[key].append(_on(loader.convert(down_src, down_sw, fmt), dev))  # [H, I]
+    shared: dict[str, tuple[StoredWeight, StoredWeight] | None] = dict.fromkeys(targets)
     if cfg.n_shared_experts:
         h, i_s = cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
         s = f"{p}shared_experts."
-        shared_gate_up = torch.cat([loader.read_dense(f"{s}gate_proj", (i_s, h)),
-                                    loader.read_dense(f"{s}up_proj", (i_s, h))]).to(dev)  # [2 Is, H]
-        shared_down = loader.read_dense(f"{s}down_proj", (h, i_s)).to(dev)  # [H, Is]
+        parts = [loader.read(f"{s}gate_proj", (i_s, h)), loader.read(f"{s}up_proj", (i_s, h))]
+        down_part = loader.read(f"{s}down_proj", (h, i_s))
+        for key, fmt in targets.items():
+            shared_gate_up = fmt.cat_rows([loader.convert(src, sw, fmt) for src, sw in parts])  # [2 Is, H]
+            shared[key] = (_on(shared_gate_up, dev), _on(loader.convert(*down_part, fmt), dev))  # [H, Is]
     mcfg = moe_config(loader)
-    return {key: MoEBlock.build(gate_weight, bias, gate_up, down, shared_gate_up, shared_down, mcfg, fmt,
-                                loader.dtype)
-            for key, fmt in loader.targets.items()}
+    return {key: MoEBlock.from_stored(gate_weight, bias, gate_ups[key], downs[key], shared[key], mcfg, fmt,
+                                      loader.dtype)
+            for key, fmt in targets.items()}
