@@ -14,9 +14,10 @@ the runtime keeps in float32), and multi-token-prediction layers stored as
 the runtime does not run them, so a conversion could not be checked, and copying
 keeps the output a complete checkpoint at the cost of one layer's bytes (1/47 of
 GLM-4.5-Air). FP8 -> INT4 dequantises each FP8 weight with its block scales first,
-then groups the float values. A checkpoint with experts stored fused
-(``mlp.experts.gate_up_proj`` [E, 2I, H]) is refused: it is named as missing its
-per-expert tensors.
+then groups the float values. Experts stored fused, as newer transformers holds them
+(``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, and ``mlp.experts.down_proj``
+[E, H, I]; dense only), are written per expert under the per-expert names, the fused
+tensor read once for its experts.
 
 Streaming: the output header is planned from the input headers alone (a format's
 tensors have known dtypes and shapes), then each input tensor is read, converted and
@@ -49,6 +50,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -66,6 +68,15 @@ Steps = list[tuple[str, dict[str, TensorSpec]]]  # (input tensor or linear modul
 _SKIP_FILES = ("config.json", "model.safetensors.index.json")
 
 
+class ExpertSlice(NamedTuple):
+    """One expert's projection inside a fused experts tensor: ``tensor[expert, start:stop]``."""
+
+    tensor: str  # `<layer>.mlp.experts.gate_up_proj` [E, 2I, H] or `.down_proj` [E, H, I]
+    expert: int
+    start: int
+    stop: int
+
+
 @dataclass
 class QuantizePlan:
     """What will be written: output tensors in order, grouped by the input tensor they come from."""
@@ -76,6 +87,7 @@ class QuantizePlan:
     steps: Steps = field(default_factory=list)
     input_specs: dict[str, TensorSpec] = field(default_factory=dict)
     linear_modules: set[str] = field(default_factory=set)
+    slices: dict[str, ExpertSlice] = field(default_factory=dict)  # module -> where a fused input holds it
 
     @property
     def output_specs(self) -> dict[str, TensorSpec]:
@@ -99,6 +111,24 @@ class SizeReport:
         return self.output_linear_bytes / self.input_linear_bytes
 
 
+def _fused_expert(module: str, cfg: ModelConfig, specs: dict[str, TensorSpec]) -> ExpertSlice | None:
+    """Where a dense checkpoint with fused experts holds routed expert `module`
+    (`<layer>.mlp.experts.{j}.{gate,up,down}_proj`), if it does; shapes checked."""
+    head, sep, tail = module.partition(".mlp.experts.")
+    if not sep:
+        return None
+    j, proj = tail.split(".")
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    name, shape = (f"{head}.mlp.experts.down_proj", (e, h, i)) if proj == "down_proj" else \
+        (f"{head}.mlp.experts.gate_up_proj", (e, 2 * i, h))
+    if name not in specs:
+        return None
+    if specs[name].shape != shape:
+        raise WeightsError(f"{name} has shape {list(specs[name].shape)}, the config needs {list(shape)}", tensor=name)
+    start = i if proj == "up_proj" else 0  # gate rows first, then up
+    return ExpertSlice(name, int(j), start, start + (h if proj == "down_proj" else i))
+
+
 def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightFormat) -> QuantizePlan:
     """Check the input and plan every output tensor from the headers alone (no data read)."""
     source = stored_format(cfg.quantization)
@@ -113,7 +143,20 @@ def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightForm
             raise WeightsError(f"tensor {name!r} is missing from the checkpoint at {reader.model_dir}", tensor=name)
     plan = QuantizePlan(cfg, source, target, input_specs={n: reader.spec(n) for n in reader.names()})
     consumed: dict[str, str] = {}  # input tensor -> module it belongs to
+    fused: dict[str, list[str]] = {}  # fused experts tensor -> the modules it holds, in order
     for module in layout.linears:
+        piece = None
+        if source is None and f"{module}.weight" not in names:
+            piece = _fused_expert(module, cfg, plan.input_specs)
+        if piece is not None:
+            spec = plan.input_specs[piece.tensor]
+            if not spec.dtype.is_floating_point or spec.dtype.itemsize < 2:
+                raise WeightsError(f"{piece.tensor} is {spec.dtype}; fused experts are read dense only",
+                                   tensor=piece.tensor)
+            plan.slices[module] = piece
+            fused.setdefault(piece.tensor, []).append(module)
+            plan.linear_modules.add(module)
+            continue
         suffixes = source.suffixes if source is not None else ("weight",)
         for suffix in suffixes:
             if f"{module}.{suffix}" not in names:
@@ -137,7 +180,12 @@ def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightForm
         plan.linear_modules.add(module)
     for name in reader.names():  # checkpoint order; a module's outputs go where its .weight is
         module = consumed.get(name)
-        if module is None:
+        if name in fused:  # each expert's outputs, where the fused tensor was
+            for module in fused[name]:
+                piece = plan.slices[module]
+                outs = target.specs((piece.stop - piece.start, plan.input_specs[name].shape[2]))
+                plan.steps.append((module, {f"{module}.{s}": spec for s, spec in outs.items()}))
+        elif module is None:
             plan.steps.append((name, {name: plan.input_specs[name]}))
         elif name == f"{module}.weight":
             shape = plan.input_specs[name].shape
@@ -148,12 +196,19 @@ def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightForm
 
 def _produce(reader: CheckpointReader, plan: QuantizePlan, steps: Steps,
              done: Callable[[], object]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Output tensors of `steps`, one input tensor (or linear module) at a time; `done()` after each."""
+    """Output tensors of `steps`, one input tensor (or linear module) at a time; `done()` after each.
+    A fused experts tensor is read once for the run of its experts' steps."""
+    fused_name, fused = "", torch.empty(0)
     for key, _ in steps:
         if key not in plan.linear_modules:
             yield key, reader.get(key)
         else:
-            if plan.source is None:
+            if key in plan.slices:
+                piece = plan.slices[key]
+                if piece.tensor != fused_name:
+                    fused_name, fused = piece.tensor, reader.get(piece.tensor)  # [E, rows, K]
+                w = fused[piece.expert, piece.start:piece.stop].contiguous()  # [rows, K]
+            elif plan.source is None:
                 w = reader.get(f"{key}.weight")
             else:
                 w = plan.source.dequantize(plan.source.read(reader.get, key))
@@ -193,7 +248,9 @@ def per_gpu_bytes(specs: dict[str, TensorSpec], cfg: ModelConfig, tp: int) -> in
 
 def size_report(plan: QuantizePlan) -> SizeReport:
     out = plan.output_specs
-    linear_in = sum(s.nbytes for n, s in plan.input_specs.items() if n.rsplit(".", 1)[0] in plan.linear_modules)
+    fused = {piece.tensor for piece in plan.slices.values()}
+    linear_in = sum(s.nbytes for n, s in plan.input_specs.items()
+                    if n.rsplit(".", 1)[0] in plan.linear_modules or n in fused)
     linear_out = sum(s.nbytes for n, s in out.items() if n.rsplit(".", 1)[0] in plan.linear_modules)
     return SizeReport(sum(s.nbytes for s in plan.input_specs.values()), sum(s.nbytes for s in out.values()),
                       linear_in, linear_out, {tp: per_gpu_bytes(out, plan.cfg, tp) for tp in (1, 8)})

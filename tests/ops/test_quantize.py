@@ -310,3 +310,29 @@ def test_checkpoint_layout_per_architecture(tmp_path: Path) -> None:
     assert not any("shared_experts" in m for m in layout.linears)  # n_shared_experts 0
     assert {"model.layers.1.mlp.gate.weight", "model.layers.2.self_attn.k_norm.weight"} <= set(layout.required)
     assert "model.layers.0.mlp.gate.weight" not in layout.required  # a dense layer has no router
+
+
+def test_fused_experts_are_written_per_expert(tiny_moe: Path, tmp_path: Path) -> None:
+    """Experts stored fused (gate_up_proj [E, 2I, H], down_proj [E, H, I], as newer transformers holds
+    them) come out under the per-expert names, tensor for tensor what the per-expert input gives."""
+    cfg = load_config(tiny_moe)
+    tensors = load_file(tiny_moe / "model.safetensors")
+    for i in (1, 2):
+        p = f"model.layers.{i}.mlp.experts."
+        per = {n: [tensors.pop(f"{p}{j}.{n}.weight") for j in range(cfg.num_experts)]
+               for n in ("gate_proj", "up_proj", "down_proj")}
+        tensors[f"{p}gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(per["gate_proj"], per["up_proj"])])
+        tensors[f"{p}down_proj"] = torch.stack(per["down_proj"])
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    save_file(tensors, fused / "model.safetensors", metadata={"format": "pt"})
+    (fused / "config.json").write_text((tiny_moe / "config.json").read_text())
+    fmt = weight_format("int4", 32)
+    report = quantize.quantize_checkpoint(fused, tmp_path / "a", fmt, shard_bytes=60_000, progress=False)
+    quantize.quantize_checkpoint(tiny_moe, tmp_path / "b", fmt, progress=False)
+    a, b = CheckpointReader(tmp_path / "a"), CheckpointReader(tmp_path / "b")
+    assert sorted(a.names()) == sorted(b.names())
+    assert "model.layers.2.mlp.experts.7.up_proj.qweight" in set(a.names())
+    assert all(torch.equal(a.get(n), b.get(n)) for n in a.names())
+    assert report.input_linear_bytes == sum(t.nbytes for n, t in tensors.items()
+                                            if n.endswith(("_proj.weight", "_proj")) and ".layers.3." not in n)
