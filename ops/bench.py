@@ -23,6 +23,7 @@ BENCHES: dict[str, str] = {
     "pd": "ops.bench_pd",
     "weights": "ops.bench_weights",
     "soak": "ops.bench_soak",
+    "moe": "ops.bench_moe",
 }
 
 

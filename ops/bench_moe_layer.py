@@ -1,53 +1,64 @@
-"""One MoE layer's time per expert path (grouped, loop, int4 loop, transformers) at 1-256 tokens.
+"""One MoE layer's time per expert path (grouped, loop, int4 loop, transformers), the layer part of `bench moe`.
 
-A random Glm4Moe-style layer (defaults: hidden 1024, 64 experts, top-8, expert
-intermediate 512, one shared expert, 8 groups / 4 kept, float32). Each path runs the
-whole `MoEBlock` (router, routed experts, shared expert); ``transformers`` is
-`Glm4MoeMoE.forward` on the same weights. Paths are interleaved and the median taken,
-so a noisy neighbour hits them alike. JSON: ``{"moe_layer_ms": {path: {tokens: ms}}}``.
-
-Run: ``python -m ops.bench_moe_layer [--quick] [--threads N] [--json PATH]``.
+A random Glm4Moe MoE layer of the given `Glm4MoeConfig` (router with correction
+bias and group-limited top-k, routed experts, shared experts; float32). Each of our
+paths runs the whole `MoEBlock` (router, routed experts, shared expert):
+``grouped`` and ``loop`` on float32 experts (`backend/moe_experts.py`; grouped only
+where `torch._grouped_mm` runs on this torch and shape), ``int4_loop`` on INT4
+experts (group 128); ``transformers`` is `Glm4MoeMoE.forward` holding the same
+float32 weights, with the experts implementation a loaded `Glm4MoeForCausalLM` would
+use (`hf_experts_implementation`: ``grouped_mm`` on a torch that has it). Every path
+gets the same input [T, H]; the paths are interleaved (one call each per round, the
+order reversed each round) and the median taken, so a noisy neighbour hits them alike.
+The command that prints and records it is `ops/bench_moe.py`.
 """
 
 from __future__ import annotations
 
-import argparse
+import copy
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["add_arguments", "run", "moe_layer_ms"]
+__all__ = ["moe_layer_ms", "hf_experts_implementation", "LAYER_PATHS"]
+
+LAYER_PATHS = ("grouped", "loop", "int4_loop", "transformers")  # in table order; grouped may be absent
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--inter", type=int, default=512, help="moe_intermediate_size")
-    p.add_argument("--tokens", default="1,8,32,256")
-    p.add_argument("--threads", type=int, default=None)
+def hf_experts_implementation(hf_cfg) -> str:
+    """The experts implementation a `Glm4MoeForCausalLM` of `hf_cfg` runs (transformers picks
+    ``grouped_mm`` where torch can dispatch it, else ``eager``), unless the config names one."""
+    from transformers import Glm4MoeForCausalLM
+
+    hf_cfg = copy.deepcopy(hf_cfg)
+    with torch.device("meta"):  # nothing allocated; the constructor resolves the implementation
+        Glm4MoeForCausalLM(hf_cfg)
+    return hf_cfg._experts_implementation
 
 
-def moe_layer_ms(hidden: int, experts: int, top_k: int, inter: int, tokens: list[int], reps: int,
-                 seed: int = 0) -> dict[str, dict[int, float]]:
-    """Median ms of one layer per path and token count."""
-    from transformers import Glm4MoeConfig
+def moe_layer_ms(hf_cfg, tokens: list[int], reps: int, seed: int = 0) -> dict[str, dict[int, float]]:
+    """Median milliseconds of one MoE layer per path and token count T: ``{path: {T: ms}}``.
+
+    `hf_cfg` is a `transformers.Glm4MoeConfig` (hidden_size, n_routed_experts,
+    num_experts_per_tok, moe_intermediate_size, n_shared_experts, n_group, topk_group,
+    norm_topk_prob, routed_scaling_factor are used). Weights are random with std
+    fan_in^-0.5, the correction bias uniform in [0, 0.01); inputs are fresh standard
+    normals per T. T = 256 gets a quarter of `reps` (at least 2): it is the slow one."""
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 
     from backend.moe import MoEBlock, MoEConfig
     from backend.weight_formats import DenseFormat, Int4Format
 
+    hf_cfg = copy.deepcopy(hf_cfg)
+    hf_cfg._experts_implementation = hf_experts_implementation(hf_cfg)
     torch.manual_seed(seed)
-    groups = 8 if experts % 8 == 0 and experts >= 16 else 1
-    hf_cfg = Glm4MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
-                           num_experts_per_tok=top_k, n_group=groups, topk_group=max(1, groups // 2),
-                           n_shared_experts=1, routed_scaling_factor=2.5)
+    hidden, experts = hf_cfg.hidden_size, hf_cfg.n_routed_experts
     hf = Glm4MoeMoE(hf_cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
-            p.copy_(torch.randn_like(p) * hidden ** -0.5)
+            p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
         hf.gate.e_score_correction_bias.copy_(torch.rand(experts) * 0.01)
     s = hf.shared_experts
     args = (hf.gate.weight.detach(), hf.gate.e_score_correction_bias, hf.experts.gate_up_proj.detach(),
@@ -62,47 +73,17 @@ def moe_layer_ms(hidden: int, experts: int, top_k: int, inter: int, tokens: list
     out: dict[str, dict[int, float]] = {name: {} for name in paths}
     with torch.no_grad():
         for t in tokens:
-            x = torch.randn(t, hidden)
+            x = torch.randn(t, hidden)  # [T, H]
             times: dict[str, list[float]] = {name: [] for name in paths}
             for f in paths.values():
                 f(x)  # warm up
+            order = list(paths.items())
             for _ in range(reps if t < 256 else max(2, reps // 4)):
-                for name, f in paths.items():
+                for name, f in order:
                     start = time.perf_counter()
                     f(x)
                     times[name].append((time.perf_counter() - start) * 1e3)
+                order.reverse()
             for name in paths:
                 out[name][t] = statistics.median(times[name])
     return out
-
-
-def run(args: argparse.Namespace) -> int:
-    from ops.bench import provenance, write_report
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tokens = [int(t) for t in args.tokens.split(",")]
-    reps = 3 if args.quick else 15
-    res = moe_layer_ms(args.hidden, args.experts, args.top_k, args.inter, tokens, reps)
-    print(f"\nMoE layer ms (median of {reps}): hidden {args.hidden}, {args.experts} experts, top-{args.top_k}, "
-          f"inter {args.inter}, 1 shared, threads={torch.get_num_threads()}")
-    print(f"{'path':<14}" + "".join(f"{t:>10}" for t in tokens))
-    for name, row in res.items():
-        print(f"{name:<14}" + "".join(f"{row[t]:>10.2f}" for t in tokens))
-    write_report(args.json_path, {"moe_layer_ms": res, "threads": torch.get_num_threads(),
-                                  "config": {"hidden": args.hidden, "experts": args.experts, "top_k": args.top_k,
-                                             "inter": args.inter, "shared": 1},
-                                  **provenance()})
-    return 0
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", dest="json_path", default="bench-results/moe-layer.json")
-    add_arguments(p)
-    return run(p.parse_args())
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
