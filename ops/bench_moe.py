@@ -45,6 +45,7 @@ from ops.bench_moe_layer import LAYER_PATHS, hf_experts_implementation, moe_laye
 from ops.cluster import machine_info
 
 __all__ = ["add_arguments", "run", "model_config", "write_random_glm4_moe", "random_prompts", "prefill_tok_s",
+           "resident_mb",
            "ratios_and_targets", "format_table", "FORMATS", "LAYER_TOKENS"]
 
 FORMATS = ("fp32", "int4")  # engine weight formats compared (int4: group 128)
@@ -102,6 +103,14 @@ def write_random_glm4_moe(path: Path, cfg_kwargs: dict[str, Any], seed: int = 0)
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     cfg.save_pretrained(path)
     return path
+
+
+def resident_mb() -> dict[str, float]:
+    """This process's resident memory now (MB): ``anon`` (heap: weights, KV) and ``file`` (mapped
+    file pages, e.g. a checkpoint still memory-mapped: clean, so the kernel can drop them)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {key: int(fields[f"Rss{key.capitalize()}"].split()[0]) / 1024 for key in ("anon", "file")
+            if f"Rss{key.capitalize()}" in fields}
 
 
 def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -176,6 +185,9 @@ def format_table(report: dict[str, Any]) -> str:
                      + f"{dec['int4'][c] / dec['fp32'][c]:>10.2f}x")
     lines += ["", f"prefill tok/s ({cfg['prefill_tokens']}-token prompt, one step, median of "
               f"{cfg['prefill_repeats']}): " + ", ".join(f"{f} {v:.0f}" for f, v in report["prefill_tok_s"].items()),
+              "weights held: " + ", ".join(f"{f} {b / 1e9:.2f} GB" for f, b in report["weight_memory_bytes"].items())
+              + "; resident after loading both: " + ", ".join(f"{k} {v / 1024:.1f} GB"
+                                                              for k, v in report["resident_mb_after_load"].items()),
               "", "ratios: " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}x'}"
                                          for k, v in report["ratios"].items()),
               "targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in report["targets"].items())]
@@ -249,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
                                                                              **engine_cfg))
             timings[f"load_{fmt}_s"] = time.perf_counter() - t
             log(f"loaded {fmt} in {timings[f'load_{fmt}_s']:.1f} s")
+        rss = resident_mb()  # both engines held: the run's high point
 
     # -- 2. decode, the formats stepped in turn
     t = time.perf_counter()
@@ -285,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
                    "output_tokens": {str(c): _output_tokens(c, quick) for c in points},
                    "prefill_tokens": prefill_tokens, "prefill_repeats": prefill_repeats, "int4_group_size": 128},
         "moe_layer_ms": layer_ms, "decode_tok_s": decode, "prefill_tok_s": prefill,
-        "weight_memory_bytes": memory, "ratios": ratios, "targets": targets, "timings_s": timings,
+        "weight_memory_bytes": memory, "resident_mb_after_load": rss, "ratios": ratios, "targets": targets,
+        "timings_s": timings,
     }
     print("\n" + format_table(report) + f"\ntook {timings['total_s']:.0f} s")
     write_report(args.json_path, report)

@@ -90,6 +90,7 @@ def test_tiny_run_writes_every_key_and_the_table(tmp_path: Path, capsys: pytest.
     assert "cpu_flags" in report["machine"] and report["config"]["model"]["num_hidden_layers"] == 2
     assert report["ratios"] == bench_moe.ratios_and_targets(report["moe_layer_ms"], report["decode_tok_s"])[0]
     assert report["weight_memory_bytes"]["int4"] < report["weight_memory_bytes"]["fp32"]
+    assert report["resident_mb_after_load"]["anon"] > report["weight_memory_bytes"]["fp32"] / 2**20
     table = capsys.readouterr().out
     assert bench_moe.format_table(report) in table
     for target, met in report["targets"].items():
