@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from ops.bench import write_report
 
-__all__ = ["add_arguments", "run", "percentile", "TOPICS"]
+__all__ = ["add_arguments", "run", "percentile", "prefill_tok_s", "TOPICS"]
 
 TOPICS = ["the sea", "a city at night", "learning to cook", "the history of maps", "a long train journey",
           "why the sky is blue", "a friendly robot", "how bridges stand up", "autumn leaves", "the first computer",
@@ -249,3 +251,22 @@ def run(args: argparse.Namespace) -> int:
     }
     write_report(args.json_path, report)
     return 0
+
+
+def prefill_tok_s(engines: dict[str, Any], prompt: list[int], repeats: int) -> dict[str, float]:
+    """Prefill tok/s per engine: `prompt` as one step (the engines' chunk must hold it), engines in
+    turn with the order reversed each round, one untimed warm-up round; tokens / median seconds."""
+    from backend.sampling_params import SamplingParams
+
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    order = list(engines)
+    for rep in range(-1, repeats):  # rep -1: warm-up (a first long step pays for its buffers)
+        for name in order:
+            engines[name].add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            t0 = time.perf_counter()
+            while engines[name].has_work():
+                engines[name].step()
+            if rep >= 0:
+                times[name].append(time.perf_counter() - t0)
+        order.reverse()
+    return {name: len(prompt) / statistics.median(v) for name, v in times.items()}

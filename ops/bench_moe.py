@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ops.bench import provenance, write_report
+from ops.bench_engine import prefill_tok_s
 from ops.bench_integrity import DecodeLoop, step_in_turn
 from ops.bench_moe_layer import LAYER_PATHS, hf_experts_implementation, moe_layer_ms
 from ops.cluster import machine_info
@@ -117,25 +118,6 @@ def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[l
     """`count` prompts of `length` token ids drawn uniformly from [3, vocab) (ids 0-2 are the specials)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (count, length), generator=gen).tolist()
-
-
-def prefill_tok_s(engines: dict[str, Any], prompt: list[int], repeats: int) -> dict[str, float]:
-    """Prefill tok/s per engine: `prompt` as one step (the engines' chunk must hold it), engines in
-    turn with the order reversed each round, one untimed warm-up round; tokens / median seconds."""
-    from backend.sampling_params import SamplingParams
-
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    order = list(engines)
-    for rep in range(-1, repeats):  # rep -1: warm-up (a first long step pays for its buffers)
-        for name in order:
-            engines[name].add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-            t0 = time.perf_counter()
-            while engines[name].has_work():
-                engines[name].step()
-            if rep >= 0:
-                times[name].append(time.perf_counter() - t0)
-        order.reverse()
-    return {name: len(prompt) / statistics.median(v) for name, v in times.items()}
 
 
 def ratios_and_targets(layer_ms: dict[str, dict[str, float]], decode: dict[str, dict[str, float]],

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from ops.bench import write_report
+from ops.bench_engine import prefill_tok_s
 from ops.bench_integrity import DecodeLoop, step_in_turn
 from ops.bench_kv import fixed_length_prompts
 
@@ -168,7 +169,6 @@ def run(args: argparse.Namespace) -> int:
     from backend.config import load_config
     from backend.engine import EngineConfig, LLMEngine
     from backend.kv_cache import kv_bytes_per_token
-    from backend.sampling_params import SamplingParams
     from backend.tokenizer import Tokenizer
     from ops.brown_corpus import fetch_brown, heldout_tokens
     from ops.pull import resolve_model
@@ -239,18 +239,7 @@ def run(args: argparse.Namespace) -> int:
     # -- prefill, one long prompt per format in turn
     t = time.perf_counter()
     prompt = fixed_length_prompts(tok, 1, prefill_tokens)[0]
-    prefill_times: dict[str, list[float]] = {name: [] for name in speed}
-    order = list(speed)
-    for rep in range(-1, prefill_repeats):  # rep -1: warm-up (a first long step pays for its buffers)
-        for name in order:
-            speed[name].add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-            t0 = time.perf_counter()
-            while speed[name].has_work():
-                speed[name].step()
-            if rep >= 0:
-                prefill_times[name].append(time.perf_counter() - t0)
-        order.reverse()
-    prefill = {name: prefill_tokens / statistics.median(v) for name, v in prefill_times.items()}
+    prefill = prefill_tok_s(speed, prompt, prefill_repeats)
     log("prefill tok/s: " + ", ".join(f"{n} {v:.0f}" for n, v in prefill.items()))
     timings["prefill_s"] = time.perf_counter() - t
 
