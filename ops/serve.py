@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 
 __all__ = ["register", "DEFAULT_MODEL", "parse_bytes", "add_engine_args", "add_worker_token_args", "add_drain_arg",
@@ -101,9 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "names one per request from the Redis registry)")
     serve.add_argument("--kv-wire", default="fp8_e4m3", choices=["fp8_e4m3", "bf16"],
                        help="decode role: KV format on the wire from prefill workers")
-    serve.add_argument("--redis-url", default=None,
+    serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                        help="register in this Redis (heartbeat with live load) and publish prefix-cache KV events "
-                            "(default: none, not registered)")
+                            "(default: $REDIS_URL when set, else none: not registered)")
     serve.add_argument("--worker-id", default=None, help="this worker's id in Redis (default: host:port)")
     serve.add_argument("--region", default="local", help="this worker's region (for gateways' routing)")
     serve.add_argument("--advertise-url", default=None,

@@ -66,11 +66,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_drain_arg(p)
 
 
-def _worker_argv(args: argparse.Namespace, model: str, redis_url: str) -> list[str]:
+def _worker_argv(args: argparse.Namespace, model: str) -> list[str]:
+    """The worker's command line; its Redis URL (which may carry a password) and worker token go in
+    its environment instead, since `ps` shows every process's argv."""
     from ops.serve import ENGINE_OPTIONS
 
     argv = [sys.executable, "-m", "ops.cli", "serve", "--model", model, "--served-name", args.served_name,
-            "--host", "127.0.0.1", "--port", str(args.worker_port), "--redis-url", redis_url, "--prefix-caching",
+            "--host", "127.0.0.1", "--port", str(args.worker_port), "--prefix-caching",
             "--drain-timeout", str(args.drain_timeout)]
     for dest in ENGINE_OPTIONS:
         value, flag = getattr(args, dest), f"--{dest.replace('_', '-')}"
@@ -235,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     with _redis(redis_arg) as redis_url:
         print(f"[1/3] redis     {redact(redis_url)}", flush=True)
         worker_url = f"http://127.0.0.1:{args.worker_port}"
-        with _child(_worker_argv(args, str(model_dir), redis_url), worker_env, args.drain_timeout + 15) as worker:
+        worker_env["REDIS_URL"] = redis_url
+        with _child(_worker_argv(args, str(model_dir)), worker_env, args.drain_timeout + 15) as worker:
             print(f"[2/3] worker    {worker_url} loading {args.served_name} ...", flush=True)
             stats = _wait_healthy(worker_url, worker, args.startup_timeout, token)
             # no static worker list: the gateway routes over the registry the worker heartbeats into

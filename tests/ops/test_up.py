@@ -88,6 +88,9 @@ def test_up_serves_records_itself_and_ctrl_c_stops_every_child_quietly(tiny_chat
         assert stat.S_IMODE(record_file.stat().st_mode) == 0o600 and str(record_file) in text
         assert record["token"] == token and record["pid"] == proc.pid and record["tenant_id"] == "demo"
         assert record["redis_url"] == f"redis://127.0.0.1:{redis_port}/0" and record["model"] == "tiny-chat"
+        # secrets reach the worker through its environment: `ps` (argv) shows neither the token nor Redis
+        worker_argv = Path(f"/proc/{record['worker_pids'][0]}/cmdline").read_bytes().decode()
+        assert "redis://" not in worker_argv and token not in worker_argv and "serve" in worker_argv
 
         # the banner's commands, as printed (a path that runs from here), with no flags
         command = re.search(r"^\s+(\S*edgeserve) chat \"Hello!\"$", text, re.M).group(1)
