@@ -159,7 +159,10 @@ class AsyncEngine:
                                                         len(s.output_ids))))
                 continue
             if out.new_token is not None:
-                events.append((s.request_id, TokenEvent([out.new_token], [out.token_time - s.arrival_time])))
+                events.append((s.request_id, TokenEvent([out.new_token], [out.token_time - s.arrival_time],
+                                                        out.logprobs, out.prompt_logprobs)))
+            elif out.prompt_logprobs is not None:  # max_tokens 0: the prompt's scores, no token
+                events.append((s.request_id, TokenEvent([], [], prompt_logprobs=out.prompt_logprobs)))
             if out.finished:
                 events.append((s.request_id, _finish_event(s)))
         return events

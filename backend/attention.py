@@ -52,7 +52,7 @@ class StepMetadata:
     decode_mask: torch.Tensor | None  # [D, 1, 1, P*PAGE_SIZE] additive (0 or -inf), compute dtype
     decode_context_lens: torch.Tensor | None  # [D] int32, keys each decoding sequence attends to
     prefills: list[PrefillChunk]
-    logits_rows: torch.Tensor  # [R] int64, rows whose logits are sampled: the decode rows first, in order
+    logits_rows: torch.Tensor  # [R] int64, rows whose logits are sampled: the decode rows first, in order (then any scored prompt rows)
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: StepMetadata,

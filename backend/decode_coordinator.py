@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from backend.async_engine import AsyncEngine
-from backend.errors import BackendUnavailable, CapacityError, EdgeServeError, InvalidRequest
+from backend.errors import BackendUnavailable, CapacityError, EdgeServeError, InvalidRequest, InvalidSamplingParams
 from backend.kv_transfer import KVBegin, KVEnd, KVLayer, KVTransport, PrefillRequest, decode_layer
 from backend.prefill_allowlist import PrefillAllowlist
 from backend.protocol import ErrorEvent, Event, GenerateRequest
@@ -76,6 +76,9 @@ class DecodeCoordinator:
     def submit(self, req: GenerateRequest) -> AsyncIterator[Event]:
         """Validate now (raises typed errors) and return the request's event stream.
         `req.prefill_url` must have passed `check_prefill_url`."""
+        for field in ("logprobs", "prompt_logprobs"):  # the prefill worker samples the first token
+            if getattr(req.params, field) is not None:
+                raise InvalidSamplingParams(f"`{field}` is not served by a prefill/decode pair", field=field)
         seq = self.engine.engine.new_sequence(req.prompt_ids, req.params, req.request_id)
         return self._run(seq, req)
 

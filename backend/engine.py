@@ -48,6 +48,8 @@ from backend.model import DecoderModel, load_model
 from backend.model_runner import ModelRunner
 from backend.page_allocator import PageAllocator
 from backend.prefix_cache_pool import KVEvent, PrefixCachePool
+from backend.logprobs import logprobs_of
+from backend.protocol import Logprobs
 from backend.sampler import sample
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -99,6 +101,8 @@ class StepOutput(NamedTuple):
     token_time: float
     finished: bool
     error: EdgeServeError | None = None  # set when the step failed for this sequence
+    logprobs: Logprobs | None = None  # of new_token, when the request asks (params.logprobs)
+    prompt_logprobs: Logprobs | None = None  # of prompt tokens 1.., once, when its prompt completed
 
 
 class LLMEngine:
@@ -368,7 +372,8 @@ class LLMEngine:
         return failed
 
     def postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[StepOutput]:
-        """Advance counters, sample, append tokens, finish sequences that stop."""
+        """Advance counters, score prompt positions, sample, append tokens, finish sequences that stop."""
+        scored = [(s, s.scored_positions(s.num_computed_tokens, n)) for s, n in batch.prefill]
         sampled_seqs = list(batch.decode)
         for s in batch.decode:
             s.num_computed_tokens += 1
@@ -378,19 +383,50 @@ class LLMEngine:
             if not s.is_prefilling:
                 sampled_seqs.append(s)
                 self.scheduler.prompt_computed(s)
-        if not sampled_seqs:
-            return []
         if logits.is_cuda:  # sampling runs on the CPU (per-request CPU generators); [B, vocab] is small
             logits = logits.cpu()
-        tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
+        if logits.shape[0] > len(sampled_seqs):  # prompt positions scored after the sampled rows
+            self._score_prompts(scored, logits[len(sampled_seqs):])
+        if not sampled_seqs:
+            return []
+        logits = logits[: len(sampled_seqs)]
+        params = [s.params for s in sampled_seqs]
+        tokens = sample(logits, params, [s.generator for s in sampled_seqs],
+                        [s.prompt_ids for s in sampled_seqs], [s.output_ids for s in sampled_seqs])
         now = time.perf_counter()
         outputs = []
-        for s, tok in zip(sampled_seqs, tokens):
+        for row, (s, tok) in enumerate(zip(sampled_seqs, tokens)):
+            prompt_lp, s.prompt_logprobs = s.prompt_logprobs, None  # handed over once
+            if prompt_lp is None and s.params.prompt_logprobs is not None and s.num_prompt_tokens == 1:
+                prompt_lp = Logprobs([])  # nothing to score after the first token
+            if s.params.max_tokens == 0:  # only the prompt was asked for
+                self.scheduler.finish(s, "length")
+                self._stop_checkers.pop(s.request_id, None)
+                self.stats["finished"] += 1
+                outputs.append(StepOutput(s, None, now, True, prompt_logprobs=prompt_lp))
+                continue
             s.output_ids.append(tok)
             if s.first_token_time is None:
                 s.first_token_time = now
-            outputs.append(self._emit(s, tok, now))
+            lp = None
+            if s.params.logprobs is not None:
+                lp = logprobs_of(logits[row: row + 1], torch.tensor([tok]), s.params.logprobs)
+            outputs.append(self._emit(s, tok, now)._replace(logprobs=lp, prompt_logprobs=prompt_lp))
         return outputs
+
+    def _score_prompts(self, scored: list[tuple[Sequence, range]], logits: torch.Tensor) -> None:
+        """Append to each scoring sequence the logprobs of the prompt tokens its rows predict."""
+        row = 0
+        for s, positions in scored:
+            if not positions:
+                continue
+            targets = torch.tensor(s.prompt_ids[positions.start + 1: positions.stop + 1])
+            lp = logprobs_of(logits[row: row + len(positions)], targets, s.params.prompt_logprobs or 0)
+            row += len(positions)
+            if s.prompt_logprobs is None:
+                s.prompt_logprobs = lp
+            else:
+                s.prompt_logprobs.extend(lp)
 
     def _emit(self, s: Sequence, tok: int, now: float) -> StepOutput:
         """Count a new token of `s` and finish `s` if the token stops it."""

@@ -53,12 +53,14 @@ class ModelRunner:
             decode_mask = torch.zeros(beyond.shape, dtype=self.model.dtype, device=self.device)
             decode_mask.masked_fill_(beyond, float("-inf"))
         chunks: list[PrefillChunk] = []
+        scored_rows: list[int] = []  # prompt positions scored for prompt logprobs, after the sampled rows
         for s, n in batch.prefill:
             start = s.num_computed_tokens
             end = start + n
             chunks.append(PrefillChunk(token_start=len(tokens), num_tokens=n, context_len=end,
                                        page_table=torch.tensor([s.page_ids[: -(-end // ps)]], dtype=torch.int64,
                                                                device=self.device)))
+            scored_rows.extend(len(tokens) + p - start for p in s.scored_positions(start, n))
             tokens.extend(s.prompt_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slot(s.page_ids, p) for p in range(start, end))
@@ -72,11 +74,12 @@ class ModelRunner:
             decode_mask=decode_mask,
             decode_context_lens=decode_lens,
             prefills=chunks,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+            logits_rows=torch.tensor(logits_rows + scored_rows, dtype=torch.int64, device=self.device),
         )
         return torch.tensor(tokens, dtype=torch.int64, device=self.device), meta
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [R, vocab] float32: decode sequences, then prompts completed this step."""
+        """Logits [R, vocab] float32: decode sequences, then prompts completed this step, then the
+        scored positions of prompts that ask for prompt logprobs (chunk by chunk, in batch order)."""
         input_ids, meta = self.prepare(batch)
         return self.model.forward(input_ids, meta, self.cache)

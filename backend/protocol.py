@@ -2,6 +2,10 @@
 
 A generate call sends `GenerateRequest` and receives a stream of `Event`s:
 zero or more `TokenEvent`s, then exactly one `FinishEvent` or `ErrorEvent`.
+A request that asks for log-probabilities gets them on its `TokenEvent`s (`logprobs`
+for the new tokens; `prompt_logprobs` once, on the first event, which has no token
+ids when `max_tokens` is 0); the fields are omitted otherwise, so the frames of other
+requests are unchanged.
 A cancel sends `CancelRequest` with the `cancel_key` its request was started with.
 """
 
@@ -11,7 +15,7 @@ import msgspec
 
 from backend.sampling_params import SamplingParams
 
-__all__ = ["GenerateRequest", "CancelRequest", "TokenEvent", "FinishEvent", "ErrorEvent", "Event", "encoder",
+__all__ = ["GenerateRequest", "CancelRequest", "Logprobs", "TokenEvent", "FinishEvent", "ErrorEvent", "Event", "encoder",
            "event_decoder"]
 
 
@@ -31,11 +35,30 @@ class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
     cancel_key: str
 
 
-class TokenEvent(msgspec.Struct, tag="token", tag_field="event", gc=False):
-    """New token ids and, for each, seconds since the request arrived at the worker."""
+class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Log-probabilities (natural log, the model's raw distribution) of consecutive tokens:
+    `token[i]` of the i-th token, and its `top_ids[i]` / `top_logprobs[i]` most likely
+    alternatives, most likely first (empty lists when none were asked for)."""
+
+    token: list[float]
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+
+    def extend(self, other: Logprobs) -> None:
+        """Append `other`'s positions (in place)."""
+        self.token += other.token
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+
+
+class TokenEvent(msgspec.Struct, tag="token", tag_field="event", omit_defaults=True, gc=False):
+    """New token ids and, for each, seconds since the request arrived at the worker; their
+    log-probabilities when asked for, and (once) those of prompt tokens 1..n-1."""
 
     token_ids: list[int]
     times: list[float]
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
 
 class FinishEvent(msgspec.Struct, tag="finish", tag_field="event", gc=False):

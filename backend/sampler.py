@@ -6,7 +6,9 @@ exponential race: with E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is distributed as
 Categorical(p), so one vectorised argmax replaces a multinomial draw per row, and
 a seeded request draws its noise from its own `torch.Generator` (one [vocab] draw
 per token): the same seed gives the same tokens for the same logits whatever else
-is in the batch.
+is in the batch. Penalties (`backend/penalties.py`) come first, on the raw logits, and
+read only the row's own history, so they keep that; a batch where no row asks for
+one skips them (no extra work for plain requests).
 
 Whether a request's logits are the same in another batch is the model's part
 (`backend/model.py`), and what holds is this:
@@ -34,6 +36,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from backend.penalties import apply_penalties, needs_penalties
 from backend.sampling_params import SamplingParams
 
 __all__ = ["sample"]
@@ -63,9 +66,12 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: Seq[SamplingParams],
-           generators: Seq[torch.Generator | None]) -> list[int]:
-    """One token id per row of logits [B, vocab] (float32)."""
+def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
+           prompt_ids: Seq[Seq[int]] = (), output_ids: Seq[Seq[int]] = ()) -> list[int]:
+    """One token id per row of logits [B, vocab] (float32). `prompt_ids` / `output_ids` (each row's
+    tokens so far) are read only when a row asks for a penalty."""
+    if needs_penalties(params):
+        logits = apply_penalties(logits, params, prompt_ids, output_ids)
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy.tolist()

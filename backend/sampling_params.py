@@ -6,9 +6,10 @@ import msgspec
 
 from backend.errors import InvalidSamplingParams
 
-__all__ = ["SamplingParams", "MAX_STOP_STRINGS"]
+__all__ = ["SamplingParams", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS"]
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # alternatives per position, as OpenAI allows
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -21,6 +22,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     weight formats differ (the two kinds of rows then run separate GEMMs); otherwise
     (one format, or other requests decoding beside it) they agree up to float rounding
     in the last bits (see `backend/sampler.py`).
+
+    Penalties (`backend/penalties.py`): OpenAI's frequency/presence penalties over the
+    generated tokens (0 neutral), Hugging Face's repetition penalty over prompt and
+    output (1 neutral). `logprobs` N returns each generated token's log-probability
+    and its N most likely alternatives (0: the token's only); `prompt_logprobs` N the
+    same for every prompt token after the first, computed on the paged prefill path
+    (the prompt is then computed whole, never served from the prefix cache). With
+    `prompt_logprobs`, `max_tokens` may be 0: score the prompt, generate nothing.
+    Log-probabilities are the model's (raw logits), before temperature and penalties.
     """
 
     max_tokens: int = 256
@@ -31,18 +41,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidSamplingParams naming the first bad field."""
         def bad(field: str, why: str) -> InvalidSamplingParams:
             return InvalidSamplingParams(f"invalid {field}: {why}", field=field)
 
-        if self.max_tokens < 1:
-            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: only score the prompt
+        if self.max_tokens < least:
+            raise bad("max_tokens", f"must be >= {least}, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
             raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -55,3 +75,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
             raise bad("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
         if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"ids must be in [0, {vocab_size})")
+        for field in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, field)
+            if not -2.0 <= value <= 2.0:  # also refuses NaN
+                raise bad(field, f"must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise bad(field, f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")

@@ -296,7 +296,7 @@ class Scheduler:
         needed = self.pages_for(seq.max_total_tokens)
         cache = self.prefix_cache
         hits: list[int] = []
-        if cache is not None and seq.block_hashes:
+        if cache is not None and seq.block_hashes and seq.params.prompt_logprobs is None:  # scoring computes all
             hits = cache.match(seq.block_hashes, seq.prompt_ids, (seq.num_prompt_tokens - 1) // self.page_size)
         new = needed - len(hits)
         short = new - self.allocator.num_free

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.protocol import Logprobs
 from backend.sampling_params import SamplingParams
 
 __all__ = ["SequenceStatus", "Sequence"]
@@ -41,6 +42,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     generator: torch.Generator | None = None
+    prompt_logprobs: Logprobs | None = None  # prompt tokens 1.. scored so far (params.prompt_logprobs set)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -62,6 +64,13 @@ class Sequence:
     def max_total_tokens(self) -> int:
         """Tokens this request may ever hold in the cache (its page reservation)."""
         return self.num_prompt_tokens + self.params.max_tokens
+
+    def scored_positions(self, start: int, num_tokens: int) -> range:
+        """Positions of a prefill chunk [start, start + num_tokens) whose logits score the next prompt token:
+        none unless the request asks for prompt logprobs; never the last prompt position (it samples)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(start, min(start + num_tokens, self.num_prompt_tokens - 1))
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_ids)
