@@ -4,6 +4,8 @@
     GET  /client/v4/accounts/{account_id}/ai/usage?from=&to=        the caller's own usage
     POST /client/v4/accounts/{account_id}/ai/v1/chat/completions    OpenAI chat, account-scoped
     POST /v1/chat/completions                                       OpenAI chat
+    POST /client/v4/accounts/{account_id}/ai/v1/completions         OpenAI completions, account-scoped
+    POST /v1/completions                                            OpenAI completions (prompt, echo, logprobs)
     GET  /v1/models                                                 served models and aliases
     GET  /v1/models/{model}                                         one of them (404 model_not_found)
     GET  /healthz                                                   gateway and Redis reachable
@@ -15,7 +17,7 @@ Redis. Models configured with worker URLs are served from that static list;
 otherwise the router reads the live registry (workers heartbeat into Redis).
 
 Errors take each API's form (`render_error`): an OpenAI error object under `/v1/`
-(and the account-scoped chat completions), else the Workers envelope; that holds for
+(and the account-scoped chat completions and completions), else the Workers envelope; that holds for
 unknown routes (404) and wrong methods (405, with `Allow`) too. Requests with too
 many or too large headers get 431 (`backend/http_limits.py`), a POST whose body is not
 sent as JSON 415 (`content_type.py`). A
@@ -43,6 +45,7 @@ from backend.http_limits import HeaderLimitMiddleware, HeaderLimits
 from backend.redis_client import connect as connect_redis
 from gateway.config import GatewayConfig
 from prefix_cache.kv_events import PrefixIndex
+from gateway.completions_api import completions
 from gateway.content_type import JsonContentTypeMiddleware
 from gateway.envelopes import error_headers, openai_error, openai_status, workers_error
 from gateway.metering import Meter
@@ -115,6 +118,8 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
         Route(f"{ACCOUNT}/usage", workers_usage, methods=["GET"]),
         Route(f"{ACCOUNT}/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route(f"{ACCOUNT}/v1/completions", completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),

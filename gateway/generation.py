@@ -2,6 +2,7 @@
 
     gen = Generation(...);  await gen.start()      # quota, worker admission: typed refusals raise here
     async for item in gen.events(): ...            # Delta(text) ..., then one Done; errors raise
+    gen.token_ids, gen.logprobs, gen.prompt_logprobs   # what arrived, when the request asked for logprobs
     await gen.aclose()                              # always (finally): cancels if unfinished, waits for metering
 
 A producer task owns the worker stream from start to end, so its HTTP stream,
@@ -41,7 +42,7 @@ from typing import NamedTuple
 import anyio
 
 from backend.errors import BackendUnavailable, EdgeServeError
-from backend.protocol import ErrorEvent, Event, FinishEvent, GenerateRequest, TokenEvent
+from backend.protocol import ErrorEvent, Event, FinishEvent, GenerateRequest, Logprobs, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.worker_client import WorkerClient
 from gateway.envelopes import as_typed, redact
@@ -71,7 +72,12 @@ class Usage(NamedTuple):
 
 
 class Delta(NamedTuple):
+    """Text released now; with logprobs asked for, the token ids that arrived and their logprobs
+    (text may lag its tokens by what the detokeniser and stop strings hold back, or be "")."""
+
     text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: Logprobs | None = None
 
 
 class Done(NamedTuple):
@@ -102,6 +108,9 @@ class Generation:
         self._started_at = time.time()
         self.worker_url: str | None = None  # for the logs; clients see `worker_tag(worker_id)`
         self.worker_id: str | None = None
+        self.token_ids: list[int] = []  # generated ids, kept when the request asks for logprobs
+        self.logprobs: Logprobs | None = None  # theirs, accumulated
+        self.prompt_logprobs: Logprobs | None = None  # prompt tokens 1.., set before the first item
 
     async def start(self) -> None:
         """Admit against quotas and get the request accepted by a worker; raise typed refusals."""
@@ -237,8 +246,16 @@ class Generation:
                     self._metrics.ttft.labels(self.api).observe(time.time() - self._started_at)
                     first = False
                 self._completion_tokens += len(ev.token_ids)
+                if ev.prompt_logprobs is not None:
+                    self.prompt_logprobs = ev.prompt_logprobs
                 piece = text.push(ev.token_ids)
-                if piece:
+                if ev.logprobs is not None:
+                    self.token_ids += ev.token_ids
+                    if self.logprobs is None:
+                        self.logprobs = Logprobs([])
+                    self.logprobs.extend(ev.logprobs)
+                    self._queue.put_nowait(Delta(piece, tuple(ev.token_ids), ev.logprobs))
+                elif piece:
                     self._queue.put_nowait(Delta(piece))
             elif isinstance(ev, FinishEvent):
                 self._completion_tokens = ev.completion_tokens

@@ -11,7 +11,9 @@ model, `BadRequestError` for a prompt plus `max_tokens` over the context or an i
 or missing field (named in `param`). When the tenant's tokens per day lower
 `max_tokens`, `finish_reason` is "length" and the response carries
 `x-edgeserve-quota-capped-max-tokens` (`state.py`). A client that disconnects cancels its request,
-streamed or not (`client_watch.py`).
+streamed or not (`client_watch.py`). `logprobs` (with `top_logprobs` alternatives) puts
+`logprobs.content` on the choice, or on each chunk for the tokens it brings (`logprobs.py`);
+`frequency_penalty` / `presence_penalty` go to the worker's sampler.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from backend.sampling_params import SamplingParams
 from gateway.client_watch import collect_or_cancel
 from gateway.envelopes import as_typed, error_headers, openai_error, openai_status
 from gateway.generation import Delta, Done
+from gateway.logprobs import chat_logprobs
 from gateway.served_models import ServedModel
 from gateway.schemas import ChatCompletionRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
@@ -59,12 +62,16 @@ async def chat_completions(request: Request) -> Response:
         prompt_ids = await model.chat_prompt_ids_async(plain_messages(req.messages))
         max_tokens = req.max_completion_tokens or req.max_tokens or model.max_model_len - len(prompt_ids)
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_list)
+                                top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_list,
+                                frequency_penalty=req.frequency_penalty or 0.0,
+                                presence_penalty=req.presence_penalty or 0.0,
+                                logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return _error_response(exc, state)
     headers = state.response_headers(gen)
     chunk = _ChunkMaker(f"chatcmpl-{gen.request_id}", req.model)
+    tokenizer = model.tokenizer
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         first = [True]
@@ -73,7 +80,8 @@ async def chat_completions(request: Request) -> Response:
             delta: dict[str, Any] = {"content": d.text}
             if first[0]:
                 delta["role"], first[0] = "assistant", False
-            return sse_event(chunk.make([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]))
+            lp = None if d.logprobs is None else {"content": chat_logprobs(tokenizer, d.token_ids, d.logprobs)}
+            return sse_event(chunk.make([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": lp}]))
 
         def on_done(d: Done) -> Iterable[bytes]:
             delta = {"role": "assistant", "content": ""} if first[0] else {}
@@ -91,9 +99,12 @@ async def chat_completions(request: Request) -> Response:
     except EdgeServeError as exc:
         await gen.aclose()
         return _error_json(exc, headers)
+    logprobs = None
+    if req.logprobs:
+        logprobs = {"content": chat_logprobs(tokenizer, gen.token_ids, gen.logprobs) if gen.logprobs else []}
     body = {"id": chunk.id, "object": "chat.completion", "created": chunk.created, "model": req.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": done.finish_reason, "logprobs": None}],
+                         "finish_reason": done.finish_reason, "logprobs": logprobs}],
             "usage": done.usage.to_dict()}
     # metering finishes in the background: the answer does not wait for Redis
     return JSONResponse(body, headers=headers, background=BackgroundTask(gen.aclose))

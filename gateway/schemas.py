@@ -3,9 +3,11 @@
 Decoding is strict about types and ranges and names the offending field in the
 error (`InvalidRequest`, 400, `field` as a path such as `messages[0].content`; a
 missing field is named too, which OpenAI's clients read as `param`); fields the API documents but we do not implement
-(penalties, logprobs, tools, n > 1) are refused with `InvalidSamplingParams`
+(tools, logit_bias, n > 1, suffix, best_of > 1) are refused with `InvalidSamplingParams`
 naming the field rather than silently ignored. Unknown fields are ignored, as
-the platforms we mirror do.
+the platforms we mirror do. Penalties take OpenAI's range [-2, 2] (frequency,
+presence) and Workers AI's (0, 2] (repetition); `top_logprobs` / completions'
+`logprobs` at most `MAX_TOP_LOGPROBS` (20).
 
 Hostile bodies are bounded before they are decoded: JSON nested deeper than
 `MAX_JSON_DEPTH` (anywhere, unknown fields included) is refused with
@@ -23,7 +25,7 @@ import msgspec
 from msgspec import Meta
 
 from backend.errors import InvalidRequest, InvalidSamplingParams
-from backend.sampling_params import MAX_STOP_STRINGS
+from backend.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 __all__ = [
     "ContentPart",
@@ -31,6 +33,8 @@ __all__ = [
     "WorkersRunRequest",
     "StreamOptions",
     "ChatCompletionRequest",
+    "CompletionRequest",
+    "MAX_PROMPTS",
     "decode_body",
     "plain_messages",
     "MAX_JSON_DEPTH",
@@ -42,6 +46,10 @@ MAX_JSON_DEPTH = 32  # a chat request needs 4 levels; OpenAI tool schemas nest a
 MAX_STOP_CHARS = 256
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's frequency / presence range
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]  # Workers AI's; 1 is neutral
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+MAX_PROMPTS = 128  # prompts in one /v1/completions request (each one generation)
 T = TypeVar("T")
 
 
@@ -65,18 +73,15 @@ class WorkersRunRequest(msgspec.Struct, frozen=True):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=1, le=50)] | None = None
     seed: Seed | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
     stream: bool = False
     raw: bool = False  # the prompt is sent as is, without the chat template
 
     def validate(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give exactly one of `prompt` or `messages`", field="prompt")
-        _refuse_penalties(repetition_penalty=(self.repetition_penalty, 1.0),
-                          frequency_penalty=(self.frequency_penalty, 0.0),
-                          presence_penalty=(self.presence_penalty, 0.0))
         if self.raw and self.messages is not None:
             raise InvalidRequest("`raw` applies to `prompt` only", field="raw")
 
@@ -99,10 +104,10 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: Seed | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -111,11 +116,11 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
     def validate(self) -> None:
         if self.n != 1:
             raise InvalidSamplingParams("only n=1 is supported", field="n")
-        _refuse_penalties(frequency_penalty=(self.frequency_penalty, 0.0),
-                          presence_penalty=(self.presence_penalty, 0.0))
-        for field in ("logprobs", "top_logprobs", "logit_bias", "tools"):
+        for field in ("logit_bias", "tools"):
             if getattr(self, field):
                 raise InvalidSamplingParams(f"`{field}` is not supported", field=field)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("`top_logprobs` needs `logprobs: true`", field="top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidSamplingParams("only response_format type `text` is supported", field="response_format")
         if self.stream_options is not None and not self.stream:
@@ -127,10 +132,68 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-def _refuse_penalties(**fields: tuple[float | None, float]) -> None:
-    for name, (value, neutral) in fields.items():
-        if value is not None and value != neutral:
-            raise InvalidSamplingParams(f"`{name}` is not supported (only the neutral value {neutral})", field=name)
+class CompletionRequest(msgspec.Struct, frozen=True):
+    """OpenAI `POST /v1/completions` (legacy text completion, what scoring clients use).
+
+    `prompt` is a string, a list of strings, a list of token ids, or a list of such lists;
+    each prompt is one choice (`index` in order). `echo` puts the prompt before the
+    completion (text, and tokens in `logprobs`); `max_tokens` 0 with `echo` scores the
+    prompt only."""
+
+    model: str
+    prompt: str | list[Any]
+    max_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS_LIMIT)] = 16
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Meta(ge=1)] = 1
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: Seed | None = None
+    echo: bool = False
+    logprobs: TopLogprobs | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    user: str | None = None
+
+    def validate(self) -> None:
+        if self.n != 1:
+            raise InvalidSamplingParams("only n=1 is supported", field="n")
+        if self.best_of not in (None, 1):
+            raise InvalidSamplingParams("only best_of=1 is supported", field="best_of")
+        for field in ("logit_bias", "suffix"):
+            if getattr(self, field):
+                raise InvalidSamplingParams(f"`{field}` is not supported", field=field)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("`stream_options` needs `stream: true`", field="stream_options")
+        self.prompts()
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids (non-empty; at most `MAX_PROMPTS`)."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            items = [p]
+        else:
+            items = list(p)
+        if not 1 <= len(items) <= MAX_PROMPTS:
+            raise InvalidRequest(f"`prompt` must hold 1..{MAX_PROMPTS} prompts", field="prompt")
+        for i, item in enumerate(items):
+            ok = (isinstance(item, str) and item) or (
+                isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                        for t in item))
+            if not ok:
+                raise InvalidRequest("each prompt must be a non-empty string or a non-empty list of token ids",
+                                     field=f"prompt[{i}]")
+        return items
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 _FIELD_AT = re.compile(r"at `\$\.?([^`]*)`")

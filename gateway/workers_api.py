@@ -1,6 +1,7 @@
 """Workers AI-style REST: `POST /client/v4/accounts/{account_id}/ai/run/{model}` and usage.
 
-    {"prompt": "..."} or {"messages": [...]}, max_tokens 256, temperature 0.6, top_p, top_k, seed, stream
+    {"prompt": "..."} or {"messages": [...]}, max_tokens 256, temperature 0.6, top_p, top_k, seed, stream,
+    repetition_penalty (0, 2], frequency_penalty and presence_penalty [-2, 2]
     -> {"result": {"response": "...", "usage": {...}}, "success": true, "errors": [], "messages": []}
     stream: data: {"response": "..."} ... data: {"response": "", "usage": {...}}  data: [DONE]
 
@@ -57,7 +58,10 @@ async def workers_run(request: Request) -> Response:
         else:
             prompt_ids = await model.chat_prompt_ids_async([{"role": "user", "content": req.prompt or ""}])
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p or 1.0,
-                                top_k=req.top_k or 0, seed=req.seed)
+                                top_k=req.top_k or 0, seed=req.seed,
+                                repetition_penalty=req.repetition_penalty or 1.0,
+                                frequency_penalty=req.frequency_penalty or 0.0,
+                                presence_penalty=req.presence_penalty or 0.0)
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return workers_error_response(exc, state)

@@ -30,8 +30,8 @@ def post_run(gw: Gateway, body: bytes | dict, token: str | None = None, account:
     (b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, 3000, "messages[0].role"),
     (b'{"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}', 400, 3000, "prompt"),
     (b'{}', 400, 3000, "prompt"),
-    (b'{"prompt": "hi", "frequency_penalty": 0.5}', 400, 3001, "frequency_penalty"),
-    (b'{"prompt": "hi", "repetition_penalty": 1.2}', 400, 3001, "repetition_penalty"),
+    (b'{"prompt": "hi", "frequency_penalty": 2.5}', 400, 3000, "frequency_penalty"),
+    (b'{"prompt": "hi", "repetition_penalty": 0}', 400, 3000, "repetition_penalty"),
     (b'{"prompt": "' + b"word " * 600 + b'"}', 413, 3006, None),
     (b'{"prompt": "hi", "max_tokens": 600}', 413, 3006, None),  # prompt + max_tokens over the context
 ])
@@ -96,7 +96,9 @@ def test_openai_validation_names_the_field(gateway: Gateway) -> None:
     cases = [({"model": MODEL, "messages": []}, "messages"),
              ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens"),
              ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+               "top_logprobs": 21}, "top_logprobs"),
              ({"messages": [{"role": "user", "content": "x"}]}, "model")]
     for body, field in cases:
         resp = httpx.post(url, headers=auth(gateway.account.token), json=body)

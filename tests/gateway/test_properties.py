@@ -61,11 +61,12 @@ WORKERS_BAD = {"prompt": not_str.filter(lambda v: v is not None), "messages": ba
                "max_tokens": not_int | st.integers(max_value=0) | st.integers(min_value=131073),
                "temperature": not_number | st.floats(min_value=5.01, allow_infinity=False), "top_p": not_number,
                "top_k": not_int | st.integers(min_value=51), "seed": not_int | st.integers(max_value=-1),
-               "stream": not_bool, "raw": not_bool, "frequency_penalty": not_number}
+               "stream": not_bool, "raw": not_bool,
+               "frequency_penalty": not_number | st.floats(min_value=2.01, allow_infinity=False)}
 OPENAI_BAD = {"model": not_str, "messages": bad_messages, "max_tokens": not_int | st.integers(max_value=0),
               "temperature": not_number | st.floats(min_value=2.01, allow_infinity=False), "n": not_int,
               "stop": not_str.filter(lambda v: not isinstance(v, list)) | st.just([""]), "stream": not_bool,
-              "tools": st.lists(scalars, min_size=1, max_size=2), "logprobs": st.just(True),
+              "tools": st.lists(scalars, min_size=1, max_size=2), "top_logprobs": st.integers(min_value=21),
               "response_format": st.just({"type": "json_object"}), "stream_options": not_bool}
 
 
