@@ -383,6 +383,8 @@ class LLMEngine:
             if not s.is_prefilling:
                 sampled_seqs.append(s)
                 self.scheduler.prompt_computed(s)
+        if logits.shape[0] == 0:  # only prompt chunks that neither complete nor score
+            return []
         if logits.is_cuda:  # sampling runs on the CPU (per-request CPU generators); [B, vocab] is small
             logits = logits.cpu()
         if logits.shape[0] > len(sampled_seqs):  # prompt positions scored after the sampled rows
