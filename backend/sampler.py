@@ -8,7 +8,9 @@ a seeded request draws its noise from its own `torch.Generator` (one [vocab] dra
 per token): the same seed gives the same tokens for the same logits whatever else
 is in the batch. Penalties (`backend/penalties.py`) come first, on the raw logits, and
 read only the row's own history, so they keep that; a batch where no row asks for
-one skips them (no extra work for plain requests).
+one skips them (no extra work for plain requests). A grammar row's mask
+(`backend/grammar.py`) comes after the penalties: disallowed tokens get -inf before
+greedy or sampled choice; rows without one, and batches without any, are untouched.
 
 Whether a request's logits are the same in another batch is the model's part
 (`backend/model.py`), and what holds is this:
@@ -36,6 +38,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from backend.grammar import apply_masks
 from backend.penalties import apply_penalties, needs_penalties
 from backend.sampling_params import SamplingParams
 
@@ -67,11 +70,15 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
-           prompt_ids: Seq[Seq[int]] = (), output_ids: Seq[Seq[int]] = ()) -> list[int]:
+           prompt_ids: Seq[Seq[int]] = (), output_ids: Seq[Seq[int]] = (),
+           masks: Seq[torch.Tensor | None] = ()) -> list[int]:
     """One token id per row of logits [B, vocab] (float32). `prompt_ids` / `output_ids` (each row's
-    tokens so far) are read only when a row asks for a penalty."""
+    tokens so far) are read only when a row asks for a penalty; `masks` (a row's grammar bitmask
+    or None) only when some row has one."""
     if needs_penalties(params):
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    if any(m is not None for m in masks):
+        logits = apply_masks(logits, masks)
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy.tolist()

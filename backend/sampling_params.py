@@ -6,10 +6,19 @@ import msgspec
 
 from backend.errors import InvalidSamplingParams
 
-__all__ = ["SamplingParams", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS"]
+__all__ = ["SamplingParams", "GrammarSpec", "GRAMMAR_KINDS", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS"]
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # alternatives per position, as OpenAI allows
+GRAMMAR_KINDS = ("json_object", "json_schema")
+
+
+class GrammarSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Structured output the worker enforces (`backend/grammar.py`): `json_object` (any JSON
+    object) or `json_schema` with `schema` the JSON schema as a string."""
+
+    kind: str
+    schema: str = ""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -31,6 +40,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     (the prompt is then computed whole, never served from the prefix cache). With
     `prompt_logprobs`, `max_tokens` may be 0: score the prompt, generate nothing.
     Log-probabilities are the model's (raw logits), before temperature and penalties.
+
+    `grammar` constrains decoding to JSON (`backend/grammar.py`); EOS is then allowed only
+    where the document is complete, so `ignore_eos` is refused with it. Stop strings and
+    stop ids still apply: a match ends the output there, as the client asked, complete or not.
     """
 
     max_tokens: int = 256
@@ -46,6 +59,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -85,3 +99,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
             value = getattr(self, field)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
                 raise bad(field, f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        if self.grammar is not None:
+            if self.grammar.kind not in GRAMMAR_KINDS:
+                raise bad("response_format", f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}")
+            if self.ignore_eos:
+                raise bad("ignore_eos", "cannot be combined with a grammar (EOS ends the document)")

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from backend.protocol import Logprobs
 from backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from backend.grammar import GrammarState
 
 __all__ = ["SequenceStatus", "Sequence"]
 
@@ -43,6 +47,7 @@ class Sequence:
     first_token_time: float | None = None
     generator: torch.Generator | None = None
     prompt_logprobs: Logprobs | None = None  # prompt tokens 1.. scored so far (params.prompt_logprobs set)
+    grammar: GrammarState | None = None  # matcher and next-token mask (params.grammar set)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -188,6 +188,14 @@ class Tokenizer:
         """Every id that ends generation (config, generation_config and tokenizer_config together)."""
         return self._eos_token_ids
 
+    def backend_json(self) -> str:
+        """The whole `tokenizer.json` pipeline as a string, padding and truncation off (what
+        llguidance builds its token trie from, `backend/grammar.py`)."""
+        backend = copy.copy(self._backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Tokens the tokenizer knows, added tokens included (the model's embedding may be larger)."""

@@ -13,7 +13,10 @@ or missing field (named in `param`). When the tenant's tokens per day lower
 `x-edgeserve-quota-capped-max-tokens` (`state.py`). A client that disconnects cancels its request,
 streamed or not (`client_watch.py`). `logprobs` (with `top_logprobs` alternatives) puts
 `logprobs.content` on the choice, or on each chunk for the tokens it brings (`logprobs.py`);
-`frequency_penalty` / `presence_penalty` go to the worker's sampler.
+`frequency_penalty` / `presence_penalty` go to the worker's sampler. `response_format`
+`json_object` / `json_schema` constrains decoding to the schema (`response_format.py`); a
+cut output ends with `finish_reason` "length", as OpenAI's does (the client's `parse`
+then raises `LengthFinishReasonError`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from gateway.client_watch import collect_or_cancel
 from gateway.envelopes import as_typed, error_headers, openai_error, openai_status
 from gateway.generation import Delta, Done
 from gateway.logprobs import chat_logprobs
+from gateway.response_format import openai_grammar
 from gateway.served_models import ServedModel
 from gateway.schemas import ChatCompletionRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
@@ -65,7 +69,8 @@ async def chat_completions(request: Request) -> Response:
                                 top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_list,
                                 frequency_penalty=req.frequency_penalty or 0.0,
                                 presence_penalty=req.presence_penalty or 0.0,
-                                logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                grammar=openai_grammar(req.response_format))
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return _error_response(exc, state)

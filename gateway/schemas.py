@@ -7,7 +7,8 @@ missing field is named too, which OpenAI's clients read as `param`); fields the 
 naming the field rather than silently ignored. Unknown fields are ignored, as
 the platforms we mirror do. Penalties take OpenAI's range [-2, 2] (frequency,
 presence) and Workers AI's (0, 2] (repetition); `top_logprobs` / completions'
-`logprobs` at most `MAX_TOP_LOGPROBS` (20).
+`logprobs` at most `MAX_TOP_LOGPROBS` (20). `response_format` is read by
+`response_format.py` (structured output).
 
 Hostile bodies are bounded before they are decoded: JSON nested deeper than
 `MAX_JSON_DEPTH` (anywhere, unknown fields included) is refused with
@@ -78,6 +79,7 @@ class WorkersRunRequest(msgspec.Struct, frozen=True):
     presence_penalty: Penalty | None = None
     stream: bool = False
     raw: bool = False  # the prompt is sent as is, without the chat template
+    response_format: dict[str, Any] | None = None  # JSON mode (gateway/response_format.py)
 
     def validate(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -121,8 +123,6 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
                 raise InvalidSamplingParams(f"`{field}` is not supported", field=field)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("`top_logprobs` needs `logprobs: true`", field="top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidSamplingParams("only response_format type `text` is supported", field="response_format")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("`stream_options` needs `stream: true`", field="stream_options")
 

@@ -1,8 +1,13 @@
 """Workers AI-style REST: `POST /client/v4/accounts/{account_id}/ai/run/{model}` and usage.
 
     {"prompt": "..."} or {"messages": [...]}, max_tokens 256, temperature 0.6, top_p, top_k, seed, stream,
-    repetition_penalty (0, 2], frequency_penalty and presence_penalty [-2, 2]
+    repetition_penalty (0, 2], frequency_penalty and presence_penalty [-2, 2], response_format
     -> {"result": {"response": "...", "usage": {...}}, "success": true, "errors": [], "messages": []}
+
+JSON mode (`response_format` `json_object` / `json_schema`, `response_format.py`): decoding
+follows the schema and, not streamed, `response` is the parsed JSON value, as Workers AI
+returns it; when `max_tokens` cut it, `response` is the incomplete text and `messages`
+says so (code `TRUNCATED_JSON_NOTICE`).
     stream: data: {"response": "..."} ... data: {"response": "", "usage": {...}}  data: [DONE]
 
 Model names may carry slashes (`@cf/huggingface/smollm2-135m-instruct`), so the
@@ -19,6 +24,7 @@ and, streamed or not, the header `x-edgeserve-quota-capped-max-tokens: M` (`stat
 from __future__ import annotations
 
 import datetime
+import json
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -30,6 +36,7 @@ from gateway.client_watch import collect_or_cancel
 from gateway.envelopes import as_typed, error_headers, workers_error, workers_success
 from gateway.generation import Generation
 from gateway.redis_keys import utc_day
+from gateway.response_format import TRUNCATED_JSON_NOTICE, workers_grammar
 from gateway.schemas import WorkersRunRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
 from gateway.state import GatewayState
@@ -61,7 +68,8 @@ async def workers_run(request: Request) -> Response:
                                 top_k=req.top_k or 0, seed=req.seed,
                                 repetition_penalty=req.repetition_penalty or 1.0,
                                 frequency_penalty=req.frequency_penalty or 0.0,
-                                presence_penalty=req.presence_penalty or 0.0)
+                                presence_penalty=req.presence_penalty or 0.0,
+                                grammar=workers_grammar(req.response_format))
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return workers_error_response(exc, state)
@@ -82,8 +90,19 @@ async def _collect(gen: Generation, request: Request, headers: dict[str, str]) -
     except EdgeServeError as exc:
         await gen.aclose()
         return JSONResponse(workers_error(exc), status_code=exc.http_status, headers={**error_headers(exc), **headers})
+    response: object = text
+    notices = _notices(gen)
+    if gen.params.grammar is not None:
+        if done.finish_reason == "length":
+            notices.append({"code": TRUNCATED_JSON_NOTICE,
+                            "message": "max_tokens cut the JSON output: response is its incomplete text"})
+        else:
+            try:
+                response = json.loads(text)
+            except ValueError:  # a stop string ended it early: the text, as generated
+                pass
     # metering finishes in the background: the answer does not wait for Redis
-    return JSONResponse(workers_success({"response": text, "usage": done.usage.to_dict()}, _notices(gen)),
+    return JSONResponse(workers_success({"response": response, "usage": done.usage.to_dict()}, notices),
                         headers=headers, background=BackgroundTask(gen.aclose))
 
 

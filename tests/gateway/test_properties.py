@@ -57,17 +57,20 @@ not_bool = st.text(max_size=6) | st.integers() | st.lists(scalars, max_size=2)
 bad_messages = not_str.filter(lambda v: not isinstance(v, list) or not v) | st.lists(
     st.fixed_dictionaries({"role": st.text(max_size=8).filter(lambda r: r not in ("system", "user", "assistant")),
                            "content": st.text(max_size=8)}), min_size=1, max_size=2)
+BAD_RESPONSE_FORMAT = (st.just({"type": "xml"}) | not_bool.filter(lambda v: v is not None)
+                       | st.just({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}))
 WORKERS_BAD = {"prompt": not_str.filter(lambda v: v is not None), "messages": bad_messages,
                "max_tokens": not_int | st.integers(max_value=0) | st.integers(min_value=131073),
                "temperature": not_number | st.floats(min_value=5.01, allow_infinity=False), "top_p": not_number,
                "top_k": not_int | st.integers(min_value=51), "seed": not_int | st.integers(max_value=-1),
                "stream": not_bool, "raw": not_bool,
-               "frequency_penalty": not_number | st.floats(min_value=2.01, allow_infinity=False)}
+               "frequency_penalty": not_number | st.floats(min_value=2.01, allow_infinity=False),
+               "response_format": BAD_RESPONSE_FORMAT}
 OPENAI_BAD = {"model": not_str, "messages": bad_messages, "max_tokens": not_int | st.integers(max_value=0),
               "temperature": not_number | st.floats(min_value=2.01, allow_infinity=False), "n": not_int,
               "stop": not_str.filter(lambda v: not isinstance(v, list)) | st.just([""]), "stream": not_bool,
               "tools": st.lists(scalars, min_size=1, max_size=2), "top_logprobs": st.integers(min_value=21),
-              "response_format": st.just({"type": "json_object"}), "stream_options": not_bool}
+              "response_format": BAD_RESPONSE_FORMAT, "stream_options": not_bool}
 
 
 def broken(base: dict[str, Any], bad: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[bytes]:
