@@ -41,7 +41,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def write_report(json_path: str, report: dict[str, Any]) -> Path:
-    """Write a benchmark's JSON report (creating its folder) and say where."""
+    """Write a benchmark's JSON report (creating its folder) and say where. Every report records
+    what it measured: `provenance()` (commit, dirty flag, command line) and the host's
+    `machine_info()` (CPU model and flags) are added unless the benchmark set them itself."""
+    from ops.cluster import machine_info
+
+    if "provenance" not in report and "commit" not in report:
+        report = {**report, "provenance": provenance()}
+    if "machine" not in report:
+        report = {**report, "machine": machine_info()}
     path = Path(json_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
