@@ -201,6 +201,12 @@ class Tokenizer:
         """Tokens the tokenizer knows, added tokens included (the model's embedding may be larger)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    @cached_property
+    def control_tokens(self) -> list[str]:
+        """Text of every special added token (what `encode` turns into a control token)."""
+        decoder = self._backend.get_added_tokens_decoder()
+        return [decoder[i].content for i in sorted(self._special_ids)]
+
     @property
     def special_tokens(self) -> dict[str, str]:
         """Special token strings by role (`bos_token`, `eos_token`, ...)."""

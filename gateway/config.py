@@ -28,6 +28,7 @@ class ModelRoute(msgspec.Struct, frozen=True):
     workers: list[str] = []  # static worker URLs; empty: route over the registry
     aliases: list[str] = []
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    tool_parser: str | None = None  # gateway/tool_parsers name; default: from the model's config.json
 
 
 class GatewayConfig(msgspec.Struct, frozen=True):

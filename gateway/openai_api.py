@@ -16,7 +16,10 @@ streamed or not (`client_watch.py`). `logprobs` (with `top_logprobs` alternative
 `frequency_penalty` / `presence_penalty` go to the worker's sampler. `response_format`
 `json_object` / `json_schema` constrains decoding to the schema (`response_format.py`); a
 cut output ends with `finish_reason` "length", as OpenAI's does (the client's `parse`
-then raises `LengthFinishReasonError`).
+then raises `LengthFinishReasonError`). `tools` with `tool_choice` `auto` / `none` are rendered
+by the chat template and, under `auto`, the output is parsed into `tool_calls` (`tools.py`):
+streamed as `delta.tool_calls` (index, id, type and name, then argument fragments), with
+`finish_reason` "tool_calls" after a call.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from gateway.served_models import ServedModel
 from gateway.schemas import ChatCompletionRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
 from gateway.state import GatewayState
+from gateway.tools import (ToolCallStream, check_no_control_text, check_tools, finish_reason_with_tools,
+                           tool_choice_mode, tool_message)
 
 __all__ = ["chat_completions", "list_models", "get_model"]
 
@@ -63,7 +68,14 @@ async def chat_completions(request: Request) -> Response:
         tenant = await state.tenant_of(request)
         req = decode_body(await state.body(request), ChatCompletionRequest)
         model = state.catalog.resolve(req.model)
-        prompt_ids = await model.chat_prompt_ids_async(plain_messages(req.messages))
+        tools = check_tools(req.tools) if req.tools else None
+        tool_mode = tool_choice_mode(req.tool_choice, tools)
+        messages = plain_messages(req.messages)
+        if tools or any(m.get("tool_calls") for m in messages):
+            specials = model.tokenizer.control_tokens
+            check_no_control_text(tools, specials, "tools")
+            check_no_control_text([m.get("tool_calls") for m in messages], specials, "messages")
+        prompt_ids = await model.chat_prompt_ids_async(messages, tools)
         max_tokens = req.max_completion_tokens or req.max_tokens or model.max_model_len - len(prompt_ids)
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_list,
@@ -77,21 +89,30 @@ async def chat_completions(request: Request) -> Response:
     headers = state.response_headers(gen)
     chunk = _ChunkMaker(f"chatcmpl-{gen.request_id}", req.model)
     tokenizer = model.tokenizer
+    calls = ToolCallStream(model.tool_parser(tools)) if tool_mode == "auto" else None
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         first = [True]
 
-        def on_delta(d: Delta) -> bytes:
-            delta: dict[str, Any] = {"content": d.text}
+        def event(delta: dict[str, Any], lp: dict[str, Any] | None = None, finish: str | None = None) -> bytes:
             if first[0]:
-                delta["role"], first[0] = "assistant", False
+                delta, first[0] = {"role": "assistant", **delta}, False
+            return sse_event(chunk.make([{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]))
+
+        def on_delta(d: Delta) -> bytes:
             lp = None if d.logprobs is None else {"content": chat_logprobs(tokenizer, d.token_ids, d.logprobs)}
-            return sse_event(chunk.make([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": lp}]))
+            if calls is None:
+                return event({"content": d.text}, lp)
+            deltas = calls.feed(d.text) or ([{"content": ""}] if lp is not None else [])
+            return b"".join(event(delta, lp if i == 0 else None) for i, delta in enumerate(deltas))
 
         def on_done(d: Done) -> Iterable[bytes]:
-            delta = {"role": "assistant", "content": ""} if first[0] else {}
-            yield sse_event(chunk.make([{"index": 0, "delta": delta, "finish_reason": d.finish_reason,
-                                         "logprobs": None}]))
+            finish = d.finish_reason
+            if calls is not None:
+                for delta in calls.finish():
+                    yield event(delta)
+                finish = finish_reason_with_tools(finish, calls.called)
+            yield event({"content": ""} if first[0] else {}, None, finish)
             if include_usage:
                 yield sse_event(chunk.make([], usage=d.usage.to_dict()))
 
@@ -107,9 +128,13 @@ async def chat_completions(request: Request) -> Response:
     logprobs = None
     if req.logprobs:
         logprobs = {"content": chat_logprobs(tokenizer, gen.token_ids, gen.logprobs) if gen.logprobs else []}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    finish_reason = done.finish_reason
+    if calls is not None:
+        message = tool_message(calls.parser, text)
+        finish_reason = finish_reason_with_tools(finish_reason, "tool_calls" in message)
     body = {"id": chunk.id, "object": "chat.completion", "created": chunk.created, "model": req.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": done.finish_reason, "logprobs": logprobs}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": done.usage.to_dict()}
     # metering finishes in the background: the answer does not wait for Redis
     return JSONResponse(body, headers=headers, background=BackgroundTask(gen.aclose))

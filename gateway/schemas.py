@@ -3,12 +3,12 @@
 Decoding is strict about types and ranges and names the offending field in the
 error (`InvalidRequest`, 400, `field` as a path such as `messages[0].content`; a
 missing field is named too, which OpenAI's clients read as `param`); fields the API documents but we do not implement
-(tools, logit_bias, n > 1, suffix, best_of > 1) are refused with `InvalidSamplingParams`
+(logit_bias, n > 1, suffix, best_of > 1) are refused with `InvalidSamplingParams`
 naming the field rather than silently ignored. Unknown fields are ignored, as
 the platforms we mirror do. Penalties take OpenAI's range [-2, 2] (frequency,
 presence) and Workers AI's (0, 2] (repetition); `top_logprobs` / completions'
 `logprobs` at most `MAX_TOP_LOGPROBS` (20). `response_format` is read by
-`response_format.py` (structured output).
+`response_format.py` (structured output), `tools` / `tool_choice` by `tools.py`.
 
 Hostile bodies are bounded before they are decoded: JSON nested deeper than
 `MAX_JSON_DEPTH` (anywhere, unknown fields included) is refused with
@@ -30,6 +30,8 @@ from backend.sampling_params import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 __all__ = [
     "ContentPart",
+    "ToolCall",
+    "ToolCallFunction",
     "Message",
     "WorkersRunRequest",
     "StreamOptions",
@@ -59,9 +61,28 @@ class ContentPart(msgspec.Struct, frozen=True):
     text: str | None = None
 
 
+class ToolCallFunction(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """A call an earlier assistant turn made (sent back in the conversation)."""
+
+    id: str
+    function: ToolCallFunction
+    type: Literal["function"] = "function"
+
+
 class Message(msgspec.Struct, frozen=True):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
+    """A chat message; `tool` messages answer a call (`tool_call_id`), assistant messages may carry
+    `tool_calls` and no content."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class WorkersRunRequest(msgspec.Struct, frozen=True):
@@ -111,14 +132,16 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # gateway/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     user: str | None = None
 
     def validate(self) -> None:
         if self.n != 1:
             raise InvalidSamplingParams("only n=1 is supported", field="n")
-        for field in ("logit_bias", "tools"):
+        for field in ("logit_bias",):
             if getattr(self, field):
                 raise InvalidSamplingParams(f"`{field}` is not supported", field=field)
         if self.top_logprobs is not None and not self.logprobs:
@@ -250,15 +273,40 @@ def _field_of(error: str) -> str:
     return path
 
 
-def plain_messages(messages: list[Message]) -> list[dict[str, str]]:
-    """Messages as chat templates expect them: text parts joined, anything else refused."""
-    out = []
+def plain_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text parts joined, anything else refused; an
+    assistant's `tool_calls` with their arguments as objects (what templates `tojson`), a tool
+    result with its `tool_call_id` (and `name` when given)."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        if isinstance(m.content, str):
+        if m.content is None or isinstance(m.content, str):
             text = m.content
         else:
             if any(p.type != "text" or p.text is None for p in m.content):
                 raise InvalidRequest("only text content parts are supported", field=f"messages[{i}].content")
             text = "".join(p.text or "" for p in m.content)
-        out.append({"role": m.role, "content": text})
+        if text is None and not (m.role == "assistant" and m.tool_calls):
+            raise InvalidRequest("`content` is required", field=f"messages[{i}].content")
+        msg: dict[str, Any] = {"role": m.role, "content": text}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidRequest("only assistant messages carry `tool_calls`", field=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise InvalidRequest("a tool message needs `tool_call_id`", field=f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
     return out
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as an object for the template (the text itself when it is not JSON)."""
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text

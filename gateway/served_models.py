@@ -1,4 +1,5 @@
-"""Models the gateway serves: names and aliases, tokenizer, chat template, context length.
+"""Models the gateway serves: names and aliases, tokenizer, chat template, context length, and
+the tool-call parser of the model's family (`tool_parsers/`, from its config or the route's `tool_parser`).
 
 The gateway owns the text side of a request: it renders the chat template,
 tokenises, checks the context length, and detokenises what comes back, so
@@ -17,10 +18,12 @@ import asyncio
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from backend.errors import ModelLoadError, ModelNotFound, PromptTooLong
 from backend.tokenizer import Tokenizer
 from gateway.config import ModelRoute
+from gateway.tool_parsers import ToolParser, tool_parser_for
 
 __all__ = ["ServedModel", "ModelCatalog", "OFFLOAD_CHARS"]
 
@@ -42,21 +45,24 @@ class ServedModel:
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
         self.max_model_len = int(route.max_model_len or config.get("max_position_embeddings", 2048))
+        self.tool_parser: type[ToolParser] = tool_parser_for(config, route.tool_parser)
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template (generation prompt added);
-        text in the messages never becomes a control token."""
-        return self.check_length(self.tokenizer.encode_chat(messages, add_generation_prompt=True))
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of `messages` (and `tools`, the template's `tools` variable) rendered with the
+        model's chat template (generation prompt added); text in the messages never becomes a control token."""
+        extra = {"tools": tools} if tools else {}
+        return self.check_length(self.tokenizer.encode_chat(messages, add_generation_prompt=True, **extra))
 
     def raw_prompt_ids(self, prompt: str) -> list[int]:
         """Token ids of a prompt the client templated itself (`raw`): its control tokens are kept."""
         return self.check_length(self.tokenizer.encode(prompt))
 
-    async def chat_prompt_ids_async(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat_prompt_ids_async(self, messages: list[dict[str, Any]],
+                                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """`chat_prompt_ids`, in a thread when the messages are large (off the event loop)."""
-        if sum(len(m["content"]) for m in messages) < OFFLOAD_CHARS:
-            return self.chat_prompt_ids(messages)
-        return await asyncio.to_thread(self.chat_prompt_ids, messages)
+        if sum(len(m["content"] or "") for m in messages) + (len(json.dumps(tools)) if tools else 0) < OFFLOAD_CHARS:
+            return self.chat_prompt_ids(messages, tools)
+        return await asyncio.to_thread(self.chat_prompt_ids, messages, tools)
 
     async def raw_prompt_ids_async(self, prompt: str) -> list[int]:
         """`raw_prompt_ids`, in a thread when the prompt is large (off the event loop)."""

@@ -54,6 +54,22 @@ def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_tool_chat_dir(tmp_path_factory: pytest.TempPathFactory, tiny_chat_dir: Path) -> Path:
+    """`tiny_chat_dir` (same weights and tokenizer) with a Qwen2.5-style chat template that renders
+    `tools` as `<tools>...</tools>`, earlier calls as `<tool_call>{json}</tool_call>` and tool results
+    as `<tool_response>` (tests/qwen_tool_template.jinja)."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-tool-chat") / "m"
+    shutil.copytree(tiny_chat_dir, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (Path(__file__).parent / "qwen_tool_template.jinja").read_text()
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture
 def restartable_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of this test's own that keeps its data across `stop()`/`start()` (same port),

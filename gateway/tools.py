@@ -1,0 +1,110 @@
+"""OpenAI `tools` / `tool_choice` on chat completions: the request side and the response side.
+
+Request: `tools` is a list of `{"type": "function", "function": {"name", "description"?,
+"parameters"?}}`, rendered by the model's chat template (its `tools` variable);
+`tool_choice` is `auto` (default with tools) or `none` (the tools are still shown to
+the template, as OpenAI does, but the output is not parsed for calls). Tool
+definitions and earlier calls are the client's text inside the template's own text,
+so they may not spell the model's control tokens (refused, `InvalidRequest`).
+
+Response: the model's text goes through the family's parser (`tool_parsers/`).
+`ToolCallStream` turns parser events into OpenAI chunk deltas (a call's index, id,
+type and name first, then `function.arguments` fragments; text outside calls stays
+`content`); `tool_message` builds the non-streamed `message`. A response with calls
+and a natural end has `finish_reason` "tool_calls".
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from backend.errors import InvalidRequest, InvalidSamplingParams
+from gateway.tool_parsers import ContentDelta, ParseEvent, ToolCallDelta, ToolParser
+from gateway.tool_parsers.base import collect
+
+__all__ = ["check_tools", "tool_choice_mode", "check_no_control_text", "ToolCallStream", "tool_message",
+           "finish_reason_with_tools"]
+
+
+def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """`tools` as validated dicts; `InvalidRequest` naming the first bad entry."""
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise InvalidRequest('each tool must be {"type": "function", "function": {...}}', field=f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequest("a function needs a `name`", field=f"tools[{i}].function.name")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise InvalidRequest("`parameters` must be a JSON schema object", field=f"tools[{i}].function.parameters")
+    return tools
+
+
+def tool_choice_mode(choice: Any, tools: list[dict[str, Any]] | None) -> str:
+    """`"auto"` or `"none"` for a request's `tool_choice` (default `auto` with tools, `none` without)."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("auto", "none"):
+        if choice == "auto" and not tools:
+            raise InvalidRequest("`tool_choice` needs `tools`", field="tool_choice")
+        return choice
+    if choice == "required" or isinstance(choice, dict):
+        raise InvalidSamplingParams("`tool_choice` `required` and named functions are not supported yet",
+                                    field="tool_choice")
+    raise InvalidRequest("`tool_choice` must be `auto`, `none`, `required` or a function", field="tool_choice")
+
+
+def check_no_control_text(value: Any, specials: list[str], field: str) -> None:
+    """Refuse client JSON (tools, earlier calls) that spells one of the model's control tokens: the
+    template places it among its own text, where it would be encoded as a control token."""
+    text = json.dumps(value, ensure_ascii=False)
+    for token in specials:
+        if token and token in text:
+            raise InvalidRequest(f"{field} spells the model's control token {token!r}", field=field)
+
+
+class ToolCallStream:
+    """Model text deltas → OpenAI chunk `delta`s, through one parser."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        return _deltas(self.parser.feed(text)) if text else []
+
+    def finish(self) -> list[dict[str, Any]]:
+        return _deltas(self.parser.finish())
+
+    @property
+    def called(self) -> bool:
+        return self.parser.calls > 0
+
+
+def _deltas(events: list[ParseEvent]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for ev in events:
+        if isinstance(ev, ContentDelta):
+            out.append({"content": ev.text})
+        elif isinstance(ev, ToolCallDelta):
+            call: dict[str, Any] = {"index": ev.index}
+            if ev.id is not None:
+                call.update(id=ev.id, type="function", function={"name": ev.name, "arguments": ""})
+            else:
+                call["function"] = {"arguments": ev.arguments}
+            out.append({"tool_calls": [call]})
+    return out
+
+
+def tool_message(parser: ToolParser, text: str) -> dict[str, Any]:
+    """The non-streamed assistant `message` for the whole output `text`."""
+    content, calls = collect([*parser.feed(text), *parser.finish()])
+    if not calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content or None,
+            "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in calls]}
+
+
+def finish_reason_with_tools(reason: str, called: bool) -> str:
+    """OpenAI's `finish_reason`: "tool_calls" when the output ended naturally after making calls."""
+    return "tool_calls" if called and reason == "stop" else reason
