@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 
 from ops.pull import edgeserve_home, resolve_model
 from ops.redis_server import free_port
+from tests.ops.test_up import read_banner
 
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "@@readme-command@@"
@@ -76,15 +76,10 @@ def cluster(tmp_path_factory) -> Iterator[tuple[dict[str, str], int, str]]:
     proc = subprocess.Popen([*serve_recipe(), "--port", str(port), "--worker-port", str(worker_port)], env=env,
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    banner: list[str] = []
     try:
-        deadline = time.monotonic() + 300
-        while not any("Ctrl-C stops everything" in line for line in banner):
-            line = proc.stdout.readline()
-            assert line and time.monotonic() < deadline, "".join(banner)
-            banner.append(line)
-        token = re.search(r"API token \(shown once\): (\S+)", "".join(banner)).group(1)
-        yield {**env, "TOKEN": token}, port, "".join(banner)
+        banner = read_banner(proc, 300)
+        token = re.search(r"API token \(shown once\): (\S+)", banner).group(1)
+        yield {**env, "TOKEN": token}, port, banner
         os.killpg(proc.pid, signal.SIGINT)  # the README: "Stop it with Ctrl-C"
         assert proc.wait(timeout=60) == 0
     finally:

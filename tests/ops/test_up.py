@@ -54,6 +54,17 @@ def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path: Path) -> No
     assert result.stdout == "" and not (tmp_path / "cluster.json").exists()
 
 
+def read_banner(proc: subprocess.Popen, timeout_s: float) -> str:
+    """`up`'s output up to its banner's last line (printed once the gateway listens)."""
+    banner: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not any("Ctrl-C stops everything" in line for line in banner):
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, "".join(banner)
+        banner.append(line)
+    return "".join(banner)
+
+
 def test_up_serves_records_itself_and_ctrl_c_stops_every_child_quietly(tiny_chat_dir, tmp_path: Path) -> None:
     port, worker_port = free_port(), free_port()
     argv = ["up", "--model", str(tiny_chat_dir), "--served-name", "tiny-chat", "--port", str(port),
@@ -61,14 +72,8 @@ def test_up_serves_records_itself_and_ctrl_c_stops_every_child_quietly(tiny_chat
     proc = subprocess.Popen([sys.executable, "-m", "ops.cli", *argv], cwd=ROOT, env=_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group, as a terminal's foreground job
-    banner: list[str] = []
     try:
-        deadline = time.monotonic() + 120
-        while not any("Ctrl-C stops everything" in line for line in banner):
-            line = proc.stdout.readline()
-            assert line and time.monotonic() < deadline, "".join(banner)
-            banner.append(line)
-        text = "".join(banner)
+        text = read_banner(proc, 120)
         token = re.search(r"API token \(shown once\): (\S+)", text).group(1)
         redis_port = int(re.search(r"redis\s+redis://127\.0\.0\.1:(\d+)", text).group(1))
         for _ in range(50):  # the gateway starts right after the banner
