@@ -60,10 +60,6 @@ class PageAllocator:
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        """Whether n pages are free now (advisory: another thread may take them next; see `try_allocate`)."""
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int]:
         """Take n free pages (refcount 1 each) or raise CapacityError, taking none."""
         pages = self.try_allocate(n)

@@ -75,11 +75,6 @@ class WeightLoader:
                                tensor=module)
         return src, sw
 
-    def read_dense(self, module: str, shape: tuple[int, int]) -> torch.Tensor:
-        """A linear weight dequantised to float32 (FP8 block-scaled experts, for instance)."""
-        src, sw = self.read(module, shape)
-        return src.dequantize(sw).float()
-
     @staticmethod
     def convert(src: WeightFormat, sw: StoredWeight, dst: WeightFormat) -> StoredWeight:
         return sw if repr(src) == repr(dst) else dst.quantize(src.dequantize(sw))

@@ -66,10 +66,6 @@ class ToolParser:
     def finish(self) -> list[ParseEvent]:
         raise NotImplementedError
 
-    def parse_all(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """The whole output at once: its content text and its calls (ids filled in)."""
-        return collect([*self.feed(text), *self.finish()])
-
     def param_type(self, function: str, key: str) -> str | None:
         """The JSON-schema `type` the request's tool `function` gives parameter `key` (None if unknown)."""
         for tool in self.tools:
