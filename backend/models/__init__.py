@@ -32,6 +32,20 @@ ARCHITECTURES: dict[str, Architecture] = {
         "attention_bias": False, "partial_rotary_factor": 0.5, "use_qk_norm": False, "n_group": 1,
         "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
         "n_shared_experts": 1, "num_nextn_predict_layers": 0}),
+    # transformers' DeepseekV3Config defaults; Kimi K2.5/K2.6 wrap the same text model
+    "DeepseekV3ForCausalLM": Architecture("backend.models.deepseek_v3", _DEEPSEEK_V3 := {
+        "attention_bias": False, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "n_shared_experts": 1, "rope_interleave": True,
+        "num_nextn_predict_layers": 0}),
+    "Kimi_K25ForConditionalGeneration": Architecture("backend.models.deepseek_v3", _DEEPSEEK_V3),
+    # transformers' GlmMoeDsaConfig defaults (MLA and the indexer always interleave RoPE)
+    "GlmMoeDsaForCausalLM": Architecture("backend.models.glm_moe_dsa", {
+        "attention_bias": False, "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64, "v_head_dim": 256, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "n_shared_experts": 1, "rope_interleave": True,
+        "indexer_rope_interleave": True, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+        "num_nextn_predict_layers": 0}),
 }
 
 
