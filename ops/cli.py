@@ -41,6 +41,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("ops.gateway_cmd", "run a gateway replica in front of running workers"),
     "bench": ("ops.bench", "run a benchmark (prints a table, writes JSON)"),
     "quantize": ("ops.quantize", "convert a checkpoint's linear layers to INT4 or FP8"),
+    "kv-budget": ("ops.kv_budget", "KV bytes per token per format and the tokens that fit, from a config alone"),
 }
 
 # commands that run the engine get the allocator tunables (see _reexec_with_allocator_tunables)
