@@ -15,8 +15,10 @@ so tensor parallelism cannot split it):
 - ``fp8 per-tensor`` (reference only; not a format we store): all R + Dr values
   as e4m3 under one per-layer scale, vLLM's TritonMLA ``fp8`` (576 B per layer).
 DSA models (GLM-5) add their lightning indexer's key cache, always FP8:
-index_head_dim e4m3 bytes + one float32 scale per token per layer that computes
-its own top-k (`indexer_types` "full"; GLM-5: 132 * 78 = 10,296 B), in every row.
+index_head_dim e4m3 bytes + one float32 scale per token per layer (GLM-5: 132 * 78
+= 10,296 B), in every row. Every layer is counted, as the runtime's cache
+allocates it, including layers whose `indexer_types` is "shared" (they reuse an
+earlier layer's top-k, so a cache that skipped their keys could hold more).
 
 **GQA models** (Llama, Qwen2, GLM-4.x) store K and V per KV head
 (`backend.kv_cache.kv_bytes_per_token`; ``fp8_e4m3`` = head_dim + 1 scale byte per
@@ -106,10 +108,10 @@ def latent_row_bytes(kv_lora_rank: int, rope_dim: int, kv_format: str) -> int:
 
 
 def indexer_bytes_per_token(cfg: ModelConfig) -> int:
-    """DSA indexer key cache per token: (index_head_dim e4m3 + a float32 scale) per "full" indexer layer."""
+    """DSA indexer key cache per token: (index_head_dim e4m3 + a float32 scale) per layer."""
     if not cfg.index_topk:
         return 0
-    return sum(1 for t in cfg.indexer_types if t == "full") * (cfg.index_head_dim + 4)
+    return cfg.num_layers * (cfg.index_head_dim + 4)
 
 
 def gqa_kv_heads_per_gpu(num_kv_heads: int, tp: int) -> int:

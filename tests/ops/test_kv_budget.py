@@ -60,11 +60,15 @@ def test_glm5_adds_the_fp8_indexer_cache_to_every_format() -> None:
     assert rows["fp8_e4m3"].vs_bf16 == pytest.approx((89_856 + 10_296) / 61_464)
 
 
-def test_shared_indexer_layers_keep_no_keys_of_their_own() -> None:
+def test_every_layer_keeps_indexer_keys_as_the_runtime_cache_allocates_them() -> None:
     raw = known_config("glm-5")
     raw["index_topk_pattern"] = "F" + "S" * 77
     cfg = ModelConfig.from_dict(raw)
-    assert {r.indexer_bytes for r in kv_budget(cfg, FREE).rows} == {132}
+    assert cfg.indexer_types[1] == "shared"
+    assert {r.indexer_bytes for r in kv_budget(cfg, FREE).rows} == {10_296}
+    raw.pop("index_topk_pattern")
+    raw["num_hidden_layers"] = 10
+    assert {r.indexer_bytes for r in kv_budget(ModelConfig.from_dict(raw), FREE).rows} == {1_320}
 
 
 def test_glm46_gqa_splits_kv_heads_over_ranks_and_replicates_below_one_per_rank() -> None:
