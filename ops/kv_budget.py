@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -62,7 +61,6 @@ __all__ = ["BudgetRow", "KVBudget", "kv_budget", "latent_row_bytes", "indexer_by
 
 GIB = 1 << 30
 PER_TENSOR_FP8 = "fp8_per_tensor"  # reference row for MLA: every value e4m3, one scale per layer (vLLM's fp8)
-LATENT_GROUP = 128  # latent values per float32 scale in our fp8_e4m3 rows
 _FORMATS = ("fp32", "bf16", "fp8_e4m3")
 
 
@@ -93,18 +91,13 @@ class KVBudget(NamedTuple):
 
 
 def latent_row_bytes(kv_lora_rank: int, rope_dim: int, kv_format: str) -> int:
-    """Bytes of one latent row (one token, one layer) in `kv_format` (see the module docstring)."""
-    if kv_format == "fp32":
-        return (kv_lora_rank + rope_dim) * 4
-    if kv_format == "bf16":
-        return (kv_lora_rank + rope_dim) * 2
-    if kv_format == "fp8_e4m3":
-        if kv_lora_rank % 4:
-            raise InvalidRequest(f"fp8_e4m3 latent rows need kv_lora_rank % 4 == 0 (got {kv_lora_rank})")
-        return kv_lora_rank + 4 * math.ceil(kv_lora_rank / LATENT_GROUP) + 2 * rope_dim
+    """Bytes of one latent row (one token, one layer) in `kv_format`: the stored formats as
+    `kernels.latent_kv_store` lays them out, plus the per-tensor FP8 reference (R + Dr)."""
+    from kernels.latent_kv_store import latent_row_bytes as stored_row_bytes
+
     if kv_format == PER_TENSOR_FP8:
         return kv_lora_rank + rope_dim
-    raise InvalidRequest(f"unknown kv format {kv_format!r}; supported: {', '.join(_FORMATS)}")
+    return stored_row_bytes(kv_lora_rank, rope_dim, kv_format)
 
 
 def indexer_bytes_per_token(cfg: ModelConfig) -> int:
@@ -125,6 +118,11 @@ def gqa_kv_heads_per_gpu(num_kv_heads: int, tp: int) -> int:
     return 1
 
 
+def _fp8_storable(cfg: ModelConfig) -> bool:
+    """Whether an fp8_e4m3 latent row exists for these dims (aligned scale and rope views)."""
+    return cfg.kv_lora_rank % 4 == 0 and cfg.qk_rope_head_dim % 2 == 0
+
+
 def _row(fmt: str, kv_bytes: int, indexer: int, free_bytes: int, page_size: int, bf16_bytes: int,
          note: str) -> BudgetRow:
     per_token = kv_bytes + indexer
@@ -142,10 +140,10 @@ def kv_budget(cfg: ModelConfig, free_bytes: int, tp: int = 8, page_size: int = 1
         attention, heads = ("MLA+DSA" if indexer else "MLA"), 1
         per_layer = {fmt: latent_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, fmt)
                      for fmt in (*_FORMATS, PER_TENSOR_FP8)
-                     if fmt != "fp8_e4m3" or cfg.kv_lora_rank % 4 == 0}
+                     if fmt != "fp8_e4m3" or _fp8_storable(cfg)}
         bf16 = cfg.num_layers * per_layer["bf16"] + indexer
         notes = {"fp32": "", "bf16": "",
-                 "fp8_e4m3": f"e4m3 latent + fp32 scale per {LATENT_GROUP} + bf16 rope",
+                 "fp8_e4m3": "e4m3 latent + fp32 scale per 128 + bf16 rope",
                  PER_TENSOR_FP8: "reference: all e4m3, one scale per layer (vLLM fp8)"}
         for fmt, row_bytes in per_layer.items():
             rows.append(_row(fmt, cfg.num_layers * row_bytes, indexer, free_bytes, page_size, bf16,

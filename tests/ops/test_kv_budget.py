@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest, ModelLoadError, ModelNotFound
@@ -92,6 +93,24 @@ def test_tokens_are_whole_pages_of_the_free_bytes() -> None:
             assert row.pages == free // (page * row.bytes_per_token) and row.tokens == row.pages * page
     with pytest.raises(InvalidRequest):
         kv_budget(cfg, FREE, tp=0)
+
+
+def test_latent_row_bytes_are_the_bytes_of_a_stored_row() -> None:
+    from kernels.latent_kv_store import quantize_latent_ref
+
+    for r, dr in ((512, 64), (200, 16)):
+        latent, k_pe = torch.randn(3, r) * 5, torch.randn(3, dr)
+        for fmt in ("fp32", "bf16", "fp8_e4m3"):
+            rows = quantize_latent_ref(latent, k_pe, fmt)
+            assert latent_row_bytes(r, dr, fmt) == rows.shape[-1] * rows.element_size()
+    assert latent_row_bytes(512, 64, PER_TENSOR_FP8) == 576
+
+
+def test_a_latent_width_fp8_cannot_store_has_no_fp8_row() -> None:
+    raw = known_config("deepseek-v3")
+    raw["kv_lora_rank"] = 30
+    rows = {r.kv_format for r in kv_budget(ModelConfig.from_dict(raw), FREE).rows}
+    assert rows == {"fp32", "bf16", PER_TENSOR_FP8}
 
 
 def test_latent_row_bytes_follows_the_layout() -> None:
