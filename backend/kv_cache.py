@@ -30,13 +30,16 @@ pages. For SmolLM2 (30 layers, 3 KV heads, head_dim 64): bf16 23,040 B, fp8
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest
 from kernels.kv_store import dequantize_fp8_ref, dequantize_fp8_table, store_kv, store_kv_ref
+
+if TYPE_CHECKING:
+    from backend.latent_kv_cache import LatentKVCache
 
 __all__ = ["KV_FORMATS", "KVGeometry", "LayerKV", "PagedKVCache", "create_kv_cache", "kv_bytes_per_token",
            "pages_for_budget"]
@@ -69,7 +72,12 @@ class LayerKV(NamedTuple):
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_format: str) -> int:
-    """Pool bytes one token occupies over all layers, K and V, scales included."""
+    """Pool bytes one token occupies over all layers, K and V, scales included (an MLA model's
+    latent rows: `backend/latent_kv_cache.py`)."""
+    if cfg.is_mla:
+        from backend.latent_kv_cache import latent_kv_bytes_per_token
+
+        return latent_kv_bytes_per_token(cfg, kv_format)
     dtype, scale_bytes = KV_FORMATS[kv_format]
     return cfg.num_layers * 2 * cfg.num_kv_heads * (cfg.head_dim * dtype.itemsize + scale_bytes)
 
@@ -188,7 +196,12 @@ def pages_for_budget(cfg: ModelConfig, kv_format: str, kv_cache_bytes: int, page
 
 
 def create_kv_cache(cfg: ModelConfig, kv_format: str, kv_cache_bytes: int, page_size: int,
-                    compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> PagedKVCache:
-    """The one place a KV format is chosen: size the pool from the byte budget and allocate it."""
+                    compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> PagedKVCache | LatentKVCache:
+    """The one place a KV format is chosen: size the pool from the byte budget and allocate it
+    (an MLA model gets a `LatentKVCache`, one latent row per token, with the same surface)."""
     num_pages = pages_for_budget(cfg, kv_format, kv_cache_bytes, page_size)
+    if cfg.is_mla:
+        from backend.latent_kv_cache import LatentKVCache
+
+        return LatentKVCache(cfg, kv_format, num_pages, page_size, compute_dtype, device)
     return PagedKVCache(cfg, kv_format, num_pages, page_size, compute_dtype, device)
