@@ -1,7 +1,8 @@
 """The decoder model every registered architecture runs as, over a paged KV cache.
 
 A model is embeddings, a list of decoder layers, a final RMSNorm and an LM head.
-Each layer is RMSNorm -> GQA attention (`layers/attention.py`) -> residual ->
+Each layer is RMSNorm -> GQA attention (`layers/attention.py`), or multi-head latent
+attention over a latent KV cache (`layers/mla.py`, MLA models) -> residual ->
 RMSNorm -> an MLP, dense SwiGLU (`layers/mlp.py`) or mixture of experts
 (`layers/experts.py`) -> residual. Which pieces a layer has, and the checkpoint
 names they come from, are the architecture's business: `backend/models/` holds one
@@ -48,6 +49,7 @@ from backend.config import ModelConfig, load_config
 from backend.kv_cache import PagedKVCache
 from backend.layers.attention import attention, run_linear
 from backend.layers.loader import WeightLoader
+from backend.layers.mla import MLAWeights, mla_attention
 from backend.layers.mlp import mlp
 from backend.layers.norm import rms_norm
 from backend.linear import Linear, LinearOp
@@ -64,20 +66,28 @@ _linear = run_linear  # the per-phase row split, under its historical name
 
 @dataclass
 class LayerWeights:
-    """One decoder layer in one weight format. A dense layer has gate_up/down, a MoE layer `moe`."""
+    """One decoder layer in one weight format. A dense layer has gate_up/down, a MoE layer `moe`;
+    an MLA layer has `mla` (its qkv / o_proj are the MLA's a_proj / o_proj)."""
 
     input_norm: torch.Tensor  # [hidden]
     qkv: LinearOp  # [(H + 2 H_kv) * head_dim, hidden], with the q/k/v biases when the model has them
-    o_proj: LinearOp  # [hidden, H * head_dim]
+    o_proj: LinearOp  # [hidden, H * head_dim]  (MLA: [hidden, H * v_head_dim])
     post_norm: torch.Tensor  # [hidden]
     gate_up: LinearOp | None = None  # [2 * intermediate, hidden]
     down: LinearOp | None = None  # [hidden, intermediate]
     moe: Callable[[torch.Tensor], torch.Tensor] | None = None  # backend.moe.MoEBlock: x [T, hidden] -> [T, hidden]
     qk_norm: torch.Tensor | None = None  # [H + H_kv, head_dim] per-head q/k RMSNorm weights (use_qk_norm)
+    mla: MLAWeights | None = None  # multi-head latent attention (DeepseekV3, Kimi K2.x, GlmMoeDsa)
 
     def linears(self) -> list[Any]:
         """The per-format weights of this layer (what a second phase format holds again)."""
-        return [w for w in (self.qkv, self.o_proj, self.gate_up, self.down, self.moe) if w is not None]
+        q_b = self.mla.q_b if self.mla is not None else None
+        return [w for w in (self.qkv, q_b, self.o_proj, self.gate_up, self.down, self.moe) if w is not None]
+
+    def shared_tensors(self) -> list[torch.Tensor]:
+        """Dense tensors every format shares: norms (and an MLA layer's kv_b_proj forms)."""
+        extra = self.mla.shared_tensors() if self.mla is not None else []
+        return [t for t in (self.input_norm, self.post_norm, self.qk_norm, *extra) if t is not None]
 
 
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, gemm_buckets: tuple[int, ...] = (),
@@ -119,6 +129,7 @@ class DecoderModel:
         self.norm = norm
         self.lm_head = lm_head  # [vocab, hidden], shares storage with embed when tied
         self.rope = RotaryEmbedding(cfg, embed.device)
+        self.mla_absorb = True  # MLA decode rows: weight absorption (False: expand the latent per head)
         self.steps_by_phase: Counter[str] = Counter()  # steps by their rows: "prefill", "decode", "mixed"
 
     @classmethod
@@ -133,7 +144,7 @@ class DecoderModel:
     def weight_bytes(self) -> int:
         """Bytes of weights read per decode step (embedding row reads excluded, LM head included;
         every expert of a MoE layer counted, as a large enough batch reads them all)."""
-        per_layer = sum(l.input_norm.nbytes + l.post_norm.nbytes + sum(w.nbytes for w in l.linears())
+        per_layer = sum(sum(t.nbytes for t in l.shared_tensors()) + sum(w.nbytes for w in l.linears())
                         for l in self.phase_layers["decode"])
         return per_layer + self.lm_head.nbytes
 
@@ -149,10 +160,7 @@ class DecoderModel:
         for phase, layers in self.phase_layers.items():
             per_phase[phase] = 0
             for layer in layers:
-                shared[id(layer.input_norm)] = layer.input_norm.nbytes
-                shared[id(layer.post_norm)] = layer.post_norm.nbytes
-                if layer.qk_norm is not None:
-                    shared[id(layer.qk_norm)] = layer.qk_norm.nbytes
+                shared.update((id(t), t.nbytes) for t in layer.shared_tensors())
                 for lin in layer.linears():
                     per_phase[phase] += lin.nbytes
                     linears[id(lin)] = lin
@@ -179,8 +187,11 @@ class DecoderModel:
         freqs = self.rope.tables(meta.positions)  # [T, 1, rotary_dim / 2]
         for i, (layer, dec) in enumerate(zip(layers, decode_layers)):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            h.add_(attention(cfg, layer.qkv, dec.qkv, layer.o_proj, dec.o_proj, layer.qk_norm, x, split, freqs,
-                             cache, i, meta))
+            if layer.mla is not None:
+                h.add_(self._mla(layer.mla, dec.mla, x, split, freqs, cache, i, meta))
+            else:
+                h.add_(attention(cfg, layer.qkv, dec.qkv, layer.o_proj, dec.o_proj, layer.qk_norm, x, split, freqs,
+                                 cache, i, meta))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
                 h.add_(run_linear(layer.moe, dec.moe, x, split))
@@ -190,6 +201,16 @@ class DecoderModel:
         if split and h.shape[0] > split:  # decode rows and completed prompts: the LM head per group too
             return _linear(self.lm_head, self.lm_head, h, split).float()
         return self.lm_head(h).float()
+
+    def _mla(self, w: MLAWeights, dec: MLAWeights, x: torch.Tensor, split: int, freqs: torch.Tensor, cache: Any,
+             layer: int, meta: StepMetadata) -> torch.Tensor:
+        """One MLA layer's attention, with its DSA key selection bound to this step when it has one."""
+        selector = w.selector
+        select = None
+        if selector is not None:
+            def select(xs: torch.Tensor, qr: torch.Tensor | None) -> Any:
+                return selector(xs, qr, cache, layer, meta)
+        return mla_attention(self.cfg, w, dec, x, split, freqs, cache, layer, meta, self.mla_absorb, select)
 
 
 LlamaModel = DecoderModel  # the name the engine and the ops scripts have always used

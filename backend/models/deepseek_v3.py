@@ -1,0 +1,77 @@
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`) and Kimi K2.x (`Kimi_K25ForConditionalGeneration`'s text
+backbone): multi-head latent attention + dense then mixture-of-experts MLPs.
+
+Attention: MLA over the paged latent KV cache (`layers/mla.py`: q_lora_rank optional,
+interleaved RoPE, YaRN with the mscale correction on the softmax scale; prefill
+non-absorbed, decode absorbed). MLP: layers below `first_k_dense_replace` use a dense
+SwiGLU MLP of `intermediate_size` (`mlp.{gate,up,down}_proj`), the others a MoE block
+(`layers/experts.py`: sigmoid router with correction bias and group-limited top-k,
+routed SwiGLU experts of `moe_intermediate_size`, shared experts added unscaled),
+the same block as Glm4Moe.
+
+Checkpoint names per layer `model.layers.{i}.` (Kimi K2.5/K2.6 store them under
+`language_model.`, which the weight loader prepends from `checkpoint_prefix`; the
+vision tower beside it is not loaded):
+`input_layernorm.weight`, `post_attention_layernorm.weight`,
+`self_attn.{q_a_proj, q_b_proj | q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj}.weight`,
+`self_attn.{q_a_layernorm, kv_a_layernorm}.weight`, then the MLP's.
+Multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`) are not run and not loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from backend.layers.experts import load_moe
+from backend.layers.loader import WeightLoader
+from backend.layers.mla import load_mla
+from backend.layers.mlp import load_mlp
+from backend.model import LayerWeights
+
+__all__ = ["load_layers"]
+
+log = logging.getLogger(__name__)
+
+
+def _log_skipped(loader: WeightLoader) -> None:
+    """One log line each for MTP layers and (Kimi) tensors outside the text backbone."""
+    cfg = loader.cfg
+    prefix = cfg.checkpoint_prefix
+    mtp: set[str] = set()
+    other = 0
+    for name in loader.ckpt.names():
+        if prefix and name.startswith(prefix):
+            name = name[len(prefix):]
+        elif prefix and not name.startswith("model.") and name != "lm_head.weight":
+            other += 1  # e.g. Kimi's vision_tower.* / mm_projector.*
+            continue
+        parts = name.split(".")
+        if name.startswith("model.layers.") and int(parts[2]) >= cfg.num_layers:
+            mtp.add(parts[2])
+    if mtp:
+        log.info("skipping %d multi-token-prediction layer(s) stored as model.layers.%s (not run)", len(mtp),
+                 ",".join(sorted(mtp)))
+    if other:
+        log.info("skipping %d tensor(s) outside the text model under %r (vision tower: not served)", other, prefix)
+
+
+def load_layers(loader: WeightLoader) -> dict[str, list[LayerWeights]]:
+    """The decoder layers, one list per target format (`loader.targets`)."""
+    cfg = loader.cfg
+    _log_skipped(loader)
+    layers: dict[str, list[LayerWeights]] = {key: [] for key in loader.targets}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        mla = load_mla(loader, p)
+        if cfg.is_moe_layer(i):
+            moe = load_moe(loader, p)
+            mlps = {key: {"moe": moe[key]} for key in loader.targets}
+        else:
+            gate_up, down = load_mlp(loader, f"{p}mlp.", cfg.intermediate_size)
+            mlps = {key: {"gate_up": gate_up[key], "down": down[key]} for key in loader.targets}
+        input_norm = loader.get(f"{p}input_layernorm.weight")
+        post_norm = loader.get(f"{p}post_attention_layernorm.weight")
+        for key in loader.targets:
+            layers[key].append(LayerWeights(input_norm, mla[key].a_proj, mla[key].o_proj, post_norm, mla=mla[key],
+                                            **mlps[key]))
+    return layers
