@@ -38,34 +38,8 @@ import torch
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest
 from backend.kv_cache import KV_FORMATS, KVGeometry
-try:
-    from kernels.latent_kv_store import (dequantize_latent_ref, latent_row_bytes, latent_row_dtype,
-                                         quantize_latent_ref, store_latent, store_latent_ref)
-except ImportError:  # TEMPORARY until kernels/latent_kv_store.py lands: fp32/bf16 rows only
-    _DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.uint8}
-
-    def latent_row_dtype(kv_format: str) -> torch.dtype:
-        return _DT[kv_format]
-
-    def latent_row_bytes(kv_lora_rank: int, rope_dim: int, kv_format: str) -> int:
-        if kv_format == "fp8_e4m3":
-            return kv_lora_rank + 4 * -(-kv_lora_rank // 128) + 2 * rope_dim
-        return (kv_lora_rank + rope_dim) * _DT[kv_format].itemsize
-
-    def quantize_latent_ref(latent, k_pe, kv_format):
-        if kv_format == "fp8_e4m3":
-            raise NotImplementedError
-        return torch.cat([latent, k_pe], -1).to(_DT[kv_format])
-
-    def dequantize_latent_ref(rows, kv_lora_rank, rope_dim, kv_format, dtype):
-        if kv_format == "fp8_e4m3":
-            raise NotImplementedError
-        return rows[..., :kv_lora_rank].to(dtype), rows[..., kv_lora_rank:].to(dtype)
-
-    def store_latent_ref(latent, k_pe, pages_layer, slots, kv_format):
-        pages_layer.view(-1, pages_layer.shape[-1]).index_copy_(0, slots, quantize_latent_ref(latent, k_pe, kv_format))
-
-    store_latent = store_latent_ref
+from kernels.latent_kv_store import (check_latent_dims, dequantize_latent_ref, latent_row_bytes, latent_row_dtype,
+                                     latent_row_elems, quantize_latent_ref, store_latent)
 
 __all__ = ["LatentKVCache", "latent_kv_bytes_per_token"]
 
@@ -73,8 +47,7 @@ __all__ = ["LatentKVCache", "latent_kv_bytes_per_token"]
 def _check_format(cfg: ModelConfig, kv_format: str) -> None:
     if kv_format not in KV_FORMATS:
         raise InvalidRequest(f"unknown kv format {kv_format!r}; supported: {', '.join(KV_FORMATS)}")
-    if kv_format == "fp8_e4m3" and cfg.kv_lora_rank % 4:
-        raise InvalidRequest(f"fp8_e4m3 latent pages need kv_lora_rank % 4 == 0 (got {cfg.kv_lora_rank})")
+    check_latent_dims(cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_format)  # fp8: kv_lora_rank % 4 == 0
 
 
 def _indexer_bytes(cfg: ModelConfig) -> int:
@@ -110,10 +83,10 @@ class LatentKVCache:
         self.geometry = KVGeometry(cfg.num_layers, num_pages, page_size, 1, cfg.latent_dim)
         self.compute_dtype = compute_dtype
         self.bytes_per_token = latent_kv_bytes_per_token(cfg, kv_format)
-        dtype = latent_row_dtype(kv_format)
-        self.row_elems = latent_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_format) // dtype.itemsize
+        self.row_elems = latent_row_elems(cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_format)
         # [num_layers, num_pages, PAGE_SIZE, row_elems]
-        self.pages = torch.zeros(cfg.num_layers, num_pages, page_size, self.row_elems, dtype=dtype, device=device)
+        self.pages = torch.zeros(cfg.num_layers, num_pages, page_size, self.row_elems,
+                                 dtype=latent_row_dtype(kv_format), device=device)
         self._flat = [self.pages[i].view(-1, self.row_elems) for i in range(cfg.num_layers)]  # [slots, row_elems]
         self.indexer = None
         if cfg.index_topk:
@@ -139,8 +112,7 @@ class LatentKVCache:
 
     def store(self, layer: int, slots: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write latent [T, R] and roped keys k_pe [T, Dr] at slots [T] (int64) of `layer`."""
-        fn = store_latent if latent.is_cuda else store_latent_ref
-        fn(latent, k_pe, self.pages[layer], slots, self.format_name)
+        store_latent(latent, k_pe, self.pages[layer], slots, self.format_name)  # Triton on CUDA
 
     def _values(self, rows: torch.Tensor) -> torch.Tensor:
         """Raw rows [..., row_elems] -> [..., R + Dr] = [c_kv | k_pe] in the compute dtype."""
@@ -178,7 +150,6 @@ class LatentKVCache:
                                      f"got {tuple(rows.shape)} {rows.dtype}")
             self._flat[layer].index_copy_(0, slots.to(self.pages.device), rows.to(self.pages.device))
             return
-        _check_format_rows(rows, self.kv_lora_rank, self.rope_dim, kv_format)
         latent, k_pe = dequantize_latent_ref(rows, self.kv_lora_rank, self.rope_dim, kv_format, torch.float32)
         self.write_tokens(layer, slots, latent, k_pe)
 
@@ -186,12 +157,3 @@ class LatentKVCache:
         """Rows [T, row elems] of `kv_format` for latent [T, R] and k_pe [T, Dr] values."""
         return quantize_latent_ref(latent, k_pe, kv_format)
 
-
-def _check_format_rows(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int, kv_format: str) -> None:
-    if kv_format not in KV_FORMATS:
-        raise InvalidRequest(f"unknown latent row format {kv_format!r}; supported: {', '.join(KV_FORMATS)}")
-    dtype = latent_row_dtype(kv_format)
-    elems = latent_row_bytes(kv_lora_rank, rope_dim, kv_format) // dtype.itemsize
-    if rows.dim() != 2 or rows.shape[1] != elems or rows.dtype != dtype:
-        raise InvalidRequest(f"{kv_format} latent rows must be [T, {elems}] {dtype}, got "
-                             f"{tuple(rows.shape)} {rows.dtype}")

@@ -1,0 +1,198 @@
+"""DeepseekV3ForCausalLM (MLA + MoE) against transformers' own, on tiny random checkpoints written by
+`save_pretrained`: one-shot prefill, chunked prefill and paged decode (absorbed and not) in float32
+over fp32 latent pages, q_lora_rank None and set, YaRN on and off, rope_interleave on and off, greedy
+generation, an FP8 block-scaled checkpoint, MTP layers; bf16 / fp8 latent pages against fp32 ones."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backend.engine import EngineConfig, LLMEngine
+from backend.sampling_params import SamplingParams
+from backend.weight_formats import Fp8Format
+from tests.backend.engine_spy import record_sampled_logits
+from tests.backend.test_model_parity import _our_logits_all_rows
+from tests.backend.tiny_mla_models import write_tiny_deepseek_v3
+from tests.backend.tiny_models import reference_model
+
+ATOL = 1e-4
+
+# each axis of the issue's matrix (q_lora, YaRN, interleave) is covered on and off
+CASES = {
+    "default": dict(),  # q_lora_rank 48, interleaved rope, no scaling, 2 groups, first layer dense
+    "no-q-lora": dict(q_lora_rank=None),
+    "yarn": dict(yarn=True),
+    "neox-rope": dict(rope_interleave=False),
+    "all-off-bias-yarn": dict(q_lora_rank=None, rope_interleave=False, yarn=True, attention_bias=True,
+                              first_k_dense_replace=0, n_group=1, norm_topk_prob=False),
+}
+
+
+def _engine(path: Path, **kw) -> LLMEngine:
+    cfg = dict(dtype="float32", kv_format="fp32", kv_cache_bytes=2 * 2**20, page_size=16, gemm_buckets=())
+    return LLMEngine.from_pretrained(path, EngineConfig(**{**cfg, **kw}))
+
+
+@pytest.fixture(scope="module")
+def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_deepseek_v3(tmp_path_factory.mktemp("dsv3") / "m", seed=1)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_logits_match_transformers(tmp_path: Path, case: str) -> None:
+    path = write_tiny_deepseek_v3(tmp_path / "m", seed=2, **CASES[case])
+    ref = reference_model(path)
+    ids = torch.randint(0, 320, (80,)).tolist()  # past YaRN's original 64 positions
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = _our_logits_all_rows(_engine(path), ids)
+    assert expected.abs().max().item() > 0.3  # logits large enough for the tolerance to mean something
+    assert (got - expected).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("case,absorb", [("default", True), ("default", False), ("all-off-bias-yarn", True)])
+def test_chunked_prefill_and_paged_decode_match_transformers(tmp_path: Path, case: str, absorb: bool) -> None:
+    """Mixed lengths in one batch, chunks of 7 over pages of 16, then decode steps (absorbed or
+    expanded): every sampled position's logits equal the reference's and the greedy tokens its argmax."""
+    path = write_tiny_deepseek_v3(tmp_path / "m", seed=3, **CASES[case])
+    ref = reference_model(path)
+    ours = _engine(path, prefill_chunk_size=7, max_num_batched_tokens=16)
+    ours.model.mla_absorb = absorb
+    prompts = [torch.randint(0, 320, (n,)).tolist() for n in (1, 15, 17, 33)]
+    seqs = [ours.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p in prompts]
+    seen = record_sampled_logits(ours)
+    while ours.has_work():
+        ours.step()
+    assert ours.model.steps_by_phase["mixed"] > 0  # decode rows really shared steps with prompt chunks
+    for s in seqs:
+        full = s.prompt_ids + s.output_ids
+        with torch.no_grad():
+            expected = ref(torch.tensor([full])).logits[0, s.num_prompt_tokens - 1: -1]
+        got = torch.stack(seen[s.request_id])
+        assert (got - expected).abs().max().item() <= ATOL
+        assert s.output_ids == expected.argmax(-1).tolist()
+    assert ours.allocator.num_free == ours.allocator.num_pages
+
+
+def test_greedy_32_tokens_equal_transformers_generate(default_dir: Path) -> None:
+    ref = reference_model(default_dir)
+    prompt = torch.randint(3, 320, (11,)).tolist()
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    engine = _engine(default_dir)
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    assert seq.output_ids == want and len(set(want)) > 3
+
+
+def mean_next_token_kl(model_dir: Path, kv_format: str, prompts: list[list[int]]) -> float:
+    """Mean KL(p_fp32 || p_format) of the next-token distributions at every position of `prompts`,
+    both scored through the paged path (chunks of 16, so later chunks read earlier keys back from
+    the pages of that format)."""
+    kls = []
+    ref, ours = _engine(model_dir, prefill_chunk_size=16), _engine(model_dir, kv_format=kv_format,
+                                                                   prefill_chunk_size=16)
+    for ids in prompts:
+        p, q = (_all_logprobs(e, ids) for e in (ref, ours))
+        kls.append((p.exp() * (p - q)).sum(-1))
+    return torch.cat(kls).mean().item()
+
+
+def _all_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Next-token log-distributions [len - 1, vocab] through chunked prefill over the paged cache."""
+    from backend.scheduler import ScheduledBatch
+    from backend.sequence import Sequence
+
+    seq = Sequence("kl", list(ids), SamplingParams(max_tokens=1))
+    seq.page_ids = engine.allocator.allocate(engine.scheduler.pages_for(len(ids)))
+    out = []
+    try:
+        for start in range(0, len(ids) - 1, 16):
+            take = min(16, len(ids) - 1 - start)
+            input_ids, meta = engine.runner.prepare(ScheduledBatch([], [(seq, take)], []))
+            meta.logits_rows = torch.arange(take)
+            out.append(engine.model.forward(input_ids, meta, engine.cache).log_softmax(-1))
+            seq.num_computed_tokens += take
+    finally:
+        engine.allocator.release(seq.page_ids)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kv_format,bound", [("bf16", 1e-5), ("fp8_e4m3", 5e-3)])
+def test_latent_page_formats_stay_close_to_fp32(default_dir: Path, kv_format: str, bound: float) -> None:
+    """bf16 and fp8_e4m3 latent pages against fp32 pages on the same model: mean KL of next-token
+    distributions over a small random prompt set (figures in the test output with -s)."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (24, 40, 64, 96)]
+    kl = mean_next_token_kl(default_dir, kv_format, prompts)
+    print(f"mean KL(fp32 || {kv_format}) = {kl:.3e}")
+    assert 0 < kl < bound
+
+
+def _rewrite(path: Path, change) -> None:
+    f = next(path.glob("*.safetensors"))
+    save_file(change(load_file(f)), f, metadata={"format": "pt"})
+
+
+def test_mtp_layers_are_skipped_with_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write_tiny_deepseek_v3(tmp_path / "m", seed=4)
+    ids = torch.randint(0, 320, (20,)).tolist()
+    want = _our_logits_all_rows(_engine(path), ids)
+
+    def add_mtp(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        t.update({"model.layers.3." + k[len("model.layers.2."):]: torch.randn_like(v) for k, v in t.items()
+                  if k.startswith("model.layers.2.")})
+        t["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)
+        return t
+
+    _rewrite(path, add_mtp)
+    with caplog.at_level(logging.INFO, logger="backend.models.deepseek_v3"):
+        got = _our_logits_all_rows(_engine(path), ids)
+    lines = [r for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+    assert len(lines) == 1 and "model.layers.3" in lines[0].getMessage()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_fp8_block_scaled_checkpoint_matches_transformers_on_the_dequantised_weights(tmp_path: Path) -> None:
+    """Every *_proj weight (attention incl. kv_b_proj, experts, dense MLP) as e4m3 with 16x16 block
+    scales (kv_a_proj_with_mqa's 40 rows end in a partial block); kv_b_proj is dequantised at load for
+    absorption. Reference: transformers on a dense copy holding exactly the dequantised values."""
+    path = write_tiny_deepseek_v3(tmp_path / "m", seed=6)
+    fmt = Fp8Format((16, 16))
+    dense = {}
+
+    def to_fp8(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, w in t.items():
+            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                sw = fmt.quantize(w * 3.0)  # scales other than 1
+                out[name], out[name[:-len("weight")] + "weight_scale_inv"] = sw.tensors["weight"], sw.tensors[
+                    "weight_scale_inv"]
+                dense[name] = fmt.dequantize(sw)
+            else:
+                out[name] = dense[name] = w
+        return out
+
+    _rewrite(path, to_fp8)
+    cfg = json.loads((path / "config.json").read_text())
+    ref_dir = tmp_path / "dense"
+    ref_dir.mkdir()
+    (ref_dir / "config.json").write_text(json.dumps(cfg))
+    save_file(dense, ref_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [16, 16]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    ref = reference_model(ref_dir)
+    ids = torch.randint(0, 320, (40,)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = _our_logits_all_rows(_engine(path), ids)
+    assert (got - expected).abs().max().item() <= ATOL
