@@ -1,7 +1,9 @@
 """Grammar-constrained decoding (structured output) with llguidance.
 
-A request with `SamplingParams.grammar` (`GrammarSpec`: `json_object`, or `json_schema`
-with the schema as a JSON string) decodes under a grammar: at every step the sampler
+A request with `SamplingParams.grammar` (`GrammarSpec`: `json_object`, `json_schema`
+with the schema as a JSON string, or `lark` with a Lark grammar in llguidance's dialect,
+which the gateway writes for `tool_choice` "required" / named functions,
+`gateway/tool_grammar.py`) decodes under a grammar: at every step the sampler
 keeps only the tokens the grammar allows next, so the output always parses, and under
 a schema always validates, once it finishes (a `max_tokens` cut ends it with
 `finish_reason` "length", a prefix of a valid document).
@@ -56,8 +58,18 @@ _BIT = torch.arange(32, dtype=torch.int32)  # bit i of a mask word is token 32 *
 
 
 def grammar_of(spec: GrammarSpec) -> str:
-    """llguidance grammar text for `spec`; InvalidSamplingParams (field `response_format`) when the
-    schema is not a JSON object or llguidance refuses it (unknown type, bad `$ref`, ...)."""
+    """llguidance grammar text for `spec`; InvalidSamplingParams (field `response_format`, `tool_choice`
+    for a Lark grammar) when the schema is not a JSON object or llguidance refuses it (unknown type,
+    bad `$ref`, a Lark syntax error, ...)."""
+    if spec.kind == "lark":
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(spec.schema)
+        except (ValueError, TypeError) as exc:
+            raise InvalidSamplingParams(f"invalid grammar: {exc}", field="tool_choice") from exc
+        error = llguidance.LLMatcher.validate_grammar(grammar, None)
+        if error:
+            raise InvalidSamplingParams(f"invalid grammar: {error}", field="tool_choice")
+        return grammar
     if spec.kind == "json_object":
         schema = JSON_OBJECT_SCHEMA
     elif spec.kind == "json_schema":
@@ -122,8 +134,9 @@ class GrammarCompiler:
         if matcher is None:
             t0 = time.perf_counter()
             matcher = llguidance.LLMatcher(self.tokenizer, grammar_of(spec), log_level=0)
-            if matcher.is_error():
-                raise InvalidSamplingParams(f"invalid JSON schema: {matcher.get_error()}", field="response_format")
+            if matcher.is_error():  # e.g. a special token this tokenizer does not have
+                field = "tool_choice" if spec.kind == "lark" else "response_format"
+                raise InvalidSamplingParams(f"invalid grammar: {matcher.get_error()}", field=field)
             self.compile_s.append(time.perf_counter() - t0)
             self._cache[key] = matcher
             if len(self._cache) > self._cache_size:

@@ -278,9 +278,20 @@ class Tokenizer:
     def _specials(self, ids: list[int]) -> list[int]:
         return [i for i in ids if i in self._special_ids]
 
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; an incomplete UTF-8 sequence shows as U+FFFD."""
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True,
+               keep_special_ids: frozenset[int] = frozenset()) -> str:
+        """Text of `ids`; an incomplete UTF-8 sequence shows as U+FFFD. With `skip_special_tokens`,
+        special tokens are left out except those in `keep_special_ids` (the markers a tool-call or
+        reasoning parser reads, such as Kimi's `<|tool_calls_section_begin|>`), which keep their text."""
+        if skip_special_tokens and keep_special_ids:
+            ids = [i for i in ids if i not in self._special_ids or i in keep_special_ids]
+            skip_special_tokens = False
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def special_ids_of(self, markers: Sequence[str]) -> frozenset[int]:
+        """Ids of those `markers` that are special tokens of this tokenizer (the others are plain text)."""
+        ids = (self._backend.token_to_id(m) for m in markers if m)
+        return frozenset(i for i in ids if i is not None and i in self._special_ids)
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
@@ -318,20 +329,23 @@ class IncrementalDetokenizer:
     `push(id)` returns only text completed by that id ("" while a character is incomplete);
     `flush()` returns what is still held. The concatenation of all returned pieces equals
     `tokenizer.decode(all pushed ids)`. `prompt_ids` only give left context (their last
-    few ids); their text is never returned.
+    few ids); their text is never returned. Special tokens are skipped, except
+    `keep_special_ids` (markers a parser needs, `Tokenizer.decode`).
     """
 
     PROMPT_CONTEXT = 5  # prompt ids kept as left context, as vLLM does
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 keep_special_ids: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._keep = keep_special_ids
         self._window: list[int] = list(prompt_ids[max(0, len(prompt_ids) - self.PROMPT_CONTEXT) :])
         self._read = len(self._window)  # window[:read] is already accounted for
         self._prefix_text = self._decode(self._window)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens, keep_special_ids=self._keep)
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the newly completed text (maybe "")."""

@@ -91,11 +91,12 @@ _Item = Delta | Done | EdgeServeError
 class Generation:
     def __init__(self, *, tenant: Tenant, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
                  api: str, region: str, router: Router, pool: WorkerPool, quotas: Quotas, meter: Meter,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, keep_special_ids: frozenset[int] = frozenset()) -> None:
         self.request_id = uuid.uuid4().hex
         self.tenant, self.model, self.prompt_ids, self.params, self.api = tenant, model, prompt_ids, params, api
         self.requested_max_tokens = params.max_tokens  # `params.max_tokens` is lower when the day's quota caps it
         self.region = region
+        self.keep_special_ids = keep_special_ids  # special tokens whose text the response's parsers read
         self._router, self._pool, self._quotas, self._meter, self._metrics = router, pool, quotas, meter, metrics
         self.route: RouteDecision | None = None
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
@@ -233,7 +234,7 @@ class Generation:
             await asyncio.shield(self._settling)
 
     async def _stream_from(self, client: WorkerClient, request: GenerateRequest) -> tuple[str, int]:
-        text = TextStream(self.model.tokenizer, self.prompt_ids, self.params.stop)
+        text = TextStream(self.model.tokenizer, self.prompt_ids, self.params.stop, self.keep_special_ids)
         events = client.generate(request, on_accept=self._accepted.set)
         async with contextlib.aclosing(events):
             return await self._consume(events, text, client)

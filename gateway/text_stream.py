@@ -7,6 +7,11 @@ the start of a stop string is held back: at most `len(longest stop) - 1`
 characters. When a stop string appears, everything before it is released and
 the rest is dropped. Without stop strings nothing is held back beyond what the
 detokeniser holds for incomplete characters.
+
+Special tokens are dropped from the text, except `keep_special_ids`: the markers the
+request's tool-call or reasoning parser reads (Kimi's `<|tool_calls_section_begin|>`,
+GLM's `<arg_key>`, `<think>` where it is a special token), which the parsers take out
+again, so no control token ever reaches `content`.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ __all__ = ["TextStream"]
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = ()) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                 keep_special_ids: frozenset[int] = frozenset()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_special_ids=keep_special_ids)
         self._stops = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""

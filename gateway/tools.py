@@ -97,7 +97,7 @@ def _deltas(events: list[ParseEvent]) -> list[dict[str, Any]]:
 
 def tool_message(parser: ToolParser, text: str) -> dict[str, Any]:
     """The non-streamed assistant `message` for the whole output `text`."""
-    content, calls = collect([*parser.feed(text), *parser.finish()])
+    content, calls = collect(parser.parse_whole(text))
     if not calls:
         return {"role": "assistant", "content": content}
     return {"role": "assistant", "content": content or None,

@@ -1,5 +1,6 @@
-"""Tool-call parsers on recorded outputs of each family (well-formed, malformed, cut short), fed
-whole and in random chunkings: the calls and the joined content never depend on the chunking."""
+"""Tool-call parsers on recorded outputs of each family (well-formed, malformed, cut short), read
+whole (the non-streamed message) and streamed in random chunkings: streamed, the argument
+fragments join to exactly the arguments of the whole reading, and flow before a call closes."""
 
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ RECORDED = [
 ]
 
 
+# streamed, a call cut inside its arguments has already gone out: (name, its arguments as far as they came)
+CUT_STREAMED = {
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": ': [("get_weather", '{"city": ')],
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}": [("f", "{}")],
+}
+
+
 def chunkings(text: str, rng: random.Random, n: int = 25) -> list[list[str]]:
     out = [[text], list(text)]
     for _ in range(n):
@@ -58,15 +66,28 @@ def chunkings(text: str, rng: random.Random, n: int = 25) -> list[list[str]]:
     return out
 
 
+def streamed(name: str, pieces: list[str]) -> list:
+    parser = TOOL_PARSERS[name](WEATHER)
+    return [ev for piece in pieces for ev in parser.feed(piece)] + parser.finish()
+
+
 @pytest.mark.parametrize("name,text,content,calls", RECORDED)
-def test_recorded_outputs_in_any_chunking(name: str, text: str, content: str, calls: list) -> None:
+def test_recorded_outputs_whole_and_in_any_chunking(name: str, text: str, content: str, calls: list) -> None:
+    got_content, whole = collect(TOOL_PARSERS[name](WEATHER).parse_whole(text))
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole] == [(n, a) for n, a, _ in calls]
+    for call, (_, _, want_id) in zip(whole, calls, strict=True):
+        assert call.id == want_id if want_id else call.id.startswith("call_")
     rng = random.Random(hash(text) & 0xFFFF)
     for pieces in chunkings(text, rng):
-        parser = TOOL_PARSERS[name](WEATHER)
-        events = [ev for piece in pieces for ev in parser.feed(piece)] + parser.finish()
+        events = streamed(name, pieces)
         got_content, got_calls = collect(events)
+        if text in CUT_STREAMED:
+            assert [(c.name, c.arguments) for c in got_calls] == CUT_STREAMED[text], pieces
+            continue
         assert got_content == content, pieces
-        assert [(c.name, json.loads(c.arguments)) for c in got_calls] == [(n, a) for n, a, _ in calls]
+        # the fragments join to exactly the final (non-streamed) arguments, whatever the chunking
+        assert [(c.name, c.arguments) for c in got_calls] == [(c.name, c.arguments) for c in whole], pieces
         for call, (_, _, want_id) in zip(got_calls, calls, strict=True):
             assert call.id == want_id if want_id else call.id.startswith("call_")
         # every call opens with its id and name before any argument fragment
@@ -74,6 +95,36 @@ def test_recorded_outputs_in_any_chunking(name: str, text: str, content: str, ca
         assert [ev.index for ev in starts] == list(range(len(calls)))
         assert all(ev.arguments == "" for ev in starts)
         assert all(ev.text for ev in events if isinstance(ev, ContentDelta))
+
+
+LONG = {"city": "Paris, \"the\" {city} of light", "days": 12, "notes": ["a", {"b": None}], "unicode": "\u00e9\u2603"}
+
+
+@pytest.mark.parametrize("name,text", [
+    ("hermes", "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": LONG}) + "\n</tool_call>"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3<|tool_call_argument_begin|>"
+                + json.dumps(LONG) + "<|tool_call_end|><|tool_calls_section_end|>"),
+    ("glm45", "<tool_call>get_weather\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>"
+              f"{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n" for k, v in LONG.items()) + "</tool_call>"),
+])
+def test_arguments_flow_as_they_arrive(name: str, text: str) -> None:
+    """Fed a character at a time, a call's arguments go out in many fragments, most of them before
+    the block's closing marker arrives, and join to the whole reading's arguments."""
+    parser = TOOL_PARSERS[name](WEATHER)
+    end = text.rindex(parser.END)
+    fragments_before_end, events = 0, []
+    for i, ch in enumerate(text):
+        new = parser.feed(ch)
+        events += new
+        if i < end:
+            fragments_before_end += sum(1 for ev in new if isinstance(ev, ToolCallDelta) and ev.arguments)
+    events += parser.finish()
+    _, calls = collect(events)
+    _, whole = collect(TOOL_PARSERS[name](WEATHER).parse_whole(text))
+    assert [c.arguments for c in calls] == [c.arguments for c in whole] and json.loads(calls[0].arguments) == LONG
+    assert fragments_before_end >= (len(LONG) if name == "glm45" else 10)
+    assert "".join(ev.arguments for ev in events if isinstance(ev, ToolCallDelta))[-1] == "}"
+
 
 
 def test_chunk_deltas_and_message_as_openai_shapes_them() -> None:
