@@ -33,15 +33,27 @@ Bytes per token = num_layers * (row bytes + indexer row bytes). Kimi K2.6
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest
 from backend.kv_cache import KV_FORMATS, KVGeometry
 from kernels.latent_kv_store import (check_latent_dims, dequantize_latent_ref, latent_row_bytes, latent_row_dtype,
-                                     latent_row_elems, quantize_latent_ref, store_latent)
+                                     latent_row_elems, store_latent)
 
-__all__ = ["LatentKVCache", "latent_kv_bytes_per_token"]
+__all__ = ["LatentKVCache", "LatentRows", "latent_kv_bytes_per_token"]
+
+
+class LatentRows(NamedTuple):
+    """Raw rows of some tokens in one layer (what a prefill -> decode transfer moves per layer)."""
+
+    rows: torch.Tensor  # [T, row elems] in `kv_format`'s row dtype (float32, bfloat16 or uint8)
+    kv_format: str  # the latent row format of `rows` (kernels/latent_kv_store.py)
+    kv_lora_rank: int
+    rope_dim: int
+    index_rows: torch.Tensor | None = None  # [T, indexer row bytes] uint8: the DSA indexer's keys (fp8)
 
 
 def _check_format(cfg: ModelConfig, kv_format: str) -> None:
@@ -70,7 +82,8 @@ class LatentKVCache:
 
     `store` writes the rows of new tokens at their slots (and only there). `gather` and
     `read_tokens` dequantise to the compute dtype and never write. `read_rows` /
-    `write_rows` move raw rows in the pool format (the prefill -> decode transfer);
+    `write_rows` move raw rows (`LatentRows`, with the indexer's keys when there is an
+    indexer) for the prefill -> decode transfer;
     `layer(i)` hands layer i's pages [num_pages, PAGE_SIZE, row_elems] to the kernels.
     """
 
@@ -130,30 +143,38 @@ class LatentKVCache:
 
     def read_tokens(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [T, R] and k_pe [T, Dr] at slots [T], dequantised to the compute dtype (never writes)."""
-        values = self._values(self.read_rows(layer, slots))
+        values = self._values(self._flat[layer].index_select(0, slots.to(self.pages.device)))
         return values[:, : self.kv_lora_rank], values[:, self.kv_lora_rank:]
 
     def write_tokens(self, layer: int, slots: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Install latent [T, R] and k_pe [T, Dr] values at slots [T] (quantised if the pool is FP8)."""
         self.store(layer, slots, latent.to(self.compute_dtype), k_pe.to(self.compute_dtype))
 
-    def read_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Raw rows [T, row_elems] in the pool format at slots [T] (a copy; never writes)."""
-        return self._flat[layer].index_select(0, slots.to(self.pages.device))
+    def read_rows(self, layer: int, slots: torch.Tensor) -> LatentRows:
+        """Raw rows [T, row_elems] in the pool format at slots [T], with the indexer's rows (a copy;
+        never writes)."""
+        slots = slots.to(self.pages.device)
+        index_rows = self.indexer.read_tokens(layer, slots) if self.indexer is not None else None
+        return LatentRows(self._flat[layer].index_select(0, slots), self.format_name, self.kv_lora_rank,
+                          self.rope_dim, index_rows)
 
-    def write_rows(self, layer: int, slots: torch.Tensor, rows: torch.Tensor, kv_format: str) -> None:
-        """Install rows [T, row elems of `kv_format`] at slots [T]: copied byte for byte when
-        `kv_format` is the pool's, else dequantised (float32) and stored in the pool format."""
-        if kv_format == self.format_name:
-            if rows.shape[1:] != (self.row_elems,) or rows.dtype != self.pages.dtype:
-                raise InvalidRequest(f"{kv_format} latent rows must be [T, {self.row_elems}] {self.pages.dtype}, "
-                                     f"got {tuple(rows.shape)} {rows.dtype}")
-            self._flat[layer].index_copy_(0, slots.to(self.pages.device), rows.to(self.pages.device))
-            return
-        latent, k_pe = dequantize_latent_ref(rows, self.kv_lora_rank, self.rope_dim, kv_format, torch.float32)
-        self.write_tokens(layer, slots, latent, k_pe)
-
-    def encode_rows(self, latent: torch.Tensor, k_pe: torch.Tensor, kv_format: str) -> torch.Tensor:
-        """Rows [T, row elems] of `kv_format` for latent [T, R] and k_pe [T, Dr] values."""
-        return quantize_latent_ref(latent, k_pe, kv_format)
-
+    def write_rows(self, layer: int, slots: torch.Tensor, rows: LatentRows) -> None:
+        """Install rows at slots [T]: copied byte for byte when they are in the pool's format, else
+        dequantised (float32) and stored in the pool format; the indexer's rows byte for byte."""
+        if (rows.kv_lora_rank, rows.rope_dim) != (self.kv_lora_rank, self.rope_dim):
+            raise InvalidRequest(f"latent rows of R {rows.kv_lora_rank}, Dr {rows.rope_dim} do not fit this pool's "
+                                 f"R {self.kv_lora_rank}, Dr {self.rope_dim}")
+        if (rows.index_rows is None) != (self.indexer is None):
+            raise InvalidRequest("latent rows and pool disagree on having DSA indexer keys")
+        slots = slots.to(self.pages.device)
+        if rows.kv_format == self.format_name:
+            if rows.rows.shape[1:] != (self.row_elems,) or rows.rows.dtype != self.pages.dtype:
+                raise InvalidRequest(f"{rows.kv_format} latent rows must be [T, {self.row_elems}] {self.pages.dtype}, "
+                                     f"got {tuple(rows.rows.shape)} {rows.rows.dtype}")
+            self._flat[layer].index_copy_(0, slots, rows.rows.to(self.pages.device))
+        else:
+            latent, k_pe = dequantize_latent_ref(rows.rows, self.kv_lora_rank, self.rope_dim, rows.kv_format,
+                                                 torch.float32)
+            self.write_tokens(layer, slots, latent.to(self.pages.device), k_pe.to(self.pages.device))
+        if self.indexer is not None:
+            self.indexer.write_tokens(layer, slots, rows.index_rows.to(self.pages.device))

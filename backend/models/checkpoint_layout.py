@@ -17,6 +17,13 @@ wiring they describe:
                self_attn.{q,k}_norm.weight (use_qk_norm), mlp.gate.weight (MoE layers: the router)
     and model.embed_tokens.weight, model.norm.weight.
 
+    MLA decoders (DeepseekV3, Kimi K2.x), per layer: the MLP part as above, and
+      linears  self_attn.{q_a_proj, q_b_proj} (q_lora_rank set) or self_attn.q_proj,
+               self_attn.{kv_a_proj_with_mqa, kv_b_proj, o_proj}
+               (kv_b_proj is dequantised at load whatever its format: weight absorption needs it dense)
+      dense    input_layernorm.weight, post_attention_layernorm.weight,
+               self_attn.kv_a_layernorm.weight, self_attn.q_a_layernorm.weight (q_lora_rank set)
+
 Everything else a checkpoint holds (biases, the router's `e_score_correction_bias`,
 the LM head, multi-token-prediction layers stored as `model.layers.{num_hidden_layers}.*`)
 is optional here: the loader reads what it finds, and rewriting tools copy it as
@@ -42,16 +49,38 @@ class CheckpointLayout(NamedTuple):
     required: list[str]  # dense tensors the runtime needs besides the linears
 
 
+def _gqa_attention(cfg: ModelConfig, p: str) -> CheckpointLayout:
+    linears = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v", "o")]
+    required = [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"] if cfg.use_qk_norm else []
+    return CheckpointLayout(linears, required)
+
+
+def _mla_attention(cfg: ModelConfig, p: str) -> CheckpointLayout:
+    a = f"{p}self_attn."
+    q = [f"{a}q_a_proj", f"{a}q_b_proj"] if cfg.q_lora_rank else [f"{a}q_proj"]
+    linears = [*q, f"{a}kv_a_proj_with_mqa", f"{a}kv_b_proj", f"{a}o_proj"]
+    required = [f"{a}kv_a_layernorm.weight"] + ([f"{a}q_a_layernorm.weight"] if cfg.q_lora_rank else [])
+    return CheckpointLayout(linears, required)
+
+
 def _gqa_decoder(cfg: ModelConfig) -> CheckpointLayout:
     """GQA attention and, per layer, a dense SwiGLU MLP or a MoE block (`cfg.is_moe_layer`)."""
+    return _decoder(cfg, _gqa_attention)
+
+
+def _mla_decoder(cfg: ModelConfig) -> CheckpointLayout:
+    """Multi-head latent attention and, per layer, a dense SwiGLU MLP or a MoE block."""
+    return _decoder(cfg, _mla_attention)
+
+
+def _decoder(cfg: ModelConfig, attention: Callable[[ModelConfig, str], CheckpointLayout]) -> CheckpointLayout:
     linears: list[str] = []
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        linears += [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v", "o")]
-        required += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
-        if cfg.use_qk_norm:
-            required += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+        attn = attention(cfg, p)
+        linears += attn.linears
+        required += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight", *attn.required]
         if not cfg.is_moe_layer(i):
             linears += [f"{p}mlp.{n}" for n in _SWIGLU]
             continue
@@ -65,6 +94,7 @@ def _gqa_decoder(cfg: ModelConfig) -> CheckpointLayout:
 _LAYOUTS: dict[str, Callable[[ModelConfig], CheckpointLayout]] = {  # registry module -> its layout
     "backend.models.llama": _gqa_decoder,
     "backend.models.glm4_moe": _gqa_decoder,
+    "backend.models.deepseek_v3": _mla_decoder,
 }
 
 
