@@ -3,7 +3,9 @@
 A format says how one linear weight W [N, K] (N = out_features, K = in_features)
 is stored in a checkpoint, how it is dequantised, and which GEMM runs it.
 `weight_format(name, group_size)` is the one place a name becomes a format, and
-`stored_format(config)` the one place a checkpoint's config.json names its format.
+`stored_format(config)` the one place a checkpoint's config.json names its format
+(compressed-tensors ``pack-quantized`` INT4, as Kimi K2-Thinking/K2.5/K2.6 ship, is
+read into the INT4 format below by `backend/compressed_tensors.py`).
 
     format  tensors stored for a linear `<m>` (e.g. model.layers.0.mlp.down_proj)   bytes per weight
     fp32    <m>.weight            float32        [N, K]                              4
@@ -21,9 +23,14 @@ e4m3 values (max 448, 3 mantissa bits) and one float32 scale per 128 x 128 block
 
 (despite its name, `weight_scale_inv` multiplies). Quantising a block: s = amax / 448
 (1 for an all-zero block), q = e4m3(clamp(W / s, -448, 448)), rounded to nearest
-even; every element keeps a relative error <= 2**-4. Edge blocks are partial.
-config.json: ``"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-"activation_scheme": "dynamic", "weight_block_size": [128, 128]}``.
+even; every element keeps a relative error <= 2**-4. Edge blocks are partial: a
+[300, 200] weight has [3, 2] scales, the last row block 44 rows, the last column
+block 72 columns. config.json: ``"quantization_config": {"quant_method": "fp8",
+"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}``.
+Newer DeepSeek releases add ``"scale_fmt": "ue8m0"``: every scale is a power of two,
+stored as float32 or as ``float8_e8m0fnu`` (safetensors F8_E8M0, the exponent byte
+alone); both are read as float32 and multiply the same way. Quantising in that
+format rounds s = amax / 448 up to the next power of two, so |W / s| stays <= 448.
 
 **INT4** is asymmetric and group-wise along K, with g = 128 by default (32 allowed):
 
@@ -86,9 +93,12 @@ __all__ = ["TensorSpec", "StoredWeight", "WeightFormat", "DenseFormat", "Fp8Form
            "FORMAT_NAMES", "INT4_GROUP_SIZES", "weight_format", "stored_format", "is_quantized_linear"]
 
 FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite e4m3fn value
+FP8_SCALE_FORMATS = (None, "ue8m0")  # weight_scale_inv: any float32, or powers of two
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 FORMAT_NAMES = ("fp32", "bf16", "fp8", "int4")
 INT4_METHOD = "edgeserve_int4"
+CT_METHOD = "compressed-tensors"
 
 
 class TensorSpec(NamedTuple):
@@ -163,6 +173,12 @@ class WeightFormat(ABC):
         tensors = {suffix: get(f"{module}.{suffix}") for suffix in self.suffixes}
         return StoredWeight(tensors, self.logical_shape(tensors, module))
 
+    def stores_dense(self, module: str, contains: Callable[[str], bool]) -> bool:
+        """True when a checkpoint in this format holds `module` as a plain `<module>.weight` (a
+        layer the quantiser left dense): it has the weight but not this format's extra tensors.
+        `contains` says whether the checkpoint has a tensor name."""
+        return not contains(f"{module}.{self.suffixes[-1]}") and contains(f"{module}.weight")
+
     def logical_shape(self, tensors: dict[str, torch.Tensor], module: str) -> tuple[int, int]:
         """(N, K) of a stored weight, checking its tensors fit together."""
         w = tensors["weight"]
@@ -227,8 +243,12 @@ class Fp8Format(WeightFormat):
     name = "fp8"
     suffixes = ("weight", "weight_scale_inv")
 
-    def __init__(self, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)) -> None:
+    def __init__(self, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK), scale_fmt: str | None = None) -> None:
+        if scale_fmt not in FP8_SCALE_FORMATS:
+            raise WeightsError(f"unsupported fp8 scale_fmt {scale_fmt!r}; supported: float32 scales (none) or "
+                               f"'ue8m0' (powers of two)", scale_fmt=scale_fmt)
         self.block = block
+        self.scale_fmt = scale_fmt
 
     def specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         n, k = shape
@@ -240,6 +260,10 @@ class Fp8Format(WeightFormat):
         from kernels.fp8_gemm import quantize_fp8_blocks_ref
 
         q, scale = quantize_fp8_blocks_ref(w, self.block)
+        if self.scale_fmt == "ue8m0":  # the next power of two up, then the codes again against it
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+            s = scale.repeat_interleave(self.block[0], 0)[: w.shape[0]].repeat_interleave(self.block[1], 1)
+            q = (w.float() / s[:, : w.shape[1]]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return StoredWeight({"weight": q, "weight_scale_inv": scale}, (int(w.shape[0]), int(w.shape[1])))
 
     def dequantize(self, sw: StoredWeight) -> torch.Tensor:
@@ -254,6 +278,9 @@ class Fp8Format(WeightFormat):
             raise WeightsError(f"{module}.weight is {w.dtype}, expected float8_e4m3fn (an fp8 checkpoint)",
                                tensor=f"{module}.weight")
         want = self.specs(sw.shape)["weight_scale_inv"].shape
+        if not scale.dtype.is_floating_point:
+            raise WeightsError(f"{module}.weight_scale_inv is {scale.dtype}, expected float32 (or float8_e8m0fnu)",
+                               tensor=f"{module}.weight_scale_inv")
         if tuple(scale.shape) != want:
             raise WeightsError(f"{module}.weight_scale_inv has shape {tuple(scale.shape)}, but a {list(sw.shape)} "
                                f"weight in {self.block[0]}x{self.block[1]} blocks needs {list(want)}",
@@ -296,8 +323,8 @@ class Fp8Format(WeightFormat):
         return Linear(self.dequantize(sw).to(compute_dtype).contiguous(), bias, buckets)
 
     def quantization_config(self) -> dict[str, Any]:
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(self.block)}
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(self.block)}
+        return {**qc, "scale_fmt": self.scale_fmt} if self.scale_fmt else qc
 
 
 # ---------------------------------------------------------------- int4
@@ -385,9 +412,11 @@ def weight_format(name: str, group_size: int = 128) -> WeightFormat:
     raise WeightsError(f"unknown weight format {name!r}; known: {', '.join(FORMAT_NAMES)}", format=name)
 
 
-def stored_format(qc: dict[str, Any] | None) -> WeightFormat | None:
+def stored_format(qc: dict[str, Any] | None, prefix: str = "") -> WeightFormat | None:
     """The format a checkpoint's linear weights are stored in, from config.json's
-    `quantization_config`; None for a dense checkpoint (each tensor in its own float dtype)."""
+    `quantization_config`; None for a dense checkpoint (each tensor in its own float dtype).
+    `prefix` is where the checkpoint keeps the text model (`ModelConfig.checkpoint_prefix`):
+    compressed-tensors' module lists may name modules with or without it."""
     if not qc:
         return None
     method = qc.get("quant_method")
@@ -397,8 +426,13 @@ def stored_format(qc: dict[str, Any] | None) -> WeightFormat | None:
         if fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2):
             raise WeightsError(f"unsupported fp8 checkpoint (fmt {fmt!r}, weight_block_size {block!r}); "
                                f"supported: e4m3 with [rows, columns] block scales", quantization_config=qc)
-        return Fp8Format((int(block[0]), int(block[1])))
+        return Fp8Format((int(block[0]), int(block[1])), qc.get("scale_fmt"))
     if method == INT4_METHOD:
         return Int4Format(int(qc.get("group_size", 128)))
+    if method == CT_METHOD:
+        from backend.compressed_tensors import compressed_tensors_format
+
+        return compressed_tensors_format(qc, prefix)
     raise WeightsError(f"unknown weight format in config.json: quant_method {method!r}; known: fp8 (e4m3, block "
-                       f"scales), {INT4_METHOD}, or none (dense)", quantization_config=qc)
+                       f"scales), {INT4_METHOD}, {CT_METHOD} (pack-quantized INT4), or none (dense)",
+                       quantization_config=qc)

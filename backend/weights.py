@@ -5,6 +5,14 @@ missing tensor. Tensors are loaded lazily one at a time (`safe_open`), so peak
 memory is the converted model plus one tensor; `spec` gives a tensor's dtype and
 shape from the header alone.
 
+A reader opened with a `prefix` serves the part of the checkpoint under it, by the
+names without it: Kimi K2.5/K2.6 (`Kimi_K25ForConditionalGeneration`) store their text
+model as `language_model.model.layers...` and `language_model.lm_head.weight` beside a
+vision tower, so `get("model.layers.0.self_attn.kv_b_proj.weight")` reads
+`language_model.model.layers.0.self_attn.kv_b_proj.weight`. Tensors outside the prefix
+(`vision_tower.*`, `mm_projector.*`, ...) are never read; one info log line says how
+many there are and under which top-level names.
+
 `write_safetensors` streams a file: the header (every name, dtype, shape and offset)
 is written first from the specs, then each tensor's bytes as it is produced, so a
 writer holds one tensor at a time.
@@ -13,6 +21,7 @@ writer holds one tensor at a time.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -30,15 +39,19 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
     "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E8M0": torch.float8_e8m0fnu,  # power-of-two scales (FP8 checkpoints with scale_fmt ue8m0)
 }
 _DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
+log = logging.getLogger(__name__)
+
 
 class CheckpointReader:
-    """Maps tensor names to the safetensors file holding them."""
+    """Maps tensor names to the safetensors file holding them (under `prefix`: see the module docstring)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, prefix: str = "") -> None:
         self.model_dir = Path(model_dir)
+        self.prefix = prefix
         index = self.model_dir / "model.safetensors.index.json"
         if index.exists():
             try:
@@ -64,7 +77,19 @@ class CheckpointReader:
             if not index.exists():
                 for key in handle.keys():
                     weight_map[key] = name
-        self.weight_map = weight_map
+        self.weight_map = self._under_prefix(weight_map) if prefix else weight_map  # name (prefix removed) -> file
+
+    def _under_prefix(self, weight_map: dict[str, str]) -> dict[str, str]:
+        """The entries under `self.prefix`, by their names without it; the others are logged once."""
+        inside = {name[len(self.prefix):]: file for name, file in weight_map.items() if name.startswith(self.prefix)}
+        if not inside:
+            raise WeightsError(f"no tensor in {self.model_dir} is under {self.prefix!r}, where config.json says the "
+                               f"text model's weights are", file=str(self.model_dir))
+        outside = sorted({name.split(".")[0] for name in weight_map if not name.startswith(self.prefix)})
+        if outside:
+            log.info("skipping %d checkpoint tensors outside %r (not the text model): %s",
+                     len(weight_map) - len(inside), self.prefix, ", ".join(f"{top}.*" for top in outside))
+        return inside
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
@@ -76,9 +101,9 @@ class CheckpointReader:
         """dtype and shape of one tensor, from the file header (no data read)."""
         file = self.weight_map.get(name)
         if file is None:
-            raise WeightsError(f"tensor {name!r} not found in the checkpoint at {self.model_dir}", tensor=name,
-                               file=str(self.model_dir))
-        view = self._handles[file].get_slice(name)  # type: ignore[attr-defined]
+            raise WeightsError(f"tensor {self.prefix + name!r} not found in the checkpoint at {self.model_dir}",
+                               tensor=self.prefix + name, file=str(self.model_dir))
+        view = self._handles[file].get_slice(self.prefix + name)  # type: ignore[attr-defined]
         dtype = SAFETENSORS_DTYPES.get(view.get_dtype())
         if dtype is None:
             raise WeightsError(f"tensor {name!r} in {self.model_dir / file} has unsupported dtype {view.get_dtype()}",
@@ -89,13 +114,14 @@ class CheckpointReader:
         """Load one tensor; a missing or unreadable tensor names its file."""
         file = self.weight_map.get(name)
         if file is None:
-            raise WeightsError(f"tensor {name!r} not found in the checkpoint at {self.model_dir}", tensor=name,
-                               file=str(self.model_dir))
+            raise WeightsError(f"tensor {self.prefix + name!r} not found in the checkpoint at {self.model_dir}",
+                               tensor=self.prefix + name, file=str(self.model_dir))
         try:
-            return self._handles[file].get_tensor(name)  # type: ignore[attr-defined]
+            return self._handles[file].get_tensor(self.prefix + name)  # type: ignore[attr-defined]
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             path = self.model_dir / file
-            raise WeightsError(f"corrupt tensor {name!r} in {path}: {exc}", tensor=name, file=str(path)) from exc
+            raise WeightsError(f"corrupt tensor {self.prefix + name!r} in {path}: {exc}", tensor=self.prefix + name,
+                               file=str(path)) from exc
 
 
 def write_safetensors(path: Path, specs: dict[str, TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]],

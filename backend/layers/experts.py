@@ -14,9 +14,16 @@ Checkpoint names under `<prefix>mlp.` (Hugging Face, DeepSeek-V3 / Glm4Moe):
 
 Experts are converted one expert at a time from their stored format into each target
 format (`WeightLoader.convert`: as stored when the formats agree, so an FP8 checkpoint
-served in FP8 is never widened), and `MoEBlock.from_stored` takes them as they are: peak
-extra memory at load is one expert in float32, not a layer's experts (a GLM-4.6 layer's
-160 experts would be 15 GB in float32).
+served in FP8 is never widened, and Kimi's compressed-tensors INT4 experts stay the
+stored INT4 codes), and the MoE block takes them as they are: peak extra memory at load
+is one expert in float32, not a layer's experts (a GLM-4.6 layer's 160 experts would be
+15 GB in float32).
+
+Where the target is the checkpoint's own format, weights the quantiser left dense stay
+dense in the compute dtype (`WeightLoader.target_format`): Kimi's INT4 checkpoints
+quantise the routed experts only, so the shared experts stay BF16 beside INT4 routed
+ones. The routed experts take one format per target, decided by expert 0 (a later
+expert stored otherwise is converted into it).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import torch
 from backend.errors import WeightsError
 from backend.layers.loader import WeightLoader
 from backend.moe import MoEBlock, MoEConfig
+from backend.moe_experts import RoutedExperts
+from backend.linear import LinearOp
 from backend.weight_formats import DenseFormat, StoredWeight, WeightFormat
 
 __all__ = ["load_moe", "moe_config"]
@@ -76,23 +85,28 @@ def load_moe(loader: WeightLoader, prefix: str) -> dict[str, MoEBlock]:
     bias_name = f"{p}gate.e_score_correction_bias"
     bias = loader.ckpt.get(bias_name).float().to(dev) if bias_name in loader else None  # [E]
     targets = loader.targets
+    fmts: dict[str, WeightFormat] = {}  # target -> the routed experts' format (expert 0 decides)
     gate_ups: dict[str, list[StoredWeight]] = {key: [] for key in targets}
     downs: dict[str, list[StoredWeight]] = {key: [] for key in targets}
     for gate_up_parts, (down_src, down_sw) in _expert_weights(loader, p):
-        for key, fmt in targets.items():
+        for key, dst in targets.items():
+            fmt = fmts.setdefault(key, loader.target_format([src for src, _ in gate_up_parts] + [down_src], dst))
             parts = [loader.convert(src, sw, fmt) for src, sw in gate_up_parts]
             gate_ups[key].append(_on(fmt.cat_rows(parts) if len(parts) > 1 else parts[0], dev))  # [2I, H]
             downs[key].append(_on(loader.convert(down_src, down_sw, fmt), dev))  # [H, I]
-    shared: dict[str, tuple[StoredWeight, StoredWeight] | None] = dict.fromkeys(targets)
+    shared: dict[str, tuple[LinearOp, LinearOp] | tuple[None, None]] = {key: (None, None) for key in targets}
     if cfg.n_shared_experts:
         h, i_s = cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
         s = f"{p}shared_experts."
-        parts = [loader.read(f"{s}gate_proj", (i_s, h)), loader.read(f"{s}up_proj", (i_s, h))]
-        down_part = loader.read(f"{s}down_proj", (h, i_s))
-        for key, fmt in targets.items():
-            shared_gate_up = fmt.cat_rows([loader.convert(src, sw, fmt) for src, sw in parts])  # [2 Is, H]
-            shared[key] = (_on(shared_gate_up, dev), _on(loader.convert(*down_part, fmt), dev))  # [H, Is]
+        parts = [loader.read(f"{s}gate_proj", (i_s, h)), loader.read(f"{s}up_proj", (i_s, h)),
+                 loader.read(f"{s}down_proj", (h, i_s))]
+        for key, dst in targets.items():
+            fmt = loader.target_format([src for src, _ in parts], dst)
+            gate_up, down = fmt.cat_rows([loader.convert(src, sw, fmt) for src, sw in parts[:2]]), \
+                loader.convert(*parts[2], fmt)  # [2 Is, H], [H, Is]
+            shared[key] = (fmt.linear(_on(gate_up, dev), None, loader.dtype),
+                           fmt.linear(_on(down, dev), None, loader.dtype))
     mcfg = moe_config(loader)
-    return {key: MoEBlock.from_stored(gate_weight, bias, gate_ups[key], downs[key], shared[key], mcfg, fmt,
-                                      loader.dtype)
-            for key, fmt in targets.items()}
+    return {key: MoEBlock(mcfg, gate_weight, bias, RoutedExperts(fmts[key], gate_ups[key], downs[key], loader.dtype),
+                          *shared[key])
+            for key in targets}

@@ -9,6 +9,18 @@ distinct format** (`targets`, keyed by the format's repr): equal formats share o
 copy. A weight stored in another format is converted at load, one tensor at a time
 (FP8 -> INT4 goes through the dequantised FP8 values). Everything that is not a
 linear weight (embeddings, norms, biases, the MoE router) is read dense through `get`.
+
+A quantised checkpoint may leave some linears dense (compressed-tensors' `ignore`
+list: Kimi's attention and shared experts; FP8 checkpoints' unconverted modules).
+Such a module stays dense, in the compute dtype, wherever the target is the
+checkpoint's own format (`target_format`): keeping the stored format means keeping
+every module as its quantiser left it. A fused group (q/k/v, gate/up) that mixes a
+dense module with quantised ones is made dense as a whole (the quantised parts
+dequantised exactly). A target the checkpoint does not have converts everything.
+
+Names are the architecture's plain ones (`model.layers.0.self_attn.kv_b_proj`); a
+checkpoint that keeps the text model under a prefix (`cfg.checkpoint_prefix`,
+`language_model.` for Kimi K2.5/K2.6) is read under it (`weights.CheckpointReader`).
 """
 
 from __future__ import annotations
@@ -39,8 +51,8 @@ class WeightLoader:
         self.dtype = dtype
         self.device = device
         self.gemm_buckets = gemm_buckets
-        self.ckpt = CheckpointReader(Path(model_dir))
-        self.stored = stored_format(cfg.quantization)
+        self.ckpt = CheckpointReader(Path(model_dir), cfg.checkpoint_prefix)
+        self.stored = stored_format(cfg.quantization, cfg.checkpoint_prefix)
 
         def resolve(name: str | None) -> WeightFormat:
             if name is None:
@@ -64,7 +76,7 @@ class WeightLoader:
         In a quantised checkpoint, a module stored without its format's extra tensors (a layer the
         quantiser left dense) is read dense."""
         stored = self.stored
-        if stored is None or f"{module}.{stored.suffixes[-1]}" not in self.ckpt and f"{module}.weight" in self.ckpt:
+        if stored is None or stored.stores_dense(module, self.ckpt.__contains__):
             raw = self.ckpt.get(f"{module}.weight")
             src: WeightFormat = DenseFormat(raw.dtype)
             sw = src.read(lambda _: raw, module)  # refuses non-float (e.g. FP8) tensors
@@ -77,7 +89,16 @@ class WeightLoader:
 
     @staticmethod
     def convert(src: WeightFormat, sw: StoredWeight, dst: WeightFormat) -> StoredWeight:
+        """`sw` (stored in `src`) in format `dst`: as it is when the formats agree."""
         return sw if repr(src) == repr(dst) else dst.quantize(src.dequantize(sw))
+
+    def target_format(self, srcs: list[WeightFormat], dst: WeightFormat) -> WeightFormat:
+        """The format weights read in `srcs` (the parts of one fused linear) take in target `dst`:
+        `dst`, or dense in the compute dtype when `dst` is the checkpoint's own format and a part
+        was stored dense (see the module docstring)."""
+        if dst is self.stored and any(isinstance(src, DenseFormat) for src in srcs):
+            return DenseFormat(self.dtype)
+        return dst
 
     def linears(self, modules: list[LinearSpec], bias: torch.Tensor | None = None) -> dict[str, LinearOp]:
         """One runtime linear per target format for `modules` fused along N (rows concatenated in
@@ -85,7 +106,8 @@ class WeightLoader:
         cfg = self.cfg
         read_parts = [self.read(m, shape) for m, shape, _ in modules]
         out = {}
-        for key, fmt in self.targets.items():
+        for key, dst in self.targets.items():
+            fmt = self.target_format([src for src, _ in read_parts], dst)
             parts = []
             for (src, sw), (_, shape, heads) in zip(read_parts, modules):
                 part = self.convert(src, sw, fmt)

@@ -1,0 +1,173 @@
+"""compressed-tensors ``pack-quantized`` INT4 checkpoints (Kimi K2-Thinking / K2.5 / K2.6), read into INT4.
+
+Kimi's native INT4 checkpoints come out of quantisation-aware training and are written
+by the `compressed-tensors` package. config.json (top level, or inside `text_config`)::
+
+    "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "quantization_status": "compressed",
+      "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null,
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                    "symmetric": true, "dynamic": false, "actorder": null}}},
+      "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                 "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
+
+so only the routed experts are INT4 (W4A16); attention, the shared experts and the
+dense first layers stay BF16. A quantised linear `<m>` [N, K] is stored as
+
+    <m>.weight_packed  int32     [N, ceil(K/8)]  eight 4-bit codes per word along K, LSB first:
+                                                 column 8j + i in bits 4i..4i+3 of word j
+    <m>.weight_scale   bfloat16  [N, K/g]        one scale per group of g = 32 columns
+    <m>.weight_shape   int64     [2]             (N, K)
+
+with codes c = q + 8 for the signed q in -8..7 and no zero point (symmetric):
+W[n, k] = q[n, k] * weight_scale[n, k // g].
+
+**Into the project's INT4 format** (`weight_formats.Int4Format`: ``qweight`` uint8
+[N, K/2] with column 2j in the low nibble of byte j, W = (c - 8) * scales + zeros) the
+bits move as they are: a little-endian int32 word's bytes are its nibble pairs in
+column order, so ``qweight`` is ``weight_packed`` viewed as bytes (the first K/2 of
+each row; a big-endian host flips each word's bytes first). The codes are the same
+c = q + 8, ``scales`` is ``weight_scale`` (bfloat16 as Kimi ships it; float16 or
+float32 scales are rounded to bfloat16, a relative change <= 2**-9 of the scale with
+the codes untouched) and ``zeros`` is 0. No weight passes through a float value, and
+the group size stays the checkpoint's (32 for Kimi), so the INT4 GEMM runs the
+stored grid exactly.
+
+Which modules are quantised follows the config as compressed-tensors matches it: a
+module named in `ignore` (exactly, or by ``re:`` regex with `re.match`) is read dense
+from ``<m>.weight``; otherwise a config group whose `targets` match it (the class
+target ``Linear`` matches every linear; names and ``re:`` regexes as for `ignore`)
+says it is packed. Names are matched with and without the checkpoint's prefix
+(``language_model.`` for Kimi K2.5/K2.6), as a config may spell either. A module the
+config quantises but the checkpoint stores only as ``<m>.weight`` is read dense.
+
+Refused with `WeightsError` (naming the tensor, or the config entry): another
+`format` (naive-quantized, float-quantized, nvfp4, ...), weights other than
+symmetric 4-bit int group-wise, quantised activations, group-wise activation
+ordering (``actorder: group``, which stores a ``g_idx``), config groups with
+different group sizes, sparsity or transform configs, a ``weight_shape`` that disagrees with the packed or scale
+tensors, a K the group size does not divide, and a packed tensor for an ignored module.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from backend.errors import WeightsError
+from backend.weight_formats import INT4_GROUP_SIZES, Int4Format, StoredWeight
+
+__all__ = ["CT_SUFFIXES", "CompressedTensorsInt4", "compressed_tensors_format", "int4_from_pack_quantized"]
+
+CT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")  # checkpoint tensors of one packed linear
+_FORMAT = "pack-quantized"
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    """compressed-tensors' name match: ``re:<regex>`` by `re.match`, anything else exactly."""
+    return any(re.match(p[3:], name) is not None if p.startswith("re:") else p == name for p in patterns)
+
+
+class CompressedTensorsInt4(Int4Format):
+    """The INT4 format (`Int4Format`: runtime tensors, GEMM, fusing) read from a compressed-tensors
+    pack-quantized checkpoint: `targets` and `ignore` say which modules are packed."""
+
+    def __init__(self, group_size: int, targets: Sequence[str], ignore: Sequence[str], prefix: str = "") -> None:
+        super().__init__(group_size)
+        self.targets, self.ignore, self.prefix = tuple(targets), tuple(ignore), prefix
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the config packs linear `module` (named without the checkpoint prefix)."""
+        names = (module, self.prefix + module) if self.prefix else (module,)
+        if any(_matches(n, self.ignore) for n in names):
+            return False
+        return "Linear" in self.targets or any(_matches(n, self.targets) for n in names)
+
+    def stores_dense(self, module: str, contains: Callable[[str], bool]) -> bool:
+        packed = contains(f"{module}.weight_packed")
+        if not self.quantizes(module):
+            if packed:
+                raise WeightsError(f"{module}.weight_packed is stored, but quantization_config's ignore list or "
+                                   f"targets leave {module} dense", tensor=f"{module}.weight_packed")
+            return True
+        return not packed and contains(f"{module}.weight")
+
+    def read(self, get: Callable[[str], torch.Tensor], module: str) -> StoredWeight:
+        packed, scale, shape = (get(f"{module}.{s}") for s in CT_SUFFIXES)
+        return int4_from_pack_quantized(packed, scale, shape, self.group_size, module)
+
+
+def int4_from_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, group_size: int,
+                             module: str) -> StoredWeight:
+    """One pack-quantized linear (weight_packed int32 [N, ceil(K/8)], weight_scale [N, K/g],
+    weight_shape [2]) as an `Int4Format` weight {qweight [N, K/2] uint8, scales, zeros [N, K/g]
+    bfloat16}: the same bits and codes (see the module docstring)."""
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise WeightsError(f"{module}.weight_packed must be 2-D int32, got {packed.dtype} {list(packed.shape)}",
+                           tensor=f"{module}.weight_packed")
+    if shape.dim() != 1 or shape.numel() != 2 or shape.dtype.is_floating_point:
+        raise WeightsError(f"{module}.weight_shape must hold the two ints [out, in], got {shape.dtype} "
+                           f"{list(shape.shape)}", tensor=f"{module}.weight_shape")
+    n, k = (int(v) for v in shape.tolist())
+    if (n, -(-k // 8)) != tuple(packed.shape):
+        raise WeightsError(f"{module}.weight_shape says [{n}, {k}], which packs eight per int32 into "
+                           f"[{n}, {-(-k // 8)}], but weight_packed is {list(packed.shape)}",
+                           tensor=f"{module}.weight_shape")
+    if k % group_size:
+        raise WeightsError(f"{module}: in_features {k} is not a multiple of the group size {group_size}",
+                           tensor=f"{module}.weight_shape")
+    if not scale.dtype.is_floating_point or tuple(scale.shape) != (n, k // group_size):
+        raise WeightsError(f"{module}.weight_scale is {scale.dtype} {list(scale.shape)}; a [{n}, {k}] weight in "
+                           f"groups of {group_size} needs float [{n}, {k // group_size}]",
+                           tensor=f"{module}.weight_scale")
+    qweight = packed.contiguous().view(torch.uint8)  # [N, 4 * ceil(K/8)]: a word's bytes, low byte first
+    if sys.byteorder == "big":
+        qweight = qweight.view(n, -1, 4).flip(-1).reshape(n, -1)
+    scales = scale.to(torch.bfloat16).contiguous()  # [N, K/g]
+    return StoredWeight({"qweight": qweight[:, : k // 2].contiguous(), "scales": scales,
+                         "zeros": torch.zeros_like(scales)}, (n, k))
+
+
+def _check_group(name: str, group: dict[str, Any], default_format: str | None) -> int:
+    """The group size of config group `name`, after checking it is symmetric 4-bit int group-wise W4A16."""
+    fmt = group.get("format") or default_format
+    if fmt != _FORMAT:
+        raise WeightsError(f"compressed-tensors format {fmt!r} (config group {name!r}) is not supported; "
+                           f"supported: {_FORMAT!r} (INT4 W4A16)", config_group=name)
+    w = group.get("weights") or {}
+    want = {"num_bits": 4, "type": "int", "strategy": "group", "symmetric": True}
+    got = {key: w.get(key) for key in want}
+    if got != want or w.get("dynamic") not in (False, None) or w.get("actorder") not in (None, False, "weight") \
+            or group.get("input_activations") is not None:
+        raise WeightsError(f"compressed-tensors config group {name!r} is not supported: weights {w}, "
+                           f"input_activations {group.get('input_activations')}; supported: {want}, static, "
+                           f"no group activation ordering, input_activations null (W4A16)", config_group=name)
+    size = w.get("group_size")
+    if size not in INT4_GROUP_SIZES:
+        raise WeightsError(f"compressed-tensors config group {name!r} has group_size {size!r}; supported: "
+                           f"{', '.join(map(str, INT4_GROUP_SIZES))}", config_group=name)
+    return int(size)
+
+
+def compressed_tensors_format(qc: dict[str, Any], prefix: str = "") -> CompressedTensorsInt4:
+    """The format of a `quant_method: compressed-tensors` config (checked; see the module docstring)."""
+    status = qc.get("quantization_status", "compressed")
+    groups = qc.get("config_groups") or {}
+    if status != "compressed" or not isinstance(groups, dict) or not groups:
+        raise WeightsError(f"compressed-tensors checkpoint with quantization_status {status!r} and config_groups "
+                           f"{groups!r}; supported: compressed weights with at least one config group",
+                           quantization_config=qc)
+    for extra in ("sparsity_config", "transform_config"):
+        if qc.get(extra):
+            raise WeightsError(f"compressed-tensors {extra} {qc[extra]!r} is not supported (only dense INT4 weights "
+                               f"with no transforms)", quantization_config=qc)
+    sizes = {_check_group(name, group, qc.get("format")) for name, group in groups.items()}
+    if len(sizes) > 1:
+        raise WeightsError(f"compressed-tensors config groups use group sizes {sorted(sizes)}; one group size per "
+                           f"checkpoint is supported", quantization_config=qc)
+    targets = [t for group in groups.values() for t in group.get("targets") or []]
+    return CompressedTensorsInt4(sizes.pop(), targets, list(qc.get("ignore") or []), prefix)
