@@ -257,6 +257,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, pages_layer
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             KV_LORA_RANK=kv_lora_rank, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_R=block_r,
+            num_warps=8 if block_r >= 256 else 4,  # [BLOCK_S, R] partials
         )
     return out
 

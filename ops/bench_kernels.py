@@ -1,6 +1,7 @@
-"""CUDA kernels: paged decode attention (FP8 vs BF16 pages) and the fused MoE (vs torch).
+"""CUDA kernels: paged decode attention (FP8 vs BF16 pages), the fused MoE (vs torch), MLA decode.
 
-`--parts attention,moe` chooses the sections (both by default).
+`--parts attention,moe,mla` chooses the sections (attention and moe by default); `--parts mla`
+also runs without a GPU, timing the torch reference only.
 
 **attention**: each row times `paged_decode_attention` (bf16 queries, automatic num_splits) over
 pages laid out in a random order, with CUDA events (`triton.testing.do_bench`,
@@ -15,6 +16,12 @@ against the torch path: a loop over the hit experts of bf16 `F.linear`s on weigh
 already dense in bf16 (the best torch can do without a fused kernel: no per-call
 dequantisation, at bf16's memory cost). GB/s = bytes of the hit experts' stored
 weights (and scales) / fused time, the figure that bounds decode.
+
+**mla**: absorbed MLA decode (`kernels.mla_decode.mla_decode_attention`, bf16 queries) over
+latent pages in bf16 and fp8_e4m3 rows, Kimi K2.x / DeepSeek-V3 rows by default (R 512,
+Dr 64) and 16 query heads (128 heads at TP 8), splits from `default_num_splits`, against
+`mla_decode_ref` (a per-sequence torch loop). GB/s = latent bytes read / kernel time. On
+CPU: the reference alone in float32 (wall clock, median of 5), first batch and context only.
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=32, help="query heads (Llama-3-8B shape by default)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--parts", default="attention,moe", help="sections to run: attention, moe")
+    p.add_argument("--parts", default="attention,moe", help="sections to run: attention, moe, mla")
     p.add_argument("--moe-tokens", default="1,16,128,1024")
     p.add_argument("--moe-shape", default="4096,1408,128,8", help="hidden, moe intermediate, experts, top-k")
     p.add_argument("--moe-formats", default="bf16,fp8,int4")
+    p.add_argument("--mla-shape", default="512,64,16", help="kv_lora_rank, qk_rope_head_dim, query heads")
 
 
 def _read_bandwidth_gb_s() -> float:
@@ -177,18 +185,74 @@ def _bench_moe(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _bench_mla(args: argparse.Namespace) -> dict:
+    import statistics
+    import timeit
+
+    from triton.testing import do_bench
+
+    from kernels.latent_kv_store import latent_row_bytes, quantize_latent_ref
+    from kernels.mla_decode import BLOCK_H, mla_decode_attention, mla_decode_ref
+    from kernels.paged_attention import default_num_splits
+
+    rank, rope, heads = (int(v) for v in args.mla_shape.split(","))
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if getattr(args, "quick", False) or not cuda:
+        batches, contexts = batches[:1], contexts[:1]
+
+    def timed_ms(fn) -> float:  # CUDA events on a GPU, else the median of 5 wall-clock runs
+        return do_bench(fn) if cuda else statistics.median(timeit.repeat(fn, number=1, repeat=5)) * 1e3
+
+    rows, scale = [], (rank // 4 + rope) ** -0.5  # 1/sqrt(qk_head_dim) with qk_nope = R / 4, as DeepSeek-V3
+    for context in contexts:
+        for batch in batches:
+            pages_per_seq = -(-context // PAGE_SIZE)
+            num_pages = batch * pages_per_seq
+            page_table = torch.randperm(num_pages, device=device).int().view(batch, pages_per_seq)
+            context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+            q_latent = torch.randn(batch, heads, rank, device=device, dtype=dtype)
+            q_pe = torch.randn(batch, heads, rope, device=device, dtype=dtype)
+            splits = default_num_splits(batch, -(-heads // BLOCK_H), context, q_latent.device)
+            for fmt in ("bf16", "fp8_e4m3") if cuda else ("fp32",):
+                pages = quantize_latent_ref(torch.randn(num_pages, PAGE_SIZE, rank, device=device),
+                                            torch.randn(num_pages, PAGE_SIZE, rope, device=device), fmt)
+                args_ = (q_latent, q_pe, pages, fmt, rank, rope, page_table, context_lens, scale, splits)
+                row = {"format": fmt, "batch": batch, "context": context, "num_kv_splits": splits,
+                       "kv_mb": batch * context * latent_row_bytes(rank, rope, fmt) / 1e6,
+                       "ref_us": timed_ms(lambda: mla_decode_ref(*args_)) * 1e3}
+                if cuda:
+                    row["kernel_us"] = timed_ms(lambda: mla_decode_attention(*args_)) * 1e3
+                    row["speedup_vs_ref"] = row["ref_us"] / row["kernel_us"]
+                    row["gb_s"] = row["kv_mb"] * 1e6 / (row["kernel_us"] * 1e-6) / 1e9
+                rows.append(row)
+                del pages
+    print(f"MLA decode on {device}: R {rank}, Dr {rope}, {heads} heads, page {PAGE_SIZE}, {dtype} queries")
+    print(f"{'format':<10}{'batch':>6}{'context':>8}{'splits':>7}{'KV MB':>8}{'ref us':>10}"
+          + (f"{'kernel us':>11}{'x':>7}{'GB/s':>7}" if cuda else ""))
+    for r in rows:
+        kernel = f"{r['kernel_us']:>11.1f}{r['speedup_vs_ref']:>7.1f}{r['gb_s']:>7.0f}" if cuda else ""
+        print(f"{r['format']:<10}{r['batch']:>6}{r['context']:>8}{r['num_kv_splits']:>7}{r['kv_mb']:>8.1f}"
+              f"{r['ref_us']:>10.1f}{kernel}")
+    return {"kv_lora_rank": rank, "rope_dim": rope, "heads": heads, "page_size": PAGE_SIZE, "results": rows}
+
+
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("bench kernels needs a CUDA device")
-        return 1
     parts = args.parts.split(",")
-    report: dict = {"device": torch.cuda.get_device_name()}
+    if not torch.cuda.is_available() and parts != ["mla"]:
+        print("bench kernels needs a CUDA device (without one, only --parts mla runs: the torch reference)")
+        return 1
+    report: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if "attention" in parts:
         report.update(_bench_attention(args))
     if "moe" in parts:
         h, inter, experts, top_k = (int(v) for v in args.moe_shape.split(","))
         report["fused_moe"] = {"hidden": h, "moe_intermediate": inter, "experts": experts, "top_k": top_k,
                                "results": _bench_moe(args)}
+    if "mla" in parts:
+        report["mla_decode"] = _bench_mla(args)
     write_report(args.json_path, report)
     return 0
 

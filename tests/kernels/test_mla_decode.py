@@ -52,8 +52,8 @@ class Case:
     """Sequences of random latent rows stored in shuffled pages; every slot not written is NaN."""
 
     def __init__(self, context_lens: list[int], kv_lora_rank: int, kv_format: str, device: str,
-                 page_size: int = PAGE_SIZE) -> None:
-        self.kv_lora_rank, self.kv_format = kv_lora_rank, kv_format
+                 page_size: int = PAGE_SIZE, rope_dim: int = ROPE_DIM) -> None:
+        self.kv_lora_rank, self.kv_format, self.rope_dim = kv_lora_rank, kv_format, rope_dim
         pages_per_seq = [triton.cdiv(n, page_size) for n in context_lens]
         width = max(pages_per_seq) + 1  # one table entry past every sequence's end: never read
         num_pages = sum(pages_per_seq) + 3
@@ -61,7 +61,7 @@ class Case:
         self.page_table = torch.full((len(context_lens), width), int(ids[-1]), dtype=torch.int32)
         self.latents: list[torch.Tensor] = []
         self.k_pes: list[torch.Tensor] = []
-        row_elems = latent_row_elems(kv_lora_rank, ROPE_DIM, kv_format)
+        row_elems = latent_row_elems(kv_lora_rank, rope_dim, kv_format)
         # NaN everywhere (0xFF bytes are NaN in e4m3, float32 and bfloat16), so a stray read shows
         self.pages = torch.full((num_pages, page_size, row_elems), 0xFF, dtype=torch.uint8)
         if kv_format != "fp8_e4m3":
@@ -71,7 +71,7 @@ class Case:
         for d, (n, used) in enumerate(zip(context_lens, pages_per_seq)):
             # each token's latent scaled by 2**U(-2, 2): fp8 group scales differ between tokens
             latent = torch.randn(n, kv_lora_rank) * torch.exp2(torch.empty(n, 1).uniform_(-2, 2))
-            k_pe = torch.randn(n, ROPE_DIM)
+            k_pe = torch.randn(n, rope_dim)
             self.page_table[d, :used] = ids[next_page:next_page + used]
             first_own = 0
             if d == len(context_lens) - 1 and d > 0 and min(used, pages_per_seq[d - 1]) > SHARED_PAGES:
@@ -90,7 +90,7 @@ class Case:
         self.context_lens = self.context_lens.to(device)
 
     def args(self, q_latent: torch.Tensor, q_pe: torch.Tensor, scale: float) -> tuple:
-        return (q_latent, q_pe, self.pages, self.kv_format, self.kv_lora_rank, ROPE_DIM, self.page_table,
+        return (q_latent, q_pe, self.pages, self.kv_format, self.kv_lora_rank, self.rope_dim, self.page_table,
                 self.context_lens, scale)
 
 
@@ -122,6 +122,25 @@ def test_kernel_matches_reference(device: str, kv_format: str, q_dtype: torch.dt
         assert got.dtype == q_dtype and got.shape == want.shape
         diff = float((got.float() - want.float()).abs().max())
         assert diff <= tolerance(q_dtype, device, value_scale), \
+            f"seed {seed}: splits {num_kv_splits}, max abs diff {diff:.3g} (values up to {value_scale:.3g})"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA device and TRITON_INTERPRET=0")
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_kernel_matches_reference_at_model_shape(kv_format: str, num_heads: int, seed: int) -> None:
+    # Kimi K2.x / DeepSeek-V3 rows (R 512, Dr 64), 16-token pages, lengths around tile and page edges
+    case = Case([1, 17, 1025, 3000, 4096], 512, kv_format, "cuda", page_size=16, rope_dim=64)
+    q_latent = torch.randn(len(case.latents), num_heads, 512, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(len(case.latents), num_heads, 64, device="cuda", dtype=torch.bfloat16)
+    scale = 192 ** -0.5  # 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    want = mla_decode_ref(*case.args(q_latent, q_pe, scale))
+    value_scale = max(float(x.abs().max()) for x in case.latents)
+    for num_kv_splits in (1, 8, 32):
+        got = mla_decode_attention(*case.args(q_latent, q_pe, scale), num_kv_splits=num_kv_splits)
+        diff = float((got.float() - want.float()).abs().max())
+        assert diff <= tolerance(torch.bfloat16, "cuda", value_scale), \
             f"seed {seed}: splits {num_kv_splits}, max abs diff {diff:.3g} (values up to {value_scale:.3g})"
 
 
