@@ -123,3 +123,33 @@ def test_greedy_32_tokens_equal_transformers_generate(model_dir: Path) -> None:
     while engine.has_work():
         engine.step()
     assert seq.output_ids == want and len(set(want)) > 3
+
+
+def _logits_and_selections(engine: LLMEngine, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One-shot prefill logits, and each layer's prompt selection [n, n] as MLA received it."""
+    seen: list[torch.Tensor] = []
+    for layer in engine.model.phase_layers["prefill"]:
+        def record(*args: Any, _select: Any = layer.mla.selector) -> Any:
+            selection = _select(*args)
+            seen.append(selection.chunks[0])
+            return selection
+        layer.mla.selector = record
+    return _our_logits_all_rows(engine, ids), seen
+
+
+def test_fp8_index_keys_agree_with_float_keys(model_dir: Path) -> None:
+    """The serving FP8 indexer keys against float32 keys on the same model (fp32 latent pages):
+    top-k recall of layer 0 (same inputs, only the key rounding differs) and of all layers, and
+    the mean KL divergence of next-token distributions (printed with -s)."""
+    ids = torch.randint(0, 320, (120,)).tolist()
+    ref, ref_sel = _logits_and_selections(_engine(model_dir), ids)
+    got, got_sel = _logits_and_selections(_engine(model_dir, index_keys="fp8_e4m3"), ids)
+    assert len(ref_sel) == len(got_sel) == GLM_DSA_TINY["num_hidden_layers"]
+    assert ref_sel[1] is ref_sel[0] and ref_sel[3] is ref_sel[2]  # "shared" layers reuse the full layer's
+    recalls = [float((a & b).sum() / a.sum()) for a, b in zip(ref_sel, got_sel)]
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1).mean().item()
+    print(f"fp8 index keys vs fp32: top-{TOPK} recall layer 0 {recalls[0]:.4f}, "
+          f"all layers {sum(recalls) / len(recalls):.4f}; mean KL {kl:.2e}")
+    assert recalls[0] > 0.9 and min(recalls) > 0.7
+    assert 0 < kl < 0.02
