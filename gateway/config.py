@@ -29,6 +29,7 @@ class ModelRoute(msgspec.Struct, frozen=True):
     aliases: list[str] = []
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     tool_parser: str | None = None  # gateway/tool_parsers name; default: from the model's config.json
+    reasoning_parser: str | None = None  # gateway/reasoning_parsers name or "none"; default: from config.json
 
 
 class GatewayConfig(msgspec.Struct, frozen=True):

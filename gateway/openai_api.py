@@ -16,10 +16,13 @@ streamed or not (`client_watch.py`). `logprobs` (with `top_logprobs` alternative
 `frequency_penalty` / `presence_penalty` go to the worker's sampler. `response_format`
 `json_object` / `json_schema` constrains decoding to the schema (`response_format.py`); a
 cut output ends with `finish_reason` "length", as OpenAI's does (the client's `parse`
-then raises `LengthFinishReasonError`). `tools` with `tool_choice` `auto` / `none` are rendered
-by the chat template and, under `auto`, the output is parsed into `tool_calls` (`tools.py`):
-streamed as `delta.tool_calls` (index, id, type and name, then argument fragments), with
-`finish_reason` "tool_calls" after a call.
+then raises `LengthFinishReasonError`). `tools` are rendered by the chat template and,
+unless `tool_choice` is `none`, the output is parsed into `tool_calls` (`tools.py`):
+streamed as `delta.tool_calls` (index, id, type and name, then argument fragments as they
+arrive), with `finish_reason` "tool_calls" after a call; `required` and a named function
+decode under a grammar of the family's call syntax (`tool_grammar.py`). With a reasoning
+parser, think-block text is `message.reasoning_content` / `delta.reasoning_content`
+(`chat_output.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from backend.errors import EdgeServeError
+from backend.errors import EdgeServeError, InvalidRequest
 from backend.sampling_params import SamplingParams
 from gateway.client_watch import collect_or_cancel
 from gateway.envelopes import as_typed, error_headers, openai_error, openai_status
@@ -43,8 +46,11 @@ from gateway.served_models import ServedModel
 from gateway.schemas import ChatCompletionRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
 from gateway.state import GatewayState
-from gateway.tools import (ToolCallStream, check_no_control_text, check_tools, finish_reason_with_tools,
-                           tool_choice_mode, tool_message)
+from gateway.chat_output import ChatOutput, chat_message
+from gateway.reasoning_parsers import ReasoningParser
+from gateway.tool_grammar import tool_choice_grammar
+from gateway.tool_parsers import ToolParser
+from gateway.tools import check_no_control_text, check_tools, finish_reason_with_tools, tool_choice_mode
 
 __all__ = ["chat_completions", "list_models", "get_model"]
 
@@ -77,22 +83,32 @@ async def chat_completions(request: Request) -> Response:
             check_no_control_text([m.get("tool_calls") for m in messages], specials, "messages")
         prompt_ids = await model.chat_prompt_ids_async(messages, tools)
         max_tokens = req.max_completion_tokens or req.max_tokens or model.max_model_len - len(prompt_ids)
+        parsers = _Parsers(model, tools if tool_mode != "none" else None, prompt_ids)
+        grammar = openai_grammar(req.response_format)
+        if tool_mode in ("required", "named"):
+            if grammar is not None:
+                raise InvalidRequest("`response_format` cannot be combined with `tool_choice` `required` or a named "
+                                     "function (the calls' grammar applies)", field="response_format")
+            grammar = tool_choice_grammar(model.tool_parser, tools or [], req.tool_choice, model.tokenizer,
+                                          many=req.parallel_tool_calls is not False, reasoning=parsers.think_markers,
+                                          in_think=parsers.in_think)
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_list,
                                 frequency_penalty=req.frequency_penalty or 0.0,
                                 presence_penalty=req.presence_penalty or 0.0,
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                grammar=openai_grammar(req.response_format))
-        gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
+                                grammar=grammar)
+        gen = await state.start_generation(request, API, tenant, model, prompt_ids, params,
+                                           keep_special_ids=parsers.keep_special_ids)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return _error_response(exc, state)
     headers = state.response_headers(gen)
     chunk = _ChunkMaker(f"chatcmpl-{gen.request_id}", req.model)
     tokenizer = model.tokenizer
-    calls = ToolCallStream(model.tool_parser(tools)) if tool_mode == "auto" else None
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         first = [True]
+        output = parsers.output()
 
         def event(delta: dict[str, Any], lp: dict[str, Any] | None = None, finish: str | None = None) -> bytes:
             if first[0]:
@@ -101,17 +117,17 @@ async def chat_completions(request: Request) -> Response:
 
         def on_delta(d: Delta) -> bytes:
             lp = None if d.logprobs is None else {"content": chat_logprobs(tokenizer, d.token_ids, d.logprobs)}
-            if calls is None:
+            if output is None:
                 return event({"content": d.text}, lp)
-            deltas = calls.feed(d.text) or ([{"content": ""}] if lp is not None else [])
+            deltas = output.feed(d.text) or ([{"content": ""}] if lp is not None else [])
             return b"".join(event(delta, lp if i == 0 else None) for i, delta in enumerate(deltas))
 
         def on_done(d: Done) -> Iterable[bytes]:
             finish = d.finish_reason
-            if calls is not None:
-                for delta in calls.finish():
+            if output is not None:
+                for delta in output.finish():
                     yield event(delta)
-                finish = finish_reason_with_tools(finish, calls.called)
+                finish = finish_reason_with_tools(finish, output.called)
             yield event({"content": ""} if first[0] else {}, None, finish)
             if include_usage:
                 yield sse_event(chunk.make([], usage=d.usage.to_dict()))
@@ -130,14 +146,50 @@ async def chat_completions(request: Request) -> Response:
         logprobs = {"content": chat_logprobs(tokenizer, gen.token_ids, gen.logprobs) if gen.logprobs else []}
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish_reason = done.finish_reason
-    if calls is not None:
-        message = tool_message(calls.parser, text)
+    if parsers.active:
+        message = chat_message(parsers.reasoning(), parsers.tools(), text)
         finish_reason = finish_reason_with_tools(finish_reason, "tool_calls" in message)
     body = {"id": chunk.id, "object": "chat.completion", "created": chunk.created, "model": req.model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": done.usage.to_dict()}
     # metering finishes in the background: the answer does not wait for Redis
     return JSONResponse(body, headers=headers, background=BackgroundTask(gen.aclose))
+
+
+class _Parsers:
+    """The request's reasoning and tool-call parsers (either may be off) and what they need: the
+    special tokens to keep in the text, whether the prompt opened a think block."""
+
+    def __init__(self, model: ServedModel, tools: list[dict[str, Any]] | None, prompt_ids: list[int]) -> None:
+        self.tool_class = model.tool_parser if tools else None
+        self.reasoning_class = model.reasoning_parser
+        self.tool_list = tools
+        self.in_think = model.prompt_opens_think(prompt_ids)
+        markers = (*(self.tool_class.MARKERS if self.tool_class else ()),
+                   *(self.reasoning_class.markers() if self.reasoning_class else ()))
+        self.keep_special_ids = model.tokenizer.special_ids_of(markers)
+
+    @property
+    def active(self) -> bool:
+        return self.tool_class is not None or self.reasoning_class is not None
+
+    @property
+    def think_markers(self) -> tuple[str, str, bool] | None:
+        cls = self.reasoning_class
+        return None if cls is None else (cls.START, cls.END, cls.IMPLICIT_START)
+
+    def reasoning(self) -> ReasoningParser | None:
+        if self.reasoning_class is None:
+            return None
+        return self.reasoning_class(in_think=self.in_think,
+                                    tool_start=self.tool_class.START if self.tool_class else None)
+
+    def tools(self) -> ToolParser | None:
+        return self.tool_class(self.tool_list) if self.tool_class else None
+
+    def output(self) -> ChatOutput | None:
+        """A fresh streamed splitter, or None when there is nothing to split."""
+        return ChatOutput(self.reasoning(), self.tools()) if self.active else None
 
 
 class _ChunkMaker:

@@ -101,12 +101,15 @@ class WorkersRunRequest(msgspec.Struct, frozen=True):
     stream: bool = False
     raw: bool = False  # the prompt is sent as is, without the chat template
     response_format: dict[str, Any] | None = None  # JSON mode (gateway/response_format.py)
+    tools: list[Any] | None = None  # Workers AI or OpenAI shape (gateway/tools.py: workers_tools)
 
     def validate(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give exactly one of `prompt` or `messages`", field="prompt")
         if self.raw and self.messages is not None:
             raise InvalidRequest("`raw` applies to `prompt` only", field="raw")
+        if self.tools and self.raw:
+            raise InvalidRequest("`tools` go through the chat template, which `raw` skips", field="tools")
 
 
 class StreamOptions(msgspec.Struct, frozen=True):

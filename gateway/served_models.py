@@ -1,5 +1,6 @@
 """Models the gateway serves: names and aliases, tokenizer, chat template, context length, and
-the tool-call parser of the model's family (`tool_parsers/`, from its config or the route's `tool_parser`).
+the tool-call and reasoning parsers of the model's family (`tool_parsers/`, `reasoning_parsers/`, from
+its config or the route's `tool_parser` / `reasoning_parser`).
 
 The gateway owns the text side of a request: it renders the chat template,
 tokenises, checks the context length, and detokenises what comes back, so
@@ -23,6 +24,7 @@ from typing import Any
 from backend.errors import ModelLoadError, ModelNotFound, PromptTooLong
 from backend.tokenizer import Tokenizer
 from gateway.config import ModelRoute
+from gateway.reasoning_parsers import ReasoningParser, reasoning_parser_for
 from gateway.tool_parsers import ToolParser, tool_parser_for
 
 __all__ = ["ServedModel", "ModelCatalog", "OFFLOAD_CHARS"]
@@ -46,6 +48,15 @@ class ServedModel:
             raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
         self.max_model_len = int(route.max_model_len or config.get("max_position_embeddings", 2048))
         self.tool_parser: type[ToolParser] = tool_parser_for(config, route.tool_parser)
+        self.reasoning_parser: type[ReasoningParser] | None = reasoning_parser_for(config, route.reasoning_parser)
+
+    def prompt_opens_think(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt ends inside a think block the template opened (`<think>` last, with only
+        whitespace after it): the output then starts as reasoning. False without a reasoning parser."""
+        if self.reasoning_parser is None:
+            return False
+        tail = self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+        return tail.rstrip().endswith(self.reasoning_parser.START)
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of `messages` (and `tools`, the template's `tools` variable) rendered with the

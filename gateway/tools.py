@@ -2,8 +2,10 @@
 
 Request: `tools` is a list of `{"type": "function", "function": {"name", "description"?,
 "parameters"?}}`, rendered by the model's chat template (its `tools` variable);
-`tool_choice` is `auto` (default with tools) or `none` (the tools are still shown to
-the template, as OpenAI does, but the output is not parsed for calls). Tool
+`tool_choice` is `auto` (default with tools), `none` (the tools are still shown to
+the template, as OpenAI does, but the output is not parsed for calls), `required` (one
+or more calls) or `{"type": "function", "function": {"name": ...}}` (that call): the last
+two are enforced by a grammar in the family's call syntax (`tool_grammar.py`). Tool
 definitions and earlier calls are the client's text inside the template's own text,
 so they may not spell the model's control tokens (refused, `InvalidRequest`).
 
@@ -19,11 +21,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from backend.errors import InvalidRequest, InvalidSamplingParams
+from backend.errors import InvalidRequest
 from gateway.tool_parsers import ContentDelta, ParseEvent, ToolCallDelta, ToolParser
 from gateway.tool_parsers.base import collect
 
-__all__ = ["check_tools", "tool_choice_mode", "check_no_control_text", "ToolCallStream", "tool_message",
+__all__ = ["check_tools", "workers_tools", "workers_tool_calls", "tool_choice_mode", "check_no_control_text", "ToolCallStream", "tool_message",
            "finish_reason_with_tools"]
 
 
@@ -40,17 +42,37 @@ def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
     return tools
 
 
+def workers_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """Workers AI `tools` as OpenAI's: each `{"name", "description"?, "parameters"?}` (Workers AI's
+    traditional function-calling shape) or `{"type": "function", "function": {...}}` (accepted too)."""
+    out = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool, dict) and "function" not in tool and "type" not in tool:
+            tool = {"type": "function", "function": tool}
+        out.append(tool)
+        if not isinstance(tool, dict):
+            raise InvalidRequest('each tool must be {"name", "description", "parameters"}', field=f"tools[{i}]")
+    return check_tools(out)
+
+
+def workers_tool_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat message's calls in Workers AI's shape: `{"name", "arguments", "id"}` with the arguments
+    as an object (what Workers AI's traditional function calling returns in `result.tool_calls`),
+    plus the call's id so a later turn's `tool_call_id` can answer it (Kimi's `functions.NAME:IDX`)."""
+    return [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"]), "id": c["id"]}
+            for c in message.get("tool_calls") or []]
+
+
 def tool_choice_mode(choice: Any, tools: list[dict[str, Any]] | None) -> str:
-    """`"auto"` or `"none"` for a request's `tool_choice` (default `auto` with tools, `none` without)."""
+    """`"auto"`, `"none"`, `"required"` or `"named"` for a request's `tool_choice` (default `auto`
+    with tools, `none` without); every mode but `none` needs `tools`."""
     if choice is None:
         return "auto" if tools else "none"
-    if choice in ("auto", "none"):
-        if choice == "auto" and not tools:
+    if choice in ("auto", "none", "required") or isinstance(choice, dict):
+        mode = choice if isinstance(choice, str) else "named"
+        if mode != "none" and not tools:
             raise InvalidRequest("`tool_choice` needs `tools`", field="tool_choice")
-        return choice
-    if choice == "required" or isinstance(choice, dict):
-        raise InvalidSamplingParams("`tool_choice` `required` and named functions are not supported yet",
-                                    field="tool_choice")
+        return mode
     raise InvalidRequest("`tool_choice` must be `auto`, `none`, `required` or a function", field="tool_choice")
 
 

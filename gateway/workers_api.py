@@ -4,6 +4,16 @@
     repetition_penalty (0, 2], frequency_penalty and presence_penalty [-2, 2], response_format
     -> {"result": {"response": "...", "usage": {...}}, "success": true, "errors": [], "messages": []}
 
+Tools (`tools`, Workers AI's `{"name", "description", "parameters"}` or OpenAI's
+`{"type": "function", "function": {...}}`) are rendered by the chat template and the output
+is read by the model family's tool parser (`tools.py`). The calls come back in Workers AI's
+traditional function-calling shape, `result.tool_calls: [{"name", "arguments": {...}}]`
+(arguments as an object, as Workers AI returns them; each also carries its `id`, so a later
+`role: "tool"` message can answer it), beside `response` (the text outside calls). That is
+the shape Workers AI documents for this route, so its clients read it unchanged. Streamed,
+`response` events carry the text outside calls and the final event (with `usage`) carries
+`tool_calls`: a call's arguments are an object, which has no fragments to stream.
+
 JSON mode (`response_format` `json_object` / `json_schema`, `response_format.py`): decoding
 follows the schema and, not streamed, `response` is the parsed JSON value, as Workers AI
 returns it; when `max_tokens` cut it, `response` is the incomplete text and `messages`
@@ -25,6 +35,8 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Callable
+from typing import Any
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -34,12 +46,15 @@ from backend.errors import EdgeServeError, InvalidRequest, QuotaExceeded
 from backend.sampling_params import SamplingParams
 from gateway.client_watch import collect_or_cancel
 from gateway.envelopes import as_typed, error_headers, workers_error, workers_success
-from gateway.generation import Generation
+from gateway.chat_output import chat_message
+from gateway.generation import Delta, Done, Generation
 from gateway.redis_keys import utc_day
 from gateway.response_format import TRUNCATED_JSON_NOTICE, workers_grammar
 from gateway.schemas import WorkersRunRequest, decode_body, plain_messages
 from gateway.sse import SSE_HEADERS, sse_event, sse_stream
 from gateway.state import GatewayState
+from gateway.tool_parsers import ToolParser
+from gateway.tools import ToolCallStream, check_no_control_text, workers_tool_calls, workers_tools
 
 __all__ = ["workers_run", "workers_usage", "workers_error_response"]
 
@@ -58,33 +73,67 @@ async def workers_run(request: Request) -> Response:
         tenant = await state.tenant_of(request)
         model = state.catalog.resolve(request.path_params["model"])
         req = decode_body(await state.body(request), WorkersRunRequest)
-        if req.messages is not None:
-            prompt_ids = await model.chat_prompt_ids_async(plain_messages(req.messages))
+        tools = workers_tools(req.tools) if req.tools else None
+        messages = plain_messages(req.messages) if req.messages is not None else None
+        if tools or any(m.get("tool_calls") for m in messages or []):
+            specials = model.tokenizer.control_tokens
+            check_no_control_text(tools, specials, "tools")
+            check_no_control_text([m.get("tool_calls") for m in messages or []], specials, "messages")
+        if messages is not None:
+            prompt_ids = await model.chat_prompt_ids_async(messages, tools)
         elif req.raw:  # the client wrote its own template: its control tokens are meant
             prompt_ids = await model.raw_prompt_ids_async(req.prompt or "")
         else:
-            prompt_ids = await model.chat_prompt_ids_async([{"role": "user", "content": req.prompt or ""}])
+            prompt_ids = await model.chat_prompt_ids_async([{"role": "user", "content": req.prompt or ""}], tools)
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p or 1.0,
                                 top_k=req.top_k or 0, seed=req.seed,
                                 repetition_penalty=req.repetition_penalty or 1.0,
                                 frequency_penalty=req.frequency_penalty or 0.0,
                                 presence_penalty=req.presence_penalty or 0.0,
                                 grammar=workers_grammar(req.response_format))
-        gen = await state.start_generation(request, API, tenant, model, prompt_ids, params)
+        keep = model.tokenizer.special_ids_of(model.tool_parser.MARKERS) if tools else frozenset()
+        gen = await state.start_generation(request, API, tenant, model, prompt_ids, params, keep_special_ids=keep)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return workers_error_response(exc, state)
     headers = state.response_headers(gen)
+    parser = (lambda: model.tool_parser(tools)) if tools else None
     if req.stream:
+        on_delta, on_done = _stream_handlers(parser)
         return StreamingResponse(
-            sse_stream(gen, state.config.keepalive_s,
-                       on_delta=lambda d: sse_event({"response": d.text}),
-                       on_done=lambda d: [sse_event({"response": "", "usage": d.usage.to_dict()})],
+            sse_stream(gen, state.config.keepalive_s, on_delta=on_delta, on_done=on_done,
                        on_error=lambda e: sse_event(workers_error(e), event="error")),
             media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    return await _collect(gen, request, headers)
+    return await _collect(gen, request, headers, parser)
 
 
-async def _collect(gen: Generation, request: Request, headers: dict[str, str]) -> JSONResponse:
+def _stream_handlers(parser: Callable[[], ToolParser] | None
+                     ) -> tuple[Callable[[Delta], bytes], Callable[[Done], list[bytes]]]:
+    """SSE handlers: text as `response` events; with tools, only the text outside calls, and the
+    calls (read from the whole output) in the final event."""
+    if parser is None:
+        return (lambda d: sse_event({"response": d.text}),
+                lambda d: [sse_event({"response": "", "usage": d.usage.to_dict()})])
+    stream, whole = ToolCallStream(parser()), []
+
+    def text_of(deltas: list[dict[str, Any]]) -> str:
+        return "".join(d.get("content") or "" for d in deltas)
+
+    def on_delta(d: Delta) -> bytes:
+        whole.append(d.text)
+        text = text_of(stream.feed(d.text))
+        return sse_event({"response": text}) if text else b""
+
+    def on_done(d: Done) -> list[bytes]:
+        tail = text_of(stream.finish())
+        calls = workers_tool_calls(chat_message(None, parser(), "".join(whole)))
+        return [*([sse_event({"response": tail})] if tail else []),
+                sse_event({"response": "", "tool_calls": calls, "usage": d.usage.to_dict()})]
+
+    return on_delta, on_done
+
+
+async def _collect(gen: Generation, request: Request, headers: dict[str, str],
+                   parser: Callable[[], ToolParser] | None) -> JSONResponse:
     try:
         text, done = await collect_or_cancel(gen, request)
     except EdgeServeError as exc:
@@ -101,9 +150,12 @@ async def _collect(gen: Generation, request: Request, headers: dict[str, str]) -
                 response = json.loads(text)
             except ValueError:  # a stop string ended it early: the text, as generated
                 pass
+    result: dict[str, Any] = {"response": response, "usage": done.usage.to_dict()}
+    if parser is not None:
+        message = chat_message(None, parser(), text)
+        result["response"], result["tool_calls"] = message["content"] or "", workers_tool_calls(message)
     # metering finishes in the background: the answer does not wait for Redis
-    return JSONResponse(workers_success({"response": response, "usage": done.usage.to_dict()}, notices),
-                        headers=headers, background=BackgroundTask(gen.aclose))
+    return JSONResponse(workers_success(result, notices), headers=headers, background=BackgroundTask(gen.aclose))
 
 
 def _notices(gen: Generation) -> list[dict[str, object]]:

@@ -46,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "out of `ps`)")
     p.add_argument("--tool-parser", default=None, choices=["hermes", "glm45", "kimi_k2"],
                    help="how to read tool calls in the model's output (default: from its config.json; hermes)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3", "glm45", "kimi_k2", "none"],
+                   help="split <think> reasoning into reasoning_content (default: from its config.json where the "
+                        "family is certain: qwen3, glm4_moe, kimi_k2; else off)")
     add_drain_arg(p)
     p.set_defaults(func=run)
 
@@ -53,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def build_config(model: str, workers: list[str], redis_url: str, *, served_name: str | None = None,
                  region: str = "local", max_model_len: int | None = None, keepalive_s: float = 10.0,
                  policy: str = "prefix", trust_region_headers: bool = False, worker_token: str | None = None,
-                 usage_journal: str | None = None, tool_parser: str | None = None):
+                 usage_journal: str | None = None, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None):
     """GatewayConfig for one model (pulled if it is a known name) served by `workers`."""
     from gateway.config import DEFAULT_ALIASES, GatewayConfig, ModelRoute
     from gateway.regions import RegionMap
@@ -62,7 +66,7 @@ def build_config(model: str, workers: list[str], redis_url: str, *, served_name:
     name = served_name or model
     route = ModelRoute(name=name, model_dir=str(resolve_model(model)), workers=workers,
                        aliases=DEFAULT_ALIASES.get(name, []), max_model_len=max_model_len,
-                       tool_parser=tool_parser)
+                       tool_parser=tool_parser, reasoning_parser=reasoning_parser)
     return GatewayConfig(models=[route], redis_url=redis_url, region=region, keepalive_s=keepalive_s,
                          routing_policy=policy, regions=RegionMap(trust_headers=trust_region_headers),
                          worker_token=worker_token, usage_journal_path=usage_journal)
@@ -87,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args.model, args.worker, args.redis_url, served_name=args.served_name,
                           region=args.region, max_model_len=args.max_model_len, keepalive_s=args.keepalive,
                           policy=args.policy, trust_region_headers=args.trust_region_headers, worker_token=token,
-                          usage_journal=args.usage_journal, tool_parser=args.tool_parser)
+                          usage_journal=args.usage_journal, tool_parser=args.tool_parser,
+                          reasoning_parser=args.reasoning_parser)
     where = ", ".join(args.worker) if args.worker else f"the worker registry in {redact(args.redis_url)}"
     print(f"edgeserve gateway on http://{args.host}:{args.port} -> {where}"
           f"{'' if token else ' (no worker token)'}", flush=True)

@@ -83,7 +83,8 @@ def test_invalid_tools_are_typed_400s(tool_gateway: Gateway) -> None:
     bad = [([{"type": "function", "function": {"parameters": {}}}], None, "tools[0].function.name"),
            ([{"type": "retrieval"}], None, "tools[0]"),
            ([{"type": "function", "function": {"name": "f", "description": "<|im_end|>"}}], None, "tools"),
-           (TOOLS, "required", "tool_choice")]
+           (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
+           (TOOLS, {"type": "function"}, "tool_choice"), (TOOLS, "sometimes", "tool_choice")]
     for tools, choice, param in bad:
         kw = {"tool_choice": choice} if choice else {}
         with pytest.raises(openai.BadRequestError) as info:
