@@ -23,14 +23,12 @@ e4m3 values (max 448, 3 mantissa bits) and one float32 scale per 128 x 128 block
 
 (despite its name, `weight_scale_inv` multiplies). Quantising a block: s = amax / 448
 (1 for an all-zero block), q = e4m3(clamp(W / s, -448, 448)), rounded to nearest
-even; every element keeps a relative error <= 2**-4. Edge blocks are partial: a
-[300, 200] weight has [3, 2] scales, the last row block 44 rows, the last column
-block 72 columns. config.json: ``"quantization_config": {"quant_method": "fp8",
-"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}``.
-Newer DeepSeek releases add ``"scale_fmt": "ue8m0"``: every scale is a power of two,
-stored as float32 or as ``float8_e8m0fnu`` (safetensors F8_E8M0, the exponent byte
-alone); both are read as float32 and multiply the same way. Quantising in that
-format rounds s = amax / 448 up to the next power of two, so |W / s| stays <= 448.
+even; every element keeps a relative error <= 2**-4. Edge blocks are partial (a
+[300, 200] weight has [3, 2] scales). config.json: ``"quantization_config":
+{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+"weight_block_size": [128, 128]}``, plus ``"scale_fmt": "ue8m0"`` in newer DeepSeek
+releases: power-of-two scales, stored as float32 or ``float8_e8m0fnu`` (F8_E8M0), read
+as float32 and multiplied the same way; quantising rounds s up to a power of two.
 
 **INT4** is asymmetric and group-wise along K, with g = 128 by default (32 allowed):
 
@@ -323,7 +321,8 @@ class Fp8Format(WeightFormat):
         return Linear(self.dequantize(sw).to(compute_dtype).contiguous(), bias, buckets)
 
     def quantization_config(self) -> dict[str, Any]:
-        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(self.block)}
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": list(self.block)}
         return {**qc, "scale_fmt": self.scale_fmt} if self.scale_fmt else qc
 
 
