@@ -61,6 +61,7 @@ from backend.rope import RotaryEmbedding, interleave_rope_rows, rope_inv_freq
 __all__ = ["IndexerWeights", "IndexerStep", "DsaSelector", "load_indexer", "index_scores", "top_k_mask", "build_selection"]
 
 LAYERNORM_EPS = 1e-6  # the indexer's k_norm (nn.LayerNorm(index_head_dim, eps=1e-6))
+SCORE_BLOCK = 1 << 24  # float32 elements of one [query rows, heads, keys] score block (64 MiB): rows go in blocks
 
 
 @dataclass
@@ -130,6 +131,25 @@ def top_k_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Ten
     return torch.zeros_like(allowed).scatter_(-1, idx, True) & allowed
 
 
+def _top_k_rows(q: torch.Tensor, keys: torch.Tensor, hw: torch.Tensor, allowed: torch.Tensor,
+                k: int) -> torch.Tensor:
+    """top_k_mask [n, L] of queries q [n, H, D] with head weights hw [n, H] against keys [L, D]
+    (shared by every row: a prompt chunk) or [n, L, D] (one table per row: decode rows),
+    scored a block of rows at a time so the [rows, H, L] intermediate stays under SCORE_BLOCK."""
+    n, heads = q.shape[:2]
+    per_row = keys.dim() == 3
+    block = max(1, SCORE_BLOCK // (heads * allowed.shape[-1]))
+    out = []
+    for i in range(0, n, block):
+        r = slice(i, i + block)
+        if per_row:
+            scores = index_scores(q[r].unsqueeze(1), keys[r], hw[r].unsqueeze(1)).squeeze(1)
+        else:
+            scores = index_scores(q[r], keys, hw[r])
+        out.append(top_k_mask(scores, allowed[r], k))
+    return torch.cat(out)
+
+
 def build_selection(cfg: ModelConfig, w: IndexerWeights, x: torch.Tensor, qr: torch.Tensor,
                     freqs: torch.Tensor, meta: StepMetadata, cache: IndexerKeyCache, layer: int) -> KeySelection:
     """The keys each of the step's queries attends to, from one full layer's indexer.
@@ -157,8 +177,7 @@ def build_selection(cfg: ModelConfig, w: IndexerWeights, x: torch.Tensor, qr: to
         allowed = positions.unsqueeze(0) < meta.decode_context_lens.to(x.device).unsqueeze(1)  # [D, L]
         if length > topk:
             keys = cache.gather(layer, meta.decode_page_table)  # [D, L, dim]
-            scores = index_scores(q[:d].unsqueeze(1), keys, hw[:d].unsqueeze(1)).squeeze(1)  # [D, L]
-            decode = top_k_mask(scores, allowed, topk)
+            decode = _top_k_rows(q[:d], keys, hw[:d], allowed, topk)
         else:
             decode = allowed
     chunks = []
@@ -169,7 +188,7 @@ def build_selection(cfg: ModelConfig, w: IndexerWeights, x: torch.Tensor, qr: to
         if ctx > topk:
             rows = slice(c.token_start, c.token_start + n)
             keys = cache.gather(layer, c.page_table)[0, :ctx]  # [ctx, dim]
-            chunks.append(top_k_mask(index_scores(q[rows], keys, hw[rows]), allowed, topk))
+            chunks.append(_top_k_rows(q[rows], keys, hw[rows], allowed, topk))
         else:
             chunks.append(allowed)
     return KeySelection(decode, chunks)

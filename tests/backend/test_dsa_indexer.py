@@ -183,3 +183,28 @@ def test_selection_fp8_keys_near_ties_only(tmp_path: Path) -> None:
     recall = sum(recalls) / len(recalls)
     print(f"fp8 indexer keys: recall of transformers' selected keys {recall:.4f}")
     assert recall > 0.95
+
+
+def test_scores_in_row_blocks_select_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scoring one query row at a time (the memory bound for long contexts) changes nothing."""
+    import backend.layers.dsa_indexer as dsa
+
+    mod, _, raw = hf_indexer(True, seed=5)
+    cfg, weights = load_ours(tmp_path, mod, raw)
+    seqs = [(torch.randn(30, 64), torch.randn(30, 32)), (torch.randn(19, 64), torch.randn(19, 32))]
+    whole = run_steps(cfg, weights, seqs, "fp8_e4m3")
+    monkeypatch.setattr(dsa, "SCORE_BLOCK", 1)
+    for a, b in zip(whole, run_steps(cfg, weights, seqs, "fp8_e4m3")):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                                           "mscale": 1.0, "mscale_all_dim": 0.707}])
+def test_step_rope_tables_equal_the_models(scaling: dict | None) -> None:
+    """The selector's per-step RoPE tables are bit-identical to the model's RotaryEmbedding's."""
+    from backend.layers.dsa_indexer import DsaSelector
+
+    raw = {**DIMS, "architectures": ["GlmMoeDsaForCausalLM"], "indexer_types": ["full"], "rope_scaling": scaling}
+    cfg = ModelConfig.from_dict(raw)
+    positions = torch.randint(0, 128, (37,))
+    assert torch.equal(DsaSelector(cfg).tables(positions), RotaryEmbedding(cfg).tables(positions))
