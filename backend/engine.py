@@ -44,6 +44,7 @@ from backend.config import ModelConfig
 from backend.errors import EdgeServeError, InvalidRequest, InvalidSamplingParams, KVIntegrityError
 from backend.grammar import GrammarCompiler
 from backend.kv_cache import create_kv_cache
+from backend.latent_kv_cache import LatentKVCache, LatentRows
 from backend.linear import DEFAULT_BUCKETS
 from backend.model import DecoderModel, load_model
 from backend.model_runner import ModelRunner
@@ -196,11 +197,12 @@ class LLMEngine:
         """Decode role: take every page `seq` may need before its KV is sent; False when not free now."""
         return self.scheduler.reserve(seq)
 
-    def install_kv(self, seq: Sequence, layer: int, k: torch.Tensor, v: torch.Tensor,
+    def install_kv(self, seq: Sequence, layer: int, k: torch.Tensor | LatentRows, v: torch.Tensor | None,
                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
-        """Write the prompt's K/V of one layer ([T, kv_heads, head_dim]; FP8 with exponents, or float)
-        into `seq`'s reserved pages, after checking that the pages are still the ones reserved.
-        Raises the stopping error (EngineStopped) once the engine thread has stopped."""
+        """Write the prompt's K/V of one layer ([T, kv_heads, head_dim]; FP8 with exponents, or float;
+        an MLA model's `LatentRows` with v None) into `seq`'s reserved pages, after checking that the
+        pages are still the ones reserved. Raises the stopping error (EngineStopped) once the engine
+        thread has stopped."""
         self.scheduler.check_open()
         if seq.status is not SequenceStatus.RECEIVING:
             raise InvalidRequest(f"request {seq.request_id} holds no reservation")
@@ -211,6 +213,11 @@ class LLMEngine:
                     f"KV transfer for request {seq.request_id} would land in page {page}, which changed hands "
                     f"(expected tag {want}, found {have}); not written", request_id=seq.request_id, page=page,
                     expected_tag=want, found_tag=have, cause="transfer_target")
+        if isinstance(k, LatentRows):
+            if not isinstance(self.cache, LatentKVCache):
+                raise InvalidRequest(f"latent KV rows sent for request {seq.request_id} to a pool of K/V pages")
+            self.cache.write_rows(layer, self.runner.slots(seq.page_ids, 0, k.rows.shape[0]), k)
+            return
         slots = self.runner.slots(seq.page_ids, 0, k.shape[0])
         self.cache.write_tokens(layer, slots, k, v, k_scale, v_scale)
 
@@ -227,8 +234,9 @@ class LLMEngine:
         """Give back a reservation (see `Scheduler.release_reserved`); False when there was none."""
         return self.scheduler.release_reserved(seq)
 
-    def read_kv(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill role: the prompt's K, V [T, kv_heads, head_dim] of a held request (compute dtype).
+    def read_kv(self, seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[LatentRows, None]:
+        """Prefill role: the prompt's K, V [T, kv_heads, head_dim] of a held request (compute dtype);
+        for an MLA model its raw latent rows in the pool format (`LatentRows`) and None.
 
         Any thread. The engine thread may free the held pages meanwhile (`_expire_held`, an abort)
         and hand them to another request, so the pages' tags are checked before the copy and again
@@ -239,7 +247,12 @@ class LLMEngine:
             raise InvalidRequest(f"request {seq.request_id} is not held")
         pages, tags = seq.page_ids, seq.page_tags  # replaced, never mutated, when the pages are freed
         self._check_held_pages(seq, pages, tags)
-        k, v = self.cache.read_tokens(layer, self.runner.slots(pages, 0, seq.num_prompt_tokens))
+        slots = self.runner.slots(pages, 0, seq.num_prompt_tokens)
+        if isinstance(self.cache, LatentKVCache):
+            rows = self.cache.read_rows(layer, slots)
+            self._check_held_pages(seq, pages, tags)
+            return rows, None
+        k, v = self.cache.read_tokens(layer, slots)
         self._check_held_pages(seq, pages, tags)
         return k, v
 

@@ -21,7 +21,7 @@ engine. Each simulates a real class of page-reuse bug:
     (tests/backend/test_engine_hardening.py).
 
 (a) and (b) are caught by the batched check before the victim's next step
-(tests/backend/test_integrity.py).
+(tests/backend/test_integrity.py; on MLA latent pages, tests/backend/test_mla_serving.py).
 """
 
 from __future__ import annotations
@@ -59,11 +59,21 @@ def _write_random(engine: LLMEngine, page: int) -> None:
     """The new owner stores its own K/V (random values) in every layer of `page`."""
     import torch
 
-    g = engine.cache.geometry
+    from backend.latent_kv_cache import LatentKVCache
+
+    cache = engine.cache
+    g = cache.geometry
     slots = torch.arange(page * g.page_size, (page + 1) * g.page_size)
     for layer in range(g.num_layers):
+        if isinstance(cache, LatentKVCache):  # MLA: a latent row per token (and the DSA indexer's key)
+            dev, dtype = cache.pages.device, engine.model.dtype
+            cache.store(layer, slots.to(dev), torch.randn(g.page_size, cache.kv_lora_rank, dtype=dtype, device=dev),
+                        torch.randn(g.page_size, cache.rope_dim, dtype=dtype, device=dev))
+            if cache.indexer is not None:
+                cache.indexer.store(layer, slots.to(dev), torch.randn(g.page_size, cache.indexer.head_dim, device=dev))
+            continue
         k = torch.randn(g.page_size, g.num_kv_heads, g.head_dim, dtype=engine.model.dtype)
-        engine.cache.store(layer, slots, k, torch.randn_like(k))
+        cache.store(layer, slots, k, torch.randn_like(k))
 
 
 def stale_page_table(engine: LLMEngine, victim: Sequence) -> list[int]:

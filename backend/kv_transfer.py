@@ -19,6 +19,15 @@ both sides use): page sizes of the two pools need not match. Wire formats:
   head_dim + 1 bytes per (token, head) against BF16's 2 * head_dim: 65 vs 128 B.
 - ``bf16``: values only (for comparison, and for decode pools that are not FP8).
 
+MLA models (a `LatentKVCache`) send one latent row per token instead of K and V
+(`LatentRows`): a KVLayer frame's payload is then the rows' raw bytes in a latent row
+format (`kernels/latent_kv_store.py`, named in `latent_format`), followed by the DSA
+indexer's key rows when the model has an indexer. The rows travel in the sender's pool
+format when that pool is FP8 (never re-quantised) or already the wire format; a wider
+pool's rows are converted to the wire format on the way out (FP8: 656 B per token per
+layer for Kimi against BF16's 1,152 B). A receiving pool of the same format copies the
+bytes as they are; any other dequantises and re-stores them in its own format.
+
 Sending one frame per layer lets the decode worker install layer i while layer
 i + 1 is being read and sent. `KVTransport` is the seam where an RDMA transport
 (NIXL, Mooncake) would replace `HttpKVTransport` (a streamed HTTP response).
@@ -35,11 +44,13 @@ import msgspec
 import torch
 
 from backend.errors import BackendUnavailable, EdgeServeError, InvalidRequest, error_from_code
+from backend.latent_kv_cache import LatentRows
 from backend.sampling_params import SamplingParams
 from backend.worker_auth import auth_headers
 from kernels.kv_store import quantize_fp8_ref
+from kernels.latent_kv_store import dequantize_latent_ref, latent_row_dtype, quantize_latent_ref
 
-__all__ = ["PrefillRequest", "KVBegin", "KVLayer", "KVEnd", "KVError", "Frame", "WIRE_FORMATS",
+__all__ = ["PrefillRequest", "KVBegin", "KVLayer", "KVEnd", "KVError", "Frame", "LatentRows", "WIRE_FORMATS",
            "encode_frame", "FrameReader", "encode_layer", "decode_layer", "KVTransport", "HttpKVTransport",
            "KV_MEDIA_TYPE"]
 
@@ -71,9 +82,13 @@ class KVBegin(msgspec.Struct, tag="begin", tag_field="frame"):
 
 class KVLayer(msgspec.Struct, tag="layer", tag_field="frame"):
     layer: int
-    value_bytes: int  # each of K and V
-    scale_bytes: int  # each of K and V exponents (0 for bf16)
+    value_bytes: int  # each of K and V (latent: all the rows)
+    scale_bytes: int  # each of K and V exponents (0 for bf16 and latent rows)
     payload_bytes: int
+    latent_format: str = ""  # MLA: the latent row format of the payload's rows ("" for K/V)
+    kv_lora_rank: int = 0  # MLA: R and Dr of the rows
+    rope_dim: int = 0
+    index_bytes: int = 0  # DSA: bytes of indexer key rows after the latent rows
 
 
 class KVEnd(msgspec.Struct, tag="end", tag_field="frame"):
@@ -123,8 +138,11 @@ class FrameReader:
         return len(self._buf)
 
 
-def encode_layer(layer: int, k: torch.Tensor, v: torch.Tensor, wire_format: str) -> bytes:
-    """One KVLayer frame from K, V [T, kv_heads, head_dim] (any float dtype)."""
+def encode_layer(layer: int, k: torch.Tensor | LatentRows, v: torch.Tensor | None, wire_format: str) -> bytes:
+    """One KVLayer frame from K, V [T, kv_heads, head_dim] (any float dtype), or from an MLA
+    layer's `LatentRows` (v None)."""
+    if isinstance(k, LatentRows):
+        return _encode_latent(layer, k, wire_format)
     if wire_format == "fp8_e4m3":
         (kq, ke), (vq, ve) = quantize_fp8_ref(k), quantize_fp8_ref(v)
         parts = [kq.view(torch.uint8), vq.view(torch.uint8), ke, ve]
@@ -138,10 +156,32 @@ def encode_layer(layer: int, k: torch.Tensor, v: torch.Tensor, wire_format: str)
     return encode_frame(KVLayer(layer, value_bytes, scale_bytes, len(payload)), payload)
 
 
-def decode_layer(header: KVLayer, payload: bytes, begin: KVBegin) -> tuple[torch.Tensor, ...]:
-    """(k, v, k_exp, v_exp) tensors of one layer frame; exponents are None for bf16."""
+def _encode_latent(layer: int, rows: LatentRows, wire_format: str) -> bytes:
+    """A KVLayer frame of latent rows: FP8 rows or rows already in the wire format as they are,
+    wider rows converted to the wire format (see the module docstring)."""
+    if wire_format not in WIRE_FORMATS:
+        raise InvalidRequest(f"unknown KV wire format {wire_format!r}; supported: {WIRE_FORMATS}")
+    if rows.kv_format not in ("fp8_e4m3", wire_format):
+        latent, k_pe = dequantize_latent_ref(rows.rows, rows.kv_lora_rank, rows.rope_dim, rows.kv_format,
+                                             torch.float32)
+        rows = rows._replace(rows=quantize_latent_ref(latent, k_pe, wire_format), kv_format=wire_format)
+    raw = rows.rows.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    index = rows.index_rows.contiguous().cpu().numpy().tobytes() if rows.index_rows is not None else b""
+    header = KVLayer(layer, len(raw), 0, len(raw) + len(index), rows.kv_format, rows.kv_lora_rank, rows.rope_dim,
+                     len(index))
+    return encode_frame(header, raw + index)
+
+
+def decode_layer(header: KVLayer, payload: bytes, begin: KVBegin) -> tuple[torch.Tensor | LatentRows | None, ...]:
+    """(k, v, k_exp, v_exp) tensors of one layer frame; exponents are None for bf16. A latent frame
+    gives (LatentRows, None, None, None)."""
     shape = (begin.num_tokens, begin.num_kv_heads, begin.head_dim)
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if header.latent_format:
+        t, vb = begin.num_tokens, header.value_bytes
+        rows = buf[:vb].view(latent_row_dtype(header.latent_format)).view(t, -1)
+        index = buf[vb:vb + header.index_bytes].view(t, -1) if header.index_bytes else None
+        return LatentRows(rows, header.latent_format, header.kv_lora_rank, header.rope_dim, index), None, None, None
     vb, sb = header.value_bytes, header.scale_bytes
     if begin.wire_format == "fp8_e4m3":
         k = buf[:vb].view(torch.float8_e4m3fn).view(shape)

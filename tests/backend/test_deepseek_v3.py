@@ -196,3 +196,25 @@ def test_fp8_block_scaled_checkpoint_matches_transformers_on_the_dequantised_wei
         expected = ref(torch.tensor([ids])).logits[0]
     got = _our_logits_all_rows(_engine(path), ids)
     assert (got - expected).abs().max().item() <= ATOL
+
+
+def test_quantize_converts_every_mla_linear_and_the_result_loads(default_dir: Path, tmp_path: Path) -> None:
+    """`edgeserve quantize` knows the MLA tensors: q_a/q_b, kv_a_proj_with_mqa, kv_b_proj and o_proj come
+    out FP8 (kv_b_proj dequantised again at load), norms as stored; the engine then computes exactly
+    what a dense checkpoint of the dequantised weights gives."""
+    from backend.weight_formats import weight_format
+    from backend.weights import CheckpointReader
+    from ops import quantize
+    from tests.ops.test_quantize import _dequantized_copy
+
+    out = tmp_path / "q"
+    quantize.quantize_checkpoint(default_dir, out, weight_format("fp8"), progress=False)
+    reader = CheckpointReader(out)
+    a = "model.layers.1.self_attn."
+    for m in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        assert reader.spec(f"{a}{m}.weight").dtype == torch.float8_e4m3fn and f"{a}{m}.weight_scale_inv" in reader
+    assert reader.spec(f"{a}kv_a_layernorm.weight").dtype == torch.float32
+    ids = torch.randint(0, 320, (30,)).tolist()
+    got = _our_logits_all_rows(_engine(out), ids)
+    operand = _our_logits_all_rows(_engine(_dequantized_copy(out, tmp_path / "deq")), ids)
+    assert (got - operand).abs().max().item() <= 1e-5
