@@ -153,3 +153,16 @@ def test_fp8_index_keys_agree_with_float_keys(model_dir: Path) -> None:
           f"all layers {sum(recalls) / len(recalls):.4f}; mean KL {kl:.2e}")
     assert recalls[0] > 0.9 and min(recalls) > 0.7
     assert 0 < kl < 0.02
+
+
+def test_disaggregated_pair_equals_unified(model_dir: Path) -> None:
+    """A prefill worker ships the prompt's latent rows and its FP8 indexer keys to a decode worker
+    over loopback HTTP; every decode step's selection reads the shipped keys (37 prompt tokens,
+    top-8), and the greedy tokens equal a unified engine's; both pools end empty."""
+    from tests.backend.test_disagg import GREEDY, generate, pair, tokens, unified, wait_free
+
+    prompt = torch.randint(3, 320, (37,)).tolist()
+    with pair(model_dir, decode_kv="bf16", wire="bf16") as (url, dec, prefills):
+        got = tokens(generate(url, prompt, max_tokens=10, **GREEDY))
+        assert got == unified(model_dir, "bf16", prompt, max_tokens=10, **GREEDY)
+        wait_free(dec, *prefills)
