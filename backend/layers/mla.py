@@ -194,12 +194,13 @@ def mla_attention(cfg: ModelConfig, w: MLAWeights, dec: MLAWeights, x: torch.Ten
     selection = select(x, qr) if select is not None else None
     scale = cfg.mla_softmax_scale
     d = meta.num_decode
+    kernel = q.is_cuda and selection is None  # the Triton decode kernel (it takes no key selection)
     if d and not meta.prefills:  # a pure decode step: no scatter into a shared output
-        out = _decode(cfg, w, q, cache, layer, meta, scale, absorb, selection)
+        out = _decode(cfg, w, q, cache, layer, meta, scale, absorb, selection, kernel)
     else:
         out = q.new_empty(t, h, cfg.v_head_dim)
         if d:
-            out[:d] = _decode(cfg, w, q[:d], cache, layer, meta, scale, absorb, selection)
+            out[:d] = _decode(cfg, w, q[:d], cache, layer, meta, scale, absorb, selection, kernel)
         for i, chunk in enumerate(meta.prefills):
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = _prefill_chunk(cfg, w, q[rows], cache, layer, chunk, scale,
@@ -217,8 +218,9 @@ def _expand(cfg: ModelConfig, w: MLAWeights, rows: torch.Tensor) -> tuple[torch.
 
 
 def _decode(cfg: ModelConfig, w: MLAWeights, q: torch.Tensor, cache: Any, layer: int, meta: StepMetadata,
-            scale: float, absorb: bool, selection: KeySelection | None) -> torch.Tensor:
-    """Attention output [D, H, V] of the decode rows' queries q [D, H, qk] over their pages."""
+            scale: float, absorb: bool, selection: KeySelection | None, kernel: bool) -> torch.Tensor:
+    """Attention output [D, H, V] of the decode rows' queries q [D, H, qk] over their pages (absorbed:
+    through the Triton kernel when `kernel`, which takes no selection, else torch)."""
     d, h, r, nope = q.shape[0], cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
     keep = selection.decode if selection is not None else None
     mask = meta.decode_mask  # [D, 1, 1, P * page_size] additive: keys past each context length
@@ -230,7 +232,7 @@ def _decode(cfg: ModelConfig, w: MLAWeights, q: torch.Tensor, cache: Any, layer:
                                            scale=scale)  # [D, H, 1, V]
         return o.squeeze(2)
     q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w.w_uk).transpose(0, 1)  # [D, H, R]
-    if q.is_cuda and keep is None:
+    if kernel and keep is None:
         from kernels.mla_decode import mla_decode_attention
 
         out_latent = mla_decode_attention(q_latent.contiguous(), q[..., nope:].contiguous(), cache.layer(layer),
