@@ -166,3 +166,45 @@ def test_disaggregated_pair_equals_unified(model_dir: Path) -> None:
         got = tokens(generate(url, prompt, max_tokens=10, **GREEDY))
         assert got == unified(model_dir, "bf16", prompt, max_tokens=10, **GREEDY)
         wait_free(dec, *prefills)
+
+
+def test_fp8_block_scaled_checkpoint_matches_transformers_on_the_dequantised_weights(tmp_path: Path) -> None:
+    """GLM-5-FP8's layout: every projection (MLA, indexer wq_b and wk, experts, dense MLP) as e4m3
+    with 16x16 block scales, the indexer's weights_proj and the router kept dense. Reference:
+    transformers on a dense copy holding exactly the dequantised values."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from backend.weight_formats import Fp8Format
+
+    path = write_tiny_glm_moe_dsa(tmp_path / "m", seed=6)
+    fmt = Fp8Format((16, 16))
+    f = next(path.glob("*.safetensors"))
+    fp8, dense = {}, {}
+    for name, w in load_file(f).items():
+        quantised = name.startswith("model.layers.") and (
+            name.endswith(("_proj.weight", "indexer.wq_b.weight", "indexer.wk.weight"))
+            and not name.endswith("weights_proj.weight"))
+        if quantised:
+            sw = fmt.quantize(w * 3.0)  # scales other than 1
+            fp8[name], fp8[name[:-len("weight")] + "weight_scale_inv"] = sw.tensors["weight"], sw.tensors[
+                "weight_scale_inv"]
+            dense[name] = fmt.dequantize(sw)
+        else:
+            fp8[name] = dense[name] = w
+    assert any("indexer.wq_b.weight_scale_inv" in n for n in fp8)
+    save_file(fp8, f, metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    ref_dir = tmp_path / "dense"
+    ref_dir.mkdir()
+    (ref_dir / "config.json").write_text(json.dumps(cfg))
+    save_file(dense, ref_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [16, 16]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    ids = torch.randint(0, 320, (40,)).tolist()
+    with torch.no_grad():
+        expected = reference_model(ref_dir)(torch.tensor([ids])).logits[0]
+    got = _our_logits_all_rows(_engine(path), ids)
+    assert (got - expected).abs().max().item() <= ATOL
