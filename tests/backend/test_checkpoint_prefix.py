@@ -87,3 +87,17 @@ def test_a_reader_without_a_prefix_sees_every_tensor(plain: Path, tmp_path: Path
     wrapped = wrap(plain, tmp_path / "w")
     names = set(CheckpointReader(wrapped).names())
     assert set(EXTRA) <= names and "language_model.model.norm.weight" in names
+
+
+def test_kimi_wrapped_deepseek_v3_gives_the_plain_models_logits(tmp_path: Path) -> None:
+    """Kimi K2.5/K2.6 (`Kimi_K25ForConditionalGeneration`) is a DeepseekV3 text model under `language_model.`."""
+    from tests.backend.tiny_mla_models import write_tiny_deepseek_v3
+
+    plain = write_tiny_deepseek_v3(tmp_path / "m", seed=5)
+    wrapped = wrap(plain, tmp_path / "w", shards=2)
+    raw = json.loads((wrapped / "config.json").read_text())
+    raw["architectures"] = ["Kimi_K25ForConditionalGeneration"]
+    (wrapped / "config.json").write_text(json.dumps(raw))
+    ids = torch.randint(0, 320, (30,)).tolist()
+    torch.testing.assert_close(_our_logits_all_rows(_engine(wrapped), ids),
+                               _our_logits_all_rows(_engine(plain), ids), rtol=0, atol=0)

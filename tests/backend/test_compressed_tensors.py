@@ -20,8 +20,8 @@ from backend.errors import WeightsError
 from backend.layers.loader import WeightLoader
 from backend.linear import Int4Linear, Linear
 from backend.model import load_model
-from backend.models.checkpoint_layout import checkpoint_layout
 from backend.weight_formats import Int4Format
+from tests.backend.test_checkpoint_prefix import wrap
 from tests.backend.test_model_parity import _our_logits_all_rows
 from tests.backend.tiny_models import reference_model, write_tiny_glm4_moe
 
@@ -54,17 +54,17 @@ def _shell(weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
-def write_ct_glm4_moe(path: Path, seed: int = 0, ignore: list[str] | None = None) -> Path:
-    """A tiny Glm4Moe at `path` whose linears compressed-tensors quantises (W4A16, group 32, bf16 scales as
-    Kimi ships them) and packs, except those `ignore` (Kimi's list by default) names; config.json gets the
-    package's quantization_config with that ignore list. Beside it, `path.parent / "dense"` holds the same
-    model with the package's own decompression of every packed weight (float32: exact), for transformers."""
-    write_tiny_glm4_moe(path, seed=seed)
+def compress_checkpoint(path: Path, ignore: list[str] | None = None) -> Path:
+    """Rewrite the float checkpoint at `path`: compressed-tensors quantises its linears (every
+    `*_proj`, `*_proj_with_mqa` and `lm_head` weight; W4A16, group 32, bf16 scales as Kimi ships them) and
+    packs them, except those `ignore` (Kimi's list by default) names; config.json gets the package's
+    quantization_config with that ignore list. Beside it, `path.parent / "dense"` holds the same model with
+    the package's own decompression of every packed weight (float32: exact), for transformers."""
     ignore = KIMI_IGNORE if ignore is None else ignore
-    cfg = load_config(path)
     file = next(path.glob("*.safetensors"))
     tensors = load_file(file)
-    linears = checkpoint_layout(cfg).linears + ["lm_head"]
+    linears = [k[: -len(".weight")] for k, v in tensors.items() if v.dim() == 2 and
+               (k.endswith(("_proj.weight", "_proj_with_mqa.weight")) or k == "lm_head.weight")]
     root = _shell({m: tensors[f"{m}.weight"].bfloat16() for m in linears})  # the experts as Kimi's BF16
     apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": SCHEME}, ignore=ignore))
     for _, module in root.named_modules():
@@ -93,6 +93,11 @@ def write_ct_glm4_moe(path: Path, seed: int = 0, ignore: list[str] | None = None
     raw["quantization_config"]["ignore"] = ignore  # the package writes the names it matched; Kimi ships the list
     (path / "config.json").write_text(json.dumps(raw))
     return path
+
+
+def write_ct_glm4_moe(path: Path, seed: int = 0, ignore: list[str] | None = None) -> Path:
+    """A tiny random Glm4Moe at `path`, compressed by `compress_checkpoint`."""
+    return compress_checkpoint(write_tiny_glm4_moe(path, seed=seed), ignore)
 
 
 @pytest.fixture(scope="module")
@@ -149,17 +154,10 @@ def test_logits_match_transformers_on_the_packages_decompressed_weights(ct_dir: 
     assert type(layer.moe.shared_gate_up) is Linear and layer.moe.shared_gate_up.weight.dtype == torch.float32
     assert type(layer.qkv) is Linear and type(model.phase_layers["decode"][0].gate_up) is Linear
 
-    from backend.engine import EngineConfig, LLMEngine
-
-    def logits(**kw: object) -> torch.Tensor:
-        cfg = EngineConfig(dtype="float32", kv_format="fp32", kv_cache_bytes=4 * 2**20, page_size=16,
-                           gemm_buckets=(), **kw)
-        return _our_logits_all_rows(LLMEngine.from_pretrained(ct_dir, cfg), ids)
-
     assert expected.abs().max().item() > 0.3
-    int4_diff = (logits() - expected).abs().max().item()
+    int4_diff = (_logits(ct_dir, ids) - expected).abs().max().item()
     assert int4_diff < 1e-2, int4_diff  # bfloat16 activations into the INT4 GEMM (measured 2.8e-3)
-    exact = logits(prefill_weights="fp32", decode_weights="fp32")
+    exact = _logits(ct_dir, ids, prefill_weights="fp32", decode_weights="fp32")
     assert (exact - expected).abs().max().item() <= 1e-4
 
 
@@ -245,30 +243,43 @@ def test_a_disagreeing_weight_shape_in_a_checkpoint_names_the_tensor(tmp_path: P
         load_model(path)
 
 
+def _logits(path: Path, ids: list[int], **kw: object) -> torch.Tensor:
+    from backend.engine import EngineConfig, LLMEngine
+
+    cfg = EngineConfig(dtype="float32", kv_format="fp32", kv_cache_bytes=4 * 2**20, page_size=16, gemm_buckets=(),
+                       **kw)
+    return _our_logits_all_rows(LLMEngine.from_pretrained(path, cfg), ids)
+
+
 def test_kimi_wrapped_checkpoint_loads_as_the_plain_one(ct_dir: Path, tmp_path: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """Kimi K2.5/K2.6's layout: the text model under `language_model.`, quantization_config inside
     text_config, a vision tower beside it (skipped with one log line): the same logits as the plain folder."""
-    wrapped = tmp_path / "kimi"
-    wrapped.mkdir()
-    text = json.loads((ct_dir / "config.json").read_text())
-    qc = text.pop("quantization_config")
-    text["quantization_config"] = qc
-    (wrapped / "config.json").write_text(json.dumps({"architectures": text["architectures"], "text_config": text}))
-    tensors = {f"language_model.{k}": v for k, v in load_file(next(ct_dir.glob("*.safetensors"))).items()}
-    tensors["vision_tower.blocks.0.attn.qkv.weight"] = torch.randn(8, 8)
-    tensors["mm_projector.proj.0.weight"] = torch.randn(8, 8)
-    save_file(tensors, wrapped / "model.safetensors", metadata={"format": "pt"})
+    wrapped = wrap(ct_dir, tmp_path / "kimi")
+    assert "quantization_config" not in json.loads((wrapped / "config.json").read_text())
     ids = torch.randint(0, 320, (20,)).tolist()
-    from backend.engine import EngineConfig, LLMEngine
-
-    def logits(path: Path) -> torch.Tensor:
-        cfg = EngineConfig(dtype="float32", kv_format="fp32", kv_cache_bytes=4 * 2**20, page_size=16,
-                           gemm_buckets=())
-        return _our_logits_all_rows(LLMEngine.from_pretrained(path, cfg), ids)
-
     with caplog.at_level(logging.INFO, logger="backend.weights"):
-        got = logits(wrapped)
-    assert [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()] == [
-        "skipping 2 checkpoint tensors outside 'language_model.' (not the text model): mm_projector.*, vision_tower.*"]
-    torch.testing.assert_close(got, logits(ct_dir), rtol=0, atol=0)
+        got = _logits(wrapped, ids)
+    assert [r.getMessage() for r in caplog.records if r.name == "backend.weights"] == [
+        "skipping 3 checkpoint tensors outside 'language_model.' (not the text model): mm_projector.*, vision_tower.*"]
+    torch.testing.assert_close(got, _logits(ct_dir, ids), rtol=0, atol=0)
+
+
+def test_kimi_int4_deepseek_v3_matches_transformers_on_the_decompressed_weights(tmp_path: Path) -> None:
+    """The whole Kimi K2.5/K2.6 shape on a tiny DeepseekV3: routed experts packed by compressed-tensors,
+    MLA, shared experts and the dense layer left dense by Kimi's ignore list, all under
+    `language_model.` with the quantization_config in text_config."""
+    from tests.backend.tiny_mla_models import write_tiny_deepseek_v3
+
+    plain = compress_checkpoint(write_tiny_deepseek_v3(tmp_path / "m", seed=14))
+    assert all(".mlp.experts." in m for m in _packed_modules(plain)) and len(_packed_modules(plain)) == 2 * 8 * 3
+    wrapped = wrap(plain, tmp_path / "kimi")
+    ref = reference_model(tmp_path / "dense")
+    ids = torch.randint(0, 320, (40,)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert expected.abs().max().item() > 0.3
+    int4_diff = (_logits(wrapped, ids) - expected).abs().max().item()
+    assert int4_diff < 1e-2, int4_diff  # bfloat16 activations into the INT4 GEMM (measured 2.0e-3)
+    exact = _logits(wrapped, ids, prefill_weights="fp32", decode_weights="fp32")
+    assert (exact - expected).abs().max().item() <= 1e-4
