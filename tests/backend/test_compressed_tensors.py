@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -283,3 +284,14 @@ def test_kimi_int4_deepseek_v3_matches_transformers_on_the_decompressed_weights(
     assert int4_diff < 1e-2, int4_diff  # bfloat16 activations into the INT4 GEMM (measured 2.0e-3)
     exact = _logits(wrapped, ids, prefill_weights="fp32", decode_weights="fp32")
     assert (exact - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available(),
+                    reason="needs a CUDA device and TRITON_INTERPRET=0")
+def test_cuda_runs_the_repacked_experts_in_the_fused_int4_kernel(ct_dir: Path) -> None:
+    cpu = load_model(ct_dir).phase_layers["decode"][1].moe
+    gpu = load_model(ct_dir, device="cuda").phase_layers["decode"][1].moe
+    assert gpu.experts.paths == ("fused",) and gpu.experts.fused_args["fmt"] == "int4"
+    x = torch.randn(37, 64)
+    torch.testing.assert_close(gpu(x.cuda()).cpu(), cpu(x), rtol=3e-2, atol=3e-2)
