@@ -128,7 +128,7 @@ class IndexerKeyCache:
 
     def read_tokens(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Raw rows [T, row_bytes] uint8 at slots [T] (a copy; never writes)."""
-        self._check_slots(slots, slots.shape[0] if slots.dim() == 1 else -1)
+        self._check_slots(slots, slots.numel())
         return self.pages[layer].view(-1, self.row_bytes).index_select(0, slots.to(self.pages.device))
 
     def write_tokens(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:

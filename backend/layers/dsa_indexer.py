@@ -75,14 +75,13 @@ class IndexerWeights:
     weights_proj: torch.Tensor  # [n_heads, hidden] float32
 
 
-def load_indexer(loader: WeightLoader, prefix: str) -> IndexerWeights | None:
-    """`<prefix>self_attn.indexer.{wq_b, wk, k_norm, weights_proj}` of one layer; None for a
+def load_indexer(loader: WeightLoader, layer: int) -> IndexerWeights | None:
+    """`model.layers.{layer}.self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`; None for a
     "shared" layer (it reuses the last full layer's selection and has no indexer weights)."""
     cfg = loader.cfg
-    layer = int(prefix.rstrip(".").split(".")[-1])
     if cfg.indexer_types[layer] == "shared":
         return None
-    p = f"{prefix}self_attn.indexer."
+    p = f"model.layers.{layer}.self_attn.indexer."
     if cfg.q_lora_rank is None:
         raise ModelLoadError("the DSA indexer needs q_lora_rank (its wq_b reads the q latent)")
     heads, dim, rot = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim

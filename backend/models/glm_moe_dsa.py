@@ -30,7 +30,7 @@ def load_layers(loader: WeightLoader) -> dict[str, list[LayerWeights]]:
     layers = deepseek_v3.load_layers(loader)
     selector = DsaSelector(loader.cfg)
     for i in range(loader.cfg.num_layers):
-        select = selector.layer_selector(load_indexer(loader, f"model.layers.{i}."))
+        select = selector.layer_selector(load_indexer(loader, i))
         for per_format in layers.values():
             per_format[i].mla.selector = select
     return layers

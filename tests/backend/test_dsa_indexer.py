@@ -60,7 +60,7 @@ def load_ours(tmp_path: Path, mod: torch.nn.Module, raw: dict) -> tuple[ModelCon
     save_file({f"model.layers.0.self_attn.indexer.{k}": v.contiguous() for k, v in mod.state_dict().items()},
               str(tmp_path / "model.safetensors"))
     cfg = ModelConfig.from_dict(raw)
-    return cfg, load_indexer(WeightLoader(tmp_path, cfg, torch.float32), "model.layers.0.")
+    return cfg, load_indexer(WeightLoader(tmp_path, cfg, torch.float32), 0)
 
 
 def hf_scores(mod: torch.nn.Module, rope: torch.nn.Module, x: torch.Tensor, qr: torch.Tensor,
@@ -208,3 +208,25 @@ def test_step_rope_tables_equal_the_models(scaling: dict | None) -> None:
     cfg = ModelConfig.from_dict(raw)
     positions = torch.randint(0, 128, (37,))
     assert torch.equal(DsaSelector(cfg).tables(positions), RotaryEmbedding(cfg).tables(positions))
+
+
+def test_missing_or_misshaped_indexer_tensors_are_typed_errors(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from backend.errors import WeightsError
+
+    mod, _, raw = hf_indexer(True, seed=0)
+    load_ours(tmp_path, mod, raw)
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(f)
+    cfg = ModelConfig.from_dict(raw)
+    tensors["model.layers.0.self_attn.indexer.wk.weight"] = torch.randn(16, 64)
+    save_file(tensors, str(f))
+    with pytest.raises(WeightsError, match="indexer.wk"):
+        load_indexer(WeightLoader(tmp_path, cfg, torch.float32), 0)
+    del tensors["model.layers.0.self_attn.indexer.wk.weight"]
+    save_file(tensors, str(f))
+    with pytest.raises(WeightsError, match="indexer.wk"):
+        load_indexer(WeightLoader(tmp_path, cfg, torch.float32), 0)
+    shared = ModelConfig.from_dict({**raw, "num_hidden_layers": 2, "indexer_types": ["full", "shared"]})
+    assert load_indexer(WeightLoader(tmp_path, shared, torch.float32), 1) is None
