@@ -45,8 +45,9 @@ Refused with `WeightsError` (naming the tensor, or the config entry): another
 `format` (naive-quantized, float-quantized, nvfp4, ...), weights other than
 symmetric 4-bit int group-wise, quantised activations, group-wise activation
 ordering (``actorder: group``, which stores a ``g_idx``), config groups with
-different group sizes, sparsity or transform configs, a ``weight_shape`` that disagrees with the packed or scale
-tensors, a K the group size does not divide, and a packed tensor for an ignored module.
+different group sizes, sparsity or transform configs, a ``weight_shape`` that
+disagrees with the packed or scale tensors, a K the group size does not divide,
+and a packed tensor for an ignored module.
 """
 
 from __future__ import annotations
