@@ -345,7 +345,9 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._window)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens, keep_special_ids=self._keep)
+        if self._keep:
+            return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens, keep_special_ids=self._keep)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the newly completed text (maybe "")."""
