@@ -12,9 +12,9 @@ The grammar is `start: [reasoning] calls`:
 - each call (`ToolParser.call_grammar`) spells the family's markers, the function's name
   (only the named one, or any of the request's tools) and its arguments as JSON under the
   tool's `parameters` schema (`%json`, compact with json.dumps's separators, the way chat
-  templates render earlier calls; an object schema without `additionalProperties` gets it
-  false, so the model cannot invent keys: the output still validates against the schema
-  as given);
+  templates render earlier calls; a top-level schema that lists `properties` without saying
+  `additionalProperties` gets it false, so the model cannot invent keys: the output still
+  validates against the schema as given);
 - markers that are special tokens of the model's tokenizer (Kimi's `<|tool_call_begin|>`)
   are written as special-token references (`<|tool_call_begin|>`), others as text;
 - with a reasoning parser, an optional think block comes first (required when the prompt
@@ -46,7 +46,7 @@ _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 def json_rule(rule: str, schema: dict[str, Any]) -> str:
     """A Lark rule `rule` matching compact JSON valid under `schema`."""
     schema = dict(schema)
-    if schema.get("type") == "object" and "additionalProperties" not in schema:
+    if schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema:
         schema["additionalProperties"] = False
     return f"{rule}: %json {json.dumps({'x-guidance': _JSON_OPTIONS, **schema}, ensure_ascii=False)}"
 
