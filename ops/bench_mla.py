@@ -26,7 +26,8 @@ Float32 compute, tokenizer-free (random token ids).
    (P 64, O 16 at c <= 8 and 8 above; quick P 16, O 6), greedy, EOS ignored,
    stepped in turn with the first mover alternating (`step_in_turn`); tok/s = c /
    median decode-step time (steps where every request has a token). R rounds
-   (3, quick 1) over all c, interleaved; the figure is the median over rounds.
+   (3, quick 1) over all c, interleaved; the figure is the median over rounds, and
+   the ratio of those medians is shown beside each round's own (paired) ratio.
 4. **KV budget of the real models**: `edgeserve kv-budget` figures (tokens per
    format in 46.8 GiB per GPU at TP 8, pages of 16) for Kimi K2.6 and GLM-5.
 
@@ -147,11 +148,12 @@ def format_table(report: dict[str, Any]) -> str:
              + f" -> {report['ratios']['admitted_fp8_vs_bf16']:.2f}x", "",
              f"decode tok/s ({cfg['prompt_tokens']}-token prompts, fp32 latent KV, median decode step, median of "
              f"{cfg['rounds']} interleaved rounds)",
-             f"{'c':>4}" + "".join(f"{p:>14}" for p in PATHS) + f"{'absorbed/non':>14}"]
-    dec = report["decode_tok_s"]
+             f"{'c':>4}" + "".join(f"{p:>14}" for p in PATHS) + f"{'absorbed/non':>14}  per round"]
+    dec, rounds = report["decode_tok_s"], report["ratios"].get("absorbed_vs_non_absorbed_rounds", {})
     for c in map(str, cfg["concurrency"]):
         lines.append(f"{c:>4}" + "".join(f"{dec[p][c]:>14.1f}" for p in PATHS)
-                     + f"{report['ratios']['absorbed_vs_non_absorbed'][c]:>13.2f}x")
+                     + f"{report['ratios']['absorbed_vs_non_absorbed'][c]:>13.2f}x  "
+                     + " ".join(f"{r:.2f}" for r in rounds.get(c, [])))
     s = report["kv_budget_setting"]
     lines += ["", f"real models, tokens in {s['free_gib']} GiB per GPU at TP {s['tp']} (pages of {s['page_size']}; "
                   "`edgeserve kv-budget`):"]
@@ -262,6 +264,9 @@ def run(args: argparse.Namespace) -> int:
         load_after = f.read().split()[:3]
 
     ratios, met = targets(admitted, decode)
+    # paired per round (the two paths ran side by side, so a burst of load hits both)
+    ratios["absorbed_vs_non_absorbed_rounds"] = {
+        c: [a / n for a, n in zip(per_round["absorbed"][c], per_round["non_absorbed"][c])] for c in decode["absorbed"]}
     report = {
         **provenance(), "quick": quick, "threads": torch.get_num_threads(), "machine": machine_info(),
         "load_avg_before": load_before, "load_avg_after": load_after,

@@ -47,6 +47,7 @@ def test_quick_run_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureFix
     assert set(report["decode_tok_s"]) == {"absorbed", "non_absorbed"}
     for row in report["decode_tok_s"].values():
         assert set(row) == {"1", "3"} and all(v > 0 for v in row.values())
+    assert set(report["ratios"]["absorbed_vs_non_absorbed_rounds"]) == {"1", "3"}
     assert set(report["kv_budget"]) == {"kimi-k2.6", "glm-5"}
     assert report["kv_budget"]["kimi-k2.6"]["bf16"] == 715_088
     assert report["kv_budget"]["glm-5"]["fp8_e4m3"] == 46.8 * 2**30 // (16 * 61_464) * 16
