@@ -80,8 +80,9 @@ class DecodeCoordinator:
             if getattr(req.params, field) is not None:
                 raise InvalidSamplingParams(f"`{field}` is not served by a prefill/decode pair", field=field)
         if req.params.grammar is not None:  # the prefill worker would sample the first token unconstrained
-            raise InvalidSamplingParams("`response_format` (structured output) is not served by a prefill/decode "
-                                        "pair", field="response_format")
+            field = "tool_choice" if req.params.grammar.kind == "lark" else "response_format"
+            raise InvalidSamplingParams(f"`{field}` (grammar-constrained output) is not served by a prefill/decode "
+                                        "pair", field=field)
         seq = self.engine.engine.new_sequence(req.prompt_ids, req.params, req.request_id)
         return self._run(seq, req)
 

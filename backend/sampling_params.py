@@ -10,12 +10,13 @@ __all__ = ["SamplingParams", "GrammarSpec", "GRAMMAR_KINDS", "MAX_STOP_STRINGS",
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # alternatives per position, as OpenAI allows
-GRAMMAR_KINDS = ("json_object", "json_schema")
+GRAMMAR_KINDS = ("json_object", "json_schema", "lark")
 
 
 class GrammarSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Structured output the worker enforces (`backend/grammar.py`): `json_object` (any JSON
-    object) or `json_schema` with `schema` the JSON schema as a string."""
+    object), `json_schema` with `schema` the JSON schema as a string, or `lark` with `schema` a
+    Lark grammar in llguidance's dialect (the gateway's tool_choice required/named grammars)."""
 
     kind: str
     schema: str = ""
