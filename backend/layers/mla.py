@@ -118,7 +118,8 @@ def _linears(loader: WeightLoader, modules: list[tuple[str, tuple[int, int], tor
         return loader.linears([(m, shape, 0) for m, shape, _ in modules], bias)
     read = [loader.read(m, shape) for m, shape, _ in modules]
     out: dict[str, LinearOp] = {}
-    for key, fmt in loader.targets.items():
+    for key, dst in loader.targets.items():
+        fmt = loader.target_format([src for src, _ in read], dst)
         parts = []
         for (src, sw), (_, _, perm) in zip(read, modules):
             part = loader.convert(src, sw, fmt)

@@ -10,8 +10,8 @@ routed SwiGLU experts of `moe_intermediate_size`, shared experts added unscaled)
 the same block as Glm4Moe.
 
 Checkpoint names per layer `model.layers.{i}.` (Kimi K2.5/K2.6 store them under
-`language_model.`, which the weight loader prepends from `checkpoint_prefix`; the
-vision tower beside it is not loaded):
+`language_model.`, which the checkpoint reader strips from `checkpoint_prefix`; it logs
+and skips the vision tower beside it):
 `input_layernorm.weight`, `post_attention_layernorm.weight`,
 `self_attn.{q_a_proj, q_b_proj | q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj}.weight`,
 `self_attn.{q_a_layernorm, kv_a_layernorm}.weight`, then the MLP's.
@@ -33,32 +33,20 @@ __all__ = ["load_layers"]
 log = logging.getLogger(__name__)
 
 
-def _log_skipped(loader: WeightLoader) -> None:
-    """One log line each for MTP layers and (Kimi) tensors outside the text backbone."""
+def _log_mtp(loader: WeightLoader) -> None:
+    """One log line for multi-token-prediction layers stored after the last layer."""
     cfg = loader.cfg
-    prefix = cfg.checkpoint_prefix
-    mtp: set[str] = set()
-    other = 0
-    for name in loader.ckpt.names():
-        if prefix and name.startswith(prefix):
-            name = name[len(prefix):]
-        elif prefix and not name.startswith("model.") and name != "lm_head.weight":
-            other += 1  # e.g. Kimi's vision_tower.* / mm_projector.*
-            continue
-        parts = name.split(".")
-        if name.startswith("model.layers.") and int(parts[2]) >= cfg.num_layers:
-            mtp.add(parts[2])
+    mtp = sorted({n.split(".")[2] for n in loader.ckpt.names()
+                  if n.startswith("model.layers.") and int(n.split(".")[2]) >= cfg.num_layers})
     if mtp:
         log.info("skipping %d multi-token-prediction layer(s) stored as model.layers.%s (not run)", len(mtp),
-                 ",".join(sorted(mtp)))
-    if other:
-        log.info("skipping %d tensor(s) outside the text model under %r (vision tower: not served)", other, prefix)
+                 ",".join(mtp))
 
 
 def load_layers(loader: WeightLoader) -> dict[str, list[LayerWeights]]:
     """The decoder layers, one list per target format (`loader.targets`)."""
     cfg = loader.cfg
-    _log_skipped(loader)
+    _log_mtp(loader)
     layers: dict[str, list[LayerWeights]] = {key: [] for key in loader.targets}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."

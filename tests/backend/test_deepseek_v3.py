@@ -218,3 +218,23 @@ def test_quantize_converts_every_mla_linear_and_the_result_loads(default_dir: Pa
     got = _our_logits_all_rows(_engine(out), ids)
     operand = _our_logits_all_rows(_engine(_dequantized_copy(out, tmp_path / "deq")), ids)
     assert (got - operand).abs().max().item() <= 1e-5
+
+
+def test_kimi_k25_wrapper_serves_its_text_backbone(default_dir: Path, tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A Kimi_K25ForConditionalGeneration folder (DeepseekV3 text_config, weights under language_model.,
+    a vision tower beside them) gives the plain DeepseekV3 checkpoint's logits exactly."""
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    text = json.loads((default_dir / "config.json").read_text())
+    text["model_type"] = "kimi_k2"
+    (kimi / "config.json").write_text(json.dumps({"architectures": ["Kimi_K25ForConditionalGeneration"],
+                                                  "model_type": "kimi_k25", "text_config": text}))
+    tensors = {f"language_model.{k}": v for k, v in load_file(default_dir / "model.safetensors").items()}
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2)
+    save_file(tensors, kimi / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 320, (25,)).tolist()
+    with caplog.at_level(logging.INFO):
+        got = _our_logits_all_rows(_engine(kimi), ids)
+    assert any("vision_tower" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(got, _our_logits_all_rows(_engine(default_dir), ids), rtol=0, atol=0)
