@@ -222,7 +222,7 @@ def _decode(cfg: ModelConfig, w: MLAWeights, q: torch.Tensor, cache: Any, layer:
             scale: float, absorb: bool, selection: KeySelection | None, kernel: bool) -> torch.Tensor:
     """Attention output [D, H, V] of the decode rows' queries q [D, H, qk] over their pages (absorbed:
     through the Triton kernel when `kernel`, which takes no selection, else torch)."""
-    d, h, r, nope = q.shape[0], cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    d, r, nope = q.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim
     keep = selection.decode if selection is not None else None
     mask = meta.decode_mask  # [D, 1, 1, P * page_size] additive: keys past each context length
     if keep is not None:

@@ -238,3 +238,16 @@ def test_kimi_k25_wrapper_serves_its_text_backbone(default_dir: Path, tmp_path: 
         got = _our_logits_all_rows(_engine(kimi), ids)
     assert any("vision_tower" in r.getMessage() for r in caplog.records)
     torch.testing.assert_close(got, _our_logits_all_rows(_engine(default_dir), ids), rtol=0, atol=0)
+
+
+def test_prefix_cache_reuses_latent_pages_with_the_same_output(default_dir: Path) -> None:
+    engine = _engine(default_dir, prefix_caching=True, kv_format="fp8_e4m3")
+    prompt = torch.randint(0, 320, (40,)).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    seqs = []
+    for _ in range(2):
+        seqs.append(engine.add_request(prompt, params))
+        while engine.has_work():
+            engine.step()
+    assert seqs[0].num_cached_tokens == 0 and seqs[1].num_cached_tokens == 32  # two full pages of 16 reused
+    assert seqs[1].output_ids == seqs[0].output_ids
