@@ -73,7 +73,7 @@ def checkpoint_sizes(model_dir) -> tuple[dict[str, int], dict[str, int]]:
     from ops.quantize import plan_quantize, size_report
 
     cfg = load_config(model_dir)
-    reader = CheckpointReader(model_dir)
+    reader = CheckpointReader(model_dir, cfg.checkpoint_prefix)
     size: dict[str, int] = {}
     linear: dict[str, int] = {}
     for name, fmt, group in (("fp8", "fp8", 128), ("int4", "int4", 128), ("int4_g32", "int4", 32)):

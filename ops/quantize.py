@@ -131,7 +131,7 @@ def _fused_expert(module: str, cfg: ModelConfig, specs: dict[str, TensorSpec]) -
 
 def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightFormat) -> QuantizePlan:
     """Check the input and plan every output tensor from the headers alone (no data read)."""
-    source = stored_format(cfg.quantization)
+    source = stored_format(cfg.quantization, cfg.checkpoint_prefix)
     if source is not None and source.name == "int4":
         raise WeightsError("the input is already INT4; quantize reads dense (BF16/FP16/FP32) or FP8 checkpoints")
     if source is not None and source.name == target.name:
@@ -263,8 +263,9 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
     if dst.exists():
         raise WeightsError(f"{dst} already exists; choose a new output folder", file=str(dst))
     cfg = load_config(src)
-    reader = CheckpointReader(src)
+    reader = CheckpointReader(src, cfg.checkpoint_prefix)  # a Kimi K2.x folder: its text model only
     plan = plan_quantize(reader, cfg, target)
+    prefix = cfg.checkpoint_prefix  # written back under the prefix the config.json implies
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
@@ -275,9 +276,10 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
         weight_map: dict[str, str] = {}
         with bar:
             for file, steps in zip(files, shards):
-                specs = {name: spec for _, outs in steps for name, spec in outs.items()}
+                specs = {prefix + name: spec for _, outs in steps for name, spec in outs.items()}
                 weight_map.update(dict.fromkeys(specs, file))
-                write_safetensors(tmp / file, specs, _produce(reader, plan, steps, bar.update),
+                tensors = ((prefix + name, t) for name, t in _produce(reader, plan, steps, bar.update))
+                write_safetensors(tmp / file, specs, tensors,
                                   {"edgeserve_weights": repr(target)})
         if len(files) > 1:
             total = sum(s.nbytes for s in plan.output_specs.values())

@@ -336,3 +336,26 @@ def test_fused_experts_are_written_per_expert(tiny_moe: Path, tmp_path: Path) ->
     assert all(torch.equal(a.get(n), b.get(n)) for n in a.names())
     assert report.input_linear_bytes == sum(t.nbytes for n, t in tensors.items()
                                             if n.endswith(("_proj.weight", "_proj")) and ".layers.3." not in n)
+
+
+def test_kimi_wrapped_checkpoint_is_quantised_under_its_prefix(tmp_path: Path) -> None:
+    """A Kimi K2.x folder (DeepseekV3 text model under `language_model.`, beside a vision tower):
+    its text model is converted exactly as the plain folder is, written back under the prefix, and
+    serves the same logits (the vision tower is not the text model and is not written)."""
+    from tests.backend.test_checkpoint_prefix import wrap
+    from tests.backend.tiny_mla_models import write_tiny_deepseek_v3
+
+    plain = write_tiny_deepseek_v3(tmp_path / "m", seed=6)
+    wrapped = wrap(plain, tmp_path / "w")
+    raw = json.loads((wrapped / "config.json").read_text())
+    raw["architectures"] = ["Kimi_K25ForConditionalGeneration"]
+    (wrapped / "config.json").write_text(json.dumps(raw))
+    fmt = weight_format("int4", 32)
+    quantize.quantize_checkpoint(wrapped, tmp_path / "qw", fmt, progress=False)
+    quantize.quantize_checkpoint(plain, tmp_path / "qp", fmt, progress=False)
+    got = load_file(tmp_path / "qw" / "model.safetensors")
+    want = load_file(tmp_path / "qp" / "model.safetensors")
+    assert sorted(got) == sorted(f"language_model.{n}" for n in want)
+    assert all(torch.equal(got[f"language_model.{n}"], t) for n, t in want.items())
+    ids = list(range(3, 33))
+    assert torch.equal(_prefill_logits(_engine(tmp_path / "qw"), ids), _prefill_logits(_engine(tmp_path / "qp"), ids))
