@@ -38,7 +38,9 @@ from backend.weights import CheckpointReader
 
 __all__ = ["LinearSpec", "WeightLoader"]
 
-LinearSpec = tuple[str, tuple[int, int], int]  # module name, its [out, in] shape, RoPE heads (0: rows kept)
+# module name, its [out, in] shape, and how its rows are reordered for RoPE: a head count (the rotary
+# rows of each head to interleaved pairs, rope.py), 0 (rows kept), or an explicit row permutation
+LinearSpec = tuple[str, tuple[int, int], "int | torch.Tensor"]
 
 
 class WeightLoader:
@@ -102,7 +104,8 @@ class WeightLoader:
 
     def linears(self, modules: list[LinearSpec], bias: torch.Tensor | None = None) -> dict[str, LinearOp]:
         """One runtime linear per target format for `modules` fused along N (rows concatenated in
-        order); rows of modules with heads > 0 are reordered for RoPE (see rope.py)."""
+        order); rows of modules with heads > 0 are reordered for RoPE (see rope.py), rows of modules
+        given a permutation tensor by that permutation."""
         cfg = self.cfg
         read_parts = [self.read(m, shape) for m, shape, _ in modules]
         out = {}
@@ -111,7 +114,9 @@ class WeightLoader:
             parts = []
             for (src, sw), (_, shape, heads) in zip(read_parts, modules):
                 part = self.convert(src, sw, fmt)
-                if heads:
+                if isinstance(heads, torch.Tensor):
+                    part = fmt.permute_rows(part, heads)
+                elif heads:
                     perm = interleave_rope_rows(torch.arange(shape[0]), heads, cfg.head_dim, cfg.rotary_dim)
                     part = fmt.permute_rows(part, perm)
                 parts.append(part)

@@ -58,7 +58,6 @@ from backend.layers.loader import WeightLoader
 from backend.layers.norm import rms_norm
 from backend.linear import Linear, LinearOp
 from backend.rope import RotaryEmbedding, interleave_rope_rows
-from backend.weight_formats import StoredWeight
 
 __all__ = ["KeySelection", "MLAWeights", "load_mla", "mla_attention"]
 
@@ -110,26 +109,6 @@ def _rope_row_perm(num_heads: int, head_dim: int, rope_dim: int) -> torch.Tensor
     return perm.reshape(-1)
 
 
-def _linears(loader: WeightLoader, modules: list[tuple[str, tuple[int, int], torch.Tensor | None]],
-             bias: torch.Tensor | None = None) -> dict[str, LinearOp]:
-    """`loader.linears` for modules whose rows may be reordered by an explicit permutation
-    (rope_interleave=False checkpoints); without permutations it is `loader.linears`."""
-    if all(perm is None for _, _, perm in modules):
-        return loader.linears([(m, shape, 0) for m, shape, _ in modules], bias)
-    read = [loader.read(m, shape) for m, shape, _ in modules]
-    out: dict[str, LinearOp] = {}
-    for key, dst in loader.targets.items():
-        fmt = loader.target_format([src for src, _ in read], dst)
-        parts = []
-        for (src, sw), (_, _, perm) in zip(read, modules):
-            part = loader.convert(src, sw, fmt)
-            parts.append(fmt.permute_rows(part, perm) if perm is not None else part)
-        fused = fmt.cat_rows(parts) if len(parts) > 1 else parts[0]
-        fused = StoredWeight({k: t.to(loader.device) for k, t in fused.tensors.items()}, fused.shape)
-        out[key] = fmt.linear(fused, bias, loader.dtype, loader.gemm_buckets)
-    return out
-
-
 def load_mla(loader: WeightLoader, prefix: str) -> dict[str, MLAWeights]:
     """One `MLAWeights` per target format for `<prefix>self_attn.`: q_a_proj + q_a_layernorm +
     q_b_proj (or q_proj), kv_a_proj_with_mqa + kv_a_layernorm, kv_b_proj, o_proj (+ the biases
@@ -154,8 +133,8 @@ def load_mla(loader: WeightLoader, prefix: str) -> dict[str, MLAWeights]:
     a_bias = None
     if cfg.attention_bias and (f"{q_first[0]}.bias" in loader or f"{kv_a[0]}.bias" in loader):
         a_bias = torch.cat([bias_of(q_first[0], q_first[1][0], q_first[2]), bias_of(kv_a[0], r + dr, kv_perm)])
-    a_proj = _linears(loader, [q_first, kv_a], a_bias)
-    q_b = _linears(loader, [(f"{p}q_b_proj", (h * qk, ql), q_perm)]) if ql else None
+    a_proj = loader.linears([(m, shape, 0 if perm is None else perm) for m, shape, perm in (q_first, kv_a)], a_bias)
+    q_b = loader.linears([(f"{p}q_b_proj", (h * qk, ql), 0 if q_perm is None else q_perm)]) if ql else None
     o_bias = loader.get(f"{p}o_proj.bias") if cfg.attention_bias and f"{p}o_proj.bias" in loader else None
     o_proj = loader.linears([(f"{p}o_proj", (hidden, h * v), 0)], o_bias)
     q_a_norm = loader.get(f"{p}q_a_layernorm.weight") if ql else None
