@@ -44,7 +44,7 @@ import triton.language as tl
 
 from backend.errors import InvalidRequest
 from kernels.latent_kv_store import FP8_GROUP, dequantize_latent_ref, latent_row_dtype, latent_row_elems
-from kernels.paged_attention import _dot_dtype
+from kernels.paged_attention import _dot_dtype, default_num_splits
 
 __all__ = ["mla_decode_attention", "mla_decode_ref", "BLOCK_H"]
 
@@ -210,11 +210,17 @@ def _check_decode_args(q_latent: torch.Tensor, q_pe: torch.Tensor, pages_layer: 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, pages_layer: torch.Tensor, kv_format: str,
                          kv_lora_rank: int, rope_dim: int, page_table: torch.Tensor, context_lens: torch.Tensor,
-                         scale: float, num_kv_splits: int = 4) -> torch.Tensor:
+                         scale: float, num_kv_splits: int | None = None) -> torch.Tensor:
     """softmax(scale * (q_latent . c_kv + q_pe . k_pe)) @ c_kv for q_latent [D, H, R], q_pe [D, H, Dr] over each
     sequence's first context_lens[d] (>= 1) rows, reached through page_table [D, max_pages] (int32) in
-    pages_layer [num_pages, page_size, row_elems]; returns out_latent [D, H, R] in q's dtype (Triton)."""
+    pages_layer [num_pages, page_size, row_elems]; returns out_latent [D, H, R] in q's dtype (Triton).
+    `num_kv_splits` None: enough partitions to fill the device (`default_num_splits`, as the GQA
+    kernel chooses, with the head blocks in the place of KV heads), never a partition under
+    MIN_TOKENS_PER_SPLIT tokens of the page table's width."""
     _check_decode_args(q_latent, q_pe, pages_layer, kv_format, kv_lora_rank, rope_dim, page_table, context_lens)
+    if num_kv_splits is None:
+        num_kv_splits = default_num_splits(q_latent.shape[0], triton.cdiv(q_latent.shape[1], BLOCK_H),
+                                           page_table.shape[1] * pages_layer.shape[1], q_latent.device)
     if num_kv_splits < 1:
         raise InvalidRequest(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     batch, num_heads, _ = q_latent.shape
