@@ -267,8 +267,11 @@ def run(args: argparse.Namespace) -> int:
     # paired per round (the two paths ran side by side, so a burst of load hits both)
     ratios["absorbed_vs_non_absorbed_rounds"] = {
         c: [a / n for a, n in zip(per_round["absorbed"][c], per_round["non_absorbed"][c])] for c in decode["absorbed"]}
+    prov = provenance()
+    if Path(sys.argv[0]).name == "bench_mla.py":  # run as `python -m ops.bench_mla`, not through edgeserve
+        prov["command"] = " ".join(["python -m ops.bench_mla", *sys.argv[1:]])
     report = {
-        **provenance(), "quick": quick, "threads": torch.get_num_threads(), "machine": machine_info(),
+        **prov, "quick": quick, "threads": torch.get_num_threads(), "machine": machine_info(),
         "load_avg_before": load_before, "load_avg_after": load_after,
         "config": {"model": cfg_kwargs, "page_size": page_size, "concurrency": points, "prompt_tokens": prompt_tokens,
                    "output_tokens": {str(c): o for c, o in out_tokens.items()}, "rounds": rounds,
