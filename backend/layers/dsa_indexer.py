@@ -87,10 +87,9 @@ def load_indexer(loader: WeightLoader, layer: int) -> IndexerWeights | None:
     heads, dim, rot = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     if rot > dim or rot % 2:
         raise ModelLoadError(f"index_head_dim {dim} must hold the even qk_rope_head_dim {rot}")
-    fmt = loader.formats["prefill"]
-
     def linear(name: str, shape: tuple[int, int], rope_heads: int) -> LinearOp:
         src, sw = loader.read(f"{p}{name}", shape)
+        fmt = loader.target_format([src], loader.formats["prefill"])  # stored dense stays dense
         sw = loader.convert(src, sw, fmt)
         if not cfg.indexer_rope_interleave:
             sw = fmt.permute_rows(sw, interleave_rope_rows(torch.arange(shape[0]), rope_heads, dim, rot))

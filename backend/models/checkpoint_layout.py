@@ -24,6 +24,11 @@ wiring they describe:
       dense    input_layernorm.weight, post_attention_layernorm.weight,
                self_attn.kv_a_layernorm.weight, self_attn.q_a_layernorm.weight (q_lora_rank set)
 
+    GlmMoeDsa (GLM-5.x): the MLA decoder, and on each layer whose indexer_types entry is "full"
+      linears  self_attn.indexer.{wq_b, wk}
+      dense    self_attn.indexer.k_norm.{weight, bias}, self_attn.indexer.weights_proj.weight
+               (weights_proj stays dense, as GLM-5-FP8 ships it: its scores pick the top-k keys)
+
 Everything else a checkpoint holds (biases, the router's `e_score_correction_bias`,
 the LM head, multi-token-prediction layers stored as `model.layers.{num_hidden_layers}.*`)
 is optional here: the loader reads what it finds, and rewriting tools copy it as
@@ -63,6 +68,15 @@ def _mla_attention(cfg: ModelConfig, p: str) -> CheckpointLayout:
     return CheckpointLayout(linears, required)
 
 
+def _dsa_attention(cfg: ModelConfig, p: str) -> CheckpointLayout:
+    mla = _mla_attention(cfg, p)
+    if cfg.indexer_types[int(p.split(".")[2])] != "full":
+        return mla
+    x = f"{p}self_attn.indexer."
+    return CheckpointLayout([*mla.linears, f"{x}wq_b", f"{x}wk"],
+                            [*mla.required, f"{x}k_norm.weight", f"{x}k_norm.bias", f"{x}weights_proj.weight"])
+
+
 def _gqa_decoder(cfg: ModelConfig) -> CheckpointLayout:
     """GQA attention and, per layer, a dense SwiGLU MLP or a MoE block (`cfg.is_moe_layer`)."""
     return _decoder(cfg, _gqa_attention)
@@ -71,6 +85,11 @@ def _gqa_decoder(cfg: ModelConfig) -> CheckpointLayout:
 def _mla_decoder(cfg: ModelConfig) -> CheckpointLayout:
     """Multi-head latent attention and, per layer, a dense SwiGLU MLP or a MoE block."""
     return _decoder(cfg, _mla_attention)
+
+
+def _dsa_decoder(cfg: ModelConfig) -> CheckpointLayout:
+    """Multi-head latent attention with the DSA indexer on its "full" layers, dense or MoE MLPs."""
+    return _decoder(cfg, _dsa_attention)
 
 
 def _decoder(cfg: ModelConfig, attention: Callable[[ModelConfig, str], CheckpointLayout]) -> CheckpointLayout:
@@ -95,6 +114,7 @@ _LAYOUTS: dict[str, Callable[[ModelConfig], CheckpointLayout]] = {  # registry m
     "backend.models.llama": _gqa_decoder,
     "backend.models.glm4_moe": _gqa_decoder,
     "backend.models.deepseek_v3": _mla_decoder,
+    "backend.models.glm_moe_dsa": _dsa_decoder,
 }
 
 

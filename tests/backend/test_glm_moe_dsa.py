@@ -208,3 +208,30 @@ def test_fp8_block_scaled_checkpoint_matches_transformers_on_the_dequantised_wei
         expected = reference_model(ref_dir)(torch.tensor([ids])).logits[0]
     got = _our_logits_all_rows(_engine(path), ids)
     assert (got - expected).abs().max().item() <= ATOL
+
+
+def test_quantize_converts_the_indexer_linears_and_the_result_loads(model_dir: Path, tmp_path: Path) -> None:
+    """`edgeserve quantize` knows GLM-5's tensors: the MLA linears and, on "full" layers only, the
+    indexer's wq_b/wk come out FP8, its k_norm and weights_proj as stored; the engine then computes
+    what a dense checkpoint of the dequantised weights gives."""
+    from backend.config import load_config
+    from backend.weight_formats import weight_format
+    from backend.weights import CheckpointReader
+    from ops import quantize
+    from tests.ops.test_quantize import _dequantized_copy
+
+    out = tmp_path / "q"
+    quantize.quantize_checkpoint(model_dir, out, weight_format("fp8"), progress=False)
+    reader = CheckpointReader(out)
+    types = load_config(model_dir).indexer_types
+    assert "shared" in types and "full" in types
+    for i, kind in enumerate(types):
+        x = f"model.layers.{i}.self_attn.indexer."
+        assert (f"{x}wq_b.weight_scale_inv" in reader) == (kind == "full")
+        if kind == "full":
+            assert reader.spec(f"{x}wk.weight").dtype == torch.float8_e4m3fn
+            assert reader.spec(f"{x}weights_proj.weight").dtype == torch.float32
+    ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = _our_logits_all_rows(_engine(out), ids)
+    operand = _our_logits_all_rows(_engine(_dequantized_copy(out, tmp_path / "deq")), ids)
+    assert (got - operand).abs().max().item() <= 1e-5
