@@ -24,6 +24,7 @@ BENCHES: dict[str, str] = {
     "weights": "ops.bench_weights",
     "soak": "ops.bench_soak",
     "moe": "ops.bench_moe",
+    "mla": "ops.bench_mla",
     "structured": "ops.bench_structured",
 }
 
