@@ -1,0 +1,179 @@
+"""GPTQ: INT4 weights chosen against the layer's inputs, in the existing INT4 format.
+
+Round to nearest (RTN) picks each weight's code alone. GPTQ (Frantar et al., 2022)
+picks them one input column at a time and pushes each column's rounding error onto the
+columns not yet quantised, weighted by how the layer's inputs correlate, so that the
+*output* error ||X Wᵀ - X Qᵀ|| stays small rather than the weight error. For a linear
+W [N, K] with calibration inputs X [n, K]:
+
+    H = 2 Xᵀ X / n                                  # [K, K], the Hessian of the output error
+    H += λ I,  λ = 1% of mean(diag H)               # dampening: H is often singular
+    U = cholesky(H⁻¹) (upper)                       # U[i, i:] is row i of the inverse's factor
+    for each column i (in blocks of 128, the updates of a block applied lazily):
+        q_i = Q(w_i)                                # the INT4 grid of w_i's group (below)
+        e_i = (w_i - q_i) / U[i, i]
+        w_j -= e_i U[i, j]  for j > i               # columns not yet quantised absorb the error
+
+An input column that is always zero (diag H = 0) gets H[i, i] = 1 and its weights
+set to 0: nothing it multiplies can matter. With H = I there is no correlation to
+exploit (U is diagonal, every update is zero) and GPTQ *is* RTN, code for code.
+
+**The grid** is `Int4Format`'s (`backend/weight_formats.py`), so the result is stored and
+served as any INT4 checkpoint is: asymmetric, group-wise along K (group g, the last
+group partial when g does not divide K), ``w = (q - 8) * s + z`` with q in 0..15, where
+for a group with minimum lo and maximum hi s = (hi - lo) / 15 and z = lo + 8 s are
+rounded to bfloat16 first and the codes computed against the rounded s and z
+(`kernels.w4a16_gemm.quantize_int4_ref`, the same float operations, so H = I gives
+RTN's codes bit for bit). A group's s and z are set when GPTQ reaches the group's first
+column, from the group's current (error-updated) weights, as the GPTQ reference does;
+blocks are at least one group wide so that a group never straddles two blocks.
+
+**Activation order** (``act_order``): columns are visited by decreasing diag H (the
+inputs with the most energy first, while there is most freedom left to absorb their
+error). The group scales stay in column order (the stored format has no column
+permutation), so under act-order every group's s and z are fixed up front from the
+weights before any update ("static groups"), then the columns are quantised in
+activation order against them.
+
+Numerics: H is accumulated in float64, inverted and factored in float64 (the
+Cholesky of a damped H of a few thousand columns loses nothing there), the column
+loop runs in float32. If the Cholesky fails the dampening is raised tenfold, up to
+three times, before giving up with a `WeightsError`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from backend.errors import WeightsError
+from backend.weight_formats import Int4Format, StoredWeight
+
+__all__ = ["HessianAccumulator", "PreparedHessian", "GptqResult", "prepare_hessian", "gptq_quantize",
+           "int4_group_params", "DEFAULT_DAMP", "DEFAULT_BLOCK"]
+
+DEFAULT_DAMP = 0.01  # fraction of mean(diag H) added to the diagonal
+DEFAULT_BLOCK = 128  # columns whose updates are applied together (lazy batch updates)
+
+
+class HessianAccumulator:
+    """H = 2 Xᵀ X / n over every row of X seen by `add` (float64)."""
+
+    def __init__(self, in_features: int) -> None:
+        self.h = torch.zeros(in_features, in_features, dtype=torch.float64)  # [K, K]
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate inputs x [..., K] (any float dtype)."""
+        x = x.reshape(-1, self.h.shape[0]).float()
+        self.h += (x.t() @ x).double()
+        self.rows += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        """2 Xᵀ X / n [K, K] (float64); an all-zero matrix when nothing was added."""
+        return self.h * (2.0 / self.rows) if self.rows else self.h.clone()
+
+
+class PreparedHessian(NamedTuple):
+    """What GPTQ needs of one input's Hessian, shared by every linear that reads that input."""
+
+    u: torch.Tensor  # [K, K] float32, upper Cholesky factor of the damped H⁻¹, rows/columns in visiting order
+    perm: torch.Tensor | None  # [K] visiting order (act-order), None: column order
+    dead: torch.Tensor  # [K] bool, input columns that were always zero
+
+
+class GptqResult(NamedTuple):
+    stored: StoredWeight  # in the INT4 format (qweight, scales, zeros)
+    dequantized: torch.Tensor  # [N, K] float32: exactly Int4Format.dequantize(stored)
+
+
+def prepare_hessian(h: torch.Tensor, act_order: bool = False, damp: float = DEFAULT_DAMP) -> PreparedHessian:
+    """Dampen H [K, K], optionally order its columns by decreasing diagonal, and factor its inverse."""
+    h = h.double().clone()
+    k = h.shape[0]
+    diag = torch.diagonal(h)
+    dead = diag == 0
+    diag[dead] = 1.0
+    perm = torch.argsort(diag, descending=True, stable=True) if act_order else None
+    if perm is not None:
+        h = h[perm][:, perm]
+    mean = float(torch.diagonal(h).mean())
+    for attempt in range(4):
+        lam = damp * (10 ** attempt) * mean
+        chol, info = torch.linalg.cholesky_ex(h + lam * torch.eye(k, dtype=h.dtype))
+        if int(info) == 0:
+            inv = torch.cholesky_inverse(chol)
+            u, info = torch.linalg.cholesky_ex(inv, upper=True)
+            if int(info) == 0:
+                return PreparedHessian(u.float(), perm, dead)
+    raise WeightsError(f"GPTQ: the calibration Hessian ({k} columns) is not positive definite even with "
+                       f"{100 * damp * 1000:g}% dampening; use more calibration tokens or --method rtn")
+
+
+def int4_group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, z) [N] float32 of one INT4 group w [N, g], bfloat16-rounded as `quantize_int4_ref` makes them."""
+    lo, hi = w.amin(dim=1), w.amax(dim=1)
+    flat = hi == lo  # a constant group: code 8 stands for the value itself
+    s = torch.where(flat, 1.0, (hi - lo) / 15).to(torch.bfloat16)
+    z = torch.where(flat, lo, lo + 8 * s.float()).to(torch.bfloat16)
+    return s.float(), z.float()
+
+
+def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """INT4 codes (float, 0..15) of w against s, z (broadcast), as `quantize_int4_ref` rounds."""
+    return (torch.round((w - z) / s) + 8).clamp(0, 15)
+
+
+def gptq_quantize(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format,
+                  block: int = DEFAULT_BLOCK) -> GptqResult:
+    """Quantise w [N, K] (any float dtype) into `fmt` with GPTQ against `prepared` (see the module docstring)."""
+    n, k = w.shape
+    if prepared.u.shape != (k, k):
+        raise WeightsError(f"GPTQ: a [{n}, {k}] weight against a Hessian of {prepared.u.shape[0]} columns")
+    if k % 2:
+        raise WeightsError(f"INT4 packs two codes per byte along in_features, so it must be even; got a "
+                           f"{[n, k]} weight", shape=[n, k])
+    g = fmt.group_size
+    groups = -(-k // g)
+    block = max(block, g)
+    W = w.float().clone()  # [N, K], updated in place
+    W[:, prepared.dead] = 0
+    scales = torch.zeros(n, groups)  # float32 values of the bfloat16 scales
+    zeros = torch.zeros(n, groups)
+    perm = prepared.perm
+    if perm is not None:  # static groups, from the weights before any update (column order)
+        for j in range(groups):
+            scales[:, j], zeros[:, j] = int4_group_params(W[:, j * g:(j + 1) * g])
+        W = W[:, perm]
+        col_of = perm.tolist()
+    else:
+        col_of = list(range(k))
+    u = prepared.u
+    codes = torch.zeros(n, k)  # in visiting order
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1 = W[:, i1:i2].clone()
+        err = torch.zeros(n, i2 - i1)
+        u1 = u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = col_of[i1 + i]
+            if perm is None and col % g == 0:  # first column of a group: its grid from the current weights
+                scales[:, col // g], zeros[:, col // g] = int4_group_params(W1[:, i:i + g])
+            s, z = scales[:, col // g], zeros[:, col // g]
+            wi = W1[:, i]
+            c = _codes(wi, s, z)
+            codes[:, i1 + i] = c
+            e = (wi - ((c - 8) * s + z)) / u1[i, i]
+            W1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
+            err[:, i] = e
+        W[:, i2:] -= err @ u[i1:i2, i2:]
+    if perm is not None:
+        codes = codes[:, torch.argsort(perm)]
+    q = codes.to(torch.uint8)  # [N, K] in column order
+    qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    stored = StoredWeight({"qweight": qweight, "scales": scales.to(torch.bfloat16),
+                           "zeros": zeros.to(torch.bfloat16)}, (n, k))
+    s_full = scales.repeat_interleave(g, dim=1)[:, :k]
+    z_full = zeros.repeat_interleave(g, dim=1)[:, :k]
+    return GptqResult(stored, (codes - 8) * s_full + z_full)
