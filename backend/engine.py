@@ -23,6 +23,12 @@ engine thread last `publish`ed: at the end of a step at most every
 `PUBLISH_INTERVAL_S` while busy, always at the end of the step that leaves it idle,
 and (under `AsyncEngine`) whenever the idle thread wakes, e.g. after held pages are freed.
 
+Tensor parallelism (`backend/distributed/`): built with a group (`from_pretrained(...,
+group=...)`), this engine is rank 0: its model sends every forward pass to the other
+ranks, and a `GroupFailure` (a rank died or hung) is not confined to its batch: the
+batch's requests end, then it escapes `step()` (and `has_work()` raises it once the
+group is marked failed while idle), so `AsyncEngine` stops and every request gets it.
+
 Prefix-cache KV events (`kv_events`, drained by the worker's Redis publisher) are
 bounded by `EngineConfig.kv_events_max`: when nobody drains them the oldest are
 dropped and counted in `kv_events_dropped`, so a publisher can tell its index is stale.
@@ -41,6 +47,7 @@ from typing import Any, NamedTuple
 import torch
 
 from backend.config import ModelConfig
+from backend.distributed.collectives import Collectives, GroupFailure
 from backend.errors import EdgeServeError, InvalidRequest, InvalidSamplingParams, KVIntegrityError
 from backend.grammar import GrammarCompiler
 from backend.kv_cache import create_kv_cache
@@ -90,6 +97,8 @@ class EngineConfig:
     decode_weights: str | None = None  # rows of decode tokens, in every step (mixed ones too)
     int4_group_size: int = 128  # 32 allowed
     kv_events_max: int = 10_000  # prefix-cache KV events kept for the publisher; older ones are dropped
+    tensor_parallel: int = 1  # ranks of this worker's group (backend/distributed/); 1: one process, no collectives
+    expert_parallel: bool = False  # with tensor_parallel > 1: routed experts split by whole experts
 
 
 class TokenScores(NamedTuple):
@@ -129,6 +138,11 @@ class LLMEngine:
             PrefixCachePool(self.allocator, config.page_size, self._record_kv_event) if config.prefix_caching
             else None)
         self.runner = ModelRunner(model, self.cache)
+        self.group: Collectives | None = model.group  # rank 0 of a tensor-parallel group, or None
+        if self.group is not None:
+            from backend.distributed.group import attach_leader
+
+            attach_leader(self, self.group)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or cfg.eos_token_ids)
         self._stop_checkers: dict[str, StopChecker] = {}
@@ -143,10 +157,19 @@ class LLMEngine:
         self.publish(force=True)
 
     @classmethod
-    def from_pretrained(cls, model_dir: Path, config: EngineConfig | None = None) -> LLMEngine:
+    def from_pretrained(cls, model_dir: Path, config: EngineConfig | None = None,
+                        group: Collectives | None = None) -> LLMEngine:
+        """Load `model_dir` and build the engine; with `group` (rank 0's collectives of a group of
+        `config.tensor_parallel` ranks whose followers load their shards too) only rank 0's shard."""
         config = config or EngineConfig()
+        if (config.tensor_parallel > 1) != (group is not None and group.world > 1) or \
+                (group is not None and group.world != config.tensor_parallel):
+            raise InvalidRequest(f"tensor_parallel {config.tensor_parallel} needs a group of that many ranks "
+                                 f"(backend.distributed.group.start_group); got "
+                                 f"{'none' if group is None else group.world}")
         model = load_model(Path(model_dir), DTYPES[config.dtype], config.gemm_buckets, config.device,
-                           config.prefill_weights, config.decode_weights, config.int4_group_size)
+                           config.prefill_weights, config.decode_weights, config.int4_group_size, group=group,
+                           expert_parallel=config.expert_parallel)
         tokenizer = None
         if (Path(model_dir) / "tokenizer.json").exists():
             from backend.tokenizer import Tokenizer
@@ -278,6 +301,9 @@ class LLMEngine:
         self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
+        """Whether a step would do anything; raises `GroupFailure` once this engine's group has failed."""
+        if self.group is not None:
+            self.group.check()
         return self.scheduler.has_work()
 
     # -- the loop ----------------------------------------------------------------------
@@ -315,7 +341,10 @@ class LLMEngine:
             log.exception("engine step failed")
             self.failed_steps_in_row += 1
             err = exc if isinstance(exc, EdgeServeError) else EdgeServeError(f"engine step failed: {exc}")
-            return outputs + self._fail(batch, err)
+            failed = self._fail(batch, err)
+            if isinstance(exc, GroupFailure):  # the group is over: stop the engine (every request hears it)
+                raise
+            return outputs + failed
         self.failed_steps_in_row = 0
         return outputs
 

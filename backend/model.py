@@ -31,6 +31,16 @@ then reads both copies of the linear weights. When both phases ask for the same
 format they share one copy and every step runs each GEMM once over all its rows;
 otherwise the linear layers are held twice (`weight_memory` says what each costs).
 Embeddings, norms, biases, the MoE router and the LM head are shared and stay dense.
+
+Tensor parallelism (`backend/distributed/`): loaded with a group of N ranks, each rank
+holds its shard (`distributed/sharding.py`: its heads, MLP rows or experts, vocabulary
+rows) and `cfg` is its local view. The forward pass is the same code plus four points
+of communication: the vocab-parallel embedding lookup is all-reduced, each layer's
+attention output and MLP/MoE output (partial sums of row-parallel GEMMs) are
+all-reduced before the residual add, and the LM head's vocabulary columns are gathered
+to rank 0, which alone gets the logits. Rank 0's `forward` first sends the step to the
+other ranks (`step_channel`), which run `forward_local` on it. At world size 1 `group`
+is None and none of this runs.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +66,10 @@ from backend.linear import Linear, LinearOp
 from backend.models import architecture_module
 from backend.rope import RotaryEmbedding
 from backend.weight_formats import WeightFormat
+
+if TYPE_CHECKING:
+    from backend.distributed.collectives import Collectives
+    from backend.distributed.step_broadcast import StepChannel
 
 __all__ = ["DecoderModel", "LayerWeights", "LlamaModel", "PHASES", "load_model"]
 
@@ -92,9 +106,14 @@ class LayerWeights:
 
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, gemm_buckets: tuple[int, ...] = (),
                device: str = "cpu", prefill_weights: str | None = None, decode_weights: str | None = None,
-               group_size: int = 128) -> DecoderModel:
+               group_size: int = 128, group: Collectives | None = None,
+               expert_parallel: bool = False) -> DecoderModel:
     """Load a Hugging Face-format folder (config.json + safetensors), dense or quantised, through
     the wiring module registered for its `architectures[0]`.
+
+    group: this rank's collectives in a tensor-parallel group of more than one rank (None: the
+    whole model in this process); the rank reads only its shard (`distributed/sharding.py`),
+    routed experts split by intermediate rows, or by whole experts with `expert_parallel`.
 
     prefill_weights / decode_weights: the format of the linear layers and experts per phase
     (fp32, bf16, fp8, int4; `group_size` for int4). None keeps the stored format: a
@@ -104,14 +123,24 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, gemm_buckets
     the dequantised FP8 values). gemm_buckets: row counts to pre-pack float32
     weights for (see `linear.py`)."""
     cfg = load_config(Path(model_dir))
+    plan = None
+    if group is not None and group.world > 1:
+        from backend.distributed.sharding import ShardPlan
+
+        plan = ShardPlan(cfg, group.rank, group.world, expert_parallel)
     loader = WeightLoader(Path(model_dir), cfg, dtype, gemm_buckets, device, prefill_weights, decode_weights,
-                          group_size)
+                          group_size, plan)
     layers = architecture_module(cfg.architecture).load_layers(loader)  # format key -> layers
-    embed = loader.get("model.embed_tokens.weight")
+    embed = loader.get("model.embed_tokens.weight")  # [vocab (this rank's rows), hidden]
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
     lm_head = Linear(embed if tied else loader.get("lm_head.weight"), None, gemm_buckets)
     by_phase = {phase: layers[repr(fmt)] for phase, fmt in loader.formats.items()}
-    return DecoderModel(cfg, embed, by_phase, loader.get("model.norm.weight"), lm_head, dtype, loader.formats)
+    model = DecoderModel(loader.cfg, embed, by_phase, loader.get("model.norm.weight"), lm_head, dtype,
+                         loader.formats)
+    model.bytes_read = loader.ckpt.bytes_read
+    if plan is not None:
+        model.group, model.vocab_start, model.vocab_shard = group, plan.vocab.start, plan.vocab_shard_size
+    return model
 
 
 class DecoderModel:
@@ -131,6 +160,10 @@ class DecoderModel:
         self.rope = RotaryEmbedding(cfg, embed.device)
         self.mla_absorb = True  # MLA decode rows: weight absorption (False: expand the latent per head)
         self.steps_by_phase: Counter[str] = Counter()  # steps by their rows: "prefill", "decode", "mixed"
+        self.bytes_read = 0  # checkpoint tensor bytes read to build this model (a rank's shard only)
+        self.group: Collectives | None = None  # tensor parallelism: this rank's collectives (None: one process)
+        self.step_channel: StepChannel | None = None  # rank 0 of a group: sends each step to the others
+        self.vocab_start, self.vocab_shard = 0, cfg.vocab_size  # this rank's first token id, rows per shard
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype = torch.float32,
@@ -168,39 +201,64 @@ class DecoderModel:
         total = sum(shared.values()) + sum(lin.nbytes for lin in linears.values()) + packs
         return {"shared": sum(shared.values()), **per_phase, "packs": packs, "total": total}
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata, cache: PagedKVCache,
                 phase: str | None = None) -> torch.Tensor:
         """Logits [R, vocab] (float32) for rows `meta.logits_rows` of the flat batch input_ids [T].
 
         The first `meta.num_decode` rows (and logits rows) are decode rows and run on the decode
         weights, the prompt rows after them on the prefill weights (two row groups per GEMM when
-        the formats differ). `phase` puts every row on that phase's weights instead."""
+        the formats differ). `phase` puts every row on that phase's weights instead. Rank 0 of a
+        tensor-parallel group sends the step to the other ranks first."""
+        if self.step_channel is not None:
+            self.step_channel.send(input_ids, meta, phase)
+        return self.forward_local(input_ids, meta, cache, phase)
+
+    @torch.inference_mode()
+    def forward_local(self, input_ids: torch.Tensor, meta: StepMetadata, cache: PagedKVCache,
+                      phase: str | None = None) -> torch.Tensor:
+        """`forward` on this rank's shard (what every rank runs): logits [R, vocab] on rank 0, and on
+        the other ranks of a group their own vocabulary columns (unused)."""
         cfg = self.cfg
+        group = self.group
         d = meta.num_decode
         rows = "mixed" if d and meta.prefills else "prefill" if meta.prefills else "decode"
         self.steps_by_phase[rows] += 1
         split = d if phase is None and rows == "mixed" and not self.shares_weights else 0
         layers = self.phase_layers[phase or ("decode" if rows == "decode" else "prefill")]
         decode_layers = self.phase_layers["decode"]
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        h = F.embedding(input_ids, self.embed) if group is None else self._embed_shard(input_ids)  # [T, hidden]
         freqs = self.rope.tables(meta.positions)  # [T, 1, rotary_dim / 2]
         for i, (layer, dec) in enumerate(zip(layers, decode_layers)):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             if layer.mla is not None:
-                h.add_(self._mla(layer.mla, dec.mla, x, split, freqs, cache, i, meta))
+                a = self._mla(layer.mla, dec.mla, x, split, freqs, cache, i, meta)
             else:
-                h.add_(attention(cfg, layer.qkv, dec.qkv, layer.o_proj, dec.o_proj, layer.qk_norm, x, split, freqs,
-                                 cache, i, meta))
+                a = attention(cfg, layer.qkv, dec.qkv, layer.o_proj, dec.o_proj, layer.qk_norm, x, split, freqs,
+                              cache, i, meta)
+            h.add_(a if group is None else group.all_reduce(a))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
-                h.add_(run_linear(layer.moe, dec.moe, x, split))
+                m = run_linear(layer.moe, dec.moe, x, split)
             else:
-                h.add_(mlp(layer.gate_up, dec.gate_up, layer.down, dec.down, x, split))
+                m = mlp(layer.gate_up, dec.gate_up, layer.down, dec.down, x, split)
+            h.add_(m if group is None else group.all_reduce(m))
         h = rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
         if split and h.shape[0] > split:  # decode rows and completed prompts: the LM head per group too
-            return _linear(self.lm_head, self.lm_head, h, split).float()
-        return self.lm_head(h).float()
+            logits = _linear(self.lm_head, self.lm_head, h, split).float()
+        else:
+            logits = self.lm_head(h).float()
+        if group is None:
+            return logits
+        full = group.gather_columns(logits, cfg.vocab_size, self.vocab_shard)  # [R, vocab] on rank 0
+        return logits if full is None else full
+
+    def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel embedding [T, hidden]: each rank looks up the ids in its rows (zeros for the
+        others), then the ranks' rows are summed."""
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)  # [T, hidden]
+        return self.group.all_reduce(h.masked_fill_(outside.unsqueeze(1), 0.0))
 
     def _mla(self, w: MLAWeights, dec: MLAWeights, x: torch.Tensor, split: int, freqs: torch.Tensor, cache: Any,
              layer: int, meta: StepMetadata) -> torch.Tensor:

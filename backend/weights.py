@@ -3,7 +3,9 @@
 Every failure names the file: a missing shard, a truncated or corrupt file, a
 missing tensor. Tensors are loaded lazily one at a time (`safe_open`), so peak
 memory is the converted model plus one tensor; `spec` gives a tensor's dtype and
-shape from the header alone.
+shape from the header alone. `get_slice` reads a contiguous range of one dimension
+(a tensor-parallel rank's rows or columns) without reading the rest of the tensor;
+`bytes_read` counts the tensor bytes a reader has returned (what a rank loaded).
 
 A reader opened with a `prefix` serves the part of the checkpoint under it, by the
 names without it: Kimi K2.5/K2.6 (`Kimi_K25ForConditionalGeneration`) store their text
@@ -64,6 +66,7 @@ class CheckpointReader:
             if not files:
                 raise WeightsError(f"no *.safetensors file in {self.model_dir}", file=str(self.model_dir))
             weight_map = {}
+        self.bytes_read = 0  # tensor bytes returned by get / get_slice
         self._handles: dict[str, object] = {}
         for name in files:
             path = self.model_dir / name
@@ -117,11 +120,40 @@ class CheckpointReader:
             raise WeightsError(f"tensor {self.prefix + name!r} not found in the checkpoint at {self.model_dir}",
                                tensor=self.prefix + name, file=str(self.model_dir))
         try:
-            return self._handles[file].get_tensor(self.prefix + name)  # type: ignore[attr-defined]
+            tensor = self._handles[file].get_tensor(self.prefix + name)  # type: ignore[attr-defined]
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             path = self.model_dir / file
             raise WeightsError(f"corrupt tensor {self.prefix + name!r} in {path}: {exc}", tensor=self.prefix + name,
                                file=str(path)) from exc
+        self.bytes_read += tensor.nbytes
+        return tensor
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of dimension `dim` of one tensor, read from the file without the rest
+        (safetensors slices); a range outside the stored shape is a WeightsError."""
+        shape = self.spec(name).shape
+        if not 0 <= dim < len(shape):
+            raise WeightsError(f"tensor {self.prefix + name!r} of shape {list(shape)} has no dim {dim}",
+                               tensor=self.prefix + name, file=str(self.model_dir))
+        return self.get_region(name, [(0, n) for n in shape[:dim]] + [(start, stop)])
+
+    def get_region(self, name: str, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The block [start, stop) per leading dimension (`ranges`, one per dim from the first; the
+        dims after them whole) of one tensor, read without the rest of it."""
+        shape = self.spec(name).shape
+        if len(ranges) > len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(ranges, shape)):
+            raise WeightsError(f"region {ranges} is outside tensor {self.prefix + name!r} of shape {list(shape)}",
+                               tensor=self.prefix + name, file=str(self.model_dir))
+        index = tuple(slice(a, b) for a, b in ranges)
+        file = self.weight_map[name]
+        try:
+            tensor = self._handles[file].get_slice(self.prefix + name)[index]  # type: ignore[attr-defined]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            path = self.model_dir / file
+            raise WeightsError(f"corrupt tensor {self.prefix + name!r} in {path}: {exc}", tensor=self.prefix + name,
+                               file=str(path)) from exc
+        self.bytes_read += tensor.nbytes
+        return tensor
 
 
 def write_safetensors(path: Path, specs: dict[str, TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]],

@@ -21,6 +21,14 @@ dequantised exactly). A target the checkpoint does not have converts everything.
 Names are the architecture's plain ones (`model.layers.0.self_attn.kv_b_proj`); a
 checkpoint that keeps the text model under a prefix (`cfg.checkpoint_prefix`,
 `language_model.` for Kimi K2.5/K2.6) is read under it (`weights.CheckpointReader`).
+
+Tensor parallelism: a loader given a `ShardPlan` (`backend/distributed/sharding.py`)
+reads only its rank's slice of each tensor (`CheckpointReader.get_slice`), and its
+`cfg` is the rank's local view (its heads, its MLP rows), so the layer code computes
+local shapes as it computes whole ones; `global_cfg` is the checkpoint's. Sharded
+loading reads dense checkpoints; a quantised checkpoint is refused there (its block
+scales would need slicing on block boundaries), while a quantised *target* format is
+made from the slice after it is read.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from pathlib import Path
 import torch
 
 from backend.config import ModelConfig
-from backend.errors import WeightsError
+from backend.distributed.sharding import LEADER_ONLY, ShardPlan
+from backend.errors import ModelLoadError, WeightsError
 from backend.linear import LinearOp
 from backend.rope import interleave_rope_rows
 from backend.weight_formats import DenseFormat, StoredWeight, WeightFormat, stored_format, weight_format
@@ -48,13 +57,19 @@ class WeightLoader:
 
     def __init__(self, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, gemm_buckets: tuple[int, ...] = (),
                  device: str = "cpu", prefill_weights: str | None = None, decode_weights: str | None = None,
-                 group_size: int = 128) -> None:
-        self.cfg = cfg
+                 group_size: int = 128, plan: ShardPlan | None = None) -> None:
+        self.global_cfg = cfg
+        self.plan = plan
+        self.cfg = plan.local_config() if plan is not None else cfg
         self.dtype = dtype
         self.device = device
         self.gemm_buckets = gemm_buckets
         self.ckpt = CheckpointReader(Path(model_dir), cfg.checkpoint_prefix)
         self.stored = stored_format(cfg.quantization, cfg.checkpoint_prefix)
+        if plan is not None and plan.world > 1 and self.stored is not None:
+            raise ModelLoadError(f"tensor-parallel loading reads dense checkpoints; {model_dir} is stored as "
+                                 f"{self.stored.name} (serve a dense copy, with --prefill-weights/--decode-weights "
+                                 f"choosing the runtime format)")
 
         def resolve(name: str | None) -> WeightFormat:
             if name is None:
@@ -70,8 +85,21 @@ class WeightLoader:
         return name in self.ckpt
 
     def get(self, name: str) -> torch.Tensor:
-        """A dense tensor in the compute dtype on the device."""
-        return self.ckpt.get(name).to(device=self.device, dtype=self.dtype).contiguous()
+        """A dense tensor in the compute dtype on the device (this rank's slice of it under a plan)."""
+        return self.tensor(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A tensor as stored: whole, or under a `ShardPlan` this rank's slice of it (zeros on ranks
+        other than 0 for the bias of a row-parallel linear), reading only that slice."""
+        if self.plan is None:
+            return self.ckpt.get(name)
+        spec = self.ckpt.spec(name)
+        how = self.plan.slice_of(name, spec.shape)
+        if how is None:
+            return self.ckpt.get(name)
+        if how == LEADER_ONLY:
+            return self.ckpt.get(name) if self.plan.rank == 0 else torch.zeros(spec.shape, dtype=spec.dtype)
+        return self.ckpt.get_slice(name, *how)
 
     def read(self, module: str, shape: tuple[int, int] | None = None) -> tuple[WeightFormat, StoredWeight]:
         """A linear weight as stored (dense: in its own dtype), checked against `shape` when given.
@@ -79,7 +107,7 @@ class WeightLoader:
         quantiser left dense) is read dense."""
         stored = self.stored
         if stored is None or stored.stores_dense(module, self.ckpt.__contains__):
-            raw = self.ckpt.get(f"{module}.weight")
+            raw = self.tensor(f"{module}.weight")
             src: WeightFormat = DenseFormat(raw.dtype)
             sw = src.read(lambda _: raw, module)  # refuses non-float (e.g. FP8) tensors
         else:

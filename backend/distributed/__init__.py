@@ -1,0 +1,13 @@
+"""One worker as a group of ranks on `torch.distributed` (gloo on CPU, NCCL on GPUs).
+
+- `sharding.py`: which slice of each checkpoint tensor a rank reads (tensor, vocab and
+  expert parallelism) and the rank's local view of the config.
+- `collectives.py`: the all-reduce / gather / broadcast calls the model makes, counted,
+  with failures turned into `GroupFailure`.
+- `step_broadcast.py`: rank 0 sends each step's input ids and batch metadata to the others.
+- `group.py`: starting a group (spawned by the worker, or under `torchrun`), the followers'
+  loop, and the watchdog that ends the group when a rank dies.
+
+Nothing here is imported by a single-process worker: at world size 1 the model makes no
+collective call at all.
+"""
