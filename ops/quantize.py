@@ -45,8 +45,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,12 +58,16 @@ import torch
 from tqdm import tqdm
 
 from backend.config import ModelConfig, load_config
-from backend.errors import WeightsError
+from backend.errors import UnsupportedArchitecture, WeightsError
 from backend.models.checkpoint_layout import checkpoint_layout
-from backend.weight_formats import TensorSpec, WeightFormat, stored_format, weight_format
+from backend.weight_formats import Int4Format, TensorSpec, WeightFormat, stored_format, weight_format
 from backend.weights import CheckpointReader, write_safetensors
+from ops.calibration import DEFAULT_CALIB_TOKENS, CalibrationStats, LayerCalibrator, calibration_ids
 
-__all__ = ["register", "QuantizePlan", "plan_quantize", "quantize_checkpoint", "per_gpu_bytes", "SizeReport"]
+__all__ = ["register", "QuantizePlan", "plan_quantize", "quantize_checkpoint", "per_gpu_bytes", "SizeReport",
+           "METHODS", "resolve_method"]
+
+METHODS = ("rtn", "gptq")
 
 DEFAULT_SHARD_BYTES = 4 * 2**30
 Steps = list[tuple[str, dict[str, TensorSpec]]]  # (input tensor or linear module, its output tensors) in file order
@@ -101,6 +107,10 @@ class SizeReport:
     input_linear_bytes: int
     output_linear_bytes: int
     per_gpu_bytes: dict[int, int]  # tensor parallel degree -> output weight bytes per GPU
+    method: str = "rtn"  # rtn (round to nearest) or gptq
+    quantize_s: float = 0.0  # wall seconds of the whole conversion (calibration included)
+    peak_rss_bytes: int = 0  # the process's peak resident memory so far (getrusage ru_maxrss)
+    calibration: CalibrationStats | None = None  # gptq only
 
     @property
     def ratio(self) -> float:
@@ -194,25 +204,61 @@ def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightForm
     return plan
 
 
-def _produce(reader: CheckpointReader, plan: QuantizePlan, steps: Steps,
-             done: Callable[[], object]) -> Iterator[tuple[str, torch.Tensor]]:
+class DenseWeights:
+    """A linear module's float weight [N, K] as the input stores it: dense, FP8 dequantised with its
+    block scales, or a slice of a fused experts tensor (read once for the run of its experts)."""
+
+    def __init__(self, reader: CheckpointReader, plan: QuantizePlan) -> None:
+        self.reader, self.plan = reader, plan
+        self._fused_name, self._fused = "", torch.empty(0)
+
+    def __call__(self, module: str) -> torch.Tensor:
+        plan = self.plan
+        if module in plan.slices:
+            piece = plan.slices[module]
+            if piece.tensor != self._fused_name:
+                self._fused_name, self._fused = piece.tensor, self.reader.get(piece.tensor)  # [E, rows, K]
+            return self._fused[piece.expert, piece.start:piece.stop].contiguous()  # [rows, K]
+        if plan.source is None:
+            return self.reader.get(f"{module}.weight")
+        return plan.source.dequantize(plan.source.read(self.reader.get, module))
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a tensor or module belongs to (-1: none)."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
+
+
+def _in_layer_order(steps: Steps, num_layers: int) -> Steps:
+    """`steps` regrouped layer by layer (a stable sort): tensors of no layer first, then layer 0, 1, ...,
+    then the multi-token-prediction layers. Checkpoint order sorts `layers.10` before `layers.2`;
+    calibration walks the layers in order, so the writer does too."""
+    def key(step: tuple[str, dict[str, TensorSpec]]) -> int:
+        layer = _layer_of(step[0])
+        return layer if layer < num_layers else num_layers + layer
+    return sorted(steps, key=key)
+
+
+def _produce(reader: CheckpointReader, plan: QuantizePlan, steps: Steps, done: Callable[[], object],
+             weights: DenseWeights, calibrator: LayerCalibrator | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Output tensors of `steps`, one input tensor (or linear module) at a time; `done()` after each.
-    A fused experts tensor is read once for the run of its experts' steps."""
-    fused_name, fused = "", torch.empty(0)
+    With a calibrator, a linear's INT4 weight comes from its layer's GPTQ (run when the first of
+    the layer's linears is due; steps are in layer order)."""
+    layer: dict[str, object] = {}
     for key, _ in steps:
         if key not in plan.linear_modules:
             yield key, reader.get(key)
         else:
-            if key in plan.slices:
-                piece = plan.slices[key]
-                if piece.tensor != fused_name:
-                    fused_name, fused = piece.tensor, reader.get(piece.tensor)  # [E, rows, K]
-                w = fused[piece.expert, piece.start:piece.stop].contiguous()  # [rows, K]
-            elif plan.source is None:
-                w = reader.get(f"{key}.weight")
+            if calibrator is not None:
+                while key not in layer:
+                    if calibrator.layer >= plan.cfg.num_layers:
+                        raise WeightsError(f"{key}: GPTQ calibration produced no weight for it", tensor=key)
+                    layer = calibrator.next_layer()  # the previous layer's weights are dropped here
+                stored = layer.pop(key)
             else:
-                w = plan.source.dequantize(plan.source.read(reader.get, key))
-            for suffix, tensor in plan.target.quantize(w).tensors.items():
+                stored = plan.target.quantize(weights(key))
+            for suffix, tensor in stored.tensors.items():
                 yield f"{key}.{suffix}", tensor
         done()
 
@@ -256,29 +302,65 @@ def size_report(plan: QuantizePlan) -> SizeReport:
                       linear_in, linear_out, {tp: per_gpu_bytes(out, plan.cfg, tp) for tp in (1, 8)})
 
 
+def resolve_method(method: str | None, target: WeightFormat, cfg: ModelConfig) -> str:
+    """The quantisation method: `method` checked, or for None the default (gptq for INT4 where
+    calibration covers the architecture, rtn otherwise; FP8 is always rounded to nearest)."""
+    if method is None:
+        return "gptq" if target.name == "int4" and not cfg.is_mla else "rtn"
+    if method not in METHODS:
+        raise WeightsError(f"unknown quantisation method {method!r}; known: {', '.join(METHODS)}", method=method)
+    if method == "gptq" and target.name != "int4":
+        raise WeightsError(f"--method gptq quantises to INT4; {target.name} is rounded to nearest (--method rtn)",
+                           method=method)
+    if method == "gptq" and cfg.is_mla:
+        raise UnsupportedArchitecture(f"GPTQ calibration covers GQA decoders (Llama, Qwen2, Glm4Moe); "
+                                      f"{cfg.architecture} uses latent attention: use --method rtn")
+    return method
+
+
 def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                        progress: bool = True) -> SizeReport:
-    """Write `dst` (which must not exist) from `src` with its linear layers in `target`; atomic."""
+                        progress: bool = True, method: str | None = "rtn", calib_tokens: int = DEFAULT_CALIB_TOKENS,
+                        calib_file: Path | None = None, calib_ids: torch.Tensor | None = None,
+                        act_order: bool = False) -> SizeReport:
+    """Write `dst` (which must not exist) from `src` with its linear layers in `target`; atomic.
+
+    method: "rtn" rounds each weight to nearest; "gptq" (INT4 only) calibrates layer by layer on
+    `calib_tokens` tokens of `calib_file` or Brown genres A-H (`ops/calibration.py`), or on the
+    given `calib_ids` [S, L]; `act_order` visits columns by decreasing activation energy;
+    None picks the default (`resolve_method`). Every input check, the calibration text's
+    included, runs before anything is written."""
+    started = time.perf_counter()
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise WeightsError(f"{dst} already exists; choose a new output folder", file=str(dst))
     cfg = load_config(src)
     reader = CheckpointReader(src, cfg.checkpoint_prefix)  # a Kimi K2.x folder: its text model only
     plan = plan_quantize(reader, cfg, target)
+    method = resolve_method(method, target, cfg)
+    steps = _in_layer_order(plan.steps, cfg.num_layers)
+    weights = DenseWeights(reader, plan)
+    calibrator = None
+    if method == "gptq":
+        assert isinstance(target, Int4Format)
+        ids = calib_ids if calib_ids is not None else calibration_ids(src, cfg, calib_tokens, calib_file)
+        if ids.dim() != 2 or not ids.numel() or int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
+            raise WeightsError(f"calibration ids must be [sequences, length] in 0..{cfg.vocab_size - 1}")
+        calibrator = LayerCalibrator(cfg, ids, target, reader.get, weights, reader.__contains__, act_order)
     prefix = cfg.checkpoint_prefix  # written back under the prefix the config.json implies
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        shards = _shards(plan.steps, shard_bytes)
+        shards = _shards(steps, shard_bytes)
         files = ["model.safetensors"] if len(shards) == 1 else \
             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        bar = tqdm(total=len(plan.steps), desc=f"quantize -> {target!r}", unit="tensor", disable=not progress)
+        bar = tqdm(total=len(steps), desc=f"quantize -> {target!r} ({method})", unit="tensor", disable=not progress)
         weight_map: dict[str, str] = {}
         with bar:
-            for file, steps in zip(files, shards):
-                specs = {prefix + name: spec for _, outs in steps for name, spec in outs.items()}
+            for file, shard in zip(files, shards):
+                specs = {prefix + name: spec for _, outs in shard for name, spec in outs.items()}
                 weight_map.update(dict.fromkeys(specs, file))
-                tensors = ((prefix + name, t) for name, t in _produce(reader, plan, steps, bar.update))
+                tensors = ((prefix + name, t) for name, t in _produce(reader, plan, shard, bar.update, weights,
+                                                                      calibrator))
                 write_safetensors(tmp / file, specs, tensors,
                                   {"edgeserve_weights": repr(target)})
         if len(files) > 1:
@@ -298,7 +380,17 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
         tmp.rename(dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return size_report(plan)
+    report = size_report(plan)
+    report.method = method
+    report.calibration = calibrator.stats if calibrator is not None else None
+    report.quantize_s = time.perf_counter() - started
+    report.peak_rss_bytes = peak_rss_bytes()
+    return report
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _gb(n: int) -> str:
@@ -317,6 +409,14 @@ def print_report(report: SizeReport, target: WeightFormat, cfg: ModelConfig) -> 
         if tp > 1 and (cfg.num_heads % tp or cfg.intermediate_size % tp or cfg.moe_intermediate_size % tp):
             note = f"   (arithmetic only: {cfg.num_heads} heads do not split {tp} ways)"
         print(f"  per GPU, TP {tp}  {_gb(nbytes):>12}{note}")
+    print(f"  method         {report.method:>12}")
+    cal = report.calibration
+    if cal is not None:
+        print(f"  calibration    {cal.tokens:>12,} tokens ({cal.sequences} x {cal.seq_len}); GPTQ on "
+              f"{cal.gptq_linears} linears, {len(cal.rtn_experts)} routed experts rounded to nearest "
+              f"(fewer calibration tokens than the group size)")
+    print(f"  quantize time  {report.quantize_s:>10.1f} s")
+    print(f"  peak RSS       {_gb(report.peak_rss_bytes):>12}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -325,6 +425,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("output", type=Path, help="new folder to write (must not exist)")
     p.add_argument("--to", required=True, choices=["int4", "fp8"], help="target format of the linear layers")
     p.add_argument("--group-size", type=int, default=128, help="INT4 group size along in_features (128; 32 allowed)")
+    p.add_argument("--method", choices=METHODS, default=None,
+                   help="rtn: round to nearest; gptq: calibrated (INT4 only). Default: gptq for int4 on GQA "
+                        "models (Llama, Qwen2, Glm4Moe), rtn otherwise")
+    p.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS,
+                   help=f"GPTQ calibration tokens (default {DEFAULT_CALIB_TOKENS})")
+    p.add_argument("--calib-file", type=Path, default=None,
+                   help="UTF-8 text to calibrate on (default: Brown corpus genres A-H)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: quantise columns by decreasing activation")
     p.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="largest output shard (bytes)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
@@ -333,7 +441,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     target = weight_format(args.to, args.group_size)
     report = quantize_checkpoint(args.input, args.output, target, shard_bytes=args.shard_bytes,
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress, method=args.method,
+                                 calib_tokens=args.calib_tokens, calib_file=args.calib_file,
+                                 act_order=args.act_order)
     print(f"wrote {args.output}")
     print_report(report, target, load_config(args.output))
     return 0

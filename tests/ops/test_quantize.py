@@ -111,17 +111,20 @@ def test_per_gpu_bytes_split_and_replicate() -> None:
 
 
 @pytest.mark.parametrize("case", ["unknown_format", "missing_tensor", "missing_scale", "bad_group", "bad_scale_shape",
-                                  "already_target", "fails_midway", "exists"])
-def test_bad_input_leaves_nothing_behind(tiny: Path, tmp_path: Path, case: str,
+                                  "already_target", "fails_midway", "exists", "gptq_fails_midway",
+                                  "calib_too_short", "calib_no_tokenizer", "gptq_to_fp8"])
+def test_bad_input_leaves_nothing_behind(tiny: Path, tiny_chat_dir: Path, tmp_path: Path, case: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    gptq = case.startswith(("gptq", "calib"))  # these start from a model with a tokenizer (calibration text)
     src = tmp_path / "src"
     src.mkdir()
-    for f in tiny.iterdir():
+    for f in (tiny_chat_dir if gptq and case != "calib_no_tokenizer" else tiny).iterdir():
         (src / f.name).write_bytes(f.read_bytes())
     out = tmp_path / "out"
     target = "int4"
     group = 128
     match = None
+    extra = ["--method", "gptq" if gptq else "rtn", "--calib-tokens", "256"]
     if case == "unknown_format":
         raw = json.loads((src / "config.json").read_text())
         raw["quantization_config"] = {"quant_method": "gptq", "bits": 4}
@@ -148,7 +151,15 @@ def test_bad_input_leaves_nothing_behind(tiny: Path, tmp_path: Path, case: str,
         save_file(tensors, src / "model.safetensors")
     elif case == "bad_group":
         group, match = 48, "group size 48"
-    elif case == "fails_midway":
+    elif case == "calib_too_short":
+        (tmp_path / "short.txt").write_text("Too short to calibrate on.")
+        extra += ["--calib-file", str(tmp_path / "short.txt")]
+        match = r"short\.txt\) gives \d+ tokens, fewer than the --calib-tokens 256"
+    elif case == "calib_no_tokenizer":
+        match = "no tokenizer.json; use --method rtn"
+    elif case == "gptq_to_fp8":
+        target, match = "fp8", "gptq quantises to INT4"
+    elif case in ("fails_midway", "gptq_fails_midway"):
         calls = []
         original = quantize.write_safetensors
 
@@ -167,7 +178,7 @@ def test_bad_input_leaves_nothing_behind(tiny: Path, tmp_path: Path, case: str,
         out.mkdir()
         (out / "keep").write_text("mine")
         match = "already exists"
-    argv = ["quantize", str(src), str(out), "--to", target, "--group-size", str(group), "--no-progress"]
+    argv = ["quantize", str(src), str(out), "--to", target, "--group-size", str(group), "--no-progress", *extra]
     with pytest.raises(WeightsError, match=match):
         quantize.run(_args(argv))
     assert main(argv) == 2  # the CLI prints the typed error and exits 2
