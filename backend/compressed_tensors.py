@@ -1,4 +1,4 @@
-"""compressed-tensors ``pack-quantized`` INT4 checkpoints (Kimi K2-Thinking / K2.5 / K2.6), read into INT4.
+"""compressed-tensors ``pack-quantized`` INT4 checkpoints (Kimi K2-Thinking / K2.5 / K2.6): read into INT4, and written.
 
 Kimi's native INT4 checkpoints come out of quantisation-aware training and are written
 by the `compressed-tensors` package. config.json (top level, or inside `text_config`)::
@@ -48,6 +48,35 @@ ordering (``actorder: group``, which stores a ``g_idx``), config groups with
 different group sizes, sparsity or transform configs, a ``weight_shape`` that
 disagrees with the packed or scale tensors, a K the group size does not divide,
 and a packed tensor for an ignored module.
+
+**Writing** (`PackQuantizedWriter`, `symmetric_int4`, `pack_quantized_tensors`,
+`quantization_config`): the same layout, so vLLM and SGLang load what
+`edgeserve quantize` writes, as they load Kimi's release. The grid is symmetric,
+which our `Int4Format` grid is not (it stores a zero point per group, the value of
+code 8): a pack-quantized checkpoint has no zero point, so `pack_quantized_tensors`
+takes an INT4 weight whose zeros are all 0 and refuses any other. `symmetric_int4`
+rounds to nearest on the grid compressed-tensors itself computes (its
+`calculate_qparams` and `quantize`, read in the installed package, 0.20):
+
+    amax  = max |W| over the group of g columns
+    scale = bfloat16(amax / 7.5)      (7.5 = (q_max - q_min) / 2 = 15 / 2; an all-zero group gets
+                                       bfloat16's eps, 2**-7, as the package substitutes for 0)
+    q     = clamp(round_half_even(W / scale), -8, 7)
+
+so the group's largest magnitude lands on -8 when negative and on 7 (half a step
+short) when positive; 7.5 rather than 7 spends the 16th level. The quotient is
+computed in the promoted dtype of W and bfloat16, as the package computes it in the
+weight's dtype: on bfloat16 weights the codes and scales equal the package's bit for
+bit. Scales are stored in bfloat16 as Kimi ships them (the package would keep float32
+scales for a float32 model); the codes are taken against the rounded scale, so they
+absorb its rounding. Against our asymmetric grid (s = (hi - lo) / 15 plus a zero
+point) the symmetric step is up to 2x coarser on a group whose values are all of one
+sign, and the same on a centred one; the zero point is what the asymmetric format
+buys, and what a pack-quantized reader cannot take.
+
+`weight_packed` is int32 [N, K/8] (K is a multiple of g, so of 8: nothing is padded),
+`weight_scale` bfloat16 [N, K/g], and `weight_shape` int64 [2], the dtype the package
+writes (`torch.tensor(weight.shape)`); readers accept any integer dtype there.
 """
 
 from __future__ import annotations
@@ -60,15 +89,16 @@ from typing import Any
 import torch
 
 from backend.errors import WeightsError
-from backend.weight_formats import INT4_GROUP_SIZES, Int4Format, StoredWeight
+from backend.weight_formats import CT_METHOD, INT4_GROUP_SIZES, Int4Format, StoredWeight, TensorSpec
 
-__all__ = ["CT_SUFFIXES", "CompressedTensorsInt4", "compressed_tensors_format", "int4_from_pack_quantized"]
+__all__ = ["CT_SUFFIXES", "CompressedTensorsInt4", "compressed_tensors_format", "int4_from_pack_quantized",
+           "matches_any", "symmetric_int4", "pack_quantized_tensors", "quantization_config", "PackQuantizedWriter"]
 
 CT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")  # checkpoint tensors of one packed linear
 _FORMAT = "pack-quantized"
 
 
-def _matches(name: str, patterns: Sequence[str]) -> bool:
+def matches_any(name: str, patterns: Sequence[str]) -> bool:
     """compressed-tensors' name match: ``re:<regex>`` by `re.match`, anything else exactly."""
     return any(re.match(p[3:], name) is not None if p.startswith("re:") else p == name for p in patterns)
 
@@ -84,9 +114,9 @@ class CompressedTensorsInt4(Int4Format):
     def quantizes(self, module: str) -> bool:
         """Whether the config packs linear `module` (named without the checkpoint prefix)."""
         names = (module, self.prefix + module) if self.prefix else (module,)
-        if any(_matches(n, self.ignore) for n in names):
+        if any(matches_any(n, self.ignore) for n in names):
             return False
-        return "Linear" in self.targets or any(_matches(n, self.targets) for n in names)
+        return "Linear" in self.targets or any(matches_any(n, self.targets) for n in names)
 
     def stores_dense(self, module: str, contains: Callable[[str], bool]) -> bool:
         packed = contains(f"{module}.weight_packed")
@@ -172,3 +202,124 @@ def compressed_tensors_format(qc: dict[str, Any], prefix: str = "") -> Compresse
                            f"checkpoint is supported", quantization_config=qc)
     targets = [t for group in groups.values() for t in group.get("targets") or []]
     return CompressedTensorsInt4(sizes.pop(), targets, list(qc.get("ignore") or []), prefix)
+
+
+# ---------------------------------------------------------------- writing
+
+_SYM_STEPS = 7.5  # (q_max - q_min) / 2 for int4: compressed-tensors' symmetric scale divisor
+_BF16_EPS = torch.finfo(torch.bfloat16).eps  # the package's scale for an all-zero group
+
+
+def _check_groups(module: str, shape: tuple[int, int], group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise WeightsError(f"INT4 group size {group_size} is not supported; choose one of "
+                           f"{', '.join(map(str, INT4_GROUP_SIZES))}", group_size=group_size)
+    if len(shape) != 2 or shape[1] % group_size:
+        raise WeightsError(f"{module}: a pack-quantized weight needs in_features divisible by the group size "
+                           f"{group_size}; got shape {list(shape)}", tensor=f"{module}.weight", shape=list(shape))
+
+
+def symmetric_int4(w: torch.Tensor, group_size: int, module: str = "weight") -> StoredWeight:
+    """Round-to-nearest symmetric INT4 of `w` [N, K] on compressed-tensors' grid (module docstring),
+    in the `Int4Format` layout: qweight uint8 [N, K/2] holding q + 8, scales bfloat16 [N, K/g], zeros 0."""
+    if w.dim() != 2 or not w.dtype.is_floating_point:
+        raise WeightsError(f"{module}: expected a 2-D float weight, got {w.dtype} {list(w.shape)}", tensor=module)
+    n, k = (int(d) for d in w.shape)
+    _check_groups(module, (n, k), group_size)
+    dt = torch.promote_types(w.dtype, torch.bfloat16)
+    groups = w.to(dt).reshape(n, k // group_size, group_size)  # [N, K/g, g]
+    amax = groups.abs().amax(dim=-1).float()  # [N, K/g]
+    scales = (amax / _SYM_STEPS).to(torch.bfloat16)
+    scales = torch.where(scales == 0, torch.full_like(scales, _BF16_EPS), scales)
+    q = (groups / scales.to(dt).unsqueeze(-1)).clamp(-8, 7).round().to(torch.int16).reshape(n, k)  # [N, K]
+    codes = (q + 8).to(torch.uint8)
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [N, K/2]: column 2j low nibble, 2j + 1 high
+    return StoredWeight({"qweight": qweight.contiguous(), "scales": scales.contiguous(),
+                         "zeros": torch.zeros_like(scales)}, (n, k))
+
+
+def pack_quantized_tensors(module: str, int4: StoredWeight) -> dict[str, torch.Tensor]:
+    """`<module>.weight_packed` int32 [N, K/8], `.weight_scale` bfloat16 [N, K/g] and `.weight_shape`
+    int64 [2] of a symmetric `Int4Format` weight (zeros all 0, as `symmetric_int4` or a symmetric GPTQ
+    gives): the same bits, eight codes per little-endian word. The group size is read off the scales."""
+    t, (n, k) = int4.tensors, int4.shape
+    q, scales, zeros = t["qweight"], t["scales"], t["zeros"]
+    if q.dtype != torch.uint8 or tuple(q.shape) != (n, k // 2) or scales.dim() != 2 or scales.shape[0] != n \
+            or not scales.shape[1] or k % scales.shape[1] or tuple(zeros.shape) != tuple(scales.shape):
+        raise WeightsError(f"{module}: not an INT4 weight of shape [{n}, {k}]: qweight {q.dtype} {list(q.shape)}, "
+                           f"scales {list(scales.shape)}, zeros {list(zeros.shape)}", tensor=module)
+    _check_groups(module, (n, k), k // scales.shape[1])
+    if zeros.any():
+        raise WeightsError(f"{module}: the INT4 weight has nonzero zero points (an asymmetric grid); pack-quantized "
+                           f"stores a symmetric one: quantise with symmetric_int4 (or a symmetric GPTQ)",
+                           tensor=f"{module}.zeros")
+    packed = q.contiguous().view(n, k // 8, 4)  # a word's four bytes, low byte first
+    if sys.byteorder == "big":
+        packed = packed.flip(-1)
+    return {f"{module}.weight_packed": packed.contiguous().view(torch.int32).reshape(n, k // 8),
+            f"{module}.weight_scale": scales.to(torch.bfloat16).contiguous(),
+            f"{module}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+
+
+def quantization_config(group_size: int, ignore: Sequence[str], actorder: str | None = None) -> dict[str, Any]:
+    """config.json's `quantization_config` for a pack-quantized W4A16 checkpoint: one config group
+    targeting every Linear, symmetric int4 in groups of `group_size`, minus the `ignore` list
+    (names or ``re:`` regexes). `actorder` "weight" records a static activation order (no g_idx)."""
+    if actorder not in (None, "weight"):
+        raise WeightsError(f"actorder {actorder!r} is not supported: None, or 'weight' (no g_idx is stored)",
+                           actorder=actorder)
+    _check_groups("quantization_config", (0, 0), group_size)
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group_size, "symmetric": True,
+               "dynamic": False, "actorder": actorder}
+    return {"quant_method": CT_METHOD, "format": _FORMAT, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": _FORMAT}},
+            "ignore": list(ignore), "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {}}
+
+
+class PackQuantizedWriter(Int4Format):
+    """The INT4 target `edgeserve quantize` writes as compressed-tensors pack-quantized: `quantize`
+    rounds to `symmetric_int4` and packs; `specs` and `quantization_config` describe the output. Its
+    stored tensors are the pack-quantized ones; `read` and `dequantize` take them back."""
+
+    suffixes = CT_SUFFIXES
+
+    def __init__(self, group_size: int = 32, ignore: Sequence[str] = ()) -> None:
+        super().__init__(group_size)
+        self.ignore = tuple(ignore)
+
+    def __repr__(self) -> str:
+        return f"int4(g{self.group_size}, compressed-tensors pack-quantized)"
+
+    def specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
+        n, k = shape
+        _check_groups("weight", (n, k), self.group_size)
+        return {"weight_packed": TensorSpec(torch.int32, (n, k // 8)),
+                "weight_scale": TensorSpec(torch.bfloat16, (n, k // self.group_size)),
+                "weight_shape": TensorSpec(torch.int64, (2,))}
+
+    def quantize(self, w: torch.Tensor) -> StoredWeight:
+        return self.pack(symmetric_int4(w, self.group_size))
+
+    def pack(self, int4: StoredWeight, module: str = "weight") -> StoredWeight:
+        """A symmetric `Int4Format` weight (a GPTQ result, say) as this format's stored tensors."""
+        if int4.tensors["scales"].shape[-1] * self.group_size != int4.shape[1]:
+            raise WeightsError(f"{module}: scales {list(int4.tensors['scales'].shape)} are not groups of "
+                               f"{self.group_size} over in_features {int4.shape[1]}", tensor=module)
+        out = pack_quantized_tensors(module, int4)
+        return StoredWeight({s: out[f"{module}.{s}"] for s in CT_SUFFIXES}, int4.shape)
+
+    def unpack(self, sw: StoredWeight, module: str = "weight") -> StoredWeight:
+        """This format's stored tensors back in the `Int4Format` layout (the same codes and scales)."""
+        t = sw.tensors
+        return int4_from_pack_quantized(t["weight_packed"], t["weight_scale"], t["weight_shape"], self.group_size,
+                                        module)
+
+    def read(self, get: Callable[[str], torch.Tensor], module: str) -> StoredWeight:
+        return self.unpack(StoredWeight({s: get(f"{module}.{s}") for s in CT_SUFFIXES}, (0, 0)), module)
+
+    def dequantize(self, sw: StoredWeight) -> torch.Tensor:
+        return super().dequantize(sw if "qweight" in sw.tensors else self.unpack(sw))
+
+    def quantization_config(self) -> dict[str, Any]:
+        return quantization_config(self.group_size, self.ignore)
