@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["register", "BENCHES", "write_report", "provenance"]
@@ -38,7 +39,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--quick", action="store_true", help="a short run (smoke test of the command)")
         p.add_argument("--json", dest="json_path", default=f"bench-results/{name}.json", help="where to write JSON")
         module.add_arguments(p)
-        p.set_defaults(func=module.run)
+        p.set_defaults(func=_recording_start(module.run))
+
+
+_started: dict[str, object] | None = None  # provenance() when the running benchmark started
+
+
+def _recording_start(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`run` with the code's provenance taken before it starts: a commit landing during a long
+    run must not be recorded as the code that ran."""
+
+    def started(args: argparse.Namespace) -> int:
+        global _started
+        _started = provenance()
+        return run(args)
+
+    return started
 
 
 def write_report(json_path: str, report: dict[str, Any]) -> Path:
@@ -48,7 +64,7 @@ def write_report(json_path: str, report: dict[str, Any]) -> Path:
     from ops.cluster import machine_info
 
     if "provenance" not in report and "commit" not in report:
-        report = {**report, "provenance": provenance()}
+        report = {**report, "provenance": _run_provenance()}
     if "machine" not in report:
         report = {**report, "machine": machine_info()}
     path = Path(json_path)
@@ -56,6 +72,17 @@ def write_report(json_path: str, report: dict[str, Any]) -> Path:
     path.write_text(json.dumps(report, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def _run_provenance() -> dict[str, object]:
+    """The provenance taken when the benchmark started (now, outside `edgeserve bench`), plus the
+    commit at the end when it differs, so a report never hides that the tree moved mid-run."""
+    if _started is None:
+        return provenance()
+    now = provenance()
+    if (now["commit"], now["dirty"]) != (_started["commit"], _started["dirty"]):
+        return {**_started, "at_end": {"commit": now["commit"], "dirty": now["dirty"]}}
+    return dict(_started)
 
 
 def provenance() -> dict[str, object]:

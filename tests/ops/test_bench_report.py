@@ -24,3 +24,24 @@ def test_what_a_benchmark_recorded_itself_is_kept(tmp_path: Path) -> None:
     mine = {"commit": "abc", "machine": {"cpu_model": "x"}}
     report = json.loads(write_report(str(tmp_path / "r.json"), mine).read_text())
     assert report == mine
+
+
+def test_the_commit_is_taken_when_the_run_starts(tmp_path: Path, monkeypatch) -> None:
+    """A commit landing during a long run is not recorded as the code that ran: the report keeps the
+    start's commit and names the end's beside it."""
+    import argparse
+
+    from ops import bench
+
+    moves = iter([{"commit": "before", "dirty": False, "command": "edgeserve bench x"},
+                  {"commit": "after", "dirty": False, "command": "edgeserve bench x"}])
+    monkeypatch.setattr(bench, "provenance", lambda: next(moves))
+
+    def run(args: argparse.Namespace) -> int:
+        write_report(str(tmp_path / "r.json"), {"tok_s": {}})
+        return 0
+
+    assert bench._recording_start(run)(argparse.Namespace()) == 0
+    got = json.loads((tmp_path / "r.json").read_text())["provenance"]
+    assert got["commit"] == "before" and got["at_end"] == {"commit": "after", "dirty": False}
+    monkeypatch.setattr(bench, "_started", None)
