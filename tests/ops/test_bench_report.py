@@ -36,6 +36,7 @@ def test_the_commit_is_taken_when_the_run_starts(tmp_path: Path, monkeypatch) ->
     moves = iter([{"commit": "before", "dirty": False, "command": "edgeserve bench x"},
                   {"commit": "after", "dirty": False, "command": "edgeserve bench x"}])
     monkeypatch.setattr(bench, "provenance", lambda: next(moves))
+    monkeypatch.setattr(bench, "_started", None)  # restored to None after the test
 
     def run(args: argparse.Namespace) -> int:
         write_report(str(tmp_path / "r.json"), {"tok_s": {}})
@@ -44,4 +45,3 @@ def test_the_commit_is_taken_when_the_run_starts(tmp_path: Path, monkeypatch) ->
     assert bench._recording_start(run)(argparse.Namespace()) == 0
     got = json.loads((tmp_path / "r.json").read_text())["provenance"]
     assert got["commit"] == "before" and got["at_end"] == {"commit": "after", "dirty": False}
-    monkeypatch.setattr(bench, "_started", None)
