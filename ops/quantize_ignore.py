@@ -30,6 +30,9 @@ A checkpoint that keeps its text model under a prefix (Kimi K2.5/K2.6:
   top-k keys each query attends to, so its errors change which tokens are seen at
   all; GLM-5-FP8 already keeps weights_proj dense and vLLM replicates the indexer
   on every GPU. 0.1% of GLM-5's bytes.
+- ``re:.*eh_proj$`` (the multi-token-prediction layer's input projection): vLLM and
+  SGLang build it as a plain `torch.nn.Linear`, which takes no quantised weight, so a
+  packed eh_proj would not load there. 75M parameters.
 
 Norms, the embedding and the router are not linears of the checkpoint layout, so
 `edgeserve quantize` would not convert them anyway; the default list names them so
@@ -54,13 +57,13 @@ one quantisation scheme, and refuses a checkpoint whose shards differ.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from backend.compressed_tensors import matches_any
 from backend.errors import InvalidRequest
 
 __all__ = ["DEFAULT_IGNORE", "KIMI_IGNORE", "IGNORE_PRESETS", "ignore_patterns", "validate_patterns",
-           "is_ignored", "fused_group", "check_fused_consistency"]
+           "is_ignored", "ignore_matcher", "fused_group", "check_fused_consistency"]
 
 DEFAULT_IGNORE: tuple[str, ...] = (
     "lm_head",
@@ -69,6 +72,7 @@ DEFAULT_IGNORE: tuple[str, ...] = (
     r"re:.*mlp\.gate$",
     r"re:.*kv_b_proj$",
     r"re:.*\.indexer\..*",
+    r"re:.*eh_proj$",
 )
 KIMI_IGNORE: tuple[str, ...] = DEFAULT_IGNORE + (  # the last three are Kimi's release's own entries
     r"re:.*self_attn.*",
@@ -110,6 +114,22 @@ def is_ignored(name: str, patterns: Sequence[str], prefix: str = "") -> bool:
     if matches_any(name, patterns):
         return True
     return bool(prefix) and matches_any(prefix + name, patterns)
+
+
+def ignore_matcher(patterns: Sequence[str], prefix: str = "") -> Callable[[str], bool]:
+    """`is_ignored` for one list, compiled once (the regexes as one alternation): for the tens of
+    thousands of expert names of a large MoE."""
+    names = {p for p in validate_patterns(patterns) if not p.startswith("re:")}
+    regexes = [p[3:] for p in patterns if p.startswith("re:")]
+    try:
+        combined = re.compile("|".join(f"(?:{r})" for r in regexes)) if regexes else None
+    except re.error:  # e.g. a global inline flag that only works at the start of its own pattern
+        return lambda name: is_ignored(name, patterns, prefix)
+
+    def ignored(name: str) -> bool:
+        return any(n in names or (combined is not None and combined.match(n) is not None)
+                   for n in ((name, prefix + name) if prefix else (name,)))
+    return ignored
 
 
 _FUSED = (  # (regex over a module name, what vLLM fuses it into)

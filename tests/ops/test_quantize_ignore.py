@@ -37,6 +37,7 @@ def test_names_match_exactly_and_regexes_from_the_start() -> None:
     (f"{L}self_attn.kv_b_proj", True, True),  # dequantised at load for weight absorption
     (f"{L}self_attn.indexer.wq_b", True, True),
     (f"{L}self_attn.indexer.weights_proj", True, True),
+    ("model.layers.78.eh_proj", True, True),  # MTP: a plain nn.Linear in vLLM and SGLang
     (f"{L}self_attn.q_a_proj", False, True),
     (f"{L}self_attn.o_proj", False, True),
     (f"{L}self_attn.q_proj", False, True),
