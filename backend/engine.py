@@ -25,9 +25,10 @@ and (under `AsyncEngine`) whenever the idle thread wakes, e.g. after held pages 
 
 Tensor parallelism (`backend/distributed/`): built with a group (`from_pretrained(...,
 group=...)`), this engine is rank 0: its model sends every forward pass to the other
-ranks, and a `GroupFailure` (a rank died or hung) is not confined to its batch: the
-batch's requests end, then it escapes `step()` (and `has_work()` raises it once the
-group is marked failed while idle), so `AsyncEngine` stops and every request gets it.
+ranks. A `GroupFailure` (a rank died or hung) ends the failing batch's requests with it,
+like any step failure, and marks the group failed (the watchdog marks it too when a rank
+dies while idle). The next `step()` then ends every request left with it and closes the
+scheduler, and `has_work()` raises it from then on, so `AsyncEngine` stops.
 
 Prefix-cache KV events (`kv_events`, drained by the worker's Redis publisher) are
 bounded by `EngineConfig.kv_events_max`: when nobody drains them the oldest are
@@ -47,7 +48,7 @@ from typing import Any, NamedTuple
 import torch
 
 from backend.config import ModelConfig
-from backend.distributed.collectives import Collectives, GroupFailure
+from backend.distributed.collectives import Collectives
 from backend.errors import EdgeServeError, InvalidRequest, InvalidSamplingParams, KVIntegrityError
 from backend.grammar import GrammarCompiler
 from backend.kv_cache import create_kv_cache
@@ -143,6 +144,7 @@ class LLMEngine:
             from backend.distributed.group import attach_leader
 
             attach_leader(self, self.group)
+        self._group_ended = False  # every request was ended with the group's failure
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or cfg.eos_token_ids)
         self._stop_checkers: dict[str, StopChecker] = {}
@@ -301,14 +303,19 @@ class LLMEngine:
         self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        """Whether a step would do anything; raises `GroupFailure` once this engine's group has failed."""
-        if self.group is not None:
-            self.group.check()
+        """Whether a step would do anything. Once this engine's group has failed: True until a step has
+        ended every request with the failure, then raises it (`GroupFailure`)."""
+        if self.group is not None and self.group.failure is not None:
+            if self._group_ended:
+                raise self.group.failure
+            return True
         return self.scheduler.has_work()
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """schedule() -> run() -> postprocess(), then publish what other threads read."""
+        if self.group is not None and self.group.failure is not None:
+            return self._end_group(self.group.failure)
         outputs = self._start_activated()
         self._expire_held()
         batch = self.scheduler.schedule()
@@ -317,6 +324,16 @@ class LLMEngine:
             outputs += self._run_batch(batch)
         self.publish()
         return outputs
+
+    def _end_group(self, err: EdgeServeError) -> list[StepOutput]:
+        """The group is gone: end every request with `err` and refuse new work (the scheduler is closed)."""
+        self._group_ended = True
+        now = time.perf_counter()
+        ended = self.scheduler.close(err)
+        self._stop_checkers.clear()
+        self.stats["failed"] += len(ended)
+        self.publish(force=True)
+        return [StepOutput(s, None, now, True, err) for s in ended]
 
     def _cancelled(self, aborted: list[Sequence]) -> list[StepOutput]:
         now = time.perf_counter()
@@ -341,10 +358,7 @@ class LLMEngine:
             log.exception("engine step failed")
             self.failed_steps_in_row += 1
             err = exc if isinstance(exc, EdgeServeError) else EdgeServeError(f"engine step failed: {exc}")
-            failed = self._fail(batch, err)
-            if isinstance(exc, GroupFailure):  # the group is over: stop the engine (every request hears it)
-                raise
-            return outputs + failed
+            return outputs + self._fail(batch, err)
         self.failed_steps_in_row = 0
         return outputs
 

@@ -106,13 +106,16 @@ def _admits(scope: Scope) -> bool:
 def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified",
                       coordinator: DecodeCoordinator | None = None, background: Sequence[Background] = (),
                       *, registration: Background | None = None, token: str | None = None,
-                      header_limits: HeaderLimits = HeaderLimits()) -> Starlette:
+                      header_limits: HeaderLimits = HeaderLimits(),
+                      group_stats: Callable[[], dict[str, object]] | None = None) -> Starlette:
     """The worker's ASGI app, serving `engine` under the name `model_name` in `role`.
 
     `background` coroutines (the KV-event publisher) run for the app's lifetime;
     `registration` (the registry heartbeat) too, but it is cancelled, withdrawing the
     record, as soon as the engine dies or a drain starts. With `token`, every route but
-    /health requires it. `app.state.drain` is the app's `Drain` (`ops/graceful.py` runs it)."""
+    /health requires it. `app.state.drain` is the app's `Drain` (`ops/graceful.py` runs it).
+    `group_stats`: a tensor-parallel worker's group figures (ranks, follower pids, collectives),
+    under /stats "tensor_parallel"."""
     if (role == "decode") != (coordinator is not None):
         raise ValueError("a decode worker needs a DecodeCoordinator, and only a decode worker takes one")
     prefill_stats = TransferStats()
@@ -181,8 +184,9 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
 
     async def stats(request: Request) -> Response:
         transfer = coordinator.stats if coordinator is not None else prefill_stats
+        extra = {"tensor_parallel": group_stats()} if group_stats is not None else {}
         return JSONResponse({"role": role, "model": model_name, **engine.engine.snapshot(),
-                             "kv_transfer": transfer.snapshot()})
+                             "kv_transfer": transfer.snapshot(), **extra})
 
     registry = worker_registry(engine.engine, model_name, role)
 

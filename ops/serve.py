@@ -11,6 +11,16 @@ The worker token comes from `--worker-token` or `$EDGESERVE_WORKER_TOKEN` (see
 `--insecure-no-worker-token`. SIGTERM or Ctrl-C drains it: it leaves the registry,
 refuses new work (503 Draining), lets in-flight requests finish for up to
 `--drain-timeout` seconds, ends the rest with `Draining`, and exits 0.
+
+Tensor parallelism (one worker = a group of ranks, `backend/distributed/`):
+
+    edgeserve serve --tensor-parallel 3 [--expert-parallel]      # spawns ranks 1, 2 itself
+    torchrun --nproc-per-node 3 -m ops.cli serve --tensor-parallel 3 ...   # or under torchrun
+
+Rank 0 is this process: HTTP, scheduler, sampling, integrity check, registration. The
+other ranks hold their shards and run each step rank 0 sends; a rank that dies (or hangs
+past `--tp-timeout`) stops the worker: in-flight requests end with a typed error, the
+worker leaves the registry and /health turns 503. Unified role only for now.
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ import argparse
 import logging
 import os
 import re
+from pathlib import Path
+from typing import Any
 
 __all__ = ["register", "DEFAULT_MODEL", "parse_bytes", "add_engine_args", "add_worker_token_args", "add_drain_arg",
            "ENGINE_OPTIONS"]
@@ -109,6 +121,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--region", default="local", help="this worker's region (for gateways' routing)")
     serve.add_argument("--advertise-url", default=None,
                        help="the URL gateways reach this worker at (default: http://host:port)")
+    serve.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                       help="ranks in this worker's group: each holds 1/N of the heads, MLP rows and vocabulary "
+                            "(spawned here, or launched by torchrun with its RANK/WORLD_SIZE/MASTER_* variables)")
+    serve.add_argument("--expert-parallel", action="store_true",
+                       help="with --tensor-parallel: split MoE routed experts by whole experts across the ranks "
+                            "(shared experts stay tensor-parallel)")
+    serve.add_argument("--tp-timeout", type=float, default=60.0,
+                       help="seconds a rank may be silent inside a step before the group is ended")
     add_worker_token_args(serve)
     add_drain_arg(serve)
     serve.set_defaults(func=run_serve)
@@ -137,13 +157,10 @@ def run_serve(args: argparse.Namespace) -> int:
     token = resolve_token(args.worker_token)
     warning = check_bind(args.host, token, args.insecure_no_worker_token)  # before torch and the model load
 
-    from backend.async_engine import AsyncEngine
     from backend.engine import EngineConfig, LLMEngine
     from backend.errors import InvalidRequest
-    from backend.worker import create_worker_app, worker_error_response
-    from ops.graceful import serve
     from ops.pull import resolve_model
-    from backend.redis_client import redact
+
     model_dir = resolve_model(args.model)
     config = EngineConfig(dtype=args.dtype, kv_format=args.kv_format, kv_cache_bytes=args.kv_cache_bytes,
                           page_size=args.page_size, max_model_len=args.max_model_len,
@@ -154,8 +171,38 @@ def run_serve(args: argparse.Namespace) -> int:
                           # a prefill (decode) worker runs only prefill (decode) steps: hold one format
                           prefill_weights=args.decode_weights if args.role == "decode" else args.prefill_weights,
                           decode_weights=args.prefill_weights if args.role == "prefill" else args.decode_weights,
-                          int4_group_size=args.int4_group_size)
-    engine = LLMEngine.from_pretrained(model_dir, config)
+                          int4_group_size=args.int4_group_size, tensor_parallel=args.tensor_parallel,
+                          expert_parallel=args.expert_parallel)
+    group = None
+    if args.tensor_parallel > 1:
+        from backend.distributed.group import GroupSpec, start_group
+
+        if args.role != "unified":
+            raise InvalidRequest("--tensor-parallel serves the unified role only (KV transfer between worker "
+                                 "groups is not implemented yet)")
+        group = start_group(GroupSpec(args.tensor_parallel, str(model_dir), config, args.expert_parallel,
+                                      timeout_s=args.tp_timeout))
+        if group is None:  # a torchrun follower rank: its loop has ended
+            return 0
+    try:
+        engine = LLMEngine.from_pretrained(model_dir, config, group.coll if group is not None else None)
+        _serve_engine(args, engine, model_dir, token, warning, group)
+    finally:
+        if group is not None:
+            group.shutdown()
+    return 0
+
+
+def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token: str | None, warning: str | None,
+                  group: Any) -> None:
+    """Build the worker app around `engine` (rank 0 of `group` when tensor-parallel) and serve until drained."""
+    from backend.async_engine import AsyncEngine
+    from backend.errors import InvalidRequest
+    from backend.redis_client import redact
+    from backend.worker import create_worker_app, worker_error_response
+    from ops.graceful import serve
+
+    config = engine.config
     name = args.served_name or args.model
     async_engine = AsyncEngine(engine)
     coordinator = None
@@ -181,18 +228,30 @@ def run_serve(args: argparse.Namespace) -> int:
             background.append(KVEventPublisher(args.redis_url, name, worker_id, engine.kv_events,
                                                dropped=lambda: engine.kv_events_dropped).run)
     app = create_worker_app(async_engine, model_name=name, role=args.role, coordinator=coordinator,
-                            background=background, registration=registration, token=token)
+                            background=background, registration=registration, token=token,
+                            group_stats=_group_stats(group, engine) if group is not None else None)
     snap = engine.snapshot()
     where = f", registered in {redact(args.redis_url)}" if args.redis_url else ""
     print(f"edgeserve worker ({args.role}) serving {name} from {model_dir} on http://{args.host}:{args.port}"
           f"{where}\n"
           f"  KV pool: {snap['pages_total']} pages x {snap['page_size']} tokens ({snap['kv_format']}, "
           f"{snap['kv_bytes_per_token']} B/token), context {snap['max_model_len']}", flush=True)
+    if group is not None:
+        pids = ", ".join(f"rank {r} pid {p}" for r, p in group.pids.items()) or "launched by torchrun"
+        print(f"  tensor parallel: {group.coll.world} ranks{' (expert parallel)' if config.expert_parallel else ''}"
+              f", rank 0 read {engine.model.bytes_read} weight bytes; followers: {pids}", flush=True)
     if warning:
         print(warning, flush=True)
     serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, render=worker_error_response)
-    return 0
 
+
+def _group_stats(group: Any, engine: Any) -> Any:
+    """/stats "tensor_parallel" of a tensor-parallel worker: ranks, follower pids, collectives so far."""
+    def stats() -> dict[str, object]:
+        return {"world_size": group.coll.world, "expert_parallel": engine.config.expert_parallel,
+                "follower_pids": group.pids, "collectives": group.coll.snapshot(),
+                "rank0_weight_bytes_read": engine.model.bytes_read}
+    return stats
 
 
 def _record(engine, worker_id: str, url: str, name: str, args: argparse.Namespace):
