@@ -280,7 +280,9 @@ def quantization_config(group_size: int, ignore: Sequence[str], actorder: str | 
 class PackQuantizedWriter(Int4Format):
     """The INT4 target `edgeserve quantize` writes as compressed-tensors pack-quantized: `quantize`
     rounds to `symmetric_int4` and packs; `specs` and `quantization_config` describe the output. Its
-    stored tensors are the pack-quantized ones; `read` and `dequantize` take them back."""
+    stored tensors are the pack-quantized ones; `read` (and `unpack`) turns them into the `Int4Format`
+    layout, the one the inherited runtime methods (`linear`, `cat_rows`, `permute_rows`) take;
+    `dequantize` takes either."""
 
     suffixes = CT_SUFFIXES
 
