@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -56,15 +57,20 @@ from backend.layers.norm import rms_norm
 from backend.moe_router import MoEConfig, route
 from backend.rope import rope_inv_freq
 from backend.weight_formats import Int4Format, StoredWeight
+from backend.weights import CheckpointReader
 from ops.gptq import HessianAccumulator, gptq_quantize, prepare_hessian
 
+if TYPE_CHECKING:
+    from ops.quantize import QuantizePlan
+
 __all__ = ["CALIB_GENRES", "EVAL_GENRES", "DEFAULT_CALIB_TOKENS", "CalibrationStats", "LayerCalibrator",
-           "corpus_tokens", "calibration_ids"]
+           "DenseWeights", "corpus_tokens", "calibration_ids", "in_layer_order"]
 
 CALIB_GENRES = "abcdefgh"  # Brown genres for calibration
 EVAL_GENRES = "jklmnpr"  # Brown genres for evaluation (bench weights); disjoint from CALIB_GENRES
 DEFAULT_CALIB_TOKENS = 8192
 DEFAULT_SEQ_LEN = 2048
+_Step = tuple[str, Any]  # (input tensor or linear module, its output specs): a quantize plan step
 
 
 @dataclass
@@ -130,6 +136,43 @@ def calibration_ids(model_dir: Path, cfg: ModelConfig, num_tokens: int, text_fil
     length = min(seq_len, num_tokens, cfg.max_position_embeddings)
     count = num_tokens // length
     return torch.tensor(ids[:count * length], dtype=torch.int64).view(count, length)  # [S, L]
+
+
+class DenseWeights:
+    """A linear module's float weight [N, K] as the input stores it: dense, FP8 dequantised with its
+    block scales, or a slice of a fused experts tensor (read once for the run of its experts)."""
+
+    def __init__(self, reader: CheckpointReader, plan: QuantizePlan) -> None:
+        """`plan` is `ops.quantize.plan_quantize`'s: where fused experts live, the input format."""
+        self.reader, self.plan = reader, plan
+        self._fused_name, self._fused = "", torch.empty(0)
+
+    def __call__(self, module: str) -> torch.Tensor:
+        plan = self.plan
+        if module in plan.slices:
+            piece = plan.slices[module]
+            if piece.tensor != self._fused_name:
+                self._fused_name, self._fused = piece.tensor, self.reader.get(piece.tensor)  # [E, rows, K]
+            return self._fused[piece.expert, piece.start:piece.stop].contiguous()  # [rows, K]
+        if plan.source is None:
+            return self.reader.get(f"{module}.weight")
+        return plan.source.dequantize(plan.source.read(self.reader.get, module))
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a tensor or module belongs to (-1: none)."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
+
+
+def in_layer_order(steps: list[_Step], num_layers: int) -> list[_Step]:
+    """`steps` regrouped layer by layer (a stable sort): tensors of no layer first, then layer 0, 1, ...,
+    then the multi-token-prediction layers. Checkpoint order sorts `layers.10` before `layers.2`;
+    calibration walks the layers in order, so the writer does too."""
+    def key(step: _Step) -> int:
+        layer = _layer_of(step[0])
+        return layer if layer < num_layers else num_layers + layer
+    return sorted(steps, key=key)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""`edgeserve quantize IN OUT --to int4|fp8 [--group-size 128]`: convert a checkpoint's linear layers.
+"""`edgeserve quantize IN OUT --to int4|fp8 [--group-size 128] [--method gptq|rtn]`: convert a checkpoint's linears.
 
 IN is a Hugging Face folder (config.json + safetensors, one file or shards with an
 index) whose linear layers are dense (BF16, FP16, FP32) or FP8 (e4m3 with block
@@ -19,9 +19,18 @@ then groups the float values. Experts stored fused, as newer transformers holds 
 [E, H, I]; dense only), are written per expert under the per-expert names, the fused
 tensor read once for its experts.
 
+Method: ``rtn`` rounds each weight to nearest on its own. ``gptq`` (INT4 only; the
+default for INT4 on GQA models) chooses the codes against each linear's inputs on
+calibration text (`--calib-tokens`, 8192, of Brown genres A-H or `--calib-file`),
+walking the model layer by layer (`ops/calibration.py`, `ops/gptq.py`); `--act-order`
+quantises columns by decreasing activation energy. Both write the same tensors, dtypes,
+shapes and order: the checkpoints differ only in values. MLA models take rtn.
+
 Streaming: the output header is planned from the input headers alone (a format's
-tensors have known dtypes and shapes), then each input tensor is read, converted and
-written before the next is read, so peak memory is one tensor and its outputs.
+tensors have known dtypes and shapes), then the tensors are written layer by layer
+(tensors of no layer first), each input tensor read, converted and written before
+the next, so peak memory is one tensor and its outputs; with gptq, one layer's dense
+weights and the calibration hidden states [tokens, hidden] (float32) besides.
 Outputs of more than `--shard-bytes` are split into shards with an index.
 
 Atomic: everything is written into a temporary folder next to OUT, renamed to OUT
@@ -30,14 +39,16 @@ OUT must not exist. Checked before anything is written, each a `WeightsError`: a
 unknown input format, missing tensors (every linear, norm and embedding the config
 implies; an FP8 weight's scales), an input already in the target format or in INT4,
 an INT4 group size other than 32/64/128/256, an odd in_features (INT4 packs two per
-byte), and FP8 scales that do not cover their weight.
+byte), FP8 scales that do not cover their weight, and for gptq a calibration text
+shorter than `--calib-tokens` or a model folder without a tokenizer.
 
 The size report counts tensor bytes (headers excluded): input, output, their ratio,
 the linear layers alone, and weight bytes per GPU at tensor parallel 1 and 8. Per GPU:
 column-parallel (q/k/v, gate/up) and row-parallel (o, down) linears, their scales,
 and the vocab-parallel embedding and LM head are split 1/TP; k/v projections are
 replicated when TP exceeds the number of KV heads (each GPU needs one whole KV head);
-norms are replicated.
+norms are replicated. It also gives the method, the conversion's wall seconds and the
+process's peak RSS (getrusage ru_maxrss: the peak of the whole process so far).
 """
 
 from __future__ import annotations
@@ -62,7 +73,8 @@ from backend.errors import UnsupportedArchitecture, WeightsError
 from backend.models.checkpoint_layout import checkpoint_layout
 from backend.weight_formats import Int4Format, TensorSpec, WeightFormat, stored_format, weight_format
 from backend.weights import CheckpointReader, write_safetensors
-from ops.calibration import DEFAULT_CALIB_TOKENS, CalibrationStats, LayerCalibrator, calibration_ids
+from ops.calibration import (DEFAULT_CALIB_TOKENS, CalibrationStats, DenseWeights, LayerCalibrator, calibration_ids,
+                             in_layer_order)
 
 __all__ = ["register", "QuantizePlan", "plan_quantize", "quantize_checkpoint", "per_gpu_bytes", "SizeReport",
            "METHODS", "resolve_method"]
@@ -204,42 +216,6 @@ def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightForm
     return plan
 
 
-class DenseWeights:
-    """A linear module's float weight [N, K] as the input stores it: dense, FP8 dequantised with its
-    block scales, or a slice of a fused experts tensor (read once for the run of its experts)."""
-
-    def __init__(self, reader: CheckpointReader, plan: QuantizePlan) -> None:
-        self.reader, self.plan = reader, plan
-        self._fused_name, self._fused = "", torch.empty(0)
-
-    def __call__(self, module: str) -> torch.Tensor:
-        plan = self.plan
-        if module in plan.slices:
-            piece = plan.slices[module]
-            if piece.tensor != self._fused_name:
-                self._fused_name, self._fused = piece.tensor, self.reader.get(piece.tensor)  # [E, rows, K]
-            return self._fused[piece.expert, piece.start:piece.stop].contiguous()  # [rows, K]
-        if plan.source is None:
-            return self.reader.get(f"{module}.weight")
-        return plan.source.dequantize(plan.source.read(self.reader.get, module))
-
-
-def _layer_of(name: str) -> int:
-    """The decoder layer a tensor or module belongs to (-1: none)."""
-    parts = name.split(".")
-    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
-
-
-def _in_layer_order(steps: Steps, num_layers: int) -> Steps:
-    """`steps` regrouped layer by layer (a stable sort): tensors of no layer first, then layer 0, 1, ...,
-    then the multi-token-prediction layers. Checkpoint order sorts `layers.10` before `layers.2`;
-    calibration walks the layers in order, so the writer does too."""
-    def key(step: tuple[str, dict[str, TensorSpec]]) -> int:
-        layer = _layer_of(step[0])
-        return layer if layer < num_layers else num_layers + layer
-    return sorted(steps, key=key)
-
-
 def _produce(reader: CheckpointReader, plan: QuantizePlan, steps: Steps, done: Callable[[], object],
              weights: DenseWeights, calibrator: LayerCalibrator | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Output tensors of `steps`, one input tensor (or linear module) at a time; `done()` after each.
@@ -337,7 +313,7 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
     reader = CheckpointReader(src, cfg.checkpoint_prefix)  # a Kimi K2.x folder: its text model only
     plan = plan_quantize(reader, cfg, target)
     method = resolve_method(method, target, cfg)
-    steps = _in_layer_order(plan.steps, cfg.num_layers)
+    steps = in_layer_order(plan.steps, cfg.num_layers)
     weights = DenseWeights(reader, plan)
     calibrator = None
     if method == "gptq":
