@@ -387,3 +387,19 @@ def test_python_rendering_matches_kubectl_kustomize(name: str, tmp_path: Path) -
         return {(r["kind"], r["metadata"]["name"]): r for r in resources}
 
     assert by_key(render(DEPLOY / name)) == by_key([d for d in yaml.safe_load_all(out) if d])
+
+
+def test_image_holds_every_package_and_runs_as_the_pods_user(base: list[Resource]) -> None:
+    import tomllib
+
+    project = tomllib.loads((DEPLOY.parents[1] / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    copied = {line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ")}
+    assert packages <= copied, "a package pip installs is missing from the image"
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    assert all(f"!{p}/" in ignore for p in packages) and "!pyproject.toml" in ignore
+    (user,) = [int(line.split()[1]) for line in dockerfile.splitlines() if line.startswith("USER ")]
+    for pod in pods(base):
+        if component(pod) != "redis":
+            assert pod.spec["securityContext"]["runAsUser"] == user, pod.name
