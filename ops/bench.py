@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "moe": "ops.bench_moe",
     "mla": "ops.bench_mla",
     "structured": "ops.bench_structured",
+    "tp": "ops.bench_tp",
 }
 
 

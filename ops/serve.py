@@ -239,7 +239,8 @@ def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token:
     if group is not None:
         pids = ", ".join(f"rank {r} pid {p}" for r, p in group.pids.items()) or "launched by torchrun"
         print(f"  tensor parallel: {group.coll.world} ranks{' (expert parallel)' if config.expert_parallel else ''}"
-              f", rank 0 read {engine.model.bytes_read} weight bytes; followers: {pids}", flush=True)
+              f"; weight bytes read per rank {[w['bytes_read'] for w in group.coll.rank_weights]}; followers: {pids}",
+              flush=True)
     if warning:
         print(warning, flush=True)
     serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, render=worker_error_response)
@@ -250,7 +251,7 @@ def _group_stats(group: Any, engine: Any) -> Any:
     def stats() -> dict[str, object]:
         return {"world_size": group.coll.world, "expert_parallel": engine.config.expert_parallel,
                 "follower_pids": group.pids, "collectives": group.coll.snapshot(),
-                "rank0_weight_bytes_read": engine.model.bytes_read}
+                "rank_weights": group.coll.rank_weights}
     return stats
 
 

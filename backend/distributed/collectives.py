@@ -41,6 +41,7 @@ class Collectives:
         self.calls: Counter[str] = Counter()  # collective kind -> calls
         self.bytes: Counter[str] = Counter()  # collective kind -> bytes this rank sent into it
         self.failure: GroupFailure | None = None
+        self.rank_weights: list[dict[str, int]] = []  # per rank: checkpoint bytes read, weight bytes held
         self._lock = threading.Lock()
 
     @property

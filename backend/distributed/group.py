@@ -108,14 +108,19 @@ def _load_shard(spec: GroupSpec, coll: Collectives) -> Any:
                       c.decode_weights, c.int4_group_size, group=coll, expert_parallel=spec.expert_parallel)
 
 
-def _agree_on_pages(coll: Collectives, num_pages: int) -> None:
-    """Every rank must size its KV pool to rank 0's page count (page ids are rank 0's); raise otherwise."""
+def _handshake(coll: Collectives, model: Any, num_pages: int) -> None:
+    """Once every rank holds its shard and KV pool: check that each pool has rank 0's page count (page
+    ids are rank 0's) and record every rank's weight figures in `coll.rank_weights` (raise on a mismatch)."""
     pages = coll.broadcast(torch.tensor([num_pages], dtype=torch.int64))
-    ok = torch.tensor([1 if int(pages[0]) == num_pages else 0], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=coll.control)
-    if int(ok[0]) != 1:
-        raise ModelLoadError(f"the ranks' KV pools differ in pages (rank 0: {int(pages[0])}, rank {coll.rank}: "
-                             f"{num_pages}); every rank needs the same --kv-cache-bytes")
+    memory = model.weight_memory()
+    mine = torch.tensor([1 if int(pages[0]) == num_pages else 0, model.bytes_read, memory["total"] - memory["packs"]],
+                        dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(coll.world)]
+    dist.all_gather(every, mine, group=coll.control)
+    coll.rank_weights = [{"bytes_read": int(t[1]), "bytes_held": int(t[2])} for t in every]
+    if not all(int(t[0]) for t in every):
+        raise ModelLoadError(f"the ranks' KV pools differ in pages (rank 0 has {int(pages[0])}); every rank needs "
+                             f"the same --kv-cache-bytes")
 
 
 def run_follower(coll: Collectives, spec: GroupSpec) -> int:
@@ -128,7 +133,7 @@ def run_follower(coll: Collectives, spec: GroupSpec) -> int:
         torch.set_num_threads(c.num_threads)
     model = _load_shard(spec, coll)
     cache = create_kv_cache(model.cfg, c.kv_format, c.kv_cache_bytes, c.page_size, model.dtype, model.embed.device)
-    _agree_on_pages(coll, cache.num_pages)
+    _handshake(coll, model, cache.num_pages)
     channel = StepChannel(coll, c.page_size, model.dtype, c.device)
     steps = 0
     while (msg := channel.recv()) is not None:
@@ -153,7 +158,7 @@ def follower_main(rank: int, spec: GroupSpec) -> None:
 def attach_leader(engine: LLMEngine, coll: Collectives) -> None:
     """Rank 0: have `engine`'s model send every step to the followers, once every rank holds its shard
     and a KV pool of the same page count."""
-    _agree_on_pages(coll, engine.cache.num_pages)
+    _handshake(coll, engine.model, engine.cache.num_pages)
     engine.model.step_channel = StepChannel(coll, engine.cache.page_size, engine.model.dtype, engine.config.device)
 
 
