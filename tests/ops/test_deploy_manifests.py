@@ -29,7 +29,8 @@ from tests.ops.k8s_pods import (FIELD_VALUES, Pod, component, container_env, exp
 from tests.ops.kustomize_render import Resource, render
 
 DEPLOY = Path(__file__).resolve().parents[2] / "ops" / "deploy"
-KUSTOMIZATIONS = ["base", "overlays/kimi-k2-8xh200", "overlays/kimi-k2-2x8xh100"]
+KUSTOMIZATIONS = ["base", "overlays/kimi-k2-8xh200", "overlays/kimi-k2-8xh200-unified", "overlays/kimi-k2-2x8xh100"]
+WORKER_SHAPES = ({"prefill", "decode"}, {"unified"})  # disaggregated, or unified workers (components/unified)
 # flags issue 15 adds to `edgeserve serve` (being built): checked like any other once the parser has them
 PENDING_FLAGS = {"--tensor-parallel": True, "--expert-parallel": False}  # flag -> takes a value
 SECRET_KEYS = {"worker-token", "redis-password"}
@@ -124,9 +125,10 @@ def test_renders_every_tier_once(rendered: list[Resource]) -> None:
     assert len(keys) == len(set(keys))
     assert {"ConfigMap", "Secret", "Service", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget",
             "StatefulSet", "NetworkPolicy"} <= {r["kind"] for r in rendered}
-    assert {component(p) for p in pods(rendered)} == {"gateway", "prefill", "decode", "redis"}
-    for pdb_tier in ("gateway", "prefill", "decode"):
-        assert find(rendered, "PodDisruptionBudget", f"edgeserve-{pdb_tier}")
+    tiers = {component(p) for p in pods(rendered)}
+    assert tiers - {"gateway", "redis"} in WORKER_SHAPES and {"gateway", "redis"} <= tiers
+    for tier in tiers - {"redis"}:  # one Redis replica: a budget could only block node drains
+        assert find(rendered, "PodDisruptionBudget", f"edgeserve-{tier}"), tier
 
 
 def test_every_edgeserve_command_parses_with_the_cli(rendered: list[Resource], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,7 +142,7 @@ def test_every_edgeserve_command_parses_with_the_cli(rendered: list[Resource], m
         # secrets come from the environment, never argv (visible in `ps`); no worker runs without a token
         flags = {word.split("=", 1)[0] for word in cmd.argv}
         assert not flags & {"--worker-token", "--redis-url", "--insecure-no-worker-token"}, pod.name
-    assert tiers == {"gateway", "prefill", "decode"}
+    assert tiers == {component(p) for p in pods(rendered)} - {"redis"}
 
 
 def test_ports_are_the_code_defaults_and_line_up(rendered: list[Resource], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,13 +320,15 @@ def test_network_policies_admit_edgeserve_and_guard_workers(rendered: list[Resou
             and all(port_number(server.spec["containers"][0], p["port"]) for p in rule.get("ports", []))
             for n in guarding for rule in n["spec"].get("ingress", []))
 
-    for tier in ("prefill", "decode", "redis"):  # guarded: only edgeserve's pods get in
+    workers = set(by_tier) - {"gateway", "redis"}
+    for tier in workers | {"redis"}:  # guarded: only edgeserve's pods get in
         assert all(any(matches(n["spec"]["podSelector"], p.labels) for n in policies) for p in by_tier[tier])
         outsider = Pod({"kind": "Pod", "metadata": {"name": "outsider"}}, {"metadata": {"labels": {}}, "spec": {}}, {})
         assert not any(admits(outsider, p) for p in by_tier[tier])
-    needed = [("gateway", "prefill"), ("gateway", "decode"), ("decode", "prefill"), ("prefill", "prefill"),
-              ("decode", "decode"), ("gateway", "redis"), ("prefill", "redis"), ("decode", "redis")]
-    for client, server in needed:  # routing, KV transfer, a group's ranks (NCCL), registry and metering
+    # routing, a group's ranks (NCCL), registry and metering, and KV transfer from prefill to decode
+    needed = [(c, s) for w in workers for c, s in (("gateway", w), (w, w), (w, "redis"))] + [("gateway", "redis")]
+    needed += [("decode", "prefill")] if workers == {"prefill", "decode"} else []
+    for client, server in needed:
         assert all(admits(c, s) for c in by_tier[client] for s in by_tier[server]), (client, server)
 
 
