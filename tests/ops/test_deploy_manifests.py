@@ -13,8 +13,6 @@ does.
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import shutil
 import subprocess
@@ -24,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.ops.deploy_commands import commands
 from tests.ops.k8s_pods import (FIELD_VALUES, Pod, component, container_env, expand, find, gpus, matches, pods,
                                 port_number)
 from tests.ops.kustomize_render import Resource, render
@@ -31,8 +30,6 @@ from tests.ops.kustomize_render import Resource, render
 DEPLOY = Path(__file__).resolve().parents[2] / "ops" / "deploy"
 KUSTOMIZATIONS = ["base", "overlays/kimi-k2-8xh200", "overlays/kimi-k2-8xh200-unified", "overlays/kimi-k2-2x8xh100"]
 WORKER_SHAPES = ({"prefill", "decode"}, {"unified"})  # disaggregated, or unified workers (components/unified)
-# flags issue 15 adds to `edgeserve serve` (being built): checked like any other once the parser has them
-PENDING_FLAGS = {"--tensor-parallel": True, "--expert-parallel": False}  # flag -> takes a value
 SECRET_KEYS = {"worker-token", "redis-password"}
 DRAIN_TAIL_S = 10  # after --drain-timeout: 5 s for the ended requests' responses (drain.py) + 5 s server shutdown
 
@@ -45,69 +42,6 @@ def rendered(request: pytest.FixtureRequest) -> list[Resource]:
 @pytest.fixture(scope="module")
 def base() -> list[Resource]:
     return render(DEPLOY / "base")
-
-
-class Command:
-    """A container's edgeserve command line, expanded and parsed by the real parsers."""
-
-    def __init__(self, subcommand: str, argv: list[str], args: argparse.Namespace, pending: dict[str, str | None],
-                 torchrun: argparse.Namespace | None) -> None:
-        self.subcommand, self.argv, self.args, self.pending, self.torchrun = subcommand, argv, args, pending, torchrun
-
-    def value(self, flag: str) -> Any:
-        """A flag's parsed value, pending flags included (None when absent)."""
-        dest = flag.lstrip("-").replace("-", "_")
-        if hasattr(self.args, dest):
-            return getattr(self.args, dest)
-        return self.pending.get(flag, True if flag in self.pending else None)
-
-
-def parse_command(container: Resource, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Command | None:
-    argv = [expand(a, env) for a in container.get("command", []) + container.get("args", [])]
-    torchrun = None
-    if argv[:1] == ["torchrun"]:
-        from torch.distributed.run import get_args_parser
-
-        torchrun = get_args_parser().parse_args(argv[1:])
-        assert torchrun.module and torchrun.training_script == "ops.cli", "torchrun must run `-m ops.cli`"
-        argv = ["edgeserve", *torchrun.training_script_args]
-    if argv[:1] != ["edgeserve"]:
-        return None
-    from ops.cli import build_parser
-
-    for name in list(os.environ):  # flag defaults read the environment when the parser is built
-        if name.startswith(("EDGESERVE_", "REDIS_")):
-            monkeypatch.delenv(name)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    subcommand = argv[1]
-    parser = build_parser(subcommand)
-    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    known = set(subparsers.choices[subcommand]._option_string_actions)
-    rest, pending = [], {}
-    words = iter(argv[2:])
-    for word in words:
-        flag, has_value, value = word.partition("=")
-        if flag in PENDING_FLAGS and flag not in known:
-            pending[flag] = (value if has_value else next(words)) if PENDING_FLAGS[flag] else None
-        else:
-            rest.append(word)
-    try:
-        args = parser.parse_args([subcommand, *rest])
-    except SystemExit as exc:
-        raise AssertionError(f"edgeserve {subcommand} rejects {rest}") from exc
-    return Command(subcommand, argv, args, pending, torchrun)
-
-
-def commands(resources: list[Resource], monkeypatch: pytest.MonkeyPatch):
-    for pod in pods(resources):
-        for container in pod.spec["containers"]:
-            env = container_env(resources, pod, container)
-            cmd = parse_command(container, env, monkeypatch)
-            if cmd is not None:
-                yield pod, container, env, cmd
-
-
 
 
 @pytest.fixture(scope="module")
