@@ -9,6 +9,8 @@
     GET  /v1/models                                                 served models and aliases
     GET  /v1/models/{model}                                         one of them (404 model_not_found)
     GET  /healthz                                                   gateway and Redis reachable
+    GET  /livez                                                     the process answers (never touches Redis)
+    GET  /readyz                                                    takes new requests: 503 while draining (no Redis)
     GET  /metrics                                                   Prometheus
 
 Gateways hold no state of their own: tenants, keys, usage, quotas, the worker
@@ -86,6 +88,18 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
                                 headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok", "region": config.region, "models": [m.name for m in catalog.models]})
 
+    async def livez(request: Request) -> Response:
+        """Liveness for orchestrators: the event loop answers. Never Redis: an outage must not
+        restart every gateway (requests then get typed 503s, and /healthz says why)."""
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        """Readiness: 503 with Retry-After once draining (a SIGTERM), so a load balancer stops
+        sending new requests while open streams finish; never Redis, like /livez."""
+        if drain.draining:
+            return JSONResponse({"status": "draining"}, 503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ok"})
+
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -123,6 +137,8 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/livez", livez, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     drain = Drain(end_rest=state.pool.end_streams)

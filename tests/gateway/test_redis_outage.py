@@ -95,6 +95,26 @@ def test_healthz_during_an_outage_carries_retry_after(worker: Worker, tiny_chat_
         assert health.status_code == 503 and "retry-after" in health.headers
 
 
+def test_liveness_and_readiness_never_wait_on_redis_and_readiness_follows_the_drain(
+        worker: Worker, tiny_chat_dir: Path, restartable_redis: RedisServer, tmp_path: Path) -> None:
+    """An orchestrator's probes: /livez and /readyz answer 200 at once while Redis is down (an outage
+    must not restart or unroute every gateway); /readyz turns 503 with Retry-After once draining."""
+    app = _gateway_app(tiny_chat_dir, worker.url, restartable_redis, tmp_path / "j.jsonl")
+    with serve_in_thread(app) as url:
+        restartable_redis.pause()  # hung: a probe that pinged it would hang too
+        try:
+            for path in ("/livez", "/readyz"):
+                start = time.monotonic()
+                resp = httpx.get(f"{url}{path}", timeout=30)
+                assert resp.status_code == 200 and time.monotonic() - start < 1.0, (path, resp.text)
+        finally:
+            restartable_redis.resume()
+        app.state.drain.draining = True  # what SIGTERM's drain sets first
+        ready = httpx.get(f"{url}/readyz", timeout=30)
+        assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
+        assert httpx.get(f"{url}/livez", timeout=30).status_code == 200
+
+
 class _GatedWorker:
     """The tiny model's worker, whose engine holds every step after the first until `release()`:
     a stream is admitted and has shown a token, and ends only when the test says."""

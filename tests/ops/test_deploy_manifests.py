@@ -112,6 +112,9 @@ def test_probes_answer_without_credentials_or_redis(rendered: list[Resource], mo
                 assert get["path"] in OPEN_PATHS, pod.name
             else:  # a real GET route, and not /healthz, which fails while Redis is away
                 assert get["path"] in gateway_get_routes and get["path"] != "/healthz", pod.name
+        if cmd.subcommand == "gateway":  # readiness follows the drain, liveness does not
+            assert (container["readinessProbe"]["httpGet"]["path"],
+                    container["livenessProbe"]["httpGet"]["path"]) == ("/readyz", "/livez"), pod.name
 
 
 def test_termination_outlasts_the_drain(rendered: list[Resource], monkeypatch: pytest.MonkeyPatch) -> None:
