@@ -55,6 +55,7 @@ from backend.config import ModelConfig
 from backend.errors import UnsupportedArchitecture, WeightsError
 from backend.layers.norm import rms_norm
 from backend.moe_router import MoEConfig, route
+from backend.compressed_tensors import PackQuantizedWriter
 from backend.rope import rope_inv_freq
 from backend.weight_formats import Int4Format, StoredWeight
 from backend.weights import CheckpointReader
@@ -188,16 +189,22 @@ class LayerCalibrator:
     and advances the hidden states through the quantised layer (see the module docstring).
 
     `get(name)` reads a dense checkpoint tensor (norms, embedding, router); `weight(module)`
-    a linear's float weight [N, K]; `has(name)` says whether the checkpoint has a tensor."""
+    a linear's float weight [N, K]; `has(name)` says whether the checkpoint has a tensor.
+    Linears `kept(module)` (an ignore list) are not quantised: the forward runs `served(module)`,
+    the dense weight the output checkpoint holds for them. A `PackQuantizedWriter` target gets
+    the symmetric grid and its packed tensors."""
 
     def __init__(self, cfg: ModelConfig, ids: torch.Tensor, fmt: Int4Format, get: Callable[[str], torch.Tensor],
                  weight: Callable[[str], torch.Tensor], has: Callable[[str], bool], act_order: bool = False,
-                 min_expert_tokens: int | None = None) -> None:
+                 min_expert_tokens: int | None = None, kept: Callable[[str], bool] = lambda module: False,
+                 served: Callable[[str], torch.Tensor] | None = None) -> None:
         if cfg.is_mla:
             raise UnsupportedArchitecture(f"GPTQ calibration covers GQA decoders (Llama, Qwen2, Glm4Moe); "
                                           f"{cfg.architecture} uses latent attention: use --method rtn")
         self.cfg, self.fmt, self.act_order = cfg, fmt, act_order
         self.get, self.weight, self.has = get, weight, has
+        self.kept, self.served = kept, served or weight
+        self.symmetric = isinstance(fmt, PackQuantizedWriter)  # compressed-tensors' grid (ops/gptq.py)
         self.min_expert_tokens = fmt.group_size if min_expert_tokens is None else min_expert_tokens
         self.layer = 0
         self.stats = CalibrationStats(tokens=ids.numel(), sequences=ids.shape[0], seq_len=ids.shape[1])
@@ -210,26 +217,30 @@ class LayerCalibrator:
 
     # ---------------------------------------------------------------- quantising
 
-    def _gptq(self, x: torch.Tensor, modules: Iterable[str], out: dict[str, StoredWeight]) -> list[torch.Tensor]:
-        """GPTQ of `modules` (which all read x [..., K]) against x's Hessian; their stored weights go
-        into `out`, their dequantised weights [N, K] are returned in order."""
+    def _quantise(self, x: torch.Tensor, modules: Iterable[str], out: dict[str, StoredWeight],
+                  gptq: bool = True) -> list[torch.Tensor]:
+        """Quantise `modules` (which all read x [..., K]), GPTQ against x's Hessian (one for all: rows
+        are independent) or RTN; their stored weights go into `out`. Returns the weights [N, K] the
+        quantised model computes with, in order (a kept linear's dense weight)."""
         modules = list(modules)
-        acc = HessianAccumulator(x.shape[-1])
-        acc.add(x)
-        prepared = prepare_hessian(acc.value(), self.act_order)
-        weights = [self.weight(m) for m in modules]
-        result = gptq_quantize(torch.cat(weights), prepared, self.fmt)  # rows are independent: one call
-        rows = [w.shape[0] for w in weights]
-        out.update(zip(modules, _split_rows(result.stored, rows)))
-        self.stats.gptq_linears += len(modules)
-        return list(result.dequantized.split(rows))
-
-    def _rtn(self, modules: Iterable[str], out: dict[str, StoredWeight]) -> list[torch.Tensor]:
-        deq = []
-        for m in modules:
-            out[m] = self.fmt.quantize(self.weight(m))
-            deq.append(self.fmt.dequantize(out[m]))
-        return deq
+        todo = [m for m in modules if not self.kept(m)]
+        deq = {m: self.served(m).float() for m in modules if self.kept(m)}
+        if todo and gptq:
+            acc = HessianAccumulator(x.shape[-1])
+            acc.add(x)
+            prepared = prepare_hessian(acc.value(), self.act_order)
+            weights = [self.weight(m) for m in todo]
+            result = gptq_quantize(torch.cat(weights), prepared, self.fmt, symmetric=self.symmetric)
+            rows = [w.shape[0] for w in weights]
+            for m, part, d in zip(todo, _split_rows(result.stored, rows), result.dequantized.split(rows)):
+                out[m] = self.fmt.pack(part, m) if self.symmetric else part
+                deq[m] = d
+            self.stats.gptq_linears += len(todo)
+        else:
+            for m in todo:
+                out[m] = self.fmt.quantize(self.weight(m))
+                deq[m] = self.fmt.dequantize(out[m])
+        return [deq[m] for m in modules]
 
     # ---------------------------------------------------------------- the layer
 
@@ -257,7 +268,7 @@ class LayerCalibrator:
         s, length, _ = x.shape
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         a = f"{p}self_attn."
-        wq, wk, wv = self._gptq(x, [f"{a}{n}_proj" for n in "qkv"], out)
+        wq, wk, wv = self._quantise(x, [f"{a}{n}_proj" for n in "qkv"], out)
         q, k, v = (x @ w.t() for w in (wq, wk, wv))
         if cfg.attention_bias and self.has(f"{a}q_proj.bias"):
             q, k, v = (t + self.get(f"{a}{n}_proj.bias").float() for t, n in zip((q, k, v), "qkv"))
@@ -272,15 +283,14 @@ class LayerCalibrator:
                                                is_causal=True, scale=hd ** -0.5, enable_gqa=True)  # [H, L, hd]
             heads.append(o.transpose(0, 1).reshape(length, nh * hd))
         attn = torch.stack(heads)  # [S, L, H * hd]
-        (wo,) = self._gptq(attn, [f"{a}o_proj"], out)
+        (wo,) = self._quantise(attn, [f"{a}o_proj"], out)
         return attn @ wo.t()
 
     def _mlp(self, prefix: str, x: torch.Tensor, out: dict[str, StoredWeight], gptq: bool = True) -> torch.Tensor:
         """SwiGLU `<prefix>{gate,up,down}_proj` on x [T, hidden], quantised (GPTQ or RTN) first."""
-        names = [f"{prefix}{n}_proj" for n in ("gate", "up")]
-        wg, wu = self._gptq(x, names, out) if gptq else self._rtn(names, out)
+        wg, wu = self._quantise(x, [f"{prefix}{n}_proj" for n in ("gate", "up")], out, gptq)
         inner = F.silu(x @ wg.t()) * (x @ wu.t())  # [T, intermediate]
-        (wd,) = self._gptq(inner, [f"{prefix}down_proj"], out) if gptq else self._rtn([f"{prefix}down_proj"], out)
+        (wd,) = self._quantise(inner, [f"{prefix}down_proj"], out, gptq)
         return inner @ wd.t()
 
     def _moe(self, p: str, x: torch.Tensor, out: dict[str, StoredWeight]) -> torch.Tensor:

@@ -28,6 +28,12 @@ RTN's codes bit for bit). A group's s and z are set when GPTQ reaches the group'
 column, from the group's current (error-updated) weights, as the GPTQ reference does;
 blocks are at least one group wide so that a group never straddles two blocks.
 
+**The symmetric grid** (``symmetric=True``) is compressed-tensors' pack-quantized one
+(`backend/compressed_tensors.symmetric_int4`), for checkpoints vLLM and SGLang load: no
+zero point, s = bfloat16(max |w| / 7.5) per group (bfloat16's eps for an all-zero
+group), q = clamp(round(w / s), -8, 7), stored as code q + 8 with zeros 0; H = I gives
+`symmetric_int4`'s codes bit for bit.
+
 **Activation order** (``act_order``): columns are visited by decreasing diag H (the
 inputs with the most energy first, while there is most freedom left to absorb their
 error). The group scales stay in column order (the stored format has no column
@@ -56,7 +62,7 @@ from backend.errors import WeightsError
 from backend.weight_formats import Int4Format, StoredWeight
 
 __all__ = ["HessianAccumulator", "PreparedHessian", "GptqResult", "prepare_hessian", "gptq_quantize",
-           "int4_group_params", "DEFAULT_DAMP", "DEFAULT_BLOCK"]
+           "int4_group_params", "symmetric_group_params", "DEFAULT_DAMP", "DEFAULT_BLOCK"]
 
 DEFAULT_DAMP = 0.01  # fraction of mean(diag H) added to the diagonal
 DEFAULT_BLOCK = 128  # columns whose updates are applied together (lazy batch updates)
@@ -125,8 +131,21 @@ def int4_group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s.float(), z.float()
 
 
-def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """INT4 codes (float, 0..15) of w against s, z (broadcast), as `quantize_int4_ref` rounds."""
+_SYM_STEPS = 7.5  # (q_max - q_min) / 2: compressed-tensors' symmetric scale divisor
+_BF16_EPS = torch.finfo(torch.bfloat16).eps  # its scale for an all-zero group
+
+
+def symmetric_group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, 0) [N] float32 of one symmetric group w [N, g], as `symmetric_int4` makes s."""
+    s = (w.abs().amax(dim=1) / _SYM_STEPS).to(torch.bfloat16)
+    s = torch.where(s == 0, torch.full_like(s, _BF16_EPS), s).float()
+    return s, torch.zeros_like(s)
+
+
+def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """INT4 codes (float, 0..15) of w against s, z (broadcast), rounded as the grid's RTN rounds."""
+    if symmetric:
+        return (w / s).clamp(-8, 7).round() + 8
     return (torch.round((w - z) / s) + 8).clamp(0, 15)
 
 
@@ -141,14 +160,18 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def gptq_quantize(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format,
-                  block: int = DEFAULT_BLOCK) -> GptqResult:
-    """Quantise w [N, K] (any float dtype) into `fmt` with GPTQ against `prepared` (see the module docstring)."""
+def gptq_quantize(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: int = DEFAULT_BLOCK,
+                  symmetric: bool = False) -> GptqResult:
+    """Quantise w [N, K] (any float dtype) with GPTQ against `prepared` into `fmt`'s layout (`Int4Format`:
+    qweight, scales, zeros), on its asymmetric grid or, `symmetric`, compressed-tensors' (module docstring)."""
+    if symmetric and w.shape[1] % fmt.group_size:
+        raise WeightsError(f"a symmetric (pack-quantized) weight needs in_features divisible by the group size "
+                           f"{fmt.group_size}; got {list(w.shape)}", shape=list(w.shape))
     with _one_thread():
-        return _gptq(w, prepared, fmt, block)
+        return _gptq(w, prepared, fmt, block, symmetric)
 
 
-def _gptq(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: int) -> GptqResult:
+def _gptq(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: int, symmetric: bool) -> GptqResult:
     n, k = w.shape
     if prepared.u.shape != (k, k):
         raise WeightsError(f"GPTQ: a [{n}, {k}] weight against a Hessian of {prepared.u.shape[0]} columns")
@@ -163,9 +186,10 @@ def _gptq(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: in
     scales = torch.zeros(n, groups)  # float32 values of the bfloat16 scales
     zeros = torch.zeros(n, groups)
     perm = prepared.perm
+    params = symmetric_group_params if symmetric else int4_group_params
     if perm is not None:  # static groups, from the weights before any update (column order)
         for j in range(groups):
-            scales[:, j], zeros[:, j] = int4_group_params(W[:, j * g:(j + 1) * g])
+            scales[:, j], zeros[:, j] = params(W[:, j * g:(j + 1) * g])
         W = W[:, perm]
         col_of = perm.tolist()
     else:
@@ -180,10 +204,10 @@ def _gptq(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: in
         for i in range(i2 - i1):
             col = col_of[i1 + i]
             if perm is None and col % g == 0:  # first column of a group: its grid from the current weights
-                scales[:, col // g], zeros[:, col // g] = int4_group_params(W1[:, i:i + g])
+                scales[:, col // g], zeros[:, col // g] = params(W1[:, i:i + g])
             s, z = scales[:, col // g], zeros[:, col // g]
             wi = W1[:, i]
-            c = _codes(wi, s, z)
+            c = _codes(wi, s, z, symmetric)
             codes[:, i1 + i] = c
             e = (wi - ((c - 8) * s + z)) / u1[i, i]
             W1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)

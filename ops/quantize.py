@@ -60,7 +60,7 @@ import resource
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -73,6 +73,7 @@ from backend.errors import UnsupportedArchitecture, WeightsError
 from backend.models.checkpoint_layout import checkpoint_layout
 from backend.weight_formats import Int4Format, TensorSpec, WeightFormat, stored_format, weight_format
 from backend.weights import CheckpointReader, write_safetensors
+from ops.quantize_ignore import IGNORE_PRESETS, ignore_matcher, ignore_patterns, validate_patterns
 from ops.calibration import (DEFAULT_CALIB_TOKENS, CalibrationStats, DenseWeights, LayerCalibrator, calibration_ids,
                              in_layer_order)
 
@@ -80,6 +81,7 @@ __all__ = ["register", "QuantizePlan", "plan_quantize", "quantize_checkpoint", "
            "METHODS", "resolve_method"]
 
 METHODS = ("rtn", "gptq")
+OUTPUT_FORMATS = ("compressed-tensors", "edgeserve")  # INT4 layouts --output-format writes
 
 DEFAULT_SHARD_BYTES = 4 * 2**30
 Steps = list[tuple[str, dict[str, TensorSpec]]]  # (input tensor or linear module, its output tensors) in file order
@@ -106,6 +108,8 @@ class QuantizePlan:
     input_specs: dict[str, TensorSpec] = field(default_factory=dict)
     linear_modules: set[str] = field(default_factory=set)
     slices: dict[str, ExpertSlice] = field(default_factory=dict)  # module -> where a fused input holds it
+    kept: set[str] = field(default_factory=set)  # linears the ignore list keeps dense (as stored, FP8 -> BF16)
+    dequantized: set[str] = field(default_factory=set)  # kept linears stored FP8, written as a BF16 .weight
 
     @property
     def output_specs(self) -> dict[str, TensorSpec]:
@@ -151,8 +155,12 @@ def _fused_expert(module: str, cfg: ModelConfig, specs: dict[str, TensorSpec]) -
     return ExpertSlice(name, int(j), start, start + (h if proj == "down_proj" else i))
 
 
-def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightFormat) -> QuantizePlan:
-    """Check the input and plan every output tensor from the headers alone (no data read)."""
+def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightFormat,
+                  ignore: Sequence[str] = ()) -> QuantizePlan:
+    """Check the input and plan every output tensor from the headers alone (no data read). Linears
+    named by `ignore` (or the target's own ignore list) stay dense (see the module docstring)."""
+    patterns = validate_patterns([*ignore, *getattr(target, "ignore", ())])
+    ignored = ignore_matcher(patterns, cfg.checkpoint_prefix) if patterns else (lambda module: False)
     source = stored_format(cfg.quantization, cfg.checkpoint_prefix)
     if source is not None and source.name == "int4":
         raise WeightsError("the input is already INT4; quantize reads dense (BF16/FP16/FP32) or FP8 checkpoints")
@@ -170,6 +178,20 @@ def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightForm
         piece = None
         if source is None and f"{module}.weight" not in names:
             piece = _fused_expert(module, cfg, plan.input_specs)
+        if ignored(module):
+            if piece is not None:
+                raise WeightsError(f"{module} is stored inside the fused {piece.tensor}; the ignore list can keep "
+                                   f"a fused experts tensor dense only whole (name every expert, or none)",
+                                   tensor=piece.tensor)
+            plan.kept.add(module)
+            if f"{module}.weight" not in names:
+                raise WeightsError(f"tensor {module}.weight is missing from the checkpoint at {reader.model_dir}",
+                                   tensor=f"{module}.weight")
+            if source is not None:  # an FP8 linear kept: dequantised to a BF16 .weight (what loaders read dense)
+                plan.dequantized.add(module)
+                for suffix in source.suffixes:
+                    consumed[f"{module}.{suffix}"] = module
+            continue
         if piece is not None:
             spec = plan.input_specs[piece.tensor]
             if not spec.dtype.is_floating_point or spec.dtype.itemsize < 2:
@@ -211,7 +233,8 @@ def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightForm
             plan.steps.append((name, {name: plan.input_specs[name]}))
         elif name == f"{module}.weight":
             shape = plan.input_specs[name].shape
-            outs = target.specs((shape[0], shape[1]))
+            outs = {"weight": TensorSpec(torch.bfloat16, shape)} if module in plan.dequantized else \
+                target.specs((shape[0], shape[1]))
             plan.steps.append((module, {f"{module}.{s}": spec for s, spec in outs.items()}))
     return plan
 
@@ -223,7 +246,9 @@ def _produce(reader: CheckpointReader, plan: QuantizePlan, steps: Steps, done: C
     the layer's linears is due; steps are in layer order)."""
     layer: dict[str, object] = {}
     for key, _ in steps:
-        if key not in plan.linear_modules:
+        if key in plan.dequantized:
+            yield f"{key}.weight", weights(key).to(torch.bfloat16)
+        elif key not in plan.linear_modules:
             yield key, reader.get(key)
         else:
             if calibrator is not None:
@@ -297,21 +322,22 @@ def resolve_method(method: str | None, target: WeightFormat, cfg: ModelConfig) -
 def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
                         progress: bool = True, method: str | None = "rtn", calib_tokens: int = DEFAULT_CALIB_TOKENS,
                         calib_file: Path | None = None, calib_ids: torch.Tensor | None = None,
-                        act_order: bool = False) -> SizeReport:
+                        act_order: bool = False, ignore: Sequence[str] = ()) -> SizeReport:
     """Write `dst` (which must not exist) from `src` with its linear layers in `target`; atomic.
 
     method: "rtn" rounds each weight to nearest; "gptq" (INT4 only) calibrates layer by layer on
     `calib_tokens` tokens of `calib_file` or Brown genres A-H (`ops/calibration.py`), or on the
     given `calib_ids` [S, L]; `act_order` visits columns by decreasing activation energy;
-    None picks the default (`resolve_method`). Every input check, the calibration text's
-    included, runs before anything is written."""
+    None picks the default (`resolve_method`). `ignore`: linears kept dense (names or ``re:``
+    regexes, `ops/quantize_ignore.py`), besides the target's own list. Every input check, the
+    calibration text's included, runs before anything is written."""
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise WeightsError(f"{dst} already exists; choose a new output folder", file=str(dst))
     cfg = load_config(src)
     reader = CheckpointReader(src, cfg.checkpoint_prefix)  # a Kimi K2.x folder: its text model only
-    plan = plan_quantize(reader, cfg, target)
+    plan = plan_quantize(reader, cfg, target, ignore)
     method = resolve_method(method, target, cfg)
     steps = in_layer_order(plan.steps, cfg.num_layers)
     weights = DenseWeights(reader, plan)
@@ -321,7 +347,11 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
         ids = calib_ids if calib_ids is not None else calibration_ids(src, cfg, calib_tokens, calib_file)
         if ids.dim() != 2 or not ids.numel() or int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
             raise WeightsError(f"calibration ids must be [sequences, length] in 0..{cfg.vocab_size - 1}")
-        calibrator = LayerCalibrator(cfg, ids, target, reader.get, weights, reader.__contains__, act_order)
+        def served(module: str) -> torch.Tensor:  # what the output holds for a kept linear
+            return weights(module).to(torch.bfloat16).float() if module in plan.dequantized else weights(module)
+
+        calibrator = LayerCalibrator(cfg, ids, target, reader.get, weights, reader.__contains__, act_order,
+                                     kept=plan.kept.__contains__, served=served)
     prefix = cfg.checkpoint_prefix  # written back under the prefix the config.json implies
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
@@ -396,9 +426,10 @@ def print_report(report: SizeReport, target: WeightFormat, cfg: ModelConfig) -> 
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("quantize", help="convert a checkpoint's linear layers to INT4 or FP8 (streamed)")
-    p.add_argument("input", type=Path, help="Hugging Face folder: dense (BF16/FP16/FP32) or FP8 safetensors")
-    p.add_argument("output", type=Path, help="new folder to write (must not exist)")
+    p = subparsers.add_parser("quantize", help="convert a checkpoint's linear layers to INT4 or FP8 (streamed), "
+                                               "or plan the sizes from a config (--plan)")
+    p.add_argument("input", type=Path, nargs="?", help="Hugging Face folder: dense (BF16/FP16/FP32) or FP8 safetensors")
+    p.add_argument("output", type=Path, nargs="?", help="new folder to write (must not exist)")
     p.add_argument("--to", required=True, choices=["int4", "fp8"], help="target format of the linear layers")
     p.add_argument("--group-size", type=int, default=128, help="INT4 group size along in_features (128; 32 allowed)")
     p.add_argument("--method", choices=METHODS, default=None,
@@ -409,17 +440,62 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-file", type=Path, default=None,
                    help="UTF-8 text to calibrate on (default: Brown corpus genres A-H)")
     p.add_argument("--act-order", action="store_true", help="GPTQ: quantise columns by decreasing activation")
+    p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None,
+                   help="INT4 layout: compressed-tensors pack-quantized (symmetric; vLLM/SGLang load it) or "
+                        "edgeserve (asymmetric, zero points). Default: compressed-tensors when the group size "
+                        "divides every quantised linear's in_features, else edgeserve")
+    p.add_argument("--ignore-preset", choices=[*IGNORE_PRESETS, "none"], default="default",
+                   help="linears kept out of INT4 (ops/quantize_ignore.py): default, kimi (routed experts only)")
+    p.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
+                   help="another module name or re:<regex> to keep dense (repeatable)")
+    p.add_argument("--plan", metavar="CONFIG", default=None,
+                   help="print the size plan of a config.json (or folder, or known model name) and write nothing")
+    p.add_argument("--tp", type=int, default=8, help="--plan: tensor parallel degree for per-GPU bytes (8)")
+    p.add_argument("--plan-json", default=None, help="--plan: also write the plan as JSON here")
     p.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="largest output shard (bytes)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
 
+def int4_target(src: Path, group_size: int, output_format: str | None, ignore: Sequence[str]) -> Int4Format:
+    """The INT4 target for `--output-format` (None: compressed-tensors when `group_size` divides the
+    in_features of every linear it would quantise, read from the headers; edgeserve otherwise)."""
+    if output_format is None:
+        cfg = load_config(src)
+        plan = plan_quantize(CheckpointReader(src, cfg.checkpoint_prefix), cfg, Int4Format(group_size), ignore)
+        odd = next((m for m in sorted(plan.linear_modules) if _in_features(plan, m) % group_size), None)
+        output_format = "compressed-tensors" if odd is None else "edgeserve"
+        if odd is not None:
+            print(f"note: {odd} has in_features {_in_features(plan, odd)}, which groups of {group_size} do not "
+                  f"divide (compressed-tensors needs whole groups): writing the edgeserve INT4 layout")
+    if output_format == "compressed-tensors":
+        from backend.compressed_tensors import PackQuantizedWriter
+
+        return PackQuantizedWriter(group_size, ignore)
+    return Int4Format(group_size)
+
+
+def _in_features(plan: QuantizePlan, module: str) -> int:
+    piece = plan.slices.get(module)
+    return plan.input_specs[piece.tensor].shape[2] if piece else plan.input_specs[f"{module}.weight"].shape[1]
+
+
 def run(args: argparse.Namespace) -> int:
-    target = weight_format(args.to, args.group_size)
+    ignore = ignore_patterns(args.ignore_preset, args.ignore)
+    if args.plan:
+        from ops.quantize_plan import print_plan
+
+        print_plan(args.plan, args.to, args.group_size, args.tp, ignore, args.plan_json,
+                   scheme=args.output_format or "compressed-tensors")
+        return 0
+    if args.input is None or args.output is None:
+        raise WeightsError("edgeserve quantize needs IN and OUT folders (or --plan CONFIG)")
+    target = int4_target(args.input, args.group_size, args.output_format, ignore) if args.to == "int4" \
+        else weight_format(args.to, args.group_size)
     report = quantize_checkpoint(args.input, args.output, target, shard_bytes=args.shard_bytes,
                                  progress=not args.no_progress, method=args.method,
                                  calib_tokens=args.calib_tokens, calib_file=args.calib_file,
-                                 act_order=args.act_order)
+                                 act_order=args.act_order, ignore=ignore)
     print(f"wrote {args.output}")
     print_report(report, target, load_config(args.output))
     return 0

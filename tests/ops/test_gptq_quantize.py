@@ -123,3 +123,39 @@ def test_tiny_glm4_moe_quantised_with_gptq_loads_and_serves(tiny_moe_tok: Path, 
     while offline.has_work():
         offline.step()
     assert got == seq.output_ids and len(got) == 8
+
+
+def test_cli_output_format_compressed_tensors_for_gptq_and_rtn(tiny_chat_dir: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The default INT4 layout is compressed-tensors pack-quantized where the group size divides every
+    in_features (g32 on hidden 96), edgeserve otherwise (g128, with a note). Pack-quantized GPTQ and RTN
+    checkpoints differ only in values, load in our engine and GPTQ stays closer to the dense model."""
+    from backend.compressed_tensors import PackQuantizedWriter
+
+    common = ["--to", "int4", "--group-size", "32", "--calib-tokens", "512", "--no-progress"]
+    for method in ("gptq", "rtn"):
+        assert main(["quantize", str(tiny_chat_dir), str(tmp_path / method), "--method", method, *common]) == 0
+    assert main(["quantize", str(tiny_chat_dir), str(tmp_path / "g128"), "--to", "int4", "--method", "rtn",
+                 "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "groups of 128 do not divide" in text
+    assert load_config(tmp_path / "g128").quantization["quant_method"] == "edgeserve_int4"
+    qc = load_config(tmp_path / "gptq").quantization
+    assert qc == load_config(tmp_path / "rtn").quantization and qc["format"] == "pack-quantized"
+    a, b = CheckpointReader(tmp_path / "rtn"), CheckpointReader(tmp_path / "gptq")
+    assert list(a.names()) == list(b.names()) and all(a.spec(n) == b.spec(n) for n in a.names())
+    differ = [n for n in a.names() if not torch.equal(a.get(n), b.get(n))]
+    assert differ and all(n.endswith((".weight_packed", ".weight_scale")) for n in differ)
+    module = "model.layers.1.mlp.down_proj"  # rtn is the writer's own rounding
+    want = PackQuantizedWriter(32).quantize(CheckpointReader(tiny_chat_dir).get(f"{module}.weight"))
+    assert all(torch.equal(a.get(f"{module}.{s}"), t) for s, t in want.tensors.items())
+    ids = list(range(100, 300, 3))
+    dense = _prefill_logits(_engine(tiny_chat_dir), ids)
+    err = {m: (_prefill_logits(_engine(tmp_path / m), ids) - dense).norm().item() for m in ("rtn", "gptq")}
+    assert err["gptq"] < err["rtn"], err
+
+
+def test_plan_flag_prints_the_size_plan(capsys: pytest.CaptureFixture[str], tiny_chat_dir: Path) -> None:
+    assert main(["quantize", "--plan", str(tiny_chat_dir / "config.json"), "--to", "int4", "--group-size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "-> INT4 g32" in out and "TP 8" in out and "\ntotal " in out
