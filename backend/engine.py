@@ -25,7 +25,8 @@ and (under `AsyncEngine`) whenever the idle thread wakes, e.g. after held pages 
 
 Tensor parallelism (`backend/distributed/`): built with a group (`from_pretrained(...,
 group=...)`), this engine is rank 0: its model sends every forward pass to the other
-ranks. A `GroupFailure` (a rank died or hung) ends the failing batch's requests with it,
+ranks, and `read_kv` / `install_kv` move the whole model's KV heads through rank 0
+(`distributed/kv_exchange.py`). A `GroupFailure` (a rank died or hung) ends the failing batch's requests with it,
 like any step failure, and marks the group failed (the watchdog marks it too when a rank
 dies while idle). The next `step()` then ends every request left with it and closes the
 scheduler, and `has_work()` raises it from then on, so `AsyncEngine` stops.
@@ -125,7 +126,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.cache = create_kv_cache(cfg, config.kv_format, config.kv_cache_bytes, config.page_size, model.dtype,
+        self.cache = create_kv_cache(model.local_cfg, config.kv_format, config.kv_cache_bytes, config.page_size, model.dtype,
                                      model.embed.device)
         self.allocator = PageAllocator(self.cache.num_pages)
         # prefix-cache blocks stored/removed, for the worker to publish (popleft); bounded, drops counted
@@ -140,6 +141,7 @@ class LLMEngine:
             else None)
         self.runner = ModelRunner(model, self.cache)
         self.group: Collectives | None = model.group  # rank 0 of a tensor-parallel group, or None
+        self.kv_exchange: Any = None  # with a group: KV transfers read/write every rank's heads (kv_exchange.py)
         if self.group is not None:
             from backend.distributed.group import attach_leader
 
@@ -241,10 +243,17 @@ class LLMEngine:
         if isinstance(k, LatentRows):
             if not isinstance(self.cache, LatentKVCache):
                 raise InvalidRequest(f"latent KV rows sent for request {seq.request_id} to a pool of K/V pages")
-            self.cache.write_rows(layer, self.runner.slots(seq.page_ids, 0, k.rows.shape[0]), k)
+            slots = self.runner.slots(seq.page_ids, 0, k.rows.shape[0])
+            if self.kv_exchange is not None:
+                self.kv_exchange.install_rows(layer, slots, k)
+            else:
+                self.cache.write_rows(layer, slots, k)
             return
         slots = self.runner.slots(seq.page_ids, 0, k.shape[0])
-        self.cache.write_tokens(layer, slots, k, v, k_scale, v_scale)
+        if self.kv_exchange is not None:
+            self.kv_exchange.install(layer, slots, k, v, k_scale, v_scale)
+        else:
+            self.cache.write_tokens(layer, slots, k, v, k_scale, v_scale)
 
     def activate(self, seq: Sequence, first_token: int, generator_state: torch.Tensor | None = None) -> None:
         """Decode role: every layer is installed; the first token (sampled by the prefill worker) is
@@ -277,7 +286,8 @@ class LLMEngine:
             rows = self.cache.read_rows(layer, slots)
             self._check_held_pages(seq, pages, tags)
             return rows, None
-        k, v = self.cache.read_tokens(layer, slots)
+        k, v = self.kv_exchange.read(layer, slots) if self.kv_exchange is not None else \
+            self.cache.read_tokens(layer, slots)
         self._check_held_pages(seq, pages, tags)
         return k, v
 

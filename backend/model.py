@@ -34,7 +34,8 @@ Embeddings, norms, biases, the MoE router and the LM head are shared and stay de
 
 Tensor parallelism (`backend/distributed/`): loaded with a group of N ranks, each rank
 holds its shard (`distributed/sharding.py`: its heads, MLP rows or experts, vocabulary
-rows) and `cfg` is its local view. The forward pass is the same code plus four points
+rows) and `local_cfg` is its local view (`cfg` stays the whole model's: its heads are what
+the KV transfer and everything outside the model see). The forward pass is the same code plus four points
 of communication: the vocab-parallel embedding lookup is all-reduced, each layer's
 attention output and MLP/MoE output (partial sums of row-parallel GEMMs) are
 all-reduced before the residual add, and the LM head's vocabulary columns are gathered
@@ -135,11 +136,12 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, gemm_buckets
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
     lm_head = Linear(embed if tied else loader.get("lm_head.weight"), None, gemm_buckets)
     by_phase = {phase: layers[repr(fmt)] for phase, fmt in loader.formats.items()}
-    model = DecoderModel(loader.cfg, embed, by_phase, loader.get("model.norm.weight"), lm_head, dtype,
-                         loader.formats)
+    model = DecoderModel(cfg, embed, by_phase, loader.get("model.norm.weight"), lm_head, dtype, loader.formats)
     model.bytes_read = loader.ckpt.bytes_read
     if plan is not None:
+        model.local_cfg = loader.cfg
         model.group, model.vocab_start, model.vocab_shard = group, plan.vocab.start, plan.vocab_shard_size
+        model.kv_heads = [ShardPlan(cfg, r, group.world, expert_parallel).kv_heads for r in range(group.world)]
     return model
 
 
@@ -149,7 +151,8 @@ class DecoderModel:
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: dict[str, list[LayerWeights]],
                  norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype,
                  formats: dict[str, WeightFormat] | None = None) -> None:
-        self.cfg = cfg
+        self.cfg = cfg  # the whole model's config
+        self.local_cfg = cfg  # what this rank's layers hold (its heads, MLP rows) under tensor parallelism
         self.dtype = dtype
         self.embed = embed  # [vocab, hidden]
         self.phase_layers = layers  # phase -> layers; the same list when both phases share a format
@@ -164,6 +167,7 @@ class DecoderModel:
         self.group: Collectives | None = None  # tensor parallelism: this rank's collectives (None: one process)
         self.step_channel: StepChannel | None = None  # rank 0 of a group: sends each step to the others
         self.vocab_start, self.vocab_shard = 0, cfg.vocab_size  # this rank's first token id, rows per shard
+        self.kv_heads: list[range] = [range(cfg.num_kv_heads)]  # per rank, the KV heads its pool holds
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype = torch.float32,
@@ -209,16 +213,18 @@ class DecoderModel:
         weights, the prompt rows after them on the prefill weights (two row groups per GEMM when
         the formats differ). `phase` puts every row on that phase's weights instead. Rank 0 of a
         tensor-parallel group sends the step to the other ranks first."""
-        if self.step_channel is not None:
+        if self.step_channel is None:
+            return self.forward_local(input_ids, meta, cache, phase)
+        with self.step_channel.lock:  # the step message and every collective of the pass, in one piece
             self.step_channel.send(input_ids, meta, phase)
-        return self.forward_local(input_ids, meta, cache, phase)
+            return self.forward_local(input_ids, meta, cache, phase)
 
     @torch.inference_mode()
     def forward_local(self, input_ids: torch.Tensor, meta: StepMetadata, cache: PagedKVCache,
                       phase: str | None = None) -> torch.Tensor:
         """`forward` on this rank's shard (what every rank runs): logits [R, vocab] on rank 0, and on
         the other ranks of a group their own vocabulary columns (unused)."""
-        cfg = self.cfg
+        cfg = self.local_cfg
         group = self.group
         d = meta.num_decode
         rows = "mixed" if d and meta.prefills else "prefill" if meta.prefills else "decode"
@@ -249,7 +255,7 @@ class DecoderModel:
             logits = self.lm_head(h).float()
         if group is None:
             return logits
-        full = group.gather_columns(logits, cfg.vocab_size, self.vocab_shard)  # [R, vocab] on rank 0
+        full = group.gather_columns(logits, self.cfg.vocab_size, self.vocab_shard)  # [R, vocab] on rank 0
         return logits if full is None else full
 
     def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -265,7 +271,7 @@ class DecoderModel:
         """One MLA layer's attention, with its DSA key selection bound to this step when it has one."""
         selector = w.selector
         select = (lambda xs, qr: selector(xs, qr, cache, layer, meta)) if selector is not None else None
-        return mla_attention(self.cfg, w, dec, x, split, freqs, cache, layer, meta, self.mla_absorb, select)
+        return mla_attention(self.local_cfg, w, dec, x, split, freqs, cache, layer, meta, self.mla_absorb, select)
 
 
 LlamaModel = DecoderModel  # the name the engine and the ops scripts have always used

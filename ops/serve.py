@@ -20,7 +20,9 @@ Tensor parallelism (one worker = a group of ranks, `backend/distributed/`):
 Rank 0 is this process: HTTP, scheduler, sampling, integrity check, registration. The
 other ranks hold their shards and run each step rank 0 sends; a rank that dies (or hangs
 past `--tp-timeout`) stops the worker: in-flight requests end with a typed error, the
-worker leaves the registry and /health turns 503. Unified role only for now.
+worker leaves the registry and /health turns 503. Every role: a prefill or decode group
+sends or receives the whole model's KV heads through its rank 0 (`distributed/kv_exchange.py`),
+so groups of different sizes pair up.
 """
 
 from __future__ import annotations
@@ -158,7 +160,6 @@ def run_serve(args: argparse.Namespace) -> int:
     warning = check_bind(args.host, token, args.insecure_no_worker_token)  # before torch and the model load
 
     from backend.engine import EngineConfig, LLMEngine
-    from backend.errors import InvalidRequest
     from ops.pull import resolve_model
 
     model_dir = resolve_model(args.model)
@@ -177,9 +178,6 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.tensor_parallel > 1:
         from backend.distributed.group import GroupSpec, start_group
 
-        if args.role != "unified":
-            raise InvalidRequest("--tensor-parallel serves the unified role only (KV transfer between worker "
-                                 "groups is not implemented yet)")
         group = start_group(GroupSpec(args.tensor_parallel, str(model_dir), config, args.expert_parallel,
                                       timeout_s=args.tp_timeout))
         if group is None:  # a torchrun follower rank: its loop has ended

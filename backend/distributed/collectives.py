@@ -87,6 +87,13 @@ class Collectives:
         sizes = [(r + 1) * total // self.world - r * total // self.world for r in range(self.world)]
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
 
+    def gather(self, t: torch.Tensor, control: bool = True) -> list[torch.Tensor] | None:
+        """Rank 0: every rank's `t` (equal shapes), in rank order; the others get None. On the control
+        group by default (a KV transfer's gather may wait behind a long step)."""
+        parts = [torch.empty_like(t) for _ in range(self.world)] if self.is_leader else None
+        self._run("gather", t.nbytes, dist.gather, t, parts, dst=0, group=self.control if control else None)
+        return parts
+
     def broadcast(self, t: torch.Tensor, control: bool = True) -> torch.Tensor:
         """Rank 0's `t` into every rank's `t` (same shape and dtype), on the control group by default."""
         self._run("broadcast", t.nbytes if self.is_leader else 0, dist.broadcast, t, 0,

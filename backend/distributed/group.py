@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from backend.distributed.collectives import Collectives
-from backend.distributed.step_broadcast import StepChannel
+from backend.distributed.kv_exchange import KVExchange, serve_kv_message
+from backend.distributed.step_broadcast import StepChannel, StepMessage
 from backend.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -132,13 +133,16 @@ def run_follower(coll: Collectives, spec: GroupSpec) -> int:
     if c.num_threads:
         torch.set_num_threads(c.num_threads)
     model = _load_shard(spec, coll)
-    cache = create_kv_cache(model.cfg, c.kv_format, c.kv_cache_bytes, c.page_size, model.dtype, model.embed.device)
+    cache = create_kv_cache(model.local_cfg, c.kv_format, c.kv_cache_bytes, c.page_size, model.dtype, model.embed.device)
     _handshake(coll, model, cache.num_pages)
     channel = StepChannel(coll, c.page_size, model.dtype, c.device)
     steps = 0
     while (msg := channel.recv()) is not None:
-        model.forward_local(msg.input_ids, msg.meta, cache, msg.phase)
-        steps += 1
+        if isinstance(msg, StepMessage):
+            model.forward_local(msg.input_ids, msg.meta, cache, msg.phase)
+            steps += 1
+        else:  # a KV transfer's read or install (kv_exchange.py)
+            serve_kv_message(msg, channel, cache, model.kv_heads[coll.rank])
     return steps
 
 
@@ -157,9 +161,11 @@ def follower_main(rank: int, spec: GroupSpec) -> None:
 
 def attach_leader(engine: LLMEngine, coll: Collectives) -> None:
     """Rank 0: have `engine`'s model send every step to the followers, once every rank holds its shard
-    and a KV pool of the same page count."""
+    and a KV pool of the same page count, and give the engine its `KVExchange` for KV transfers."""
     _handshake(coll, engine.model, engine.cache.num_pages)
-    engine.model.step_channel = StepChannel(coll, engine.cache.page_size, engine.model.dtype, engine.config.device)
+    channel = StepChannel(coll, engine.cache.page_size, engine.model.dtype, engine.config.device)
+    engine.model.step_channel = channel
+    engine.kv_exchange = KVExchange(channel, engine.cache, engine.model.kv_heads)
 
 
 class Watchdog:

@@ -16,13 +16,18 @@ as the model runner builds it) and run the same forward pass on their shards. Pa
 and slots mean the same on every rank: each rank's KV pool has the same number of pages
 (its own KV heads in them), and only rank 0 allocates them.
 
-STOP (sent when the worker shuts down) ends the followers' loop. The control channel has
+Other messages share the channel and its header: STOP (sent when the worker shuts down)
+ends the followers' loop; the KV exchange of a prefill/decode transfer (`kv_exchange.py`)
+sends its own kinds, with header fields and tensors of its own. Rank 0 sends from more
+than one thread (the engine's steps, KV transfers), so a message and every collective it
+leads to are sent under `lock`: the followers see them in one order. The control channel has
 a long timeout (an idle worker sends nothing); a dead rank 0 closes its connections, so
 a follower waiting here fails at once.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
@@ -31,12 +36,19 @@ from backend.attention import PrefillChunk, StepMetadata
 from backend.distributed.collectives import Collectives
 from backend.model_runner import decode_mask
 
-__all__ = ["StepMessage", "StepChannel", "encode_step", "decode_step", "STEP", "STOP"]
+__all__ = ["StepMessage", "Message", "StepChannel", "encode_step", "decode_step", "STEP", "STOP", "HEADER"]
 
 STEP, STOP = 1, 2
 _PHASES = {None: 0, "prefill": 1, "decode": 2}
 _PHASE_NAMES = {v: k for k, v in _PHASES.items()}
 HEADER = 8
+
+
+class Message(NamedTuple):
+    """A message other than a step: its kind and the header's other fields (the kind's own tensors follow)."""
+
+    kind: int
+    fields: list[int]  # header[1:]
 
 
 class StepMessage(NamedTuple):
@@ -91,32 +103,48 @@ def decode_step(header: torch.Tensor, payload: torch.Tensor, page_size: int, dty
 
 
 class StepChannel:
-    """Rank 0's `send` and the followers' `recv` of step messages over the control channel."""
+    """Rank 0's `send` and the followers' `recv` of messages over the control channel."""
 
     def __init__(self, collectives: Collectives, page_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         self.coll = collectives
         self.page_size, self.dtype, self.device = page_size, dtype, device
         self.comm_device = "cuda" if str(device).startswith("cuda") else "cpu"  # NCCL needs device tensors
+        self.lock = threading.RLock()  # rank 0: held from a message's header to its last collective
 
     def send(self, input_ids: torch.Tensor, meta: StepMetadata, phase: str | None) -> None:
-        """Rank 0: announce one step (the followers then run the same forward pass)."""
+        """Rank 0, under `lock` with the forward pass it announces: one step."""
         header, payload = encode_step(input_ids, meta, phase)
         self.coll.broadcast(header.to(self.comm_device))
         self.coll.broadcast(payload.to(self.comm_device))
 
+    def send_message(self, kind: int, fields: list[int], *tensors: torch.Tensor) -> None:
+        """Rank 0, under `lock`: a header (kind, fields) then each tensor, broadcast as they are."""
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        header[0] = kind
+        header[1: 1 + len(fields)] = torch.tensor(fields, dtype=torch.int64)
+        self.coll.broadcast(header.to(self.comm_device))
+        for t in tensors:
+            self.coll.broadcast(t.contiguous().to(self.comm_device))
+
     def send_stop(self) -> None:
         """Rank 0: end the followers' loop."""
-        header = torch.zeros(HEADER, dtype=torch.int64)
-        header[0] = STOP
-        self.coll.broadcast(header.to(self.comm_device))
+        with self.lock:
+            self.send_message(STOP, [])
 
-    def recv(self) -> StepMessage | None:
-        """A follower: the next step, or None when rank 0 sent STOP."""
+    def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A follower: the next tensor of the current message (its shape and dtype known from the header)."""
+        return self.coll.broadcast(torch.empty(shape, dtype=dtype, device=self.comm_device))
+
+    def recv(self) -> StepMessage | Message | None:
+        """A follower: the next step, another kind of message (its tensors still to `recv_tensor`), or
+        None when rank 0 sent STOP."""
         header = self.coll.broadcast(torch.zeros(HEADER, dtype=torch.int64, device=self.comm_device)).cpu()
-        if int(header[0]) == STOP:
+        kind = int(header[0])
+        if kind == STOP:
             return None
+        if kind != STEP:
+            return Message(kind, header[1:].tolist())
         _, t, d, p, c, r, q, _ = header.tolist()
-        payload = torch.empty(3 * t + d * p + d + 4 * c + q + r, dtype=torch.int64, device=self.comm_device)
-        self.coll.broadcast(payload)
+        payload = self.recv_tensor((3 * t + d * p + d + 4 * c + q + r,), torch.int64)
         return decode_step(header, payload, self.page_size, self.dtype, self.device)
