@@ -35,7 +35,7 @@ import multiprocessing.connection
 import os
 import socket
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +69,6 @@ class GroupSpec:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: choose a free port (spawn mode)
     timeout_s: float = 60.0  # the model's collectives: a rank silent this long fails the step
-    env: dict[str, str] = field(default_factory=dict)  # extra environment for spawned ranks
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -148,7 +147,6 @@ def run_follower(coll: Collectives, spec: GroupSpec) -> int:
 
 def follower_main(rank: int, spec: GroupSpec) -> None:
     """Entry point of a spawned follower rank (exit code 0 after STOP, 1 when the group broke)."""
-    os.environ.update(spec.env)
     logging.basicConfig(level=logging.INFO, format=f"rank {rank}: %(levelname)s %(message)s")
     try:
         coll = init_rank(rank, spec)

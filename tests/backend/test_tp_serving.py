@@ -108,17 +108,22 @@ def test_follower_dying_while_idle_ends_the_group(model_dir: Path, redis_url: st
         assert_left(url, r)
 
 
-def test_serve_cli_tensor_parallel_answers_and_stops_on_sigterm(model_dir: Path) -> None:
-    """`edgeserve serve --tensor-parallel 2`: the same greedy tokens as one process; SIGTERM ends every rank."""
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_serve_cli_tensor_parallel_answers_and_stops_on_sigterm(model_dir: Path, launcher: str) -> None:
+    """`edgeserve serve --tensor-parallel 2`, its follower spawned by the worker or both ranks launched by
+    torchrun: the same greedy tokens as one process; SIGTERM ends every rank."""
     ref = LLMEngine.from_pretrained(model_dir, EngineConfig(**CONFIG))
     seq = ref.add_request(PROMPT, SamplingParams(max_tokens=8, **GREEDY))
     while ref.has_work():
         ref.step()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "serve", "--model", str(model_dir), "--port", str(port),
-                             "--tensor-parallel", "2", "--threads", "1", "--kv-cache-bytes", "2M",
-                             "--gemm-buckets", "none"], cwd=Path(__file__).resolve().parents[2],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    serve = ["serve", "--model", str(model_dir), "--port", str(port), "--tensor-parallel", "2", "--threads", "1",
+             "--kv-cache-bytes", "2M", "--gemm-buckets", "none"]
+    launch = [sys.executable, "-m", "ops.cli"] if launcher == "spawn" else \
+        [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "ops.cli"]
+    proc = subprocess.Popen([*launch, *serve], cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         def up() -> bool:
@@ -134,14 +139,27 @@ def test_serve_cli_tensor_parallel_answers_and_stops_on_sigterm(model_dir: Path)
         assert [t for ev in events if isinstance(ev, TokenEvent) for t in ev.token_ids] == seq.output_ids
         stats = httpx.get(f"{url}/stats").json()["tensor_parallel"]
         assert stats["world_size"] == 2 and stats["collectives"]["calls"]["all_reduce"] > 0
-        follower = int(stats["follower_pids"]["1"])
+        assert len(stats["rank_weights"]) == 2
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        wait_until(lambda: not _alive(follower), "the follower outlived rank 0")
+        code = proc.wait(timeout=30)
+        if launcher == "spawn":
+            assert code == 0
+            wait_until(lambda: not _alive(int(stats["follower_pids"]["1"])), "the follower outlived rank 0")
+        wait_until(lambda: not _session_alive(proc.pid), "a rank outlived the group", timeout_s=15)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _session_alive(sid: int) -> bool:
+    """Whether any live (non-zombie) process is left in session `sid` (the launched command's)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[-1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # fields: state ppid pgrp session ...
+                return True
+    return False
 
 
 def _alive(pid: int) -> bool:
