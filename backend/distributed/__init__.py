@@ -5,6 +5,8 @@
 - `collectives.py`: the all-reduce / gather / broadcast calls the model makes, counted,
   with failures turned into `GroupFailure`.
 - `step_broadcast.py`: rank 0 sends each step's input ids and batch metadata to the others.
+- `kv_exchange.py`: a prefill/decode KV transfer through rank 0 (it gathers and scatters the
+  ranks' KV heads, so the wire carries whole layers whatever either side's group size).
 - `group.py`: starting a group (spawned by the worker, or under `torchrun`), the followers'
   loop, and the watchdog that ends the group when a rank dies.
 
