@@ -15,7 +15,8 @@ never knows how either side is split:
   heads' columns (`write_tokens`: FP8 copied byte for byte).
 - **latent rows** (MLA, replicated on every rank): a read needs no message (rank 0's rows are
   everyone's); an install is written by rank 0 in its pool format, read back, and its bytes sent
-  (INSTALL_ROWS) so every rank holds exactly rank 0's rows.
+  (INSTALL_ROWS) so every rank holds exactly rank 0's rows. A DSA model's indexer key rows
+  (replicated like the latent rows) travel in the same message after them.
 
 So groups of any sizes pair up (TP 2 prefill with TP 1 or TP 4 decode): only the rank 0s talk
 to each other. One gather or two broadcasts of the layer per layer: rank 0's link carries the
@@ -71,12 +72,17 @@ class KVExchange:
             _write_heads(self.cache, layer, self.kv_heads[0], tensors, fp8)
 
     def install_rows(self, layer: int, slots: torch.Tensor, rows: LatentRows) -> None:
-        """Write an MLA layer's latent rows at slots [T] on every rank (rank 0's pool bytes)."""
+        """Write an MLA layer's latent rows (and a DSA model's indexer key rows) at slots [T] on every
+        rank (rank 0's pool bytes)."""
         with self.channel.lock:
             self.cache.write_rows(layer, slots, rows)
-            mine = self.cache.read_rows(layer, slots).rows  # [T, row_elems] in the pool's dtype
-            raw = mine.contiguous().view(torch.uint8)  # [T, row bytes]
-            self.channel.send_message(INSTALL_ROWS, [raw.shape[0], layer, raw.shape[1]], slots.to(torch.int64), raw)
+            mine = self.cache.read_rows(layer, slots)
+            raw = mine.rows.contiguous().view(torch.uint8)  # [T, row bytes] of the pool's rows
+            tensors = [slots.to(torch.int64), raw]
+            if mine.index_rows is not None:
+                tensors.append(mine.index_rows.contiguous())  # [T, indexer row bytes] uint8
+            index_bytes = mine.index_rows.shape[1] if mine.index_rows is not None else 0
+            self.channel.send_message(INSTALL_ROWS, [raw.shape[0], layer, raw.shape[1], index_bytes], *tensors)
 
 
 def _write_heads(cache: object, layer: int, heads: range, tensors: list[torch.Tensor], fp8: bool) -> None:
@@ -109,10 +115,12 @@ def serve_kv_message(msg: Message, channel: StepChannel, cache: object, heads: r
             tensors = [slots, recv((t, h, hd), torch.float32), recv((t, h, hd), torch.float32)]
         _write_heads(cache, layer, heads, tensors, bool(fp8))
     elif msg.kind == INSTALL_ROWS:
-        t, layer, row_bytes = msg.fields[:3]
+        t, layer, row_bytes, index_bytes = msg.fields[:4]
         slots = recv((t,), torch.int64)
         raw = recv((t, row_bytes), torch.uint8)
+        index_rows = recv((t, index_bytes), torch.uint8) if index_bytes else None
         rows = raw.view(cache.pages.dtype)  # [T, row_elems]
-        cache.write_rows(layer, slots, LatentRows(rows, cache.format_name, cache.kv_lora_rank, cache.rope_dim, None))
+        cache.write_rows(layer, slots, LatentRows(rows, cache.format_name, cache.kv_lora_rank, cache.rope_dim,
+                                                  index_rows))
     else:
         raise ValueError(f"unknown message kind {msg.kind} from rank 0")

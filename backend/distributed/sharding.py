@@ -10,7 +10,20 @@ Megatron-style tensor parallelism over N ranks (rank r of N):
 - vocab-parallel: the embedding and LM head rows, rank r owning token ids
   [r V / N, (r + 1) V / N) (the embedding lookup is all-reduced, the logits gathered to rank 0);
 - replicated: norms, the MoE router (so every rank routes identically), the MLA
-  down projections (q_a_proj, kv_a_proj_with_mqa): the latent KV is replicated per rank.
+  down projections (q_a_proj, kv_a_proj_with_mqa): the latent KV is replicated per rank;
+  and the DSA lightning indexer of GlmMoeDsa (`self_attn.indexer.{wq_b, wk, k_norm,
+  weights_proj}`), with its key cache replicated like the latent pages. Every rank scores
+  and selects the same keys from the same replicated inputs (the attention input after
+  the all-reduce, the replicated q latent), so each rank's heads attend over exactly the
+  keys one process would pick, and no collective is added. Splitting the indexer by its
+  heads would instead need an all-reduce of the [tokens, keys] float32 scores per full
+  layer before the top-k: a decode step of 32 requests over 128k keys would move 16 MiB
+  per layer, against the indexer's own weights (GLM-5: wq_b 32 x 128 x 2048, wk 128 x
+  6144, weights_proj 32 x 6144, ~10 M values per layer) that every rank can simply hold.
+
+Quantised checkpoints are sliced the same way, by the module's logical [N, K] shape:
+each format reads its own tensors' matching rows or columns (FP8 block scales of every
+block a range touches, INT4 groups; `backend/weight_formats.py`, "Slices").
 
 Heads: rank r holds query heads [r H / N, (r + 1) H / N) (H divisible by N) and the KV
 heads those queries read. With H_kv >= N (H_kv divisible by N) the KV heads are split
@@ -88,8 +101,6 @@ class ShardPlan:
                 raise ModelLoadError(f"{name} {size} does not split over {world} tensor-parallel ranks")
         if expert_parallel and cfg.num_experts % world:
             raise ModelLoadError(f"{cfg.num_experts} experts do not split over {world} expert-parallel ranks")
-        if cfg.index_topk:
-            raise ModelLoadError("tensor parallelism does not cover the DSA indexer (GlmMoeDsa) yet")
         self.experts = even_range(cfg.num_experts, world, rank) if expert_parallel else range(cfg.num_experts)
         self.vocab = even_range(cfg.vocab_size, world, rank)
 

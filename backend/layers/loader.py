@@ -25,10 +25,14 @@ checkpoint that keeps the text model under a prefix (`cfg.checkpoint_prefix`,
 Tensor parallelism: a loader given a `ShardPlan` (`backend/distributed/sharding.py`)
 reads only its rank's slice of each tensor (`CheckpointReader.get_slice`), and its
 `cfg` is the rank's local view (its heads, its MLP rows), so the layer code computes
-local shapes as it computes whole ones; `global_cfg` is the checkpoint's. Sharded
-loading reads dense checkpoints; a quantised checkpoint is refused there (its block
-scales would need slicing on block boundaries), while a quantised *target* format is
-made from the slice after it is read.
+local shapes as it computes whole ones; `global_cfg` is the checkpoint's. A quantised
+checkpoint is sliced by its format (`WeightFormat.read_slice`, "Slices" in
+`backend/weight_formats.py`): FP8 block-scaled weights with the scales of every block
+the rank's rows or columns touch, INT4 (ours and compressed-tensors pack-quantized) with
+their groups, whose column splits must fall on group boundaries. The plan decides the
+slice from the module's logical [N, K] shape (read from the headers), so a rank reads
+the same rows or columns of a quantised weight as of its dense original. A quantised
+*target* format is made from the slice after it is read.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ from pathlib import Path
 import torch
 
 from backend.config import ModelConfig
-from backend.distributed.sharding import LEADER_ONLY, ShardPlan
-from backend.errors import ModelLoadError, WeightsError
+from backend.distributed.sharding import LEADER_ONLY, ShardPlan, TensorSlice
+from backend.errors import WeightsError
 from backend.linear import LinearOp
 from backend.rope import interleave_rope_rows
 from backend.weight_formats import DenseFormat, StoredWeight, WeightFormat, stored_format, weight_format
@@ -66,10 +70,6 @@ class WeightLoader:
         self.gemm_buckets = gemm_buckets
         self.ckpt = CheckpointReader(Path(model_dir), cfg.checkpoint_prefix)
         self.stored = stored_format(cfg.quantization, cfg.checkpoint_prefix)
-        if plan is not None and plan.world > 1 and self.stored is not None:
-            raise ModelLoadError(f"tensor-parallel loading reads dense checkpoints; {model_dir} is stored as "
-                                 f"{self.stored.name} (serve a dense copy, with --prefill-weights/--decode-weights "
-                                 f"choosing the runtime format)")
 
         def resolve(name: str | None) -> WeightFormat:
             if name is None:
@@ -102,16 +102,24 @@ class WeightLoader:
         return self.ckpt.get_slice(name, *how)
 
     def read(self, module: str, shape: tuple[int, int] | None = None) -> tuple[WeightFormat, StoredWeight]:
-        """A linear weight as stored (dense: in its own dtype), checked against `shape` when given.
-        In a quantised checkpoint, a module stored without its format's extra tensors (a layer the
-        quantiser left dense) is read dense."""
+        """A linear weight as stored (dense: in its own dtype), checked against `shape` when given;
+        under a `ShardPlan` this rank's rows or columns of it. In a quantised checkpoint, a module
+        stored without its format's extra tensors (a layer the quantiser left dense) is read dense.
+        The format returned is the one the weight is held in: the stored one, except for an FP8
+        slice whose columns start inside a scale block (dequantised: see `Fp8Format.read_slice`)."""
         stored = self.stored
         if stored is None or stored.stores_dense(module, self.ckpt.__contains__):
             raw = self.tensor(f"{module}.weight")
             src: WeightFormat = DenseFormat(raw.dtype)
             sw = src.read(lambda _: raw, module)  # refuses non-float (e.g. FP8) tensors
         else:
-            src, sw = stored, stored.read(self.ckpt.get, module)
+            how = None
+            if self.plan is not None:
+                how = self.plan.slice_of(f"{module}.weight", stored.stored_shape(self.ckpt.spec, module))
+            if isinstance(how, TensorSlice):
+                src, sw = stored.read_slice(self.ckpt.get_region, self.ckpt.spec, module, *how)
+            else:  # replicated (a whole routed expert under expert parallelism, the MLA down projections)
+                src, sw = stored, stored.read(self.ckpt.get, module)
         if shape is not None and sw.shape != shape:
             raise WeightsError(f"{module} has shape {list(sw.shape)}, the config needs {list(shape)}",
                                tensor=module)
