@@ -38,6 +38,13 @@ Numerics:
 
 Weights are held in the prefill weight format (one copy: the indexer is ~1% of the
 model's weights and only ranks keys), weights_proj dense float32 as transformers keeps it.
+
+Tensor parallelism: the indexer is replicated, not split (`backend/distributed/sharding.py`
+says why: splitting its heads would all-reduce [tokens, keys] scores per full layer). Every
+rank reads its weights whole, keeps its own copy of the key cache (stored from the same
+replicated inputs, so byte-identical to rank 0's), and computes the same selection; its
+heads of MLA then attend over exactly those keys. `load_indexer` reads `loader.cfg`, the
+rank's local view, whose indexer fields are the whole model's.
 """
 
 from __future__ import annotations

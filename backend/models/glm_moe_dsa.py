@@ -12,6 +12,10 @@ last full layer of the same step. The indexer's keys live in the latent KV cache
 
 A sequence no longer than `index_topk` (2048 for GLM-5) attends to every key, so short
 prompts are plain MLA; the indexer still stores its keys for when the sequence grows.
+
+Under tensor parallelism the MLA and MoE parts are split as DeepSeek-V3's are and the
+indexer is replicated on every rank (each computes the same selection from the same
+replicated inputs; see `backend/layers/dsa_indexer.py`).
 """
 
 from __future__ import annotations
