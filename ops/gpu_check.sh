@@ -6,9 +6,16 @@
 #   2. the kernel microbenchmark: paged decode attention, FP8 vs BF16 pages; the fused
 #      MoE per expert format (bf16, fp8, int4) against the torch path (a bf16 expert loop);
 #   3. MLA decode timing: the Triton kernel over bf16 and fp8_e4m3 latent pages against
-#      the torch reference (without a device this step times the reference on the CPU).
-# Results go to $OUT (or bench-results/): pytest.log, bench_kernels.json, bench_mla_decode.json.
-# Usage: ops/gpu_check.sh   (PY=... to choose the interpreter)
+#      the torch reference (without a device this step times the reference on the CPU);
+#   4. tensor parallelism at TP 1 on the lent GPU: the engine in-process (what
+#      `edgeserve serve --tensor-parallel 1` runs) generates a few greedy tokens, then the step
+#      prints the `edgeserve serve --tensor-parallel N` commands it would run with more GPUs and
+#      which N the model's shapes allow (`ShardPlan`). Model: $TP_MODEL, else a pulled SmolLM2,
+#      else a tiny random Llama (transformers). The engine needs msgspec and llguidance; on an
+#      offline machine put their wheels in $WHEELS (default .whl/) and they are installed from there.
+# Results go to $OUT (or bench-results/): pytest.log, bench_kernels.json, bench_mla_decode.json,
+# tp_check.json.
+# Usage: ops/gpu_check.sh   (PY=... to choose the interpreter; STEPS="4" runs only step 4)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,11 +32,77 @@ fi
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO DEVICE')"
 
+STEPS=${STEPS:-1 2 3 4}
+step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 status=0
-timeout 300 "$PY" -m pytest -m cuda tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if step 1; then
+    timeout 300 "$PY" -m pytest -m cuda tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
-timeout 200 "$PY" -m ops.bench_kernels --json "$OUT/bench_kernels.json" || status=1
+step 2 && { timeout 200 "$PY" -m ops.bench_kernels --json "$OUT/bench_kernels.json" || status=1; }
 
-timeout 100 "$PY" -m ops.bench_kernels --parts mla --json "$OUT/bench_mla_decode.json" || status=1
+step 3 && { timeout 100 "$PY" -m ops.bench_kernels --parts mla --json "$OUT/bench_mla_decode.json" || status=1; }
+
+if step 4; then
+    WHEELS=${WHEELS:-.whl}
+    if ! "$PY" -c "import msgspec, llguidance" 2>/dev/null && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --target /tmp/edgeserve-site "$WHEELS"/*.whl \
+            && export PYTHONPATH=/tmp/edgeserve-site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    TP_OUT="$OUT" timeout 90 "$PY" - <<'PYEOF' || status=1
+import json, os, tempfile, time
+from pathlib import Path
+
+import torch
+
+from backend.config import load_config
+from backend.distributed.sharding import ShardPlan
+from backend.engine import EngineConfig, LLMEngine
+from backend.errors import ModelLoadError
+from backend.sampling_params import SamplingParams
+
+out = Path(os.environ["TP_OUT"])
+pulled = Path.home() / ".cache/edgeserve/models/smollm2-135m"
+tiny = Path(tempfile.gettempdir()) / "edgeserve-tp-tiny-llama"  # not under $OUT: only results go there
+model = Path(os.environ.get("TP_MODEL") or (pulled if (pulled / "config.json").exists() else tiny))
+if model == tiny and not (model / "config.json").exists():
+    from tests.backend.tiny_models import write_tiny_model
+    write_tiny_model(model, "llama", seed=0, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                     num_key_value_heads=2)
+cuda = torch.cuda.is_available()
+device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
+config = EngineConfig(dtype=dtype, device=device, kv_format="bf16" if cuda else "fp32", kv_cache_bytes=64 * 2**20,
+                      tensor_parallel=1)
+eng = LLMEngine.from_pretrained(model, config)
+prompt = [(7 * i) % 300 + 3 for i in range(24)]
+seq = eng.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+started = time.perf_counter()
+while eng.has_work():
+    eng.step()
+seconds = time.perf_counter() - started
+cfg = load_config(model)
+allowed = {}
+for n in range(2, 17):
+    try:
+        ShardPlan(cfg, 0, n, expert_parallel=bool(cfg.num_experts))
+        allowed[n] = "ok"
+    except ModelLoadError as exc:
+        allowed[n] = str(exc)
+gpus = torch.cuda.device_count() if cuda else 0
+ep = " --expert-parallel" if cfg.num_experts else ""
+cmds = {n: f"edgeserve serve --model {model} --device cuda --dtype bfloat16 --kv-format fp8_e4m3 "
+           f"--tensor-parallel {n}{ep}" for n, why in allowed.items() if why == "ok"}
+record = {"device": torch.cuda.get_device_name() if cuda else "cpu", "gpus": gpus, "model": str(model),
+          "tensor_parallel": 1, "tokens": seq.output_ids, "seconds": round(seconds, 3),
+          "tensor_parallel_allowed": allowed, "would_run": cmds}
+(out / "tp_check.json").write_text(json.dumps(record, indent=1))
+print(f"TP 1 on {record['device']}: {len(seq.output_ids)} greedy tokens {seq.output_ids} in {seconds:.2f} s")
+for n, cmd in cmds.items():
+    print(f"  with {n} GPUs: {cmd}")
+if 8 not in cmds:
+    print(f"  not on a node of 8 GPUs: {allowed[8]}")
+assert len(seq.output_ids) == 8
+PYEOF
+fi
 exit $status
