@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from backend.config import load_config
+from backend.distributed.collectives import Collectives
 from backend.distributed.group import GroupSpec, start_group
 from backend.distributed.sharding import ShardPlan
 from backend.engine import LLMEngine
+from backend.model import load_model
 from tests.backend.test_glm_moe_dsa import write_tiny_glm_moe_dsa
 from tests.backend.test_tp import assert_same, expected_bytes, generate, prompts_for
 from tests.backend.test_tp_kv_transfer import _config, decode_from, held_kv, wire
@@ -49,6 +51,8 @@ def test_glm_moe_dsa_parallel_equals_one_process(dsa_dir: Path, expert_parallel:
     got = generate(dsa_dir, 2, prompts, expert_parallel=expert_parallel)
     assert_same(ref, got)
     assert got.bytes_read == expected_bytes(dsa_dir, 2, expert_parallel=expert_parallel)
+    follower = load_model(dsa_dir, group=Collectives(1, 2), expert_parallel=expert_parallel)  # rank 1's shard
+    assert follower.bytes_read == expected_bytes(dsa_dir, 2, rank=1, expert_parallel=expert_parallel)
 
 
 def test_decode_group_installs_latent_and_indexer_rows(dsa_dir: Path) -> None:
