@@ -41,13 +41,8 @@ says it is packed. Names are matched with and without the checkpoint's prefix
 (``language_model.`` for Kimi K2.5/K2.6), as a config may spell either. A module the
 config quantises but the checkpoint stores only as ``<m>.weight`` is read dense.
 
-**Slices** (a tensor-parallel rank's rows or columns [a, b) of a packed linear, read
-without the rest): rows are the rows of ``weight_packed`` and ``weight_scale``; columns
-(input features, the packing and grouping axis) must fall on group boundaries (a and b
-multiples of g, which is a multiple of 8, so a slice also holds whole int32 words): the
-words [a/8, b/8) and the groups [a/g, b/g). A cut through a group is refused (the group's
-one scale would be split across ranks). ``weight_shape`` (16 bytes) is read whole and
-checked against the headers; the slice's shape is (b - a, K) or (N, b - a).
+A tensor-parallel rank reads its rows, or its whole groups of columns, of a packed linear
+(`backend/distributed/weight_slices.py`).
 
 Refused with `WeightsError` (naming the tensor, or the config entry): another
 `format` (naive-quantized, float-quantized, nvfp4, ...), weights other than
@@ -97,8 +92,7 @@ from typing import Any
 import torch
 
 from backend.errors import WeightsError
-from backend.weight_formats import (CT_METHOD, INT4_GROUP_SIZES, Int4Format, Region, StoredWeight, TensorSpec,
-                                    WeightFormat, check_group_split)
+from backend.weight_formats import CT_METHOD, INT4_GROUP_SIZES, Int4Format, StoredWeight, TensorSpec
 
 __all__ = ["CT_SUFFIXES", "CompressedTensorsInt4", "compressed_tensors_format", "int4_from_pack_quantized",
            "matches_any", "symmetric_int4", "pack_quantized_tensors", "quantization_config", "PackQuantizedWriter"]
@@ -139,39 +133,6 @@ class CompressedTensorsInt4(Int4Format):
     def read(self, get: Callable[[str], torch.Tensor], module: str) -> StoredWeight:
         packed, scale, shape = (get(f"{module}.{s}") for s in CT_SUFFIXES)
         return int4_from_pack_quantized(packed, scale, shape, self.group_size, module)
-
-    def stored_shape(self, spec: Callable[[str], TensorSpec], module: str) -> tuple[int, int]:
-        """(N, K) from the headers: N rows of weight_packed, K = weight_scale's groups x g (a packed
-        weight's K is a multiple of g, checked when the weight is read)."""
-        scale = spec(f"{module}.weight_scale").shape
-        if len(scale) != 2:
-            raise WeightsError(f"{module}.weight_scale must be 2-D, got shape {list(scale)}",
-                               tensor=f"{module}.weight_scale")
-        return int(scale[0]), int(scale[1]) * self.group_size
-
-    def read_slice(self, region: Region, spec: Callable[[str], TensorSpec], module: str, dim: int, start: int,
-                   stop: int) -> tuple[WeightFormat, StoredWeight]:
-        """Rows or group-aligned columns [start, stop) of a packed linear (module docstring, "Slices"),
-        in the `Int4Format` layout."""
-        n, k = self.stored_shape(spec, module)
-        if dim not in (0, 1) or not 0 <= start < stop <= (n, k)[dim]:
-            raise WeightsError(f"slice [{start}, {stop}) of dim {dim} is outside {module} of shape {[n, k]}",
-                               tensor=module)
-        whole = region(f"{module}.weight_shape", [(0, 2)])
-        if whole.dim() != 1 or whole.dtype.is_floating_point or whole.tolist() != [n, k]:
-            raise WeightsError(f"{module}.weight_shape is {whole.tolist()}, but weight_scale's header says "
-                               f"[{n}, {k}] in groups of {self.group_size}", tensor=f"{module}.weight_shape")
-        if dim == 0:
-            packed = region(f"{module}.weight_packed", [(start, stop)])
-            scale = region(f"{module}.weight_scale", [(start, stop)])
-            shape = [stop - start, k]
-        else:
-            g = self.group_size
-            check_group_split(module, k, start, stop, g)
-            packed = region(f"{module}.weight_packed", [(0, n), (start // 8, stop // 8)])
-            scale = region(f"{module}.weight_scale", [(0, n), (start // g, stop // g)])
-            shape = [n, stop - start]
-        return self, int4_from_pack_quantized(packed, scale, torch.tensor(shape), self.group_size, module)
 
 
 def int4_from_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, group_size: int,

@@ -71,30 +71,9 @@ Layout changes at load time work in any format: the RoPE reordering of q/k rows
 row concatenation. INT4 scales are per row, so they move with their rows exactly.
 FP8's 128-row scale blocks would be split by either change, so at load the FP8
 scales are expanded to one per (row, 128-column block) (3% more bytes than the
-weight) before rows move. Nothing is requantised.
-
-**Slices** (`read_slice`: a tensor-parallel rank's rows or columns [a, b) of W, read
-without the rest of the tensors; `stored_shape` gives (N, K) from the headers alone):
-- dense: the rows or columns of ``weight``.
-- fp8: the rows (columns) of ``weight`` and the scale rows (columns) of every block the
-  range touches, blocks [a // 128, ceil(b / 128)): a block cut by a shard boundary has
-  its scale read by the ranks on both sides. Rows starting on a block boundary keep the
-  block form (a last partial block is what a weight of b - a rows has anyway); rows
-  starting inside a block get their scales expanded per row, as fusing does. Columns
-  starting on a block boundary keep the block form; columns starting inside a block
-  cannot (every later column block would straddle two stored scales), so such a slice is
-  dequantised exactly at load (float(q) * its block's scale, the values the FP8 GEMM
-  multiplies) and held dense in the compute dtype. The public FP8 checkpoints never hit
-  that case at the usual tensor-parallel sizes: their column-split widths (o_proj's
-  heads x v_head_dim, down_proj's intermediate rows) are multiples of 128 per rank at
-  TP 2..16 (DeepSeek-V3 128 x 128 / N, GLM-5 64 x 256 / N, intermediate 18432, 12288 or
-  2048 / N); a tiny test model does hit it, and computes the same.
-- int4: the rows of ``qweight``, ``scales`` and ``zeros``; columns only on group
-  boundaries (a multiple of g, b a multiple of g or K): ``qweight`` columns
-  [a/2, b/2) and the groups [a/g, ceil(b/g)). A column range that cuts a group would
-  need the group's scale and zero point on both sides of a packed byte layout that
-  starts mid-group; it is refused (`WeightsError`, asking for a tensor-parallel size
-  whose shards hold whole groups).
+weight) before rows move. Nothing is requantised. A tensor-parallel rank's rows or
+columns of a stored weight (its scales and groups with it) are read by
+`backend/distributed/weight_slices.py`.
 """
 
 from __future__ import annotations
@@ -111,8 +90,7 @@ if TYPE_CHECKING:
     from backend.linear import LinearOp
 
 __all__ = ["TensorSpec", "StoredWeight", "WeightFormat", "DenseFormat", "Fp8Format", "Int4Format",
-           "FORMAT_NAMES", "INT4_GROUP_SIZES", "weight_format", "stored_format", "is_quantized_linear", "Region",
-           "check_group_split"]
+           "FORMAT_NAMES", "INT4_GROUP_SIZES", "weight_format", "stored_format", "is_quantized_linear"]
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -146,23 +124,6 @@ class StoredWeight(NamedTuple):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-# reads rows [start, stop) of each leading dimension of a checkpoint tensor (`CheckpointReader.get_region`)
-Region = Callable[[str, list[tuple[int, int]]], torch.Tensor]
-
-
-def _ranges(dim: int, start: int, stop: int, rows: int) -> list[tuple[int, int]]:
-    """The `get_region` ranges of rows (dim 0) or columns (dim 1) [start, stop) of a [rows, ...] tensor."""
-    if dim not in (0, 1):
-        raise WeightsError(f"a linear weight is sliced by rows (dim 0) or columns (dim 1), not dim {dim}", dim=dim)
-    return [(start, stop)] if dim == 0 else [(0, rows), (start, stop)]
-
-
-def _check_range(module: str, shape: tuple[int, int], dim: int, start: int, stop: int) -> None:
-    if dim not in (0, 1) or not 0 <= start < stop <= shape[dim]:
-        raise WeightsError(f"slice [{start}, {stop}) of dim {dim} is outside {module} of shape {list(shape)}",
-                           tensor=module)
 
 
 def is_quantized_linear(name: str) -> bool:
@@ -211,23 +172,6 @@ class WeightFormat(ABC):
         """Load `<module>.<suffix>` tensors through `get` (a checkpoint reader's)."""
         tensors = {suffix: get(f"{module}.{suffix}") for suffix in self.suffixes}
         return StoredWeight(tensors, self.logical_shape(tensors, module))
-
-    def stored_shape(self, spec: Callable[[str], TensorSpec], module: str) -> tuple[int, int]:
-        """(N, K) of `module` from the checkpoint headers alone (`spec`: a reader's; no data read)."""
-        shape = spec(f"{module}.weight").shape
-        if len(shape) != 2:
-            raise WeightsError(f"{module}.weight must be 2-D, got shape {list(shape)}", tensor=f"{module}.weight")
-        return int(shape[0]), int(shape[1])
-
-    def read_slice(self, region: Region, spec: Callable[[str], TensorSpec], module: str, dim: int, start: int,
-                   stop: int) -> tuple[WeightFormat, StoredWeight]:
-        """Rows (dim 0) or columns (dim 1) [start, stop) of `module`'s weight, reading only the stored
-        bytes they need through `region` (see "Slices" in the module docstring). Returns the format
-        the slice is held in (this one, unless the docstring says otherwise) and the slice."""
-        shape = self.stored_shape(spec, module)
-        _check_range(module, shape, dim, start, stop)
-        ranges = _ranges(dim, start, stop, shape[0])
-        return self, self.read(lambda name: region(name, ranges), module)
 
     def stores_dense(self, module: str, contains: Callable[[str], bool]) -> bool:
         """True when a checkpoint in this format holds `module` as a plain `<module>.weight` (a
@@ -329,48 +273,19 @@ class Fp8Format(WeightFormat):
 
     def read(self, get: Callable[[str], torch.Tensor], module: str) -> StoredWeight:
         sw = super().read(get, module)
-        return self._checked(module, sw.tensors["weight"], sw.tensors["weight_scale_inv"])
-
-    def _checked(self, module: str, w: torch.Tensor, scale: torch.Tensor,
-                 want: tuple[int, ...] | None = None) -> StoredWeight:
-        """{weight, weight_scale_inv (float32)} after checking the dtypes and that the scales have shape
-        `want` (default: the block scales of a weight of w's shape)."""
-        if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
-            raise WeightsError(f"{module}.weight is {w.dtype} {list(w.shape)}, expected 2-D float8_e4m3fn (an fp8 "
-                               f"checkpoint)", tensor=f"{module}.weight")
-        shape = (int(w.shape[0]), int(w.shape[1]))
-        want = want or self.specs(shape)["weight_scale_inv"].shape
+        w, scale = sw.tensors["weight"], sw.tensors["weight_scale_inv"]
+        if w.dtype != torch.float8_e4m3fn:
+            raise WeightsError(f"{module}.weight is {w.dtype}, expected float8_e4m3fn (an fp8 checkpoint)",
+                               tensor=f"{module}.weight")
+        want = self.specs(sw.shape)["weight_scale_inv"].shape
         if not scale.dtype.is_floating_point:
             raise WeightsError(f"{module}.weight_scale_inv is {scale.dtype}, expected float32 (or float8_e8m0fnu)",
                                tensor=f"{module}.weight_scale_inv")
         if tuple(scale.shape) != want:
-            raise WeightsError(f"{module}.weight_scale_inv has shape {tuple(scale.shape)}, but a {list(shape)} "
+            raise WeightsError(f"{module}.weight_scale_inv has shape {tuple(scale.shape)}, but a {list(sw.shape)} "
                                f"weight in {self.block[0]}x{self.block[1]} blocks needs {list(want)}",
                                tensor=f"{module}.weight_scale_inv")
-        return StoredWeight({"weight": w, "weight_scale_inv": scale.float()}, shape)
-
-    def read_slice(self, region: Region, spec: Callable[[str], TensorSpec], module: str, dim: int, start: int,
-                   stop: int) -> tuple[WeightFormat, StoredWeight]:
-        """Rows or columns [start, stop) with the scales of every block they touch (module docstring,
-        "Slices"): block form when `start` is on a block boundary, rows expanded per row when it is
-        not, columns that start inside a block dequantised (returned as float32 `DenseFormat`)."""
-        n, k = self.stored_shape(spec, module)
-        _check_range(module, (n, k), dim, start, stop)
-        size = self.block[dim]
-        first, end = start // size, _ceil_div(stop, size)  # the blocks [first, end) the range touches
-        row_blocks, col_blocks = self.specs((n, k))["weight_scale_inv"].shape
-        w = region(f"{module}.weight", _ranges(dim, start, stop, n))
-        scale = region(f"{module}.weight_scale_inv", _ranges(dim, first, end, row_blocks))
-        sw = self._checked(module, w, scale, (end - first, col_blocks) if dim == 0 else (row_blocks, end - first))
-        if start % size == 0:  # the slice's blocks are the stored ones (the last may be partial)
-            return self, sw
-        blocks = torch.arange(start, stop) // size - first  # each row's (column's) block among those read
-        scale = sw.tensors["weight_scale_inv"]
-        if dim == 0:  # one scale per (row, column block): the rowwise form `_row_block` recognises
-            return self, StoredWeight({"weight": w, "weight_scale_inv": scale[blocks].contiguous()}, sw.shape)
-        per_row = scale.repeat_interleave(self.block[0], dim=0)[:n]  # [N, blocks read]
-        dense = w.float() * per_row[:, blocks]  # [N, stop - start]: float(q) times its block's scale
-        return DenseFormat(torch.float32), StoredWeight({"weight": dense}, sw.shape)
+        return StoredWeight({"weight": w, "weight_scale_inv": scale.float()}, sw.shape)
 
     def _row_block(self, sw: StoredWeight) -> tuple[int, int]:
         """(rows, columns) per scale: the checkpoint's block, or (1, columns) once expanded per row."""
@@ -452,27 +367,6 @@ class Int4Format(WeightFormat):
         t = sw.tensors
         return dequantize_int4_ref(t["qweight"], t["scales"], t["zeros"], self.group_size, sw.shape[1])
 
-    def stored_shape(self, spec: Callable[[str], TensorSpec], module: str) -> tuple[int, int]:
-        q = spec(f"{module}.qweight").shape
-        if len(q) != 2:
-            raise WeightsError(f"{module}.qweight must be 2-D, got shape {list(q)}", tensor=f"{module}.qweight")
-        return int(q[0]), 2 * int(q[1])
-
-    def read_slice(self, region: Region, spec: Callable[[str], TensorSpec], module: str, dim: int, start: int,
-                   stop: int) -> tuple[WeightFormat, StoredWeight]:
-        """Rows [start, stop) of qweight, scales and zeros; or columns on group boundaries only (module
-        docstring, "Slices"): the packed bytes [start/2, stop/2) and the groups [start/g, ceil(stop/g))."""
-        n, k = self.stored_shape(spec, module)
-        _check_range(module, (n, k), dim, start, stop)
-        if dim == 0:
-            return self, self.read(lambda name: region(name, [(start, stop)]), module)
-        g = self.group_size
-        check_group_split(module, k, start, stop, g)
-        cols = {"qweight": (start // 2, stop // 2), "scales": (start // g, _ceil_div(stop, g)),
-                "zeros": (start // g, _ceil_div(stop, g))}
-        tensors = {s: region(f"{module}.{s}", [(0, n), cols[s]]) for s in self.suffixes}
-        return self, StoredWeight(tensors, self.logical_shape(tensors, module))
-
     def logical_shape(self, tensors: dict[str, torch.Tensor], module: str) -> tuple[int, int]:
         q, s, z = tensors["qweight"], tensors["scales"], tensors["zeros"]
         if q.dtype != torch.uint8 or q.dim() != 2:
@@ -502,16 +396,6 @@ class Int4Format(WeightFormat):
     def quantization_config(self) -> dict[str, Any]:
         return {"quant_method": INT4_METHOD, "bits": 4, "group_size": self.group_size,
                 "zero_point": "midpoint_value", "packing": "uint8_low_nibble_first"}
-
-
-def check_group_split(module: str, in_features: int, start: int, stop: int, group_size: int) -> None:
-    """Refuse a column slice [start, stop) of an INT4 weight that cuts one of its groups of `group_size`."""
-    if start % group_size or (stop % group_size and stop != in_features):
-        raise WeightsError(f"{module}: a tensor-parallel rank's columns [{start}, {stop}) of in_features "
-                           f"{in_features} cut INT4 groups of {group_size} (each rank must hold whole groups); "
-                           f"choose a tensor-parallel size whose share of in_features is a multiple of "
-                           f"{group_size}, or --expert-parallel for routed experts", tensor=module,
-                           group_size=group_size)
 
 
 # ---------------------------------------------------------------- choosing

@@ -2,6 +2,8 @@
 
 - `sharding.py`: which slice of each checkpoint tensor a rank reads (tensor, vocab and
   expert parallelism) and the rank's local view of the config.
+- `weight_slices.py`: a rank's rows or columns of one stored linear in each weight format
+  (FP8 block scales, INT4 groups), read without the rest.
 - `collectives.py`: the all-reduce / gather / broadcast calls the model makes, counted,
   with failures turned into `GroupFailure`.
 - `step_broadcast.py`: rank 0 sends each step's input ids and batch metadata to the others.

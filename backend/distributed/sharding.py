@@ -23,7 +23,7 @@ Megatron-style tensor parallelism over N ranks (rank r of N):
 
 Quantised checkpoints are sliced the same way, by the module's logical [N, K] shape:
 each format reads its own tensors' matching rows or columns (FP8 block scales of every
-block a range touches, INT4 groups; `backend/weight_formats.py`, "Slices").
+block a range touches, INT4 groups; `weight_slices.py`).
 
 Heads: rank r holds query heads [r H / N, (r + 1) H / N) (H divisible by N) and the KV
 heads those queries read. With H_kv >= N (H_kv divisible by N) the KV heads are split

@@ -26,10 +26,10 @@ Tensor parallelism: a loader given a `ShardPlan` (`backend/distributed/sharding.
 reads only its rank's slice of each tensor (`CheckpointReader.get_slice`), and its
 `cfg` is the rank's local view (its heads, its MLP rows), so the layer code computes
 local shapes as it computes whole ones; `global_cfg` is the checkpoint's. A quantised
-checkpoint is sliced by its format (`WeightFormat.read_slice`, "Slices" in
-`backend/weight_formats.py`): FP8 block-scaled weights with the scales of every block
-the rank's rows or columns touch, INT4 (ours and compressed-tensors pack-quantized) with
-their groups, whose column splits must fall on group boundaries. The plan decides the
+checkpoint is sliced in its format (`backend/distributed/weight_slices.py`): FP8
+block-scaled weights with the scales of every block the rank's rows or columns touch,
+INT4 (ours and compressed-tensors pack-quantized) with their groups, whose column splits
+must fall on group boundaries. The plan decides the
 slice from the module's logical [N, K] shape (read from the headers), so a rank reads
 the same rows or columns of a quantised weight as of its dense original. A quantised
 *target* format is made from the slice after it is read.
@@ -43,6 +43,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.distributed.sharding import LEADER_ONLY, ShardPlan, TensorSlice
+from backend.distributed.weight_slices import read_slice, stored_shape
 from backend.errors import WeightsError
 from backend.linear import LinearOp
 from backend.rope import interleave_rope_rows
@@ -106,7 +107,7 @@ class WeightLoader:
         under a `ShardPlan` this rank's rows or columns of it. In a quantised checkpoint, a module
         stored without its format's extra tensors (a layer the quantiser left dense) is read dense.
         The format returned is the one the weight is held in: the stored one, except for an FP8
-        slice whose columns start inside a scale block (dequantised: see `Fp8Format.read_slice`)."""
+        slice whose columns start inside a scale block (dequantised: see `weight_slices.py`)."""
         stored = self.stored
         if stored is None or stored.stores_dense(module, self.ckpt.__contains__):
             raw = self.tensor(f"{module}.weight")
@@ -115,9 +116,9 @@ class WeightLoader:
         else:
             how = None
             if self.plan is not None:
-                how = self.plan.slice_of(f"{module}.weight", stored.stored_shape(self.ckpt.spec, module))
+                how = self.plan.slice_of(f"{module}.weight", stored_shape(stored, self.ckpt.spec, module))
             if isinstance(how, TensorSlice):
-                src, sw = stored.read_slice(self.ckpt.get_region, self.ckpt.spec, module, *how)
+                src, sw = read_slice(stored, self.ckpt.get_region, self.ckpt.spec, module, *how)
             else:  # replicated (a whole routed expert under expert parallelism, the MLA down projections)
                 src, sw = stored, stored.read(self.ckpt.get, module)
         if shape is not None and sw.shape != shape:

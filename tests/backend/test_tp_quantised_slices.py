@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from backend.compressed_tensors import CompressedTensorsInt4, pack_quantized_tensors, symmetric_int4
+from backend.distributed.weight_slices import read_slice
 from backend.errors import WeightsError
 from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, StoredWeight, WeightFormat
 from backend.weights import CheckpointReader
@@ -29,11 +30,15 @@ def reader_of(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> CheckpointRea
     return CheckpointReader(tmp_path)
 
 
+def fp8_reader(tmp_path: Path, sw: StoredWeight) -> CheckpointReader:
+    return reader_of(tmp_path, {f"m.{s}": t for s, t in sw.tensors.items()})
+
+
 def read(fmt: WeightFormat, reader: CheckpointReader, dim: int, start: int, stop: int
          ) -> tuple[WeightFormat, StoredWeight, int]:
     """(held format, slice, bytes the reader returned for it)."""
     before = reader.bytes_read
-    src, sw = fmt.read_slice(reader.get_region, reader.spec, "m", dim, start, stop)
+    src, sw = read_slice(fmt, reader.get_region, reader.spec, "m", dim, start, stop)
     return src, sw, reader.bytes_read - before
 
 
@@ -52,7 +57,7 @@ def test_fp8_slices_dequantise_to_the_whole_weights_part(tmp_path: Path, scale_f
     fmt = Fp8Format((16, 16), scale_fmt)
     sw = fmt.quantize(torch.randn(40, 56) * 3.0)  # scales other than 1
     whole = fmt.dequantize(sw)
-    reader = reader_of(tmp_path, {"m.weight": sw.tensors["weight"], "m.weight_scale_inv": sw.tensors["weight_scale_inv"]})
+    reader = fp8_reader(tmp_path, sw)
     for dim, a, b in FP8_RANGES:
         src, got, nbytes = read(fmt, reader, dim, a, b)
         assert got.shape == tuple(part(whole, dim, a, b).shape)
@@ -72,7 +77,7 @@ def test_fp8_row_slices_cut_inside_a_block_fuse_and_run_like_the_whole(tmp_path:
     of its rows of the whole weight, and fusing them (rows concatenated) gives the whole weight back."""
     fmt = Fp8Format((16, 16))
     sw = fmt.quantize(torch.randn(40, 56))
-    reader = reader_of(tmp_path, {"m.weight": sw.tensors["weight"], "m.weight_scale_inv": sw.tensors["weight_scale_inv"]})
+    reader = fp8_reader(tmp_path, sw)
     x = torch.randn(5, 56)
     whole = fmt.linear(sw, None, torch.float32)(x)
     halves = [read(fmt, reader, 0, a, b)[1] for a, b in ((0, 20), (20, 40))]
@@ -85,7 +90,7 @@ def test_fp8_column_shards_sum_to_the_whole_product(tmp_path: Path) -> None:
     """A row-parallel split at column 24 (inside a block): the ranks' partial products sum to x @ W.T."""
     fmt = Fp8Format((16, 16))
     sw = fmt.quantize(torch.randn(40, 56) * 0.5)
-    reader = reader_of(tmp_path, {"m.weight": sw.tensors["weight"], "m.weight_scale_inv": sw.tensors["weight_scale_inv"]})
+    reader = fp8_reader(tmp_path, sw)
     x = torch.randn(3, 56, dtype=torch.float64)
     total = torch.zeros(3, 40, dtype=torch.float64)
     for a, b in ((0, 24), (24, 56)):
@@ -146,7 +151,21 @@ def test_pack_quantized_slice_checks_weight_shape(tmp_path: Path) -> None:
 def test_slices_outside_the_weight_are_refused(tmp_path: Path) -> None:
     fmt = Fp8Format((16, 16))
     sw = fmt.quantize(torch.randn(20, 32))
-    reader = reader_of(tmp_path, {"m.weight": sw.tensors["weight"], "m.weight_scale_inv": sw.tensors["weight_scale_inv"]})
+    reader = fp8_reader(tmp_path, sw)
     for dim, a, b in [(0, 10, 21), (1, 5, 5), (2, 0, 1)]:
         with pytest.raises(WeightsError):
             read(fmt, reader, dim, a, b)
+
+
+def test_fp8_slice_checks_the_headers_first(tmp_path: Path) -> None:
+    """Scales of the wrong block count, or a weight that is not e4m3, are refused before any data is read."""
+    fmt = Fp8Format((16, 16))
+    sw = fmt.quantize(torch.randn(40, 56))
+    bad_scale = reader_of(tmp_path / "a", {"m.weight": sw.tensors["weight"],
+                                           "m.weight_scale_inv": sw.tensors["weight_scale_inv"][:2]})
+    bad_weight = reader_of(tmp_path / "b", {"m.weight": fmt.dequantize(sw),
+                                            "m.weight_scale_inv": sw.tensors["weight_scale_inv"]})
+    for reader in (bad_scale, bad_weight):
+        with pytest.raises(WeightsError, match="float8_e4m3fn"):
+            read(fmt, reader, 0, 0, 20)
+        assert reader.bytes_read == 0
