@@ -33,9 +33,15 @@ multiplied in, shared experts added unscaled). A routed expert that receives few
 a Hessian worth trusting and is rounded to nearest instead; such experts are counted.
 MLA decoders (DeepSeek-V3, Kimi K2.x, GLM-5) are not covered: `--method rtn` converts them.
 
-Calibration text (`calibration_ids`): Brown corpus genres A-H (press, religion, skills,
-popular lore, belles-lettres, government, learned) by default; `edgeserve bench weights`
-evaluates on genres J-R (fiction and humour), so the two never share a document. Or any
+Linears an ignore list keeps dense are not quantised; the forward runs the dense weight the
+output holds for them. A compressed-tensors (`PackQuantizedWriter`) target is quantised on
+its symmetric grid and packed. `DenseWeights` reads a linear's float weight from the input
+as the quantiser streams it, and `in_layer_order` orders the written tensors layer by layer.
+
+Calibration text (`calibration_ids`): Brown corpus genres A-H (press, religion, skills and
+hobbies, popular lore, belles-lettres, government documents) by default; `edgeserve bench
+weights` evaluates on genres J-R (learned writing, fiction, humour), so the two never share
+a document. Or any
 UTF-8 text file. The first N tokens are cut into sequences of L = min(2048, N, the model's
 context) tokens each (the last partial sequence is dropped).
 """
@@ -51,15 +57,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from backend.compressed_tensors import PackQuantizedWriter
 from backend.config import ModelConfig
 from backend.errors import UnsupportedArchitecture, WeightsError
 from backend.layers.norm import rms_norm
 from backend.moe_router import MoEConfig, route
-from backend.compressed_tensors import PackQuantizedWriter
 from backend.rope import rope_inv_freq
 from backend.weight_formats import Int4Format, StoredWeight
 from backend.weights import CheckpointReader
-from ops.gptq import HessianAccumulator, gptq_quantize, prepare_hessian
+from ops.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_quantize, prepare_hessian
 
 if TYPE_CHECKING:
     from ops.quantize import QuantizePlan
@@ -197,11 +203,13 @@ class LayerCalibrator:
     def __init__(self, cfg: ModelConfig, ids: torch.Tensor, fmt: Int4Format, get: Callable[[str], torch.Tensor],
                  weight: Callable[[str], torch.Tensor], has: Callable[[str], bool], act_order: bool = False,
                  min_expert_tokens: int | None = None, kept: Callable[[str], bool] = lambda module: False,
-                 served: Callable[[str], torch.Tensor] | None = None) -> None:
+                 served: Callable[[str], torch.Tensor] | None = None, damp: float = DEFAULT_DAMP,
+                 static_groups: bool = False, clip: bool = False) -> None:
         if cfg.is_mla:
             raise UnsupportedArchitecture(f"GPTQ calibration covers GQA decoders (Llama, Qwen2, Glm4Moe); "
                                           f"{cfg.architecture} uses latent attention: use --method rtn")
-        self.cfg, self.fmt, self.act_order = cfg, fmt, act_order
+        self.cfg, self.fmt, self.act_order, self.damp = cfg, fmt, act_order, damp
+        self.static_groups, self.clip = static_groups, clip
         self.get, self.weight, self.has = get, weight, has
         self.kept, self.served = kept, served or weight
         self.symmetric = isinstance(fmt, PackQuantizedWriter)  # compressed-tensors' grid (ops/gptq.py)
@@ -228,9 +236,10 @@ class LayerCalibrator:
         if todo and gptq:
             acc = HessianAccumulator(x.shape[-1])
             acc.add(x)
-            prepared = prepare_hessian(acc.value(), self.act_order)
+            prepared = prepare_hessian(acc.value(), self.act_order, self.damp)
             weights = [self.weight(m) for m in todo]
-            result = gptq_quantize(torch.cat(weights), prepared, self.fmt, symmetric=self.symmetric)
+            result = gptq_quantize(torch.cat(weights), prepared, self.fmt, symmetric=self.symmetric,
+                                   static_groups=self.static_groups, clip=self.clip)
             rows = [w.shape[0] for w in weights]
             for m, part, d in zip(todo, _split_rows(result.stored, rows), result.dequantized.split(rows)):
                 out[m] = self.fmt.pack(part, m) if self.symmetric else part

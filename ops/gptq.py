@@ -92,6 +92,7 @@ class PreparedHessian(NamedTuple):
     u: torch.Tensor  # [K, K] float32, upper Cholesky factor of the damped H⁻¹, rows/columns in visiting order
     perm: torch.Tensor | None  # [K] visiting order (act-order), None: column order
     dead: torch.Tensor  # [K] bool, input columns that were always zero
+    diag: torch.Tensor  # [K] float32 diag H in column order (dead columns 1): the clip search's weights
 
 
 class GptqResult(NamedTuple):
@@ -106,6 +107,7 @@ def prepare_hessian(h: torch.Tensor, act_order: bool = False, damp: float = DEFA
     diag = torch.diagonal(h)
     dead = diag == 0
     diag[dead] = 1.0
+    diag_cols = diag.float().clone()
     perm = torch.argsort(diag, descending=True, stable=True) if act_order else None
     if perm is not None:
         h = h[perm][:, perm]
@@ -117,14 +119,15 @@ def prepare_hessian(h: torch.Tensor, act_order: bool = False, damp: float = DEFA
             l_inv = torch.linalg.solve_triangular(chol, torch.eye(k, dtype=h.dtype), upper=False)
             u, info = torch.linalg.cholesky_ex(l_inv.t() @ l_inv, upper=True)  # H⁻¹ = L⁻ᵀ L⁻¹
             if int(info) == 0:
-                return PreparedHessian(u.float(), perm, dead)
+                return PreparedHessian(u.float(), perm, dead, diag_cols)
     raise WeightsError(f"GPTQ: the calibration Hessian ({k} columns) is not positive definite even with "
                        f"{100 * damp * 1000:g}% dampening; use more calibration tokens or --method rtn")
 
 
-def int4_group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, z) [N] float32 of one INT4 group w [N, g], bfloat16-rounded as `quantize_int4_ref` makes them."""
-    lo, hi = w.amin(dim=1), w.amax(dim=1)
+def int4_group_params(w: torch.Tensor, shrink: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, z) [N] float32 of one INT4 group w [N, g], bfloat16-rounded as `quantize_int4_ref` makes them
+    (with `shrink` < 1: the range [lo, hi] scaled by it, the clip search's candidates)."""
+    lo, hi = w.amin(dim=1) * shrink, w.amax(dim=1) * shrink
     flat = hi == lo  # a constant group: code 8 stands for the value itself
     s = torch.where(flat, 1.0, (hi - lo) / 15).to(torch.bfloat16)
     z = torch.where(flat, lo, lo + 8 * s.float()).to(torch.bfloat16)
@@ -135,9 +138,9 @@ _SYM_STEPS = 7.5  # (q_max - q_min) / 2: compressed-tensors' symmetric scale div
 _BF16_EPS = torch.finfo(torch.bfloat16).eps  # its scale for an all-zero group
 
 
-def symmetric_group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, 0) [N] float32 of one symmetric group w [N, g], as `symmetric_int4` makes s."""
-    s = (w.abs().amax(dim=1) / _SYM_STEPS).to(torch.bfloat16)
+def symmetric_group_params(w: torch.Tensor, shrink: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, 0) [N] float32 of one symmetric group w [N, g], as `symmetric_int4` makes s (`shrink`: amax scaled)."""
+    s = (w.abs().amax(dim=1) * shrink / _SYM_STEPS).to(torch.bfloat16)
     s = torch.where(s == 0, torch.full_like(s, _BF16_EPS), s).float()
     return s, torch.zeros_like(s)
 
@@ -160,18 +163,48 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+CLIP_SHRINKS = tuple(1.0 - 0.04 * i for i in range(8))  # 1.00 .. 0.72: ranges the clip search tries
+
+
+def _static_params(w: torch.Tensor, diag: torch.Tensor, g: int, symmetric: bool,
+                   clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zeros) [N, groups] of w [N, K] from its groups before any update. With `clip`, each
+    (row, group) takes the range shrink of `CLIP_SHRINKS` whose rounding error, weighted by the
+    inputs' energy diag H, is least."""
+    n, k = w.shape
+    params = symmetric_group_params if symmetric else int4_group_params
+    groups = -(-k // g)
+    scales, zeros = torch.zeros(n, groups), torch.zeros(n, groups)
+    for j in range(groups):
+        wg, d = w[:, j * g:(j + 1) * g], diag[j * g:(j + 1) * g]
+        best = None
+        for shrink in CLIP_SHRINKS if clip else (1.0,):
+            s, z = params(wg, shrink)
+            c = _codes(wg, s[:, None], z[:, None], symmetric)
+            err = (((c - 8) * s[:, None] + z[:, None] - wg) ** 2 * d).sum(dim=1)  # [N]
+            if best is None:
+                best, scales[:, j], zeros[:, j] = err, s, z
+            else:
+                better = err < best
+                best = torch.where(better, err, best)
+                scales[:, j] = torch.where(better, s, scales[:, j])
+                zeros[:, j] = torch.where(better, z, zeros[:, j])
+    return scales, zeros
+
+
 def gptq_quantize(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: int = DEFAULT_BLOCK,
-                  symmetric: bool = False) -> GptqResult:
+                  symmetric: bool = False, static_groups: bool = False, clip: bool = False) -> GptqResult:
     """Quantise w [N, K] (any float dtype) with GPTQ against `prepared` into `fmt`'s layout (`Int4Format`:
     qweight, scales, zeros), on its asymmetric grid or, `symmetric`, compressed-tensors' (module docstring)."""
     if symmetric and w.shape[1] % fmt.group_size:
         raise WeightsError(f"a symmetric (pack-quantized) weight needs in_features divisible by the group size "
                            f"{fmt.group_size}; got {list(w.shape)}", shape=list(w.shape))
     with _one_thread():
-        return _gptq(w, prepared, fmt, block, symmetric)
+        return _gptq(w, prepared, fmt, block, symmetric, static_groups or clip or prepared.perm is not None, clip)
 
 
-def _gptq(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: int, symmetric: bool) -> GptqResult:
+def _gptq(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: int, symmetric: bool,
+          static: bool, clip: bool) -> GptqResult:
     n, k = w.shape
     if prepared.u.shape != (k, k):
         raise WeightsError(f"GPTQ: a [{n}, {k}] weight against a Hessian of {prepared.u.shape[0]} columns")
@@ -187,9 +220,9 @@ def _gptq(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: in
     zeros = torch.zeros(n, groups)
     perm = prepared.perm
     params = symmetric_group_params if symmetric else int4_group_params
-    if perm is not None:  # static groups, from the weights before any update (column order)
-        for j in range(groups):
-            scales[:, j], zeros[:, j] = params(W[:, j * g:(j + 1) * g])
+    if static:  # static groups, from the weights before any update (column order)
+        scales, zeros = _static_params(W, prepared.diag, g, symmetric, clip)
+    if perm is not None:
         W = W[:, perm]
         col_of = perm.tolist()
     else:
@@ -203,7 +236,7 @@ def _gptq(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: in
         u1 = u[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = col_of[i1 + i]
-            if perm is None and col % g == 0:  # first column of a group: its grid from the current weights
+            if not static and col % g == 0:  # first column of a group: its grid from the current weights
                 scales[:, col // g], zeros[:, col // g] = params(W1[:, i:i + g])
             s, z = scales[:, col // g], zeros[:, col // g]
             wi = W1[:, i]

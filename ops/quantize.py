@@ -73,6 +73,7 @@ from backend.errors import UnsupportedArchitecture, WeightsError
 from backend.models.checkpoint_layout import checkpoint_layout
 from backend.weight_formats import Int4Format, TensorSpec, WeightFormat, stored_format, weight_format
 from backend.weights import CheckpointReader, write_safetensors
+from ops.gptq import DEFAULT_DAMP
 from ops.quantize_ignore import IGNORE_PRESETS, ignore_matcher, ignore_patterns, validate_patterns
 from ops.calibration import (DEFAULT_CALIB_TOKENS, CalibrationStats, DenseWeights, LayerCalibrator, calibration_ids,
                              in_layer_order)
@@ -322,7 +323,8 @@ def resolve_method(method: str | None, target: WeightFormat, cfg: ModelConfig) -
 def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
                         progress: bool = True, method: str | None = "rtn", calib_tokens: int = DEFAULT_CALIB_TOKENS,
                         calib_file: Path | None = None, calib_ids: torch.Tensor | None = None,
-                        act_order: bool = False, ignore: Sequence[str] = ()) -> SizeReport:
+                        act_order: bool = False, ignore: Sequence[str] = (), damp: float = DEFAULT_DAMP,
+                        static_groups: bool = False, clip: bool = False) -> SizeReport:
     """Write `dst` (which must not exist) from `src` with its linear layers in `target`; atomic.
 
     method: "rtn" rounds each weight to nearest; "gptq" (INT4 only) calibrates layer by layer on
@@ -351,7 +353,8 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
             return weights(module).to(torch.bfloat16).float() if module in plan.dequantized else weights(module)
 
         calibrator = LayerCalibrator(cfg, ids, target, reader.get, weights, reader.__contains__, act_order,
-                                     kept=plan.kept.__contains__, served=served)
+                                     kept=plan.kept.__contains__, served=served, damp=damp,
+                                     static_groups=static_groups, clip=clip)
     prefix = cfg.checkpoint_prefix  # written back under the prefix the config.json implies
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
