@@ -201,10 +201,10 @@ class LayerCalibrator:
     the symmetric grid and its packed tensors."""
 
     def __init__(self, cfg: ModelConfig, ids: torch.Tensor, fmt: Int4Format, get: Callable[[str], torch.Tensor],
-                 weight: Callable[[str], torch.Tensor], has: Callable[[str], bool], act_order: bool = False,
+                 weight: Callable[[str], torch.Tensor], has: Callable[[str], bool], act_order: bool = True,
                  min_expert_tokens: int | None = None, kept: Callable[[str], bool] = lambda module: False,
                  served: Callable[[str], torch.Tensor] | None = None, damp: float = DEFAULT_DAMP,
-                 static_groups: bool = False, clip: bool = False) -> None:
+                 static_groups: bool = False, clip: bool = True) -> None:
         if cfg.is_mla:
             raise UnsupportedArchitecture(f"GPTQ calibration covers GQA decoders (Llama, Qwen2, Glm4Moe); "
                                           f"{cfg.architecture} uses latent attention: use --method rtn")

@@ -22,8 +22,9 @@ tensor read once for its experts.
 Method: ``rtn`` rounds each weight to nearest on its own. ``gptq`` (INT4 only; the
 default for INT4 on GQA models) chooses the codes against each linear's inputs on
 calibration text (`--calib-tokens`, 8192, of Brown genres A-H or `--calib-file`),
-walking the model layer by layer (`ops/calibration.py`, `ops/gptq.py`); `--act-order`
-quantises columns by decreasing activation energy. Both write the same tensors, dtypes,
+walking the model layer by layer (`ops/calibration.py`, `ops/gptq.py`), by default with
+activation order and a clip search of each group's range (`--no-act-order`, `--no-clip`:
+measured worse on SmolLM2, `BENCHMARKS.md`). Both write the same tensors, dtypes,
 shapes and order: the checkpoints differ only in values. MLA models take rtn.
 
 Streaming: the output header is planned from the input headers alone (a format's
@@ -323,14 +324,15 @@ def resolve_method(method: str | None, target: WeightFormat, cfg: ModelConfig) -
 def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
                         progress: bool = True, method: str | None = "rtn", calib_tokens: int = DEFAULT_CALIB_TOKENS,
                         calib_file: Path | None = None, calib_ids: torch.Tensor | None = None,
-                        act_order: bool = False, ignore: Sequence[str] = (), damp: float = DEFAULT_DAMP,
-                        static_groups: bool = False, clip: bool = False) -> SizeReport:
+                        act_order: bool = True, ignore: Sequence[str] = (), damp: float = DEFAULT_DAMP,
+                        static_groups: bool = False, clip: bool = True) -> SizeReport:
     """Write `dst` (which must not exist) from `src` with its linear layers in `target`; atomic.
 
     method: "rtn" rounds each weight to nearest; "gptq" (INT4 only) calibrates layer by layer on
     `calib_tokens` tokens of `calib_file` or Brown genres A-H (`ops/calibration.py`), or on the
-    given `calib_ids` [S, L]; `act_order` visits columns by decreasing activation energy;
-    None picks the default (`resolve_method`). `ignore`: linears kept dense (names or ``re:``
+    given `calib_ids` [S, L]; `act_order` visits columns by decreasing activation energy, `clip`
+    searches each group's range, `static_groups` fixes the grids before any update, `damp` is
+    the Hessian dampening (`ops/gptq.py`); None picks the default method (`resolve_method`). `ignore`: linears kept dense (names or ``re:``
     regexes, `ops/quantize_ignore.py`), besides the target's own list. Every input check, the
     calibration text's included, runs before anything is written."""
     started = time.perf_counter()
@@ -442,7 +444,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"GPTQ calibration tokens (default {DEFAULT_CALIB_TOKENS})")
     p.add_argument("--calib-file", type=Path, default=None,
                    help="UTF-8 text to calibrate on (default: Brown corpus genres A-H)")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: quantise columns by decreasing activation")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: quantise columns by decreasing activation energy (default on)")
+    p.add_argument("--clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: search each group's range for the least weighted rounding error (default on)")
     p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None,
                    help="INT4 layout: compressed-tensors pack-quantized (symmetric; vLLM/SGLang load it) or "
                         "edgeserve (asymmetric, zero points). Default: compressed-tensors when the group size "
@@ -498,7 +503,7 @@ def run(args: argparse.Namespace) -> int:
     report = quantize_checkpoint(args.input, args.output, target, shard_bytes=args.shard_bytes,
                                  progress=not args.no_progress, method=args.method,
                                  calib_tokens=args.calib_tokens, calib_file=args.calib_file,
-                                 act_order=args.act_order, ignore=ignore)
+                                 act_order=args.act_order, clip=args.clip, ignore=ignore)
     print(f"wrote {args.output}")
     print_report(report, target, load_config(args.output))
     return 0

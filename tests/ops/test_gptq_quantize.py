@@ -86,8 +86,9 @@ def test_gptq_and_rtn_checkpoints_differ_only_in_values_and_gptq_is_closer(tiny_
     (genres J-R) GPTQ's logits are closer to the dense model's than RTN's."""
     fmt = weight_format("int4", 32)
     rtn = quantize.quantize_checkpoint(tiny_chat_dir, tmp_path / "rtn", fmt, method="rtn", progress=False)
+    # plain GPTQ: on random weights the clip search (tuned on SmolLM2, BENCHMARKS.md) can lose to RTN
     gptq = quantize.quantize_checkpoint(tiny_chat_dir, tmp_path / "gptq", fmt, method="gptq", calib_tokens=1024,
-                                        progress=False)
+                                        act_order=False, clip=False, progress=False)
     assert (rtn.method, gptq.method) == ("rtn", "gptq") and gptq.calibration.tokens == 1024
     assert gptq.peak_rss_bytes > 0 and gptq.quantize_s > 0
     a, b = CheckpointReader(tmp_path / "rtn"), CheckpointReader(tmp_path / "gptq")
@@ -101,7 +102,7 @@ def test_gptq_and_rtn_checkpoints_differ_only_in_values_and_gptq_is_closer(tiny_
     held, _ = corpus_tokens(Tokenizer.from_model_dir(tiny_chat_dir).encode, 200, fetch_brown(), EVAL_GENRES)
     dense = _prefill_logits(_engine(tiny_chat_dir), held[:200])
     err = {m: (_prefill_logits(_engine(tmp_path / m), held[:200]) - dense).norm().item() for m in ("rtn", "gptq")}
-    assert err["gptq"] < 0.9 * err["rtn"], err
+    assert err["gptq"] < 0.9 * err["rtn"], err  # measured 0.74x
 
 
 def test_tiny_glm4_moe_quantised_with_gptq_loads_and_serves(tiny_moe_tok: Path, tmp_path: Path,
@@ -134,7 +135,9 @@ def test_cli_output_format_compressed_tensors_for_gptq_and_rtn(tiny_chat_dir: Pa
 
     common = ["--to", "int4", "--group-size", "32", "--calib-tokens", "512", "--no-progress"]
     for method in ("gptq", "rtn"):
-        assert main(["quantize", str(tiny_chat_dir), str(tmp_path / method), "--method", method, *common]) == 0
+        plain = ["--no-act-order", "--no-clip"] if method == "gptq" else []  # see the test above
+        assert main(["quantize", str(tiny_chat_dir), str(tmp_path / method), "--method", method, *common,
+                     *plain]) == 0
     assert main(["quantize", str(tiny_chat_dir), str(tmp_path / "g128"), "--to", "int4", "--method", "rtn",
                  "--no-progress"]) == 0
     text = capsys.readouterr().out
