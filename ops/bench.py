@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import subprocess
@@ -50,6 +51,7 @@ def _recording_start(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
     """`run` with the code's provenance taken before it starts: a commit landing during a long
     run must not be recorded as the code that ran."""
 
+    @functools.wraps(run)
     def started(args: argparse.Namespace) -> int:
         global _started
         _started = provenance()

@@ -55,6 +55,6 @@ def test_registered_with_quick_points() -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "integrity", "--quick", "--json", "/tmp/x.json"])
-    assert args.func is bench_integrity.run and args.json_path == "/tmp/x.json" and args.quick
+    assert args.func.__wrapped__ is bench_integrity.run and args.json_path == "/tmp/x.json" and args.quick
     assert bench_integrity.concurrency_points(True) == [8, 16]
     assert bench_integrity.concurrency_points(False) == [8, 32, 64]

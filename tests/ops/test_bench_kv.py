@@ -108,7 +108,7 @@ def test_registered_with_quick_defaults() -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "kv-capacity", "--quick", "--json", "/tmp/x.json"])
-    assert args.func is bench_kv.run and args.json_path == "/tmp/x.json"
+    assert args.func.__wrapped__ is bench_kv.run and args.json_path == "/tmp/x.json"
     bench_kv._defaults(args)
     assert (args.requests, args.prompt_tokens, args.output_tokens, args.no_reference) == (4, 64, 32, True)
     full = parser.parse_args(["bench", "kv-capacity"])

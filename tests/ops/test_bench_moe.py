@@ -68,7 +68,7 @@ def test_registered_under_bench() -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "moe", "--quick"])
-    assert args.func is bench_moe.run and args.json_path == "bench-results/moe.json"
+    assert args.func.__wrapped__ is bench_moe.run and args.json_path == "bench-results/moe.json"
     assert (args.hidden, args.experts, args.top_k, args.inter, args.layers) == (1024, 64, 8, 512, None)
 
 

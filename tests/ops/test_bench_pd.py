@@ -121,6 +121,6 @@ def test_registered() -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "pd", "--quick", "--json", "/tmp/x.json"])
-    assert args.func is bench_pd.run and args.json_path == "/tmp/x.json" and args.quick
+    assert args.func.__wrapped__ is bench_pd.run and args.json_path == "/tmp/x.json" and args.quick
     assert "--prefill-worker" not in bench_pd.worker_specs("m")["decode"]  # added with the URL at start
     assert bench_pd.worker_specs("m")["decode_bf16"][-1] == "bf16"

@@ -130,5 +130,5 @@ def test_registered_with_the_bench_command() -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "routing", "--quick", "--json", "out.json"])
-    assert args.func is bench_routing.run and args.quick and args.json_path == "out.json"
+    assert args.func.__wrapped__ is bench_routing.run and args.quick and args.json_path == "out.json"
     assert args.tenants == 8 and args.users == 8 and math.isclose(args.max_tokens, 16)
