@@ -18,9 +18,8 @@ from __future__ import annotations
 import logging
 
 from backend.layers.attention import load_attention
-from backend.layers.experts import load_moe
+from backend.layers.feed_forward import load_feed_forward, log_mtp_layers
 from backend.layers.loader import WeightLoader
-from backend.layers.mlp import load_mlp
 from backend.model import LayerWeights
 
 __all__ = ["load_layers"]
@@ -31,21 +30,12 @@ log = logging.getLogger(__name__)
 def load_layers(loader: WeightLoader) -> dict[str, list[LayerWeights]]:
     """The decoder layers, one list per target format (`loader.targets`)."""
     cfg = loader.cfg
-    mtp = sorted({n.split(".")[2] for n in loader.ckpt.names()
-                  if n.startswith("model.layers.") and int(n.split(".")[2]) >= cfg.num_layers})
-    if mtp:
-        log.info("skipping %d multi-token-prediction layer(s) stored as model.layers.%s (not run)", len(mtp),
-                 ",".join(mtp))
+    log_mtp_layers(loader, log)
     layers: dict[str, list[LayerWeights]] = {key: [] for key in loader.targets}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         attn = load_attention(loader, p)
-        if cfg.is_moe_layer(i):
-            moe = load_moe(loader, p)
-            mlps = {key: {"moe": moe[key]} for key in loader.targets}
-        else:
-            gate_up, down = load_mlp(loader, f"{p}mlp.", cfg.intermediate_size)
-            mlps = {key: {"gate_up": gate_up[key], "down": down[key]} for key in loader.targets}
+        mlps = load_feed_forward(loader, i)
         input_norm = loader.get(f"{p}input_layernorm.weight")
         post_norm = loader.get(f"{p}post_attention_layernorm.weight")
         for key in loader.targets:
