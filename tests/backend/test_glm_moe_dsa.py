@@ -21,7 +21,7 @@ from backend.indexer_cache import IndexerKeyCache
 from backend.sampling_params import SamplingParams
 from tests.backend.engine_spy import record_sampled_logits
 from tests.backend.test_model_parity import _our_logits_all_rows
-from tests.backend.tiny_models import reference_model
+from tests.backend.tiny_models import make_decisive, reference_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,19 +43,7 @@ def write_tiny_glm_moe_dsa(path: Path, seed: int = 0, **overrides: Any) -> Path:
     torch.manual_seed(seed)
     cfg = transformers.GlmMoeDsaConfig(**{**GLM_DSA_TINY, **overrides})
     model = transformers.GlmMoeDsaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("gate.weight"):
-                p.normal_(0.0, 0.5)
-            elif "experts" in name or "mlp" in name:
-                p.normal_(0.0, 0.15)
-            elif "self_attn" in name:
-                p.normal_(0.0, 0.12)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.rand_like(b) * 0.05)
+    make_decisive(model, attention_std=0.12)
     model.eval().save_pretrained(path, safe_serialization=True)
     return path
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tests.backend.tiny_models import make_decisive
+
 DEEPSEEK_V3_TINY: dict[str, Any] = dict(
     vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
@@ -31,18 +33,6 @@ def write_tiny_deepseek_v3(path: Path, seed: int = 0, yarn: bool = False, **over
         kwargs["rope_parameters"] = {"rope_theta": 10000.0, **YARN}
     cfg = transformers.DeepseekV3Config(**kwargs)
     model = transformers.DeepseekV3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("gate.weight"):
-                p.normal_(0.0, 0.5)
-            elif "experts" in name or "mlp" in name:
-                p.normal_(0.0, 0.15)
-            elif "self_attn" in name:
-                p.normal_(0.0, 0.12)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.rand_like(b) * 0.05)
+    make_decisive(model, attention_std=0.12)
     model.eval().save_pretrained(path, safe_serialization=True)
     return path

@@ -56,17 +56,7 @@ def write_tiny_glm4_moe(path: Path, seed: int = 0, partial_rotary_factor: float 
     cfg = transformers.Glm4MoeConfig(**kwargs)
     cfg.rope_parameters = {**(cfg.rope_parameters or {}), "partial_rotary_factor": partial_rotary_factor}
     model = transformers.Glm4MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("gate.weight"):
-                p.normal_(0.0, 0.5)
-            elif "experts" in name or "mlp" in name:
-                p.normal_(0.0, 0.15)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.rand_like(b) * 0.05)
+    make_decisive(model)
     model.eval().save_pretrained(path, safe_serialization=True)
     if mtp_layers:
         f = next(Path(path).glob("*.safetensors"))
@@ -85,3 +75,23 @@ def reference_model(path: Path) -> Any:
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def make_decisive(model: Any, attention_std: float | None = None) -> None:
+    """Scale a random MoE model up from transformers' 0.02 init, in place: norms and biases jittered,
+    the router's weights wide (its choices decisive), experts and MLPs at std 0.15, attention at
+    `attention_std` when given (MLA models), the correction bias small and positive (so the masked
+    fill of the group router never matters)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("gate.weight"):
+                p.normal_(0.0, 0.5)
+            elif "experts" in name or "mlp" in name:
+                p.normal_(0.0, 0.15)
+            elif attention_std is not None and "self_attn" in name:
+                p.normal_(0.0, attention_std)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand_like(b) * 0.05)
