@@ -27,11 +27,18 @@ it runs the fp32 GEMM on FP8-rounded values), ``int4`` torch's INT4 CPU GEMM.
    tokens / median step time.
    The fastest format is the measured default for prefill.
 4. **Quality**: top-1 next-token accuracy and perplexity over W windows of 1024 tokens
-   (20; quick 1 of 512) of held-out Brown corpus text (`ops.brown_corpus`), scored
-   teacher-forced through the serving path (`LLMEngine.score_tokens`) with the
-   engine's format, for bf16, fp8, int4 (g128) and int4_g32. The bf16 row runs on the
-   fp32 engine: it holds exactly the BF16 checkpoint's values (a BF16 GEMM would also
-   round activations). Target: INT4 top-1 within 0.8 percentage points of FP8.
+   (20; quick 1 of 512) of held-out Brown corpus text, genres J-R (`ops.calibration.
+   EVAL_GENRES`; GPTQ calibrates on genres A-H, so no document is shared), scored
+   teacher-forced through the serving path (`LLMEngine.score_tokens`) with the engine's
+   format, for bf16, fp8, int4_rtn_g128, int4_rtn_g32, int4_gptq_g128 and int4_gptq_g32.
+   Each quantised checkpoint is written by `edgeserve quantize` (`quantize_checkpoint`)
+   in a fresh process of its own, which gives its `quantize_s` and
+   `quantize_peak_rss_bytes` (the child's ru_maxrss); GPTQ calibrates on C tokens
+   (8192; quick 2048). The bf16 row runs on the fp32 engine: it holds exactly the BF16
+   checkpoint's values (a BF16 GEMM would also round activations). The rtn and fp8 rows
+   run the engines of step 1 (quantise-at-load equals the written checkpoint bit for
+   bit, `tests/ops/test_quantize.py`); the gptq rows load their checkpoints. Targets:
+   INT4 g128 GPTQ top-1 within 0.8 percentage points of FP8 and perplexity within 3%.
 5. **Memory** of a unified worker holding fp32 prefill + int4 decode weights against
    one format, from the engines' `weight_memory()`; and micro-measurements (median of
    repeated calls): every linear layer of one forward at M = 1 per format (the format's
@@ -47,7 +54,11 @@ import gc
 import math
 import statistics
 import sys
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,12 +68,17 @@ from ops.bench_engine import prefill_tok_s
 from ops.bench_integrity import DecodeLoop, step_in_turn
 from ops.bench_kv import fixed_length_prompts
 
-__all__ = ["add_arguments", "run", "checkpoint_sizes", "quality", "SPEED_FORMATS", "QUALITY_FORMATS"]
+__all__ = ["add_arguments", "run", "checkpoint_sizes", "quality", "quantize_in_child", "SPEED_FORMATS",
+           "QUALITY_FORMATS", "QUANTIZED"]
 
 SPEED_FORMATS: dict[str, tuple[str, int]] = {  # report name -> (format, int4 group size)
     "int4": ("int4", 128), "fp8": ("fp8", 128), "bf16": ("bf16", 128), "fp32": ("fp32", 128)}
+QUANTIZED: dict[str, tuple[str, int, str]] = {  # report name -> (format, group size, method) written by quantize
+    "fp8": ("fp8", 128, "rtn"), "int4_rtn_g128": ("int4", 128, "rtn"), "int4_rtn_g32": ("int4", 32, "rtn"),
+    "int4_gptq_g128": ("int4", 128, "gptq"), "int4_gptq_g32": ("int4", 32, "gptq")}
 QUALITY_FORMATS: dict[str, str] = {  # report name -> the engine it is measured on
-    "bf16": "fp32", "fp8": "fp8", "int4": "int4", "int4_g32": "int4_g32"}
+    "bf16": "fp32", "fp8": "fp8", "int4_rtn_g128": "int4", "int4_rtn_g32": "int4_g32",
+    "int4_gptq_g128": "int4_gptq_g128", "int4_gptq_g32": "int4_gptq_g32"}
 
 
 def checkpoint_sizes(model_dir) -> tuple[dict[str, int], dict[str, int]]:
@@ -96,6 +112,27 @@ def quality(engine, windows: list[list[int]]) -> tuple[float, float, int]:
         hits += int(scores.top1.sum())
         n += scores.logprobs.numel()
     return math.exp(nll / n), hits / n, n
+
+
+def _quantize_job(src: str, dst: str, fmt: str, group: int, method: str, calib_tokens: int) -> dict[str, Any]:
+    """Run in a fresh process: `quantize_checkpoint` and what it cost (its report's fields)."""
+    from backend.weight_formats import weight_format
+    from ops.quantize import quantize_checkpoint
+
+    report = quantize_checkpoint(Path(src), Path(dst), weight_format(fmt, group), method=method,
+                                 calib_tokens=calib_tokens, progress=False)
+    cal = report.calibration
+    return {"quantize_s": report.quantize_s, "peak_rss_bytes": report.peak_rss_bytes,
+            "output_bytes": report.output_bytes,
+            "calibration": None if cal is None else {"tokens": cal.tokens, "seq_len": cal.seq_len,
+                                                     "gptq_linears": cal.gptq_linears,
+                                                     "rtn_experts": len(cal.rtn_experts)}}
+
+
+def quantize_in_child(src: Path, dst: Path, fmt: str, group: int, method: str, calib_tokens: int) -> dict[str, Any]:
+    """`edgeserve quantize` of `src` into `dst` in a spawned process, so that its peak RSS is its own."""
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(_quantize_job, str(src), str(dst), fmt, group, method, calib_tokens).result()
 
 
 def _time_call(fn, reps: int) -> float:
@@ -155,6 +192,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-repeats", type=int, default=None, help="R (default 3; quick 1)")
     p.add_argument("--ppl-window", type=int, default=None, help="tokens per scored window (default 1024; quick 512)")
     p.add_argument("--ppl-windows", type=int, default=None, help="windows scored (default 20; quick 1)")
+    p.add_argument("--calib-tokens", type=int, default=None, help="GPTQ calibration tokens (default 8192; quick 2048)")
     p.add_argument("--threads", type=int, default=None)
 
 
@@ -170,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
     from backend.engine import EngineConfig, LLMEngine
     from backend.kv_cache import kv_bytes_per_token
     from backend.tokenizer import Tokenizer
-    from ops.brown_corpus import fetch_brown, heldout_tokens
+    from ops.brown_corpus import fetch_brown
+    from ops.calibration import EVAL_GENRES, corpus_tokens
     from ops.pull import resolve_model
 
     quick = args.quick
@@ -181,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     prefill_repeats = args.prefill_repeats or (1 if quick else 3)
     window = args.ppl_window or (512 if quick else 1024)
     num_windows = args.ppl_windows or (1 if quick else 20)
+    calib_tokens = args.calib_tokens or (2048 if quick else 8192)
     if args.threads:
         torch.set_num_threads(args.threads)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -199,12 +239,13 @@ def run(args: argparse.Namespace) -> int:
     kv_tokens = max(max_c * (prompt_tokens + _output_tokens(max_c, quick)), prefill_tokens + 16) + 16 * max_c
     kv_bytes = kv_tokens * kv_bytes_per_token(load_config(model_dir), "fp32")  # every request admitted at once
 
-    def engine(fmt: str, group: int) -> LLMEngine:
+    def engine(fmt: str | None, group: int, path: Path = model_dir) -> LLMEngine:
+        """An engine with `fmt` for both phases (None: the checkpoint's stored format)."""
         cfg = EngineConfig(dtype="float32", kv_format="fp32", prefill_weights=fmt, decode_weights=fmt,
                            int4_group_size=group, kv_cache_bytes=kv_bytes,
                            max_num_seqs=max_c, max_num_batched_tokens=max(2048, prefill_tokens),
                            prefill_chunk_size=max(2048, prefill_tokens), max_model_len=max(2048, prefill_tokens) + 64)
-        return LLMEngine.from_pretrained(model_dir, cfg)
+        return LLMEngine.from_pretrained(path, cfg)
 
     engines: dict[str, LLMEngine] = {}
 
@@ -245,7 +286,9 @@ def run(args: argparse.Namespace) -> int:
 
     # -- quality
     t = time.perf_counter()
-    stream, docs = heldout_tokens(tok.encode, window * num_windows, corpus)
+    stream, docs = corpus_tokens(tok.encode, window * num_windows, corpus, EVAL_GENRES)
+    if len(stream) < window * num_windows:
+        raise ValueError(f"Brown genres {EVAL_GENRES} give {len(stream)} tokens, fewer than {window * num_windows}")
     windows = [stream[i * window:(i + 1) * window] for i in range(num_windows)]
     ppl: dict[str, float] = {}
     top1: dict[str, float] = {}
@@ -254,15 +297,23 @@ def run(args: argparse.Namespace) -> int:
     memory = {name: e.model.weight_memory() for name, e in speed.items()}
     del speed
     engines.pop("bf16")  # not scored (its values are the fp32 engine's); each engine goes once scored (memory)
-    for name, on in QUALITY_FORMATS.items():
-        if on not in engines:  # int4_g32: loaded last
-            load(on, "int4", 32)
-        t0 = time.perf_counter()
-        ppl[name], top1[name], scored = quality(engines.pop(on), windows)
-        gc.collect()
-        timings[f"quality_{name}_s"] = time.perf_counter() - t0
-        log(f"quality {name}: ppl {ppl[name]:.4f}, top-1 {100 * top1[name]:.2f}% over {scored} tokens "
-            f"({timings[f'quality_{name}_s']:.0f} s)")
+    quantized: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
+        for name, (fmt, group, method) in QUANTIZED.items():  # one fresh process each: its own time and RSS
+            quantized[name] = quantize_in_child(model_dir, Path(tmp) / name, fmt, group, method, calib_tokens)
+            log(f"quantize {name}: {quantized[name]['quantize_s']:.1f} s, peak RSS "
+                f"{quantized[name]['peak_rss_bytes'] / 1e6:.0f} MB")
+        for name, on in QUALITY_FORMATS.items():
+            if on not in engines:  # loaded last: int4_g32 at load, the gptq checkpoints as written
+                t0 = time.perf_counter()
+                engines[on] = engine("int4", 32) if on == "int4_g32" else engine(None, 128, Path(tmp) / on)
+                timings[f"load_{on}_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            ppl[name], top1[name], scored = quality(engines.pop(on), windows)
+            gc.collect()
+            timings[f"quality_{name}_s"] = time.perf_counter() - t0
+            log(f"quality {name}: ppl {ppl[name]:.4f}, top-1 {100 * top1[name]:.2f}% over {scored} tokens "
+                f"({timings[f'quality_{name}_s']:.0f} s)")
     timings["quality_s"] = time.perf_counter() - t
 
     # -- memory of two formats, from the one-format engines' parts
@@ -281,13 +332,14 @@ def run(args: argparse.Namespace) -> int:
         "int4_over_fp8_checkpoint_bytes": size["int4"] / size["fp8"],
         "int4_over_bf16_decode_c1": decode["int4"][c1] / decode["bf16"][c1],
         "int4_over_fp32_decode_c1": decode["int4"][c1] / decode["fp32"][c1],
-        "int4_minus_fp8_top1_pp": 100 * (top1["int4"] - top1["fp8"]),
-        "int4_g32_minus_fp8_top1_pp": 100 * (top1["int4_g32"] - top1["fp8"]),
+        **{f"{n}_minus_fp8_top1_pp": 100 * (top1[n] - top1["fp8"]) for n in QUALITY_FORMATS if n.startswith("int4")},
+        **{f"{n}_over_fp8_ppl": ppl[n] / ppl["fp8"] for n in QUALITY_FORMATS if n.startswith("int4")},
     }
     targets = {
         "int4_linear_bytes_le_0.54x_fp8": ratios["int4_over_fp8_linear_bytes"] <= 0.54,
         "int4_decode_c1_ge_1.5x_bf16": ratios["int4_over_bf16_decode_c1"] >= 1.5,
-        "int4_top1_within_0.8pp_of_fp8": abs(ratios["int4_minus_fp8_top1_pp"]) <= 0.8,
+        "int4_gptq_g128_top1_within_0.8pp_of_fp8": ratios["int4_gptq_g128_minus_fp8_top1_pp"] >= -0.8,
+        "int4_gptq_g128_ppl_within_3pct_of_fp8": ratios["int4_gptq_g128_over_fp8_ppl"] <= 1.03,
     }
     prefill_default = max(prefill, key=prefill.get)
     print(f"\nedgeserve bench weights  model={args.model} compute=float32 kv=fp32 threads={torch.get_num_threads()}"
@@ -306,9 +358,11 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{n} {v:.0f}" for n, v in prefill.items()) + f"; fastest: {prefill_default}")
     print(f"\nquality: Brown corpus, {num_windows} windows x {window} tokens = {scored} scored tokens "
           f"({docs[0]}..{docs[-1]})")
-    print(f"{'format':<10}{'top-1 %':>9}{'ppl':>10}")
+    print(f"{'format':<16}{'top-1 %':>9}{'ppl':>10}{'quantize s':>12}{'peak RSS MB':>13}")
     for name in QUALITY_FORMATS:
-        print(f"{name:<10}{100 * top1[name]:>9.2f}{ppl[name]:>10.4f}")
+        q = quantized.get(name)
+        cost = f"{q['quantize_s']:>12.1f}{q['peak_rss_bytes'] / 1e6:>13.0f}" if q else ""
+        print(f"{name:<16}{100 * top1[name]:>9.2f}{ppl[name]:>10.4f}{cost}")
     print("\nweight memory (MB): " + "; ".join(
         f"{n}: total {m['total'] / 1e6:.0f} (linear prefill {m['prefill'] / 1e6:.0f}, decode {m['decode'] / 1e6:.0f}, "
         f"packs {m['packs'] / 1e6:.0f})" for n, m in memory.items()))
@@ -323,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
                    "output_tokens": {str(c): _output_tokens(c, quick) for c in points},
                    "prefill_tokens": prefill_tokens, "prefill_repeats": prefill_repeats,
                    "ppl_window": window, "ppl_windows": num_windows, "ppl_documents": docs,
-                   "quality_engine": QUALITY_FORMATS},
+                   "ppl_genres": EVAL_GENRES, "calib_tokens": calib_tokens, "quality_engine": QUALITY_FORMATS},
         "size_bytes": size,
         "linear_size_bytes": linear_size,
         "decode_tok_s": decode,
@@ -333,6 +387,9 @@ def run(args: argparse.Namespace) -> int:
         "top1_acc": top1,
         "ppl": ppl,
         "ppl_tokens": scored,
+        "quantize_s": {n: q["quantize_s"] for n, q in quantized.items()},
+        "quantize_peak_rss_bytes": {n: q["peak_rss_bytes"] for n, q in quantized.items()},
+        "calibration": {n: q["calibration"] for n, q in quantized.items() if q["calibration"]},
         "weight_memory_bytes": memory,
         "micro_ms": micro_ms,
         "ratios": ratios,

@@ -49,7 +49,7 @@ column-parallel (q/k/v, gate/up) and row-parallel (o, down) linears, their scale
 and the vocab-parallel embedding and LM head are split 1/TP; k/v projections are
 replicated when TP exceeds the number of KV heads (each GPU needs one whole KV head);
 norms are replicated. It also gives the method, the conversion's wall seconds and the
-process's peak RSS (getrusage ru_maxrss: the peak of the whole process so far).
+process's peak RSS (VmHWM, else getrusage ru_maxrss: the peak of the whole process so far).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class SizeReport:
     per_gpu_bytes: dict[int, int]  # tensor parallel degree -> output weight bytes per GPU
     method: str = "rtn"  # rtn (round to nearest) or gptq
     quantize_s: float = 0.0  # wall seconds of the whole conversion (calibration included)
-    peak_rss_bytes: int = 0  # the process's peak resident memory so far (getrusage ru_maxrss)
+    peak_rss_bytes: int = 0  # the process's peak resident memory so far (`peak_rss_bytes()`)
     calibration: CalibrationStats | None = None  # gptq only
 
     @property
@@ -400,8 +400,16 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set size so far: Linux's VmHWM of /proc/self/status, which
+    starts afresh at exec (getrusage's ru_maxrss, used where /proc is absent, keeps the peak of the
+    process a child was forked from: a quantiser started by an 8 GB benchmark would report 8 GB)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _gb(n: int) -> str:
