@@ -41,10 +41,10 @@ permutation), so under act-order every group's s and z are fixed up front from t
 weights before any update ("static groups", also available alone), then the columns
 are quantised in activation order against them.
 
-**Clip search** (``clip``, static groups): each (row, group) tries its range shrunk by
-each factor of `CLIP_SHRINKS` (1.0 down to 0.5; [p lo, p hi] asymmetric, p max|w|
-symmetric) and keeps the one whose rounding error of the group, weighted by the inputs'
-energy diag H, is least: clipping a few large weights buys a finer step for all the
+**Clip search** (``clip``, static groups): each (row, group) tries its range shrunk
+([a lo, b hi] for a, b in 1.0, 0.95 .. 0.5 on the asymmetric grid; p max|w| for p in 1.0,
+0.975 .. 0.5 on the symmetric one) and keeps the one whose rounding error of the group,
+weighted by the inputs' energy diag H, is least: clipping a few large weights buys a finer step for all the
 others, and GPTQ then spreads the clipped weights' error over the later columns. On
 SmolLM2 at g128 act-order plus clip is what beats RTN end to end (`BENCHMARKS.md`);
 on random-weight test models it can lose to RTN, where plain GPTQ wins.
@@ -132,10 +132,10 @@ def prepare_hessian(h: torch.Tensor, act_order: bool = False, damp: float = DEFA
                        f"{100 * damp * 1000:g}% dampening; use more calibration tokens or --method rtn")
 
 
-def int4_group_params(w: torch.Tensor, shrink: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_group_params(w: torch.Tensor, shrink: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, z) [N] float32 of one INT4 group w [N, g], bfloat16-rounded as `quantize_int4_ref` makes them
-    (with `shrink` < 1: the range [lo, hi] scaled by it, the clip search's candidates)."""
-    lo, hi = w.amin(dim=1) * shrink, w.amax(dim=1) * shrink
+    (with `shrink` (a, b) < 1: the range [a lo, b hi], the clip search's candidates)."""
+    lo, hi = w.amin(dim=1) * shrink[0], w.amax(dim=1) * shrink[1]
     flat = hi == lo  # a constant group: code 8 stands for the value itself
     s = torch.where(flat, 1.0, (hi - lo) / 15).to(torch.bfloat16)
     z = torch.where(flat, lo, lo + 8 * s.float()).to(torch.bfloat16)
@@ -171,15 +171,16 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-CLIP_SHRINKS = tuple(1.0 - 0.025 * i for i in range(21))  # 1.000 .. 0.500: ranges the clip search tries
+CLIP_SHRINKS = tuple(1.0 - 0.025 * i for i in range(21))  # 1.000 .. 0.500: symmetric max|w| shrinks tried
+CLIP_SHRINKS_ASYM = tuple((a, b) for a in (1.0 - 0.05 * i for i in range(11))
+                          for b in (1.0 - 0.05 * i for i in range(11)))  # (lo, hi) shrinks: 121 pairs
 
 
 def _static_params(w: torch.Tensor, diag: torch.Tensor, g: int, symmetric: bool,
                    clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(scales, zeros) [N, groups] of w [N, K] from its groups before any update. With `clip`, each
-    (row, group) takes the range shrink of `CLIP_SHRINKS` whose rounding error, weighted by the
-    inputs' energy diag H, is least (on SmolLM2 g128 the 21 shrinks down to 0.5 beat 8 down to 0.72:
-    KL to the dense model 0.166 vs 0.188 on 2k held-out tokens)."""
+    (row, group) takes the range shrink (`CLIP_SHRINKS_ASYM`: lo and hi shrunk independently;
+    `CLIP_SHRINKS` symmetric) whose rounding error, weighted by the inputs' energy diag H, is least."""
     n, k = w.shape
     params = symmetric_group_params if symmetric else int4_group_params
     groups = -(-k // g)
@@ -187,7 +188,9 @@ def _static_params(w: torch.Tensor, diag: torch.Tensor, g: int, symmetric: bool,
     for j in range(groups):
         wg, d = w[:, j * g:(j + 1) * g], diag[j * g:(j + 1) * g]
         best = None
-        for shrink in CLIP_SHRINKS if clip else (1.0,):
+        candidates = (CLIP_SHRINKS if symmetric else CLIP_SHRINKS_ASYM) if clip else \
+            ((1.0,) if symmetric else ((1.0, 1.0),))
+        for shrink in candidates:
             s, z = params(wg, shrink)
             c = _codes(wg, s[:, None], z[:, None], symmetric)
             err = (((c - 8) * s[:, None] + z[:, None] - wg) ** 2 * d).sum(dim=1)  # [N]
