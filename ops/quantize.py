@@ -43,13 +43,9 @@ an INT4 group size other than 32/64/128/256, an odd in_features (INT4 packs two 
 byte), FP8 scales that do not cover their weight, and for gptq a calibration text
 shorter than `--calib-tokens` or a model folder without a tokenizer.
 
-The size report counts tensor bytes (headers excluded): input, output, their ratio,
-the linear layers alone, and weight bytes per GPU at tensor parallel 1 and 8. Per GPU:
-column-parallel (q/k/v, gate/up) and row-parallel (o, down) linears, their scales,
-and the vocab-parallel embedding and LM head are split 1/TP; k/v projections are
-replicated when TP exceeds the number of KV heads (each GPU needs one whole KV head);
-norms are replicated. It also gives the method, the conversion's wall seconds and the
-process's peak RSS (VmHWM, else getrusage ru_maxrss: the peak of the whole process so far).
+The size report (`ops/quantize_report.py`) counts tensor bytes (headers excluded): input,
+output, their ratio, the linear layers alone, weight bytes per GPU at tensor parallel 1 and 8,
+the method, the conversion's wall seconds and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -57,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -74,10 +69,10 @@ from backend.errors import UnsupportedArchitecture, WeightsError
 from backend.models.checkpoint_layout import checkpoint_layout
 from backend.weight_formats import Int4Format, TensorSpec, WeightFormat, stored_format, weight_format
 from backend.weights import CheckpointReader, write_safetensors
+from ops.calibration import DEFAULT_CALIB_TOKENS, DenseWeights, LayerCalibrator, calibration_ids, in_layer_order
 from ops.gptq import DEFAULT_DAMP
 from ops.quantize_ignore import IGNORE_PRESETS, ignore_matcher, ignore_patterns, validate_patterns
-from ops.calibration import (DEFAULT_CALIB_TOKENS, CalibrationStats, DenseWeights, LayerCalibrator, calibration_ids,
-                             in_layer_order)
+from ops.quantize_report import SizeReport, per_gpu_bytes, peak_rss_bytes, print_report, size_report
 
 __all__ = ["register", "QuantizePlan", "plan_quantize", "quantize_checkpoint", "per_gpu_bytes", "SizeReport",
            "METHODS", "resolve_method"]
@@ -116,27 +111,6 @@ class QuantizePlan:
     @property
     def output_specs(self) -> dict[str, TensorSpec]:
         return {name: spec for _, outs in self.steps for name, spec in outs.items()}
-
-
-@dataclass
-class SizeReport:
-    input_bytes: int
-    output_bytes: int
-    input_linear_bytes: int
-    output_linear_bytes: int
-    per_gpu_bytes: dict[int, int]  # tensor parallel degree -> output weight bytes per GPU
-    method: str = "rtn"  # rtn (round to nearest) or gptq
-    quantize_s: float = 0.0  # wall seconds of the whole conversion (calibration included)
-    peak_rss_bytes: int = 0  # the process's peak resident memory so far (`peak_rss_bytes()`)
-    calibration: CalibrationStats | None = None  # gptq only
-
-    @property
-    def ratio(self) -> float:
-        return self.output_bytes / self.input_bytes
-
-    @property
-    def linear_ratio(self) -> float:
-        return self.output_linear_bytes / self.input_linear_bytes
 
 
 def _fused_expert(module: str, cfg: ModelConfig, specs: dict[str, TensorSpec]) -> ExpertSlice | None:
@@ -280,31 +254,6 @@ def _shards(steps: Steps, max_bytes: int) -> list[Steps]:
     return shards
 
 
-def per_gpu_bytes(specs: dict[str, TensorSpec], cfg: ModelConfig, tp: int) -> int:
-    """Weight bytes one GPU holds at tensor parallel `tp` (rules in the module docstring)."""
-    total = 0
-    for name, spec in specs.items():
-        module = name.rsplit(".", 1)[0]
-        if module.endswith(("k_proj", "v_proj")):
-            share = min(tp, cfg.num_kv_heads)  # replicated once TP exceeds the KV heads
-        elif module.endswith("_proj") or name in ("model.embed_tokens.weight", "lm_head.weight"):
-            share = tp
-        else:
-            share = 1
-        total += -(-spec.nbytes // share)
-    return total
-
-
-def size_report(plan: QuantizePlan) -> SizeReport:
-    out = plan.output_specs
-    fused = {piece.tensor for piece in plan.slices.values()}
-    linear_in = sum(s.nbytes for n, s in plan.input_specs.items()
-                    if n.rsplit(".", 1)[0] in plan.linear_modules or n in fused)
-    linear_out = sum(s.nbytes for n, s in out.items() if n.rsplit(".", 1)[0] in plan.linear_modules)
-    return SizeReport(sum(s.nbytes for s in plan.input_specs.values()), sum(s.nbytes for s in out.values()),
-                      linear_in, linear_out, {tp: per_gpu_bytes(out, plan.cfg, tp) for tp in (1, 8)})
-
-
 def resolve_method(method: str | None, target: WeightFormat, cfg: ModelConfig) -> str:
     """The quantisation method: `method` checked, or for None the default (gptq for INT4 where
     calibration covers the architecture, rtn otherwise; FP8 is always rounded to nearest)."""
@@ -397,45 +346,6 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
     report.quantize_s = time.perf_counter() - started
     report.peak_rss_bytes = peak_rss_bytes()
     return report
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far: Linux's VmHWM of /proc/self/status, which
-    starts afresh at exec (getrusage's ru_maxrss, used where /proc is absent, keeps the peak of the
-    process a child was forked from: a quantiser started by an 8 GB benchmark would report 8 GB)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
-
-
-def print_report(report: SizeReport, target: WeightFormat, cfg: ModelConfig) -> None:
-    print(f"size report ({target!r}; tensor bytes, headers excluded)")
-    print(f"  input          {_gb(report.input_bytes):>12}   ({report.input_bytes:,} B)")
-    print(f"  output         {_gb(report.output_bytes):>12}   ({report.output_bytes:,} B)")
-    print(f"  ratio          {report.ratio:>12.3f}")
-    print(f"  linear layers  {_gb(report.input_linear_bytes):>12} -> {_gb(report.output_linear_bytes)}"
-          f"   (ratio {report.linear_ratio:.3f})")
-    for tp, nbytes in report.per_gpu_bytes.items():
-        note = ""
-        if tp > 1 and (cfg.num_heads % tp or cfg.intermediate_size % tp or cfg.moe_intermediate_size % tp):
-            note = f"   (arithmetic only: {cfg.num_heads} heads do not split {tp} ways)"
-        print(f"  per GPU, TP {tp}  {_gb(nbytes):>12}{note}")
-    print(f"  method         {report.method:>12}")
-    cal = report.calibration
-    if cal is not None:
-        print(f"  calibration    {cal.tokens:>12,} tokens ({cal.sequences} x {cal.seq_len}); GPTQ on "
-              f"{cal.gptq_linears} linears, {len(cal.rtn_experts)} routed experts rounded to nearest "
-              f"(fewer calibration tokens than the group size)")
-    print(f"  quantize time  {report.quantize_s:>10.1f} s")
-    print(f"  peak RSS       {_gb(report.peak_rss_bytes):>12}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
