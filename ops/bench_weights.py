@@ -209,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     from backend.kv_cache import kv_bytes_per_token
     from backend.tokenizer import Tokenizer
     from ops.brown_corpus import fetch_brown
-    from ops.calibration import EVAL_GENRES, corpus_tokens
+    from ops.brown_corpus import heldout_tokens
+    from ops.calibration import EVAL_GENRES
     from ops.pull import resolve_model
 
     quick = args.quick
@@ -286,9 +287,7 @@ def run(args: argparse.Namespace) -> int:
 
     # -- quality
     t = time.perf_counter()
-    stream, docs = corpus_tokens(tok.encode, window * num_windows, corpus, EVAL_GENRES)
-    if len(stream) < window * num_windows:
-        raise ValueError(f"Brown genres {EVAL_GENRES} give {len(stream)} tokens, fewer than {window * num_windows}")
+    stream, docs = heldout_tokens(tok.encode, window * num_windows, corpus, EVAL_GENRES)
     windows = [stream[i * window:(i + 1) * window] for i in range(num_windows)]
     ppl: dict[str, float] = {}
     top1: dict[str, float] = {}

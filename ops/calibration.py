@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from ops.quantize import QuantizePlan
 
 __all__ = ["CALIB_GENRES", "EVAL_GENRES", "DEFAULT_CALIB_TOKENS", "CalibrationStats", "LayerCalibrator",
-           "DenseWeights", "corpus_tokens", "calibration_ids", "in_layer_order"]
+           "DenseWeights", "calibration_ids", "in_layer_order"]
 
 CALIB_GENRES = "abcdefgh"  # Brown genres for calibration
 EVAL_GENRES = "jklmnpr"  # Brown genres for evaluation (bench weights); disjoint from CALIB_GENRES
@@ -90,25 +90,6 @@ class CalibrationStats:
     gptq_linears: int = 0  # linear modules quantised by GPTQ
     rtn_experts: list[str] = field(default_factory=list)  # routed experts rounded to nearest (too few tokens)
     seconds: float = 0.0  # spent in calibration and GPTQ
-
-
-def corpus_tokens(encode: Callable[[str], list[int]], min_tokens: int, root: Path,
-                  genres: str) -> tuple[list[int], list[str]]:
-    """At least `min_tokens` token ids of Brown documents of `genres` (letters a..r), in
-    `iter_documents` order, a blank line between documents, and the documents used; fewer
-    when the genres hold fewer (the caller checks)."""
-    from ops.brown_corpus import iter_documents
-
-    ids: list[int] = []
-    used: list[str] = []
-    for name, text in iter_documents(root):
-        if len(ids) >= min_tokens:
-            break
-        if name[1] not in genres:
-            continue
-        ids.extend(encode(("\n\n" if used else "") + text))
-        used.append(name)
-    return ids, used
 
 
 def calibration_ids(model_dir: Path, cfg: ModelConfig, num_tokens: int, text_file: Path | None = None,
@@ -130,7 +111,7 @@ def calibration_ids(model_dir: Path, cfg: ModelConfig, num_tokens: int, text_fil
             raise WeightsError(f"cannot read calibration file {text_file}: {exc}", file=str(text_file)) from exc
         ids, source = tok.encode(text), str(text_file)
     else:
-        from ops.brown_corpus import fetch_brown
+        from ops.brown_corpus import corpus_tokens, fetch_brown
 
         ids, _ = corpus_tokens(tok.encode, num_tokens, fetch_brown(), CALIB_GENRES)
         source = f"Brown genres {CALIB_GENRES.upper()}"

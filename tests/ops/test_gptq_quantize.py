@@ -19,7 +19,8 @@ from backend.weights import CheckpointReader
 from backend.worker import create_worker_app
 from ops import quantize
 from ops.brown_corpus import fetch_brown
-from ops.calibration import CALIB_GENRES, EVAL_GENRES, LayerCalibrator, corpus_tokens
+from ops.brown_corpus import corpus_tokens
+from ops.calibration import CALIB_GENRES, EVAL_GENRES, LayerCalibrator
 from ops.cli import main
 from tests.backend.servers import serve_in_thread
 from tests.backend.test_disagg import GREEDY, generate, tokens
