@@ -13,10 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.sampling_params import SamplingParams
-from backend.weight_formats import Fp8Format
 from tests.backend.engine_spy import record_sampled_logits
 from tests.backend.test_model_parity import _our_logits_all_rows
-from tests.backend.tiny_models import reference_model, write_tiny_glm4_moe
+from tests.backend.tiny_models import reference_model, to_fp8_block_checkpoint, write_tiny_glm4_moe
 
 ATOL = 1e-4
 
@@ -152,33 +151,9 @@ def test_fp8_block_scaled_checkpoint_matches_transformers_on_the_dequantised_wei
     """Every *_proj weight (experts, shared experts, attention, dense MLP) as e4m3 with 16x16 block
     scales (so the tiny shapes span several blocks); the router gate stays float32. Reference:
     transformers on a dense copy holding exactly the dequantised values."""
-    import json
-
     path = write_tiny_glm4_moe(tmp_path / "m", seed=6, attention_bias=True)
-    fmt = Fp8Format((16, 16))
-    dense = {}
-
-    def to_fp8(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, w in t.items():
-            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                sw = fmt.quantize(w * 3.0)  # scales other than 1
-                out[name], out[name[:-len("weight")] + "weight_scale_inv"] = sw.tensors["weight"], sw.tensors[
-                    "weight_scale_inv"]
-                dense[name] = fmt.dequantize(sw)
-            else:
-                out[name] = dense[name] = w
-        return out
-
-    _rewrite(path, to_fp8)
-    cfg = json.loads((path / "config.json").read_text())
     ref_dir = tmp_path / "dense"
-    ref_dir.mkdir()
-    (ref_dir / "config.json").write_text(json.dumps(cfg))
-    save_file(dense, ref_dir / "model.safetensors", metadata={"format": "pt"})
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [16, 16]}
-    (path / "config.json").write_text(json.dumps(cfg))
+    to_fp8_block_checkpoint(path, ref_dir)
     ref = reference_model(ref_dir)
     ids = torch.randint(0, 320, (40,)).tolist()
     with torch.no_grad():

@@ -21,7 +21,7 @@ from backend.indexer_cache import IndexerKeyCache
 from backend.sampling_params import SamplingParams
 from tests.backend.engine_spy import record_sampled_logits
 from tests.backend.test_model_parity import _our_logits_all_rows
-from tests.backend.tiny_models import make_decisive, reference_model
+from tests.backend.tiny_models import make_decisive, reference_model, to_fp8_block_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,37 +160,13 @@ def test_fp8_block_scaled_checkpoint_matches_transformers_on_the_dequantised_wei
     """GLM-5-FP8's layout: every projection (MLA, indexer wq_b and wk, experts, dense MLP) as e4m3
     with 16x16 block scales, the indexer's weights_proj and the router kept dense. Reference:
     transformers on a dense copy holding exactly the dequantised values."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    from backend.weight_formats import Fp8Format
+    from backend.weights import CheckpointReader
 
     path = write_tiny_glm_moe_dsa(tmp_path / "m", seed=6)
-    fmt = Fp8Format((16, 16))
-    f = next(path.glob("*.safetensors"))
-    fp8, dense = {}, {}
-    for name, w in load_file(f).items():
-        quantised = name.startswith("model.layers.") and (
-            name.endswith(("_proj.weight", "indexer.wq_b.weight", "indexer.wk.weight"))
-            and not name.endswith("weights_proj.weight"))
-        if quantised:
-            sw = fmt.quantize(w * 3.0)  # scales other than 1
-            fp8[name], fp8[name[:-len("weight")] + "weight_scale_inv"] = sw.tensors["weight"], sw.tensors[
-                "weight_scale_inv"]
-            dense[name] = fmt.dequantize(sw)
-        else:
-            fp8[name] = dense[name] = w
-    assert any("indexer.wq_b.weight_scale_inv" in n for n in fp8)
-    save_file(fp8, f, metadata={"format": "pt"})
-    cfg = json.loads((path / "config.json").read_text())
     ref_dir = tmp_path / "dense"
-    ref_dir.mkdir()
-    (ref_dir / "config.json").write_text(json.dumps(cfg))
-    save_file(dense, ref_dir / "model.safetensors", metadata={"format": "pt"})
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [16, 16]}
-    (path / "config.json").write_text(json.dumps(cfg))
+    to_fp8_block_checkpoint(path, ref_dir, lambda name: name.startswith("model.layers.") and name.endswith(
+        ("_proj.weight", "indexer.wq_b.weight", "indexer.wk.weight")) and not name.endswith("weights_proj.weight"))
+    assert "model.layers.0.self_attn.indexer.wq_b.weight_scale_inv" in CheckpointReader(path)
     ids = torch.randint(0, 320, (40,)).tolist()
     with torch.no_grad():
         expected = reference_model(ref_dir)(torch.tensor([ids])).logits[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +96,40 @@ def make_decisive(model: Any, attention_std: float | None = None) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.rand_like(b) * 0.05)
+
+
+def to_fp8_block_checkpoint(path: Path, ref_dir: Path, quantised: Callable[[str], bool] | None = None,
+                            block: int = 16) -> None:
+    """Rewrite the model folder `path` as a DeepSeek-style FP8 block-scaled checkpoint, in place:
+    every tensor `quantised(name)` picks (default: each layer's `*_proj.weight`) becomes e4m3 with
+    `block` x `block` `weight_scale_inv` scales (weights x3 first, so scales are not all 1), and
+    `quantization_config` says so. `ref_dir` gets a dense copy holding exactly the dequantised
+    values (the reference a dense implementation must match)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from backend.weight_formats import Fp8Format
+
+    if quantised is None:
+        def quantised(name: str) -> bool:
+            return name.startswith("model.layers.") and name.endswith("_proj.weight")
+    fmt = Fp8Format((block, block))
+    f = next(Path(path).glob("*.safetensors"))
+    fp8, dense = {}, {}
+    for name, w in load_file(f).items():
+        if quantised(name):
+            sw = fmt.quantize(w * 3.0)
+            fp8[name], fp8[name[:-len("weight")] + "weight_scale_inv"] = (sw.tensors["weight"],
+                                                                           sw.tensors["weight_scale_inv"])
+            dense[name] = fmt.dequantize(sw)
+        else:
+            fp8[name] = dense[name] = w
+    save_file(fp8, f, metadata={"format": "pt"})
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    Path(ref_dir).mkdir(parents=True)
+    (Path(ref_dir) / "config.json").write_text(json.dumps(cfg))
+    save_file(dense, Path(ref_dir) / "model.safetensors", metadata={"format": "pt"})
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    (Path(path) / "config.json").write_text(json.dumps(cfg))
