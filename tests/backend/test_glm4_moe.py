@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.sampling_params import SamplingParams
-from tests.backend.engine_spy import record_sampled_logits
+from tests.backend.parity_checks import assert_chunked_prefill_and_decode_match, assert_greedy_equals_generate
 from tests.backend.test_model_parity import _our_logits_all_rows
 from tests.backend.tiny_models import reference_model, to_fp8_block_checkpoint, write_tiny_glm4_moe
 
@@ -58,33 +58,11 @@ def test_chunked_prefill_and_paged_decode_match_transformers(tmp_path: Path, cas
     path = write_tiny_glm4_moe(tmp_path / "m", seed=3, **CASES[case])
     ref = reference_model(path)
     ours = _engine(path, prefill_chunk_size=7, max_num_batched_tokens=16)
-    prompts = [torch.randint(0, 320, (n,)).tolist() for n in (1, 15, 17, 33)]
-    seqs = [ours.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p in prompts]
-    seen = record_sampled_logits(ours)
-    while ours.has_work():
-        ours.step()
-    assert ours.model.steps_by_phase["mixed"] > 0  # decode rows really shared steps with prompt chunks
-    for s in seqs:
-        full = s.prompt_ids + s.output_ids
-        with torch.no_grad():
-            expected = ref(torch.tensor([full])).logits[0, s.num_prompt_tokens - 1: -1]
-        got = torch.stack(seen[s.request_id])
-        assert (got - expected).abs().max().item() <= ATOL
-        assert s.output_ids == expected.argmax(-1).tolist()
-    assert ours.allocator.num_free == ours.allocator.num_pages
+    assert_chunked_prefill_and_decode_match(ours, ref, ATOL)
 
 
 def test_greedy_32_tokens_equal_transformers_generate(default_dir: Path) -> None:
-    ref = reference_model(default_dir)
-    prompt = torch.randint(3, 320, (11,)).tolist()
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()
-    engine = _engine(default_dir)
-    seq = engine.add_request(prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    while engine.has_work():
-        engine.step()
-    assert seq.output_ids == want and len(set(want)) > 3
+    assert_greedy_equals_generate(_engine(default_dir), reference_model(default_dir))
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])

@@ -18,8 +18,7 @@ import torch
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.indexer_cache import IndexerKeyCache
-from backend.sampling_params import SamplingParams
-from tests.backend.engine_spy import record_sampled_logits
+from tests.backend.parity_checks import assert_chunked_prefill_and_decode_match, assert_greedy_equals_generate
 from tests.backend.test_model_parity import _our_logits_all_rows
 from tests.backend.tiny_models import make_decisive, reference_model, to_fp8_block_checkpoint
 
@@ -84,33 +83,11 @@ def test_chunked_prefill_and_paged_decode_match_transformers(model_dir: Path) ->
     equal the reference's and the greedy tokens are its argmax."""
     ref = reference_model(model_dir)
     ours = _engine(model_dir, prefill_chunk_size=7, max_num_batched_tokens=16)
-    prompts = [torch.randint(0, 320, (n,)).tolist() for n in (1, 15, 17, 33)]
-    seqs = [ours.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p in prompts]
-    seen = record_sampled_logits(ours)
-    while ours.has_work():
-        ours.step()
-    assert ours.model.steps_by_phase["mixed"] > 0
-    for s in seqs:
-        full = s.prompt_ids + s.output_ids
-        with torch.no_grad():
-            expected = ref(torch.tensor([full])).logits[0, s.num_prompt_tokens - 1: -1]
-        got = torch.stack(seen[s.request_id])
-        assert (got - expected).abs().max().item() <= ATOL
-        assert s.output_ids == expected.argmax(-1).tolist()
-    assert ours.allocator.num_free == ours.allocator.num_pages
+    assert_chunked_prefill_and_decode_match(ours, ref, ATOL)
 
 
 def test_greedy_32_tokens_equal_transformers_generate(model_dir: Path) -> None:
-    ref = reference_model(model_dir)
-    prompt = torch.randint(3, 320, (11,)).tolist()
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()
-    engine = _engine(model_dir)
-    seq = engine.add_request(prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    while engine.has_work():
-        engine.step()
-    assert seq.output_ids == want and len(set(want)) > 3
+    assert_greedy_equals_generate(_engine(model_dir), reference_model(model_dir))
 
 
 def _logits_and_selections(engine: LLMEngine, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
