@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -115,18 +116,7 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         """Load one tensor; a missing or unreadable tensor names its file."""
-        file = self.weight_map.get(name)
-        if file is None:
-            raise WeightsError(f"tensor {self.prefix + name!r} not found in the checkpoint at {self.model_dir}",
-                               tensor=self.prefix + name, file=str(self.model_dir))
-        try:
-            tensor = self._handles[file].get_tensor(self.prefix + name)  # type: ignore[attr-defined]
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            path = self.model_dir / file
-            raise WeightsError(f"corrupt tensor {self.prefix + name!r} in {path}: {exc}", tensor=self.prefix + name,
-                               file=str(path)) from exc
-        self.bytes_read += tensor.nbytes
-        return tensor
+        return self._read(name, lambda handle, key: handle.get_tensor(key))
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of dimension `dim` of one tensor, read from the file without the rest
@@ -145,9 +135,17 @@ class CheckpointReader:
             raise WeightsError(f"region {ranges} is outside tensor {self.prefix + name!r} of shape {list(shape)}",
                                tensor=self.prefix + name, file=str(self.model_dir))
         index = tuple(slice(a, b) for a, b in ranges)
-        file = self.weight_map[name]
+        return self._read(name, lambda handle, key: handle.get_slice(key)[index])
+
+    def _read(self, name: str, fetch: Callable[[Any, str], torch.Tensor]) -> torch.Tensor:
+        """`fetch(file handle, stored name)` for tensor `name`, counted in `bytes_read`; a missing
+        tensor or a read that fails is a WeightsError naming the tensor and its file."""
+        file = self.weight_map.get(name)
+        if file is None:
+            raise WeightsError(f"tensor {self.prefix + name!r} not found in the checkpoint at {self.model_dir}",
+                               tensor=self.prefix + name, file=str(self.model_dir))
         try:
-            tensor = self._handles[file].get_slice(self.prefix + name)[index]  # type: ignore[attr-defined]
+            tensor = fetch(self._handles[file], self.prefix + name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             path = self.model_dir / file
             raise WeightsError(f"corrupt tensor {self.prefix + name!r} in {path}: {exc}", tensor=self.prefix + name,
