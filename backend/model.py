@@ -270,7 +270,7 @@ class DecoderModel:
              layer: int, meta: StepMetadata) -> torch.Tensor:
         """One MLA layer's attention, with its DSA key selection bound to this step when it has one."""
         selector = w.selector
-        select = (lambda xs, qr: selector(xs, qr, cache, layer, meta)) if selector is not None else None
+        select = (lambda xs, qr: selector(xs, qr, cache, layer, meta, freqs)) if selector is not None else None
         return mla_attention(self.local_cfg, w, dec, x, split, freqs, cache, layer, meta, self.mla_absorb, select)
 
 

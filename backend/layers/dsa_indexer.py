@@ -63,7 +63,7 @@ from backend.indexer_cache import IndexerKeyCache
 from backend.layers.loader import WeightLoader
 from backend.layers.mla import KeySelection
 from backend.linear import LinearOp
-from backend.rope import RotaryEmbedding, interleave_rope_rows, rope_inv_freq
+from backend.rope import RotaryEmbedding, interleave_rope_rows
 
 __all__ = ["IndexerWeights", "IndexerStep", "DsaSelector", "load_indexer", "index_scores", "top_k_mask", "build_selection"]
 
@@ -228,36 +228,30 @@ class IndexerStep:
 class DsaSelector:
     """The model's DSA hook: one per model, one `layer_selector` per layer for `MLAWeights.selector`.
 
-    The MLA layer calls `selector(x, qr, cache, layer, meta)` (cache: the `LatentKVCache`,
-    whose `indexer` holds the keys). A new `meta` object starts a new `IndexerStep`, so a
-    shared layer only ever reuses a selection of its own step. The step's RoPE tables are
-    computed for its positions exactly as `RotaryEmbedding` builds them (float32
-    position x inverse frequency, then exp(i angle) times the attention factor), so no
-    second full-length table is held."""
+    The MLA layer calls `selector(x, qr, cache, layer, meta, freqs)` (cache: the
+    `LatentKVCache`, whose `indexer` holds the keys; freqs: the step's RoPE table, the same
+    the MLA rope uses, since the indexer rotates qk_rope_head_dim dims too). A new `meta`
+    object starts a new `IndexerStep`, so a shared layer only ever reuses a selection of its
+    own step."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
-        self.inv_freq, self.attention_factor = rope_inv_freq(cfg)
         self._step: IndexerStep | None = None
 
-    def tables(self, positions: torch.Tensor) -> torch.Tensor:
-        """exp(i p f) [T, 1, qk_rope_head_dim / 2] for positions [T], equal to `RotaryEmbedding.tables`."""
-        angles = torch.outer(positions.float(), self.inv_freq.to(positions.device))
-        return torch.polar(torch.full_like(angles, self.attention_factor), angles).unsqueeze(1)
-
-    def step(self, meta: StepMetadata, cache: IndexerKeyCache) -> IndexerStep:
+    def step(self, meta: StepMetadata, cache: IndexerKeyCache, freqs: torch.Tensor) -> IndexerStep:
         """The step `meta` belongs to (a new one for a new metadata object)."""
         if self._step is None or self._step.meta is not meta or self._step.cache is not cache:
-            self._step = IndexerStep(self.cfg, meta, cache, self.tables(meta.positions))
+            self._step = IndexerStep(self.cfg, meta, cache, freqs)
         return self._step
 
     def layer_selector(self, weights: IndexerWeights | None) -> Callable[..., KeySelection]:
-        """`selector(x, qr, cache, layer, meta) -> KeySelection` for a layer with these indexer
-        weights (None: a "shared" layer)."""
+        """`selector(x, qr, cache, layer, meta, freqs) -> KeySelection` for a layer with these
+        indexer weights (None: a "shared" layer)."""
 
-        def selector(x: torch.Tensor, qr: torch.Tensor, cache: Any, layer: int, meta: StepMetadata) -> KeySelection:
+        def selector(x: torch.Tensor, qr: torch.Tensor, cache: Any, layer: int, meta: StepMetadata,
+                     freqs: torch.Tensor) -> KeySelection:
             if cache.indexer is None:
                 raise ModelLoadError("a DSA model needs a latent KV cache with an indexer key cache")
-            return self.step(meta, cache.indexer).selector(layer, weights)(x, qr)
+            return self.step(meta, cache.indexer, freqs).selector(layer, weights)(x, qr)
 
         return selector

@@ -76,8 +76,9 @@ class MLAWeights:
     """One layer's MLA weights in one linear format. The linears (a_proj, q_b, o_proj) are per
     format; the norms and the kv_b_proj forms are dense and shared between formats.
 
-    `selector`, when set (DSA models), is called as selector(x, qr, cache, layer, meta) and
-    returns the step's `KeySelection` for this layer."""
+    `selector`, when set (DSA models), is called as selector(x, qr, cache, layer, meta, freqs)
+    (freqs: the step's RoPE table, `RotaryEmbedding.tables`) and returns the step's
+    `KeySelection` for this layer."""
 
     def __init__(self, a_proj: LinearOp, q_b: LinearOp | None, o_proj: LinearOp, q_a_norm: torch.Tensor | None,
                  kv_a_norm: torch.Tensor, kv_b: Linear, w_uk: torch.Tensor, w_uv: torch.Tensor) -> None:

@@ -198,18 +198,6 @@ def test_scores_in_row_blocks_select_the_same(tmp_path: Path, monkeypatch: pytes
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
-                                           "mscale": 1.0, "mscale_all_dim": 0.707}])
-def test_step_rope_tables_equal_the_models(scaling: dict | None) -> None:
-    """The selector's per-step RoPE tables are bit-identical to the model's RotaryEmbedding's."""
-    from backend.layers.dsa_indexer import DsaSelector
-
-    raw = {**DIMS, "architectures": ["GlmMoeDsaForCausalLM"], "indexer_types": ["full"], "rope_scaling": scaling}
-    cfg = ModelConfig.from_dict(raw)
-    positions = torch.randint(0, 128, (37,))
-    assert torch.equal(DsaSelector(cfg).tables(positions), RotaryEmbedding(cfg).tables(positions))
-
-
 def test_missing_or_misshaped_indexer_tensors_are_typed_errors(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
