@@ -5,9 +5,11 @@ wall seconds and peak resident memory.
 Per-GPU bytes: column-parallel (q/k/v, gate/up) and row-parallel (o, down) linears, their
 scales (and routed experts), and the vocab-parallel embedding and LM head are split 1/TP; k/v
 projections are replicated when TP exceeds the number of KV heads (each GPU needs one whole KV
-head); everything else (norms, the router, biases) is held whole by every GPU. Peak RSS is
+head); MLA's latent down-projections (q_a_proj, kv_a_proj_with_mqa) and the DSA indexer, like
+everything else (norms, the router, biases), are held whole by every GPU, as the tensor-parallel
+runtime (`backend/distributed/sharding.py`) holds them. Peak RSS is
 Linux's VmHWM (getrusage's ru_maxrss where /proc is absent). Arithmetic on the output tensors, not
-a sharding plan: MLA's q_a/kv_a projections count as split though serving stacks replicate them.
+a sharding plan.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from ops.quantize import QuantizePlan
 
 __all__ = ["SizeReport", "per_gpu_bytes", "size_report", "peak_rss_bytes", "print_report"]
+
+_REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa")  # MLA latent down-projections: the latent is replicated
 
 
 @dataclass
@@ -55,6 +59,8 @@ def per_gpu_bytes(specs: dict[str, TensorSpec], cfg: ModelConfig, tp: int) -> in
         module = name.rsplit(".", 1)[0]
         if module.endswith(("k_proj", "v_proj")):
             share = min(tp, cfg.num_kv_heads)  # replicated once TP exceeds the KV heads
+        elif module.endswith(_REPLICATED) or ".indexer." in module:
+            share = 1  # as backend/distributed/sharding.py holds them: whole on every rank
         elif module.endswith("_proj") or name in ("model.embed_tokens.weight", "lm_head.weight"):
             share = tp
         else:

@@ -108,6 +108,11 @@ def test_per_gpu_bytes_split_and_replicate() -> None:
              "model.embed_tokens.weight": TensorSpec(torch.bfloat16, (64, 32))}  # 4096 B, vocab-parallel
     assert quantize.per_gpu_bytes(specs, cfg, 1) == 512 + 256 + 64 + 4096
     assert quantize.per_gpu_bytes(specs, cfg, 8) == 64 + 128 + 64 + 512  # k_proj: one KV head per GPU
+    # MLA's latent down-projections and the DSA indexer stay whole on every rank (distributed/sharding.py)
+    mla = {"model.layers.0.self_attn.q_a_proj.qweight": TensorSpec(torch.uint8, (32, 16)),  # 512 B, replicated
+           "model.layers.0.self_attn.q_b_proj.qweight": TensorSpec(torch.uint8, (64, 16)),  # 1024 B, split
+           "model.layers.0.self_attn.indexer.wq_b.qweight": TensorSpec(torch.uint8, (16, 16))}  # 256 B, replicated
+    assert quantize.per_gpu_bytes(mla, cfg, 8) == 512 + 128 + 256
 
 
 @pytest.mark.parametrize("case", ["unknown_format", "missing_tensor", "missing_scale", "bad_group", "bad_scale_shape",
