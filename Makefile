@@ -21,7 +21,7 @@ TESTS   := $(VENV)/.tests-$(HASH)
 # keep freed tensor memory in the heap (see ops/cli.py: ALLOCATOR_TUNABLES)
 export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296
 
-.PHONY: serve test install bench
+.PHONY: serve test install bench ibverbs
 
 $(BIN)/python:
 	@echo "edgeserve: creating $(VENV) with $(PY)"
@@ -33,12 +33,26 @@ $(RUNTIME): $(BIN)/python pyproject.toml
 	@$(PIP) install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) '$(TORCH)'
 	@echo "edgeserve: installing edgeserve and its runtime dependencies (starlette, uvicorn, redis, triton, ...)"
 	@$(PIP) install --quiet -e .
+	@$(MAKE) --no-print-directory ibverbs
 	@touch $(RUNTIME)
 
 $(TESTS): $(RUNTIME)
 	@echo "edgeserve: installing the test extras (pytest, hypothesis, transformers, openai, ...)"
 	@$(PIP) install --quiet -e '.[test]'
 	@touch $(TESTS)
+
+# Mooncake's native library (KV transfer, KV store tier) loads libibverbs.so.1 even with no RDMA device
+ibverbs:
+	@if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "edgeserve: installing Debian's libibverbs1 (Mooncake KV transfer needs it)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 >/dev/null || \
+	      (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 >/dev/null); \
+	  else \
+	    echo "edgeserve: libibverbs1 is missing: run 'sudo apt-get install libibverbs1' for --kv-transport mooncake" \
+	         "and --kv-store (their tests are skipped with this reason until then)"; \
+	  fi; \
+	fi
 
 install: $(RUNTIME)
 
