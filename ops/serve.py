@@ -116,6 +116,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "names one per request from the Redis registry)")
     serve.add_argument("--kv-wire", default="fp8_e4m3", choices=["fp8_e4m3", "bf16"],
                        help="decode role: KV format on the wire from prefill workers")
+    serve.add_argument("--kv-transport", default="http", choices=["http", "mooncake"],
+                       help="decode role: how prefill workers send the KV: frames in the HTTP response (http), or "
+                            "written by the prefill worker straight into this worker's reserved pages over the "
+                            "Mooncake Transfer Engine (mooncake; TCP, or RDMA with EDGESERVE_MOONCAKE_PROTOCOL=rdma); "
+                            "a prefill worker whose pool cannot take a direct write falls back to frames")
     serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                        help="register in this Redis (heartbeat with live load) and publish prefix-cache KV events "
                             "(default: $REDIS_URL when set, else none: not registered)")
@@ -211,7 +216,12 @@ def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token:
         if not args.prefill_worker and not args.redis_url:
             raise InvalidRequest("--role decode needs --prefill-worker URLs, or --redis-url (a gateway's router "
                                  "then names the prefill worker for each request)")
-        coordinator = DecodeCoordinator(async_engine, args.prefill_worker, HttpKVTransport(token=token),
+        transport = HttpKVTransport(token=token)
+        if args.kv_transport == "mooncake":
+            from backend.mooncake_transfer import MooncakeKVTransport
+
+            transport = MooncakeKVTransport(engine, token=token, host=args.host)
+        coordinator = DecodeCoordinator(async_engine, args.prefill_worker, transport,
                                         wire_format=args.kv_wire, registry_url=args.redis_url,
                                         model=name if args.redis_url else None)
     background, registration = [], None
