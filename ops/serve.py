@@ -218,9 +218,10 @@ def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token:
                                  "then names the prefill worker for each request)")
         transport = HttpKVTransport(token=token)
         if args.kv_transport == "mooncake":
+            from backend.mooncake_runtime import advertised_host
             from backend.mooncake_transfer import MooncakeKVTransport
 
-            transport = MooncakeKVTransport(engine, token=token, host=args.host)
+            transport = MooncakeKVTransport(engine, token=token, host=advertised_host(args.host))
         coordinator = DecodeCoordinator(async_engine, args.prefill_worker, transport,
                                         wire_format=args.kv_wire, registry_url=args.redis_url,
                                         model=name if args.redis_url else None)
