@@ -21,6 +21,13 @@ the client yet (the first token is emitted only after activation). When no prefi
 worker succeeds, the pages are released and the request ends with its typed error
 (in-stream). If our reader leaves (client gone), the transfer is closed (the prefill
 worker frees its side) and the reservation released.
+
+Direct transports (`--kv-transport mooncake`, `mooncake_transfer.py`): the request
+carries the reserved pages as the write target and each layer frame only says that
+layer landed; its pages' tags are checked then (`check_transfer_target(written=True)`).
+A failed direct transfer is not retried with the same pages (the first prefill
+worker may still be writing), and its reservation is released only after the
+transfer's deadline plus `direct_grace_s`, when no write can still land.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import httpx
 import torch
 
 from backend.async_engine import AsyncEngine
@@ -53,7 +61,7 @@ class DecodeCoordinator:
     def __init__(self, engine: AsyncEngine, prefill_urls: list[str], transport: KVTransport, *,
                  wire_format: str = "fp8_e4m3", reserve_timeout_s: float = 30.0,
                  transfer_timeout_s: float = 60.0, registry_url: str | None = None,
-                 model: str | None = None) -> None:
+                 model: str | None = None, direct_grace_s: float = 5.0) -> None:
         self.engine = engine
         self.prefill_urls = list(prefill_urls)
         self.allowlist = PrefillAllowlist(self.prefill_urls, registry_url, model)
@@ -61,6 +69,7 @@ class DecodeCoordinator:
         self.wire_format = wire_format
         self.reserve_timeout_s = reserve_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
+        self.direct_grace_s = direct_grace_s
         self.stats = TransferStats()
         self._turn = itertools.count()
 
@@ -103,7 +112,11 @@ class DecodeCoordinator:
                 async for ev in events:
                     yield ev
         finally:
-            eng.release_reserved(seq)  # no-op once activated
+            if not activated and seq.direct_deadline is not None:  # a write may still land until then
+                delay = max(0.0, seq.direct_deadline - time.monotonic()) + self.direct_grace_s
+                asyncio.get_running_loop().call_later(delay, eng.release_reserved, seq)
+            else:
+                eng.release_reserved(seq)  # no-op once activated
             if not activated:
                 self.engine.detach(seq.request_id)
 
@@ -128,8 +141,11 @@ class DecodeCoordinator:
                 async with asyncio.timeout(self.transfer_timeout_s):
                     return await self._fetch(url, seq, req, attempt)
             except (BackendUnavailable, TimeoutError) as exc:
-                # another prefill worker cannot help when our own engine is the one that stopped
-                if attempt == len(urls) - 1 or not self.engine.alive:
+                if isinstance(exc.__cause__, httpx.ConnectError):  # never reached it: nothing was written
+                    seq.direct_deadline = None
+                # another prefill worker cannot help when our own engine is the one that stopped, nor
+                # after a direct transfer began (its writes may still land in these pages)
+                if attempt == len(urls) - 1 or not self.engine.alive or seq.direct_deadline is not None:
                     if isinstance(exc, TimeoutError):
                         raise BackendUnavailable(f"KV transfer from {url} timed out after "
                                                  f"{self.transfer_timeout_s:.0f}s") from exc
@@ -142,8 +158,11 @@ class DecodeCoordinator:
                      ) -> tuple[int, torch.Tensor | None]:
         eng = self.engine.engine
         cfg = eng.model.cfg
+        target = self.transport.target(seq, self.transfer_timeout_s)
         preq = PrefillRequest(req.prompt_ids, req.params, f"{seq.request_id}.{attempt}", req.cache_salt,
-                              self.wire_format)
+                              self.wire_format, target)
+        if target is not None:  # from now on the prefill worker may write into seq's pages
+            seq.direct_deadline = time.monotonic() + target.deadline_s
         begin: KVBegin | None = None
         layers, received, started = set(), 0, time.perf_counter()
         frames = self.transport.fetch(url, preq)
@@ -157,7 +176,11 @@ class DecodeCoordinator:
                             raise BackendUnavailable(f"prefill worker {url} sent KV of another shape: {header}")
                         begin = header
                     elif isinstance(header, KVLayer) and begin is not None:
-                        eng.install_kv(seq, header.layer, *decode_layer(header, payload, begin))
+                        if begin.direct:  # written into seq's pages already: check they are still seq's
+                            received += header.direct_bytes
+                            eng.check_transfer_target(seq, written=True)
+                        else:
+                            eng.install_kv(seq, header.layer, *decode_layer(header, payload, begin))
                         layers.add(header.layer)
                     elif isinstance(header, KVEnd):
                         if begin is None or len(layers) != cfg.num_layers:

@@ -147,6 +147,8 @@ class LLMEngine:
 
             attach_leader(self, self.group)
         self._group_ended = False  # every request was ended with the group's failure
+        # page -> tag: a direct KV transfer wrote into it after it changed hands (check_transfer_target)
+        self._overwritten: dict[int, int] = {}
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or cfg.eos_token_ids)
         self._stop_checkers: dict[str, StopChecker] = {}
@@ -154,7 +156,7 @@ class LLMEngine:
         self.stats: dict[str, Any] = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0,
                                        "cancelled": 0, "failed": 0, "integrity_checks": 0, "held_expired": 0,
                                        "grammar_advances": 0, "grammar_advance_s": 0.0,
-                                       "integrity_aborts_by_cause": {"tag_mismatch": 0, "invalid_page": 0}}
+                                       "integrity_aborts_by_cause": {"tag_mismatch": 0, "invalid_page": 0, "overwritten": 0}}
         self.failed_steps_in_row = 0  # steps whose batch failed since the last one that ran
         self._published: dict[str, object] = {}
         self._published_at = 0.0
@@ -230,16 +232,7 @@ class LLMEngine:
         an MLA model's `LatentRows` with v None) into `seq`'s reserved pages, after checking that the
         pages are still the ones reserved. Raises the stopping error (EngineStopped) once the engine
         thread has stopped."""
-        self.scheduler.check_open()
-        if seq.status is not SequenceStatus.RECEIVING:
-            raise InvalidRequest(f"request {seq.request_id} holds no reservation")
-        found = self.allocator.tags_of(seq.page_ids)
-        for page, want, have in zip(seq.page_ids, seq.page_tags, found):
-            if want != have:
-                raise KVIntegrityError(
-                    f"KV transfer for request {seq.request_id} would land in page {page}, which changed hands "
-                    f"(expected tag {want}, found {have}); not written", request_id=seq.request_id, page=page,
-                    expected_tag=want, found_tag=have, cause="transfer_target")
+        self.check_transfer_target(seq)
         if isinstance(k, LatentRows):
             if not isinstance(self.cache, LatentKVCache):
                 raise InvalidRequest(f"latent KV rows sent for request {seq.request_id} to a pool of K/V pages")
@@ -254,6 +247,28 @@ class LLMEngine:
             self.kv_exchange.install(layer, slots, k, v, k_scale, v_scale)
         else:
             self.cache.write_tokens(layer, slots, k, v, k_scale, v_scale)
+
+    def check_transfer_target(self, seq: Sequence, written: bool = False) -> None:
+        """Decode role, any thread: raise KVIntegrityError (cause "transfer_target") unless `seq` still
+        holds the pages it reserved. `written`: a peer has already written into them (a direct
+        transfer, `mooncake_transfer.py`); a page that changed hands then holds those bytes instead
+        of its new owner's, so it is marked overwritten and the step check ends whoever owns it now."""
+        self.scheduler.check_open()
+        if seq.status is not SequenceStatus.RECEIVING:
+            raise InvalidRequest(f"request {seq.request_id} holds no reservation")
+        found = self.allocator.tags_of(seq.page_ids)
+        bad = [(page, want, have) for page, want, have in zip(seq.page_ids, seq.page_tags, found) if want != have]
+        if not bad:
+            return
+        page, want, have = bad[0]
+        if written:
+            for p, _, h in bad:
+                self._overwritten[p] = h
+        raise KVIntegrityError(
+            f"KV transfer for request {seq.request_id} {'landed' if written else 'would land'} in page {page}, "
+            f"which changed hands (expected tag {want}, found {have}); "
+            f"{'its new owner is ended too' if written else 'not written'}", request_id=seq.request_id,
+            page=page, expected_tag=want, found_tag=have, cause="transfer_target")
 
     def activate(self, seq: Sequence, first_token: int, generator_state: torch.Tensor | None = None) -> None:
         """Decode role: every layer is installed; the first token (sampled by the prefill worker) is
@@ -280,18 +295,20 @@ class LLMEngine:
         if seq.status is not SequenceStatus.HELD:
             raise InvalidRequest(f"request {seq.request_id} is not held")
         pages, tags = seq.page_ids, seq.page_tags  # replaced, never mutated, when the pages are freed
-        self._check_held_pages(seq, pages, tags)
+        self.check_held_pages(seq, pages, tags)
         slots = self.runner.slots(pages, 0, seq.num_prompt_tokens)
         if isinstance(self.cache, LatentKVCache):
             rows = self.cache.read_rows(layer, slots)
-            self._check_held_pages(seq, pages, tags)
+            self.check_held_pages(seq, pages, tags)
             return rows, None
         k, v = self.kv_exchange.read(layer, slots) if self.kv_exchange is not None else \
             self.cache.read_tokens(layer, slots)
-        self._check_held_pages(seq, pages, tags)
+        self.check_held_pages(seq, pages, tags)
         return k, v
 
-    def _check_held_pages(self, seq: Sequence, pages: list[int], tags: list[int]) -> None:
+    def check_held_pages(self, seq: Sequence, pages: list[int], tags: list[int]) -> None:
+        """Prefill role, any thread: raise KVIntegrityError (cause "held_read") unless the held
+        `seq` still owns `pages` under `tags` (taken before a read of them)."""
         self.scheduler.check_open()
         if len(pages) < self.scheduler.pages_for(seq.num_prompt_tokens) or len(tags) != len(pages):
             raise KVIntegrityError(
@@ -412,6 +429,8 @@ class LLMEngine:
         ok, first_bad = check(torch.tensor(page_ids, dtype=torch.int32), torch.tensor(expected, dtype=torch.int32),
                               torch.tensor(offsets, dtype=torch.int32), tags)
         self.stats["integrity_checks"] += 1
+        if self._overwritten:
+            ok = ok & self._not_overwritten(seqs).to(ok.device)
         if bool(ok.all()):
             return batch, []
         now = time.perf_counter()
@@ -420,12 +439,15 @@ class LLMEngine:
         for i in (~ok.bool()).nonzero().flatten().tolist():
             s = seqs[i]
             j = int(first_bad[i]) - offsets[i]
+            if int(first_bad[i]) < 0:  # tags fine: a page was overwritten by a direct transfer
+                j = next(k for k, p in enumerate(s.page_ids) if self._overwritten.get(p) == s.page_tags[k])
             page, want = s.page_ids[j], s.page_tags[j]
             found = self.allocator.tags_of([page])[0]
-            cause = "tag_mismatch" if found >= 0 else "invalid_page"
+            cause = "overwritten" if found == want else "tag_mismatch" if found >= 0 else "invalid_page"
+            what = ("was overwritten by a KV transfer meant for another request" if cause == "overwritten" else
+                    f"expected tag {want}, found {found if found >= 0 else 'no such page'}")
             err = KVIntegrityError(
-                f"KV integrity check failed for request {s.request_id}: page {page} expected tag {want}, "
-                f"found {found if found >= 0 else 'no such page'}; aborted before reading it",
+                f"KV integrity check failed for request {s.request_id}: page {page} {what}; aborted before reading it",
                 request_id=s.request_id, page=page, expected_tag=want, found_tag=found, cause=cause)
             log.warning("kv integrity abort: request %s page %s expected %s found %s", s.request_id, page, want, found)
             self.scheduler.finish(s, "error")
@@ -436,6 +458,16 @@ class LLMEngine:
         kept = ScheduledBatch([s for s in batch.decode if s.request_id not in bad],
                               [(s, n) for s, n in batch.prefill if s.request_id not in bad], batch.aborted)
         return kept, failed
+
+    def _not_overwritten(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Per sequence: True unless one of its pages, under its current tag, was overwritten by a direct
+        KV transfer (entries of pages that changed hands again since are dropped)."""
+        live = self.allocator.tags_of(list(self._overwritten))
+        for (page, tag), now in zip(list(self._overwritten.items()), live):
+            if now != tag:
+                del self._overwritten[page]
+        return torch.tensor([not any(self._overwritten.get(p) == t for p, t in zip(s.page_ids, s.page_tags))
+                             for s in seqs], dtype=torch.bool)
 
     def _fail(self, batch: ScheduledBatch, err: EdgeServeError) -> list[StepOutput]:
         """End every sequence of a failed step so their pages return; report the error for each

@@ -29,8 +29,15 @@ layer for Kimi against BF16's 1,152 B). A receiving pool of the same format copi
 bytes as they are; any other dequantises and re-stores them in its own format.
 
 Sending one frame per layer lets the decode worker install layer i while layer
-i + 1 is being read and sent. `KVTransport` is the seam where an RDMA transport
-(NIXL, Mooncake) would replace `HttpKVTransport` (a streamed HTTP response).
+i + 1 is being read and sent. `KVTransport` is the seam between the two transports:
+`HttpKVTransport` (the pages travel in the frames of a streamed HTTP response) and
+`MooncakeKVTransport` (`mooncake_transfer.py`): there the request carries a
+`KVTarget` (the decode worker's Transfer Engine, its pool layout, the reserved page
+ids), the prefill worker writes its pages straight into those pages, and the frames
+only say what landed: `KVBegin.direct` set, one payload-less KVLayer per layer with
+`direct_bytes`. A prefill worker that cannot write directly (another pool format, a
+tensor-parallel pool, no Mooncake library) ignores the target and sends the pages in
+the frames as above, which the decode worker installs as usual.
 """
 
 from __future__ import annotations
@@ -44,13 +51,15 @@ import msgspec
 import torch
 
 from backend.errors import BackendUnavailable, EdgeServeError, InvalidRequest, error_from_code
+from backend.kv_regions import KVLayout
 from backend.latent_kv_cache import LatentRows
 from backend.sampling_params import SamplingParams
+from backend.sequence import Sequence
 from backend.worker_auth import auth_headers
 from kernels.kv_store import quantize_fp8_ref
 from kernels.latent_kv_store import dequantize_latent_ref, latent_row_dtype, quantize_latent_ref
 
-__all__ = ["PrefillRequest", "KVBegin", "KVLayer", "KVEnd", "KVError", "Frame", "LatentRows", "WIRE_FORMATS",
+__all__ = ["KVTarget", "PrefillRequest", "KVBegin", "KVLayer", "KVEnd", "KVError", "Frame", "LatentRows", "WIRE_FORMATS",
            "encode_frame", "FrameReader", "encode_layer", "decode_layer", "KVTransport", "HttpKVTransport",
            "KV_MEDIA_TYPE"]
 
@@ -59,12 +68,24 @@ KV_MEDIA_TYPE = "application/x-edgeserve-kv"
 _LEN = struct.Struct(">I")
 
 
+class KVTarget(msgspec.Struct, forbid_unknown_fields=True):
+    """Where a direct transfer writes: the decode worker's Transfer Engine (`session_id`, host:port),
+    its pool's layout and the pages reserved for this request (in token order). The prefill worker
+    starts no write later than `deadline_s` after it received the request."""
+
+    session_id: str
+    layout: KVLayout
+    page_ids: list[int]
+    deadline_s: float
+
+
 class PrefillRequest(msgspec.Struct, forbid_unknown_fields=True):
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
     cache_salt: str | None = None
     wire_format: str = "fp8_e4m3"
+    kv_target: KVTarget | None = None  # write the pages there directly (else: in the frames)
 
 
 class KVBegin(msgspec.Struct, tag="begin", tag_field="frame"):
@@ -78,6 +99,7 @@ class KVBegin(msgspec.Struct, tag="begin", tag_field="frame"):
     cached_tokens: int = 0
     generator_state: bytes | None = None  # the seeded sampler's state after the first token
     payload_bytes: int = 0
+    direct: bool = False  # the layers are written into the request's `kv_target`, not sent in frames
 
 
 class KVLayer(msgspec.Struct, tag="layer", tag_field="frame"):
@@ -89,6 +111,7 @@ class KVLayer(msgspec.Struct, tag="layer", tag_field="frame"):
     kv_lora_rank: int = 0  # MLA: R and Dr of the rows
     rope_dim: int = 0
     index_bytes: int = 0  # DSA: bytes of indexer key rows after the latent rows
+    direct_bytes: int = 0  # a direct transfer: bytes this layer wrote into the target (no payload)
 
 
 class KVEnd(msgspec.Struct, tag="end", tag_field="frame"):
@@ -204,6 +227,11 @@ class KVTransport(Protocol):
 
     def fetch(self, prefill_url: str, request: PrefillRequest) -> AsyncIterator[tuple[Frame, bytes]]: ...
 
+    def target(self, seq: Sequence, deadline_s: float) -> KVTarget | None:
+        """Where the prefill worker should write `seq`'s KV directly (its reserved pages), or None:
+        send it in the frames."""
+        ...
+
 
 class HttpKVTransport:
     """KV frames in the body of `POST {prefill_url}/v1/prefill` (loopback or a network), sent with
@@ -215,6 +243,9 @@ class HttpKVTransport:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+    def target(self, seq: Sequence, deadline_s: float) -> KVTarget | None:
+        return None
 
     async def fetch(self, prefill_url: str, request: PrefillRequest) -> AsyncIterator[tuple[Frame, bytes]]:
         url = f"{prefill_url.rstrip('/')}/v1/prefill"

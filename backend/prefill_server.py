@@ -9,6 +9,12 @@ when the reader goes away mid-transfer (the response is cancelled: `finally`), o
 at the latest after the engine's `held_timeout_s`. Prefix caching, when on, makes
 a prompt that starts with cached blocks compute only its tail.
 
+A request with a `kv_target` (the decode worker uses `--kv-transport mooncake`) gets
+its pages written straight into the decode worker's reserved pages by
+`mooncake_transfer.DirectKVWriter`, layer by layer, and frames without payload that
+say what landed; when this pool cannot be copied byte for byte into the target's,
+the pages go in the frames instead (`KVBegin.direct` tells the decode worker which).
+
 Each layer is read off the event loop while the engine thread may free the held
 pages (expiry, abort) and reuse them; `LLMEngine.read_kv` checks the pages' tags
 around the read, and a page that changed hands ends the transfer with a KVError
@@ -18,6 +24,7 @@ frame (KVIntegrityError), never with another request's KV (integrity fault (d)).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -28,8 +35,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from backend.async_engine import AsyncEngine
 from backend.engine import LLMEngine
 from backend.errors import EdgeServeError, InvalidRequest
-from backend.kv_transfer import KV_MEDIA_TYPE, WIRE_FORMATS, KVBegin, KVEnd, KVError, PrefillRequest, \
+from backend.kv_transfer import KV_MEDIA_TYPE, WIRE_FORMATS, KVBegin, KVEnd, KVError, KVLayer, PrefillRequest, \
     encode_frame, encode_layer
+from backend.mooncake_runtime import advertised_host
+from backend.mooncake_transfer import DirectKVWriter
 from backend.protocol import ErrorEvent, FinishEvent, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.sequence import Sequence
@@ -37,6 +46,7 @@ from backend.transfer_stats import TransferStats
 
 __all__ = ["prefill_endpoint"]
 
+log = logging.getLogger(__name__)
 _decoder = msgspec.json.Decoder(PrefillRequest)
 
 
@@ -46,10 +56,13 @@ def _first_token_params(params: SamplingParams) -> SamplingParams:
     return SamplingParams(**{**fields, "max_tokens": 1, "stop": [], "stop_token_ids": [], "ignore_eos": True})
 
 
-def prefill_endpoint(engine: AsyncEngine, stats: TransferStats):
-    """The Starlette endpoint serving `POST /v1/prefill` on `engine`."""
+def prefill_endpoint(engine: AsyncEngine, stats: TransferStats, writer: DirectKVWriter | None = None):
+    """The Starlette endpoint serving `POST /v1/prefill` on `engine`; `writer` serves direct transfers
+    (default: on `advertised_host()`, its Transfer Engine started by the first request with a target)."""
+    writer = writer or DirectKVWriter(advertised_host())
 
     async def prefill(request: Request) -> Response:
+        received = time.monotonic()
         try:
             req = _decoder.decode(await request.body())
             if req.wire_format not in WIRE_FORMATS:
@@ -60,13 +73,20 @@ def prefill_endpoint(engine: AsyncEngine, stats: TransferStats):
             return JSONResponse({"error": InvalidRequest(f"invalid prefill request: {exc}").to_dict()}, 400)
         except EdgeServeError as exc:
             return JSONResponse({"error": exc.to_dict()}, status_code=exc.http_status)
-        return StreamingResponse(_send(engine, req, events, stats), media_type=KV_MEDIA_TYPE)
+        direct = None
+        if req.kv_target is not None:
+            refusal = writer.refusal(engine.engine, req.kv_target)
+            if refusal is None:
+                direct = (writer, received + req.kv_target.deadline_s)
+            else:
+                log.info("request %s: KV sent in frames, not written directly: %s", req.request_id, refusal)
+        return StreamingResponse(_send(engine, req, events, stats, direct), media_type=KV_MEDIA_TYPE)
 
     return prefill
 
 
-async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator, stats: TransferStats
-                ) -> AsyncIterator[bytes]:
+async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator, stats: TransferStats,
+                direct: tuple[DirectKVWriter, float] | None) -> AsyncIterator[bytes]:
     eng = engine.engine
     first: int | None = None
     cached, tokens, sent, started = 0, 0, 0, time.perf_counter()
@@ -87,13 +107,19 @@ async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator,
         cfg = eng.model.cfg
         state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
         frame = encode_frame(KVBegin(req.request_id, first, seq.num_prompt_tokens, cfg.num_layers, cfg.num_kv_heads,
-                                     cfg.head_dim, req.wire_format, cached, state))
+                                     cfg.head_dim, req.wire_format, cached, state, direct=direct is not None))
         sent += len(frame)
         yield frame
         for layer in range(cfg.num_layers):
-            try:  # reading and quantising a layer is CPU work: off the event loop
-                frame = await asyncio.to_thread(_layer_frame, eng, seq, layer, req.wire_format)
-            except EdgeServeError as exc:  # the held pages changed hands (or the engine stopped)
+            try:  # reading and quantising (or writing) a layer is CPU and I/O work: off the event loop
+                if direct is not None:
+                    written = await asyncio.to_thread(direct[0].write_layer, eng, seq, layer, req.kv_target,
+                                                      direct[1])
+                    sent += written
+                    frame = encode_frame(KVLayer(layer, 0, 0, 0, direct_bytes=written))
+                else:
+                    frame = await asyncio.to_thread(_layer_frame, eng, seq, layer, req.wire_format)
+            except EdgeServeError as exc:  # the held pages changed hands, a write failed (or the engine stopped)
                 yield encode_frame(KVError(exc.code, type(exc).__name__, exc.message))
                 return
             sent += len(frame)

@@ -58,8 +58,11 @@ def wait_free(*engines: LLMEngine, timeout: float = 10.0) -> None:
 class Breaking:
     """Fault injection: the real HTTP transport, cut after `after` layer frames (prefill 'dies')."""
 
-    def __init__(self, after: int, times: int = 1) -> None:
-        self.inner, self.after, self.times = HttpKVTransport(), after, times
+    def __init__(self, after: int, times: int = 1, inner=None) -> None:
+        self.inner, self.after, self.times = inner or HttpKVTransport(), after, times
+
+    def target(self, seq, deadline_s: float):
+        return self.inner.target(seq, deadline_s)
 
     async def fetch(self, url: str, request: PrefillRequest) -> AsyncIterator:
         frames = self.inner.fetch(url, request)
