@@ -165,12 +165,14 @@ class DecodeCoordinator:
             seq.direct_deadline = time.monotonic() + target.deadline_s
         begin: KVBegin | None = None
         layers, received, started = set(), 0, time.perf_counter()
+        begun = started
         frames = self.transport.fetch(url, preq)
         try:
             async with contextlib.aclosing(frames):
                 async for header, payload in frames:
                     received += len(payload) + 64  # payload plus a header's worth
                     if isinstance(header, KVBegin):
+                        begun = time.perf_counter()
                         if (header.num_layers, header.num_kv_heads, header.head_dim, header.num_tokens) != \
                                 (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, seq.num_prompt_tokens):
                             raise BackendUnavailable(f"prefill worker {url} sent KV of another shape: {header}")
@@ -188,7 +190,9 @@ class DecodeCoordinator:
                         seq.num_cached_tokens = begin.cached_tokens
                         state = (torch.frombuffer(bytearray(begin.generator_state), dtype=torch.uint8)
                                  if begin.generator_state is not None else None)
-                        self.stats.record(received, time.perf_counter() - started, True, seq.num_prompt_tokens)
+                        now = time.perf_counter()
+                        self.stats.record(received, now - started, True, seq.num_prompt_tokens, now - begun,
+                                          begin.direct)
                         return begin.first_token, state
             raise BackendUnavailable(f"prefill worker {url} closed the transfer before its end")
         except BaseException:

@@ -89,7 +89,7 @@ async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator,
                 direct: tuple[DirectKVWriter, float] | None) -> AsyncIterator[bytes]:
     eng = engine.engine
     first: int | None = None
-    cached, tokens, sent, started = 0, 0, 0, time.perf_counter()
+    cached, tokens, sent, started, layers_from = 0, 0, 0, time.perf_counter(), 0.0
     try:
         async for ev in events:
             if isinstance(ev, TokenEvent):
@@ -110,6 +110,7 @@ async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator,
                                      cfg.head_dim, req.wire_format, cached, state, direct=direct is not None))
         sent += len(frame)
         yield frame
+        layers_from = time.perf_counter()
         for layer in range(cfg.num_layers):
             try:  # reading and quantising (or writing) a layer is CPU and I/O work: off the event loop
                 if direct is not None:
@@ -128,7 +129,9 @@ async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator,
         tokens = seq.num_prompt_tokens
     finally:
         eng.release_held(req.request_id)
-        stats.record(sent, time.perf_counter() - started, ok=tokens > 0, tokens=tokens)
+        now = time.perf_counter()
+        stats.record(sent, now - started, ok=tokens > 0, tokens=tokens,
+                     layer_seconds=now - layers_from if layers_from else 0.0, direct=direct is not None)
 
 
 def _layer_frame(eng: LLMEngine, seq: Sequence, layer: int, wire_format: str) -> bytes:

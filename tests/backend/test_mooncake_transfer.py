@@ -157,7 +157,8 @@ def test_direct_transfer_gives_the_unified_greedy_tokens(model_dir: Path, kv: st
             (len(PROMPT) * 2 * cfg.num_kv_heads if kv == "fp8_e4m3" else 0)
         assert all(n == 0 and h.direct_bytes == per_layer for h, n in layers)  # no payload: bytes went direct
         stats = httpx.get(f"{url}/stats").json()["kv_transfer"]
-        assert stats["transfers"] == 1 and stats["tokens"] == len(PROMPT)
+        assert stats["transfers"] == stats["direct"] == 1 and stats["tokens"] == len(PROMPT)
+        assert 0 < stats["layer_seconds"] < stats["seconds"]  # the layers' movement, not the prefill's compute
         wait_free(dec, *prefills)
 
 
