@@ -88,6 +88,7 @@ from typing import TYPE_CHECKING, Any
 
 from ops.bench import write_report
 from ops.bench_engine import percentile
+from ops.bench_pd_kv import TRANSPORT_WORKERS, print_transport, transport_phase
 from ops.cluster import child_process, machine_info, wait_http
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ __all__ = ["add_arguments", "run", "RequestRecord", "token_gaps", "window_gaps",
            "is_idle", "worker_specs"]
 
 THEORETICAL_WIRE_RATIO = 128 / 65  # bf16 2 * head_dim bytes vs fp8 head_dim + 1, head_dim 64
+PHASES = ("mixed", "wire", "prefix", "transport")
 LONG_OFFSET_S = 1.0  # the first long prompt arrives this long into a round
 WORKER_GB = 2.7  # resident size of one worker here: weights, their MKL-packed copies (3 buckets), the KV pool
 
@@ -354,7 +356,7 @@ async def wait_idle(urls: list[str], timeout_s: float = 10.0) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- workers
 
-def worker_specs(model: str) -> dict[str, list[str]]:
+def worker_specs(model: str, kv_transport: str = "http") -> dict[str, list[str]]:
     """Name -> `edgeserve serve` flags (without --port; decode workers get --prefill-worker at start).
     KV pools are smaller than the default 512 MiB (each worker is ~2.5 GB with its MKL-packed weights,
     and the machine is shared); the largest need is ~1,500 tokens in flight, or the shared-prefix cache."""
@@ -364,18 +366,21 @@ def worker_specs(model: str) -> dict[str, list[str]]:
         "unified": base + ["--role", "unified", "--threads", "2", *fp8],
         "unified_cache": base + ["--role", "unified", "--threads", "2", *fp8, "--prefix-caching"],
         "prefill": base + ["--role", "prefill", "--threads", "1", "--kv-format", "fp32", "--kv-cache-bytes", "256M"],
-        "decode": base + ["--role", "decode", "--threads", "1", *fp8, "--kv-wire", "fp8_e4m3"],
+        "decode": base + ["--role", "decode", "--threads", "1", *fp8, "--kv-wire", "fp8_e4m3",
+                          "--kv-transport", kv_transport],
         "decode_bf16": base + ["--role", "decode", "--threads", "1", *fp8, "--kv-wire", "bf16"],
+        **{name: base + flags for name, flags in TRANSPORT_WORKERS.items()},
     }
 
 
 class Workers:
     """The worker subprocesses, started and stopped by phase (at most three at once: memory)."""
 
-    def __init__(self, model: str, logs: Path, log: Callable[[str], None]) -> None:
+    def __init__(self, model: str, logs: Path, log: Callable[[str], None], kv_transport: str = "http") -> None:
         from ops.redis_server import free_port
 
-        self.specs, self.logs, self.log = worker_specs(model), logs, log
+        self.specs, self.logs, self.log = worker_specs(model, kv_transport), logs, log
+        self.pids: dict[str, int] = {}
         self.urls = {name: f"http://127.0.0.1:{free_port()}" for name in self.specs}
         self.final_stats: dict[str, dict[str, Any]] = {}  # "name/n" (its n-th start) -> last /stats
         self._stacks: dict[str, contextlib.ExitStack] = {}
@@ -400,11 +405,13 @@ class Workers:
         for name in names:
             self._starts[name] = self._starts.get(name, 0) + 1
             log_path = self.logs / f"{name}.{self._starts[name]}.log"
-            extra = ["--prefill-worker", self.urls["prefill"]] if name.startswith("decode") else []
+            prefill = "prefill_fp8" if name in TRANSPORT_WORKERS else "prefill"
+            extra = ["--prefill-worker", self.urls[prefill]] if name.startswith("decode") else []
             argv = [sys.executable, "-m", "ops.cli", "serve", *self.specs[name], *extra,
                     "--port", self.urls[name].rsplit(":", 1)[1]]
             self._stacks[name] = contextlib.ExitStack()
             procs[name] = (self._stacks[name].enter_context(child_process(argv, log_path)), log_path)
+            self.pids[name] = procs[name][0].pid
         for name, (proc, log_path) in procs.items():
             wait_http(f"{self.urls[name]}/health", proc, log_path, f"worker {name}", 300)
             self.log(f"worker {name} up at {self.urls[name]} ({time.perf_counter() - started:.0f} s)")
@@ -467,6 +474,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                                       "(default 10; quick 5)")
     p.add_argument("--prefix-requests", type=int, default=None, help="shared prefix: N (default 40; quick 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-transport", default="http", choices=["http", "mooncake"],
+                   help="the mixed phase's decode worker's KV transport (the transport phase runs both)")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
+    p.add_argument("--transport-requests", type=int, default=None,
+                   help="transport: requests per prompt length and transport (default 6; quick 2)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -498,29 +511,45 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()  # this process holds torch: a full collection would land in some request's latency
 
+    phases = [x for x in args.phases.split(",") if x]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        raise SystemExit(f"bench pd: unknown phases {sorted(unknown)}; choose from {','.join(PHASES)}")
+    transport = {"lengths": (256, 1024), "requests": args.transport_requests or (2 if quick else 6)}
     result: dict[str, Any] = {}
-    with Workers(args.model, logs, log) as workers:
+    with Workers(args.model, logs, log, args.kv_transport) as workers:
         urls = workers.urls
-        workers.start("unified", "prefill", "decode")
-        mark("mixed_workers_up")
-        result.update(asyncio.run(_mixed(urls, mixed, pairs, mark, log)))
-        mark("after_mixed")
-        workers.stop("unified")
-        workers.start("decode_bf16")
-        result["wire"] = asyncio.run(_wire(urls, wire, args.seed, log))
-        mark("after_wire")
-        workers.stop("prefill", "decode", "decode_bf16")
-        workers.start("unified", "unified_cache")
-        mark("prefix_workers_up")
-        result["prefix"] = asyncio.run(_prefix(urls, prefix, args.seed, log))
-        workers.stop("unified", "unified_cache")
+        if "mixed" in phases:
+            workers.start("unified", "prefill", "decode")
+            mark("mixed_workers_up")
+            result.update(asyncio.run(_mixed(urls, mixed, pairs, mark, log)))
+            mark("after_mixed")
+            workers.stop("unified", "prefill", "decode")
+        if "wire" in phases:
+            workers.start("prefill", "decode", "decode_bf16")
+            result["wire"] = asyncio.run(_wire(urls, wire, args.seed, log))
+            mark("after_wire")
+            workers.stop("prefill", "decode", "decode_bf16")
+        if "prefix" in phases:
+            workers.start("unified", "unified_cache")
+            mark("prefix_workers_up")
+            result["prefix"] = asyncio.run(_prefix(urls, prefix, args.seed, log))
+            workers.stop("unified", "unified_cache")
+        if "transport" in phases:
+            workers.start(*TRANSPORT_WORKERS)
+            mark("transport_workers_up")
+            result["transport"] = asyncio.run(transport_phase(urls, workers.pids, transport["lengths"],
+                                                              transport["requests"], args.seed, log))
+            mark("after_transport")
+            workers.stop(*TRANSPORT_WORKERS)
     result["final_stats"] = workers.final_stats
     mark("end")
     machine["uptime_end"] = uptime()
     problems = scan_logs(logs)
     total_s = time.perf_counter() - started
 
-    report = _report(args, quick, machine, loads, mixed, pairs, prefix, wire, result, problems, total_s)
+    report = _report(args, quick, machine, loads, mixed, pairs, prefix, wire | {}, result, problems, total_s)
+    report["settings"]["transport"] = transport
     _print_tables(report)
     path = write_report(args.json_path, report)
     png = path.with_suffix(".png")
@@ -647,57 +676,86 @@ def _pooled(rounds: list[dict[str, Any]], config: str) -> dict[str, Any]:
 
 
 def _report(args, quick, machine, loads, mixed, pairs, prefix, wire, result, problems, total_s) -> dict[str, Any]:
-    pooled = {c: _pooled(result["mixed_rounds"], c) for c in ("unified", "disaggregated")}
-    pre, w = result["prefix"], result["wire"]
-    tpot = {c: pooled[c]["short"]["tpot_p95_s"] for c in pooled}
-    ttft = {k: pre[k]["ttft_p50_s"] for k in pre}
-    bpt = {k: w[k]["decode_side"]["bytes_per_token"] for k in w}
-    wire_ratio = ratio(bpt["bf16"], bpt["fp8_e4m3"])
-    targets = {
-        "mixed": check("short TPOT p95 disaggregated / unified", ratio(tpot["disaggregated"], tpot["unified"]),
-                       "<", 1.0),
-        "prefix": check("TTFT p50 cache on / off", ratio(ttft["prefix_cache_on"], ttft["prefix_cache_off"]),
-                        "<=", 0.3),
-        "wire": check("transfer bytes per token bf16 / fp8", wire_ratio, ">=", 1.9),
-    }
+    """The JSON report of the phases that ran (a phase left out by --phases has no keys)."""
     strip = lambda d: {k: v for k, v in d.items() if k not in ("records", "start", "end")}  # noqa: E731
-    return {
+    out: dict[str, Any] = {
         "quick": quick, "model": args.model, "machine": machine, "phases": loads,
-        "settings": {"mixed": asdict(mixed) | {"pairs": pairs, "order": round_order(pairs),
-                                               "long_first_at_s": LONG_OFFSET_S},
-                     "shared_prefix": prefix, "wire": wire, "seed": args.seed,
-                     "workers": worker_specs(args.model),
+        "settings": {"phases": args.phases, "kv_transport": args.kv_transport, "seed": args.seed,
+                     "workers": worker_specs(args.model, args.kv_transport),
                      "clocks": "TTFT: client, sent -> first token event; TPOT: worker per-token times, pooled gaps",
-                     "mixed_requests": "sent in the window: TTFT; once all have a first token the rest are cancelled, "
-                                       "so few finish (`finished`, `worker_ttft_p50_s` count only those that did)",
                      "prompts": "synthetic token ids from seeded RNGs, uniform in [100, 40000)"},
-        "tpot_p95_s": tpot,
-        "ttft_p50_s": ttft,
-        "prefix_hit_rate": pre["prefix_cache_on"]["hit_rate"],
-        "transfer_bytes_per_token": bpt,
-        "transfer_bytes_ratio_bf16_over_fp8": wire_ratio,
-        "transfer_bytes_ratio_theoretical": THEORETICAL_WIRE_RATIO,
-        "targets": targets,
-        "mixed": pooled,
-        "mixed_rounds": [strip(r) for r in result["mixed_rounds"]],
-        "shared_prefix": {k: strip(v) for k, v in pre.items()},
-        "wire": w,
-        "idle_checks": result["idle_checks"],
-        "final_worker_stats": result["final_stats"],
-        "worker_log_problems": problems,
-        "total_s": total_s,
+        "targets": {}, "ttft_p50_s": {},
     }
+    if "mixed_rounds" in result:
+        pooled = {c: _pooled(result["mixed_rounds"], c) for c in ("unified", "disaggregated")}
+        tpot = {c: pooled[c]["short"]["tpot_p95_s"] for c in pooled}
+        out["settings"]["mixed"] = asdict(mixed) | {"pairs": pairs, "order": round_order(pairs),
+                                                   "long_first_at_s": LONG_OFFSET_S}
+        out["settings"]["mixed_requests"] = ("sent in the window: TTFT; once all have a first token the rest are "
+                                             "cancelled, so few finish (`finished`, `worker_ttft_p50_s` count only "
+                                             "those that did)")
+        out["targets"]["mixed"] = check("short TPOT p95 disaggregated / unified",
+                                        ratio(tpot["disaggregated"], tpot["unified"]), "<", 1.0)
+        out |= {"tpot_p95_s": tpot, "mixed": pooled, "mixed_rounds": [strip(r) for r in result["mixed_rounds"]],
+                "idle_checks": result["idle_checks"]}
+    if "prefix" in result:
+        pre = result["prefix"]
+        out["ttft_p50_s"] |= {k: pre[k]["ttft_p50_s"] for k in pre}
+        out["settings"]["shared_prefix"] = prefix
+        out["targets"]["prefix"] = check("TTFT p50 cache on / off", ratio(out["ttft_p50_s"]["prefix_cache_on"],
+                                                                          out["ttft_p50_s"]["prefix_cache_off"]),
+                                         "<=", 0.3)
+        out |= {"prefix_hit_rate": pre["prefix_cache_on"]["hit_rate"],
+                "shared_prefix": {k: strip(v) for k, v in pre.items()}}
+    if "wire" in result:
+        w = result["wire"]
+        bpt = {k: w[k]["decode_side"]["bytes_per_token"] for k in w}
+        out["settings"]["wire"] = wire
+        out["targets"]["wire"] = check("transfer bytes per token bf16 / fp8", ratio(bpt["bf16"], bpt["fp8_e4m3"]),
+                                       ">=", 1.9)
+        out |= {"transfer_bytes_per_token": bpt, "transfer_bytes_ratio_bf16_over_fp8": ratio(bpt["bf16"],
+                                                                                           bpt["fp8_e4m3"]),
+                "transfer_bytes_ratio_theoretical": THEORETICAL_WIRE_RATIO, "wire": w}
+    if "transport" in result:
+        tr = result["transport"]
+        out["ttft_p50_s"] |= {f"{t}_{n}": v for t, by_n in tr["ttft_p50_s"].items() for n, v in by_n.items()}
+        out["targets"]["transport"] = check("KV transfer ms at 1024 tokens http / mooncake",
+                                            tr["transfer_ratio_http_over_mooncake"].get(1024, float("nan")), ">=", 2.0)
+        out |= {"transfer_ms": tr["transfer_ms"], "transport": tr}
+    out |= {"final_worker_stats": result["final_stats"], "worker_log_problems": problems, "total_s": total_s}
+    return out
 
 
 def _print_tables(r: dict[str, Any]) -> None:
     ms = lambda v: f"{1e3 * v:.0f}"  # noqa: E731
     verdict = lambda t: f"{t['name']} = {t['value']:.3f} (target {t['rule']} {t['threshold']:g}): " + (  # noqa: E731
         "MET" if t["met"] else "MISSED")
-    m, s = r["machine"], r["settings"]
+    m = r["machine"]
     print(f"\nedgeserve bench pd  model={r['model']}{' (quick)' if r['quick'] else ''}  {m['cpus_usable']} CPUs "
           f"({m['cpu_model']}), load avg (1 min) "
           f"{' -> '.join(str(p['load_1_5_15'][0]) for p in r['phases'].values())} over the phases; "
           f"took {r['total_s']:.0f} s")
+    if "mixed" in r:
+        _print_mixed(r, verdict, ms)
+    if "shared_prefix" in r:
+        _print_prefix(r, verdict, ms)
+    if "wire" in r:
+        _print_wire(r, verdict)
+    if "transport" in r:
+        print_transport(r["transport"])
+        print(verdict(r["targets"]["transport"]))
+    idle_bad = ([k for k, v in r.get("idle_checks", {}).items() if not v["ok"]]
+                + [f"mixed round {x['round'] + 1}" for x in r.get("mixed_rounds", []) if not x["idle_after"]["ok"]]
+                + [f"wire {k}" for k, v in r.get("wire", {}).items() if not v["idle_after"]["ok"]]
+                + [k for k, v in r.get("shared_prefix", {}).items() if not v["idle_after"]["ok"]]
+                + [f"{k} when stopped" for k, v in r["final_worker_stats"].items() if not is_idle(v)])
+    logged = {k: v["count"] for k, v in r["worker_log_problems"].items() if v["count"]}
+    print(f"\nworkers idle with every page back: {'yes' if not idle_bad else 'NO: ' + ', '.join(idle_bad)}; "
+          f"warnings/errors in worker logs: {logged or 'none'}")
+
+
+def _print_mixed(r: dict[str, Any], verdict: Callable, ms: Callable) -> None:
+    s = r["settings"]
     mx = s["mixed"]
     print(f"\n1) mixed: {mx['short_clients']} closed-loop clients x ({mx['short_prompt']} + {mx['short_output']} "
           f"tokens) + a {mx['long_prompt']} + {mx['long_output']} prompt every {mx['long_interval_s']:g} s; rounds "
@@ -711,6 +769,10 @@ def _print_tables(r: dict[str, Any]) -> None:
               f"{lo['ttft_p50_s']:>9.2f}s{p['output_tok_s']:>7.1f}{sh['requests']:>7}{lo['requests']:>6}"
               f"{sh['errors'] + lo['errors']:>8}")
     print(verdict(r["targets"]["mixed"]))
+
+
+def _print_prefix(r: dict[str, Any], verdict: Callable, ms: Callable) -> None:
+    s = r["settings"]
     sp = s["shared_prefix"]
     print(f"\n2) shared prefix: {sp['requests']} requests, {sp['prefix_tokens']}-token system prompt shared by "
           f"{100 * sp['shared']:.0f}%, + {sp['suffix_tokens']} unique, {sp['output_tokens']} output, concurrency "
@@ -721,6 +783,10 @@ def _print_tables(r: dict[str, Any]) -> None:
         print(f"{name:<18}{ms(p['ttft_p50_s']):>12}{ms(p['ttft_p95_s']):>9}{hit:>10}{p['requests']:>10}"
               f"{p['errors']:>8}")
     print(verdict(r["targets"]["prefix"]))
+
+
+def _print_wire(r: dict[str, Any], verdict: Callable) -> None:
+    s = r["settings"]
     print(f"\n3) KV wire: {s['wire']['requests']} requests of {s['wire']['prompt_tokens']} prompt tokens per format")
     print(f"{'wire':<10}{'B/token (decode)':>18}{'B/token (prefill sent)':>24}{'transfers':>11}{'failed':>8}")
     for fmt, p in r["wire"].items():
@@ -728,14 +794,6 @@ def _print_tables(r: dict[str, Any]) -> None:
         print(f"{fmt:<10}{d['bytes_per_token']:>18.1f}{pf['bytes_per_token']:>24.1f}{d['transfers']:>11}"
               f"{d['failed']:>8}")
     print(verdict(r["targets"]["wire"]) + f"  (theory {THEORETICAL_WIRE_RATIO:.3f})")
-    idle_bad = ([k for k, v in r["idle_checks"].items() if not v["ok"]]
-                + [f"mixed round {x['round'] + 1}" for x in r["mixed_rounds"] if not x["idle_after"]["ok"]]
-                + [f"wire {k}" for k, v in r["wire"].items() if not v["idle_after"]["ok"]]
-                + [k for k, v in r["shared_prefix"].items() if not v["idle_after"]["ok"]]
-                + [f"{k} when stopped" for k, v in r["final_worker_stats"].items() if not is_idle(v)])
-    logged = {k: v["count"] for k, v in r["worker_log_problems"].items() if v["count"]}
-    print(f"\nworkers idle with every page back: {'yes' if not idle_bad else 'NO: ' + ', '.join(idle_bad)}; "
-          f"warnings/errors in worker logs: {logged or 'none'}")
 
 
 def _plot(result: dict[str, Any], path: Path) -> bool:
@@ -747,6 +805,8 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if "mixed_rounds" not in result or "prefix" not in result:
+        return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for config in ("unified", "disaggregated"):
         gaps = sorted(1e3 * g for r in result["mixed_rounds"] if r["config"] == config for rec in r["records"]
