@@ -13,8 +13,11 @@
 #      which N the model's shapes allow (`ShardPlan`). Model: $TP_MODEL, else a pulled SmolLM2,
 #      else a tiny random Llama (transformers). The engine needs msgspec and llguidance; on an
 #      offline machine put their wheels in $WHEELS (default .whl/) and they are installed from there.
+#   5. KV transfer on the Mooncake Transfer Engine (tests/backend/test_mooncake_transfer.py, TCP on
+#      loopback): CPU pools, and GPU pools when the installed Mooncake build registers device memory
+#      (the -cuda13 wheel; the non-CUDA one skips that test with its reason).
 # Results go to $OUT (or bench-results/): pytest.log, bench_kernels.json, bench_mla_decode.json,
-# tp_check.json.
+# tp_check.json, mooncake.log.
 # Usage: ops/gpu_check.sh   (PY=... to choose the interpreter; STEPS="4" runs only step 4)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +35,7 @@ fi
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO DEVICE')"
 
-STEPS=${STEPS:-1 2 3 4}
+STEPS=${STEPS:-1 2 3 4 5}
 step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 status=0
 if step 1; then
@@ -104,5 +107,10 @@ if 8 not in cmds:
     print(f"  not on a node of 8 GPUs: {allowed[8]}")
 assert len(seq.output_ids) == 8
 PYEOF
+fi
+if step 5; then
+    timeout 120 "$PY" -m pytest tests/backend/test_mooncake_transfer.py -q -rs -p no:cacheprovider 2>&1 \
+        | tee "$OUT/mooncake.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status

@@ -278,3 +278,34 @@ def test_a_refused_write_ends_typed_and_frees_both_pools(model_dir: Path) -> Non
         assert tokens(events) == [] and isinstance(events[-1], ErrorEvent)
         assert events[-1].type == "BackendUnavailable" and "Mooncake write" in events[-1].message
         wait_free(dec, *prefills, timeout=5.0)
+
+
+@needs_mooncake
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_pools_go_direct(model_dir: Path) -> None:
+    """GPU pools on both sides (the CUDA build of Mooncake reads and writes device memory)."""
+    from backend.mooncake_transfer import MooncakeKVTransport
+
+    def cuda_engine() -> LLMEngine:
+        return LLMEngine.from_pretrained(model_dir, EngineConfig(kv_cache_bytes=2**20, page_size=16, max_model_len=256,
+                                                                 gemm_buckets=(), kv_format="fp8_e4m3", device="cuda"))
+
+    pre, dec = cuda_engine(), cuda_engine()
+    with contextlib.ExitStack() as stack:
+        purl = stack.enter_context(serve_in_thread(create_worker_app(AsyncEngine(pre), "tiny", role="prefill")))
+        try:
+            transport = Recording(MooncakeKVTransport(dec))
+        except Exception as exc:  # the non-CUDA build cannot register device memory
+            pytest.skip(f"this Mooncake build cannot register GPU memory: {exc}")
+        coord = DecodeCoordinator(AsyncEngine(dec), [purl], transport, reserve_timeout_s=1.0, transfer_timeout_s=10.0)
+        url = stack.enter_context(serve_in_thread(create_worker_app(coord.engine, "tiny", role="decode",
+                                                                    coordinator=coord)))
+        events = generate(url, PROMPT, max_tokens=8, **GREEDY)
+        ref = cuda_engine()
+        want = ref.add_request(PROMPT, SamplingParams(max_tokens=8, **GREEDY))
+        while ref.has_work():
+            ref.step()
+        assert tokens(events) == want.output_ids
+        assert next(h for h, _ in transport.headers if isinstance(h, KVBegin)).direct
+        wait_free(dec, pre)
