@@ -7,11 +7,14 @@ model runner and shared by every layer.
 Decode on CUDA: the Triton kernel `kernels/paged_attention.py` reads the pages
 in place (GQA-grouped, split-KV, dequantised in registers).
 
-Decode on CPU (D sequences, one query token each): the sequences' pages are gathered
-as whole pages (contiguous copies) into [D, P*PAGE_SIZE, kv_heads, head_dim],
-keys past each context length are masked out. GQA without copying K/V: the
-G = heads/kv_heads query heads of one KV head are laid out as G query "rows"
-against that head, q: [D, kv_heads, G, head_dim].
+Decode on CPU (D sequences, one query token each): the C kernel
+`kernels/cpu_paged_attention.py` walks each sequence's pages in place (FP8 rows
+dequantised one at a time in L1, online softmax, no copy of the context). Where it
+is not built (no C compiler), the sequences' pages are gathered as whole pages
+(contiguous copies, dequantised) into [D, P*PAGE_SIZE, kv_heads, head_dim], keys
+past each context length are masked out, and SDPA runs with the G = heads/kv_heads
+query heads of one KV head laid out as G query "rows" against that head,
+q: [D, kv_heads, G, head_dim].
 
 Prefill (per chunk): the chunk's K/V are already stored, so the keys are the
 sequence's first `context_len` slots (cached prefix + this chunk); query i sits
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.kv_cache import PagedKVCache
+from kernels.cpu_paged_attention import paged_decode_attention_cpu
 
 __all__ = ["PrefillChunk", "StepMetadata", "paged_attention"]
 
@@ -69,10 +73,16 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
         o = paged_decode_attention(q[:d], kv.k, kv.v, kv.k_scale, kv.v_scale,
                                    meta.decode_page_table.to(torch.int32), meta.decode_context_lens, scale)
     elif d:
-        k, v = cache.gather(layer, meta.decode_page_table)  # [D, L, kv_heads, head_dim]
-        qd = q[:d].view(d, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=meta.decode_mask, scale=scale)
+        kv = cache.layer(layer)
+        o = paged_decode_attention_cpu(q[:d], kv.k, kv.v, kv.k_scale, kv.v_scale, meta.decode_page_table,
+                                       meta.decode_context_lens, scale)
+        if o is not None:
+            o = o.to(q.dtype)
+        else:  # no C kernel here: gather the pages (dequantised) and run SDPA
+            k, v = cache.gather(layer, meta.decode_page_table)  # [D, L, kv_heads, head_dim]
+            qd = q[:d].view(d, num_kv_heads, group, head_dim)
+            o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=meta.decode_mask, scale=scale)
     if d and not meta.prefills:  # a pure decode step: no scatter into a shared output
         return o.reshape(d, num_heads, head_dim)
     out = torch.empty_like(q)

@@ -73,9 +73,12 @@ def test_prefill_chunk_and_decode_rows_match_dense_attention(fmt: str, group: in
     atol_a = 2e-6 * max(1.0, held_a[1].abs().max().item())
     torch.testing.assert_close(out[1:].double(), exp_a, atol=atol_a, rtol=1e-5)
     torch.testing.assert_close(out[:1].double(), exp_b, atol=2e-5, rtol=1e-5)
-    # looser: against the original float32 values, mean error relative to the mean output magnitude
-    # (bf16 rounds to 2^-9 relative, fp8 e4m3 to 2^-4; K errors also move the softmax)
+    # looser: what the cache holds against the original float32 values, mean error relative to the
+    # mean output magnitude (bf16 rounds to 2^-9 relative, fp8 e4m3 to 2^-4; K errors also move the
+    # softmax), over 64 query rows: one or two rows' mean has a heavy tail (up to 0.18 for fp8)
     tol = {"fp32": 1e-6, "bf16": 1e-2, "fp8_e4m3": 8e-2}[fmt]
-    orig_a = dense_reference(q[1:], k_a, v_a, cached, scale)
-    rel = (out[1:].double() - orig_a).abs().mean() / orig_a.abs().mean()
-    assert rel.item() <= tol
+    probe = torch.randn(64, heads, head_dim)
+    orig_a = dense_reference(probe, k_a, v_a, ctx_a - 1, scale)
+    held = dense_reference(probe, held_a[0][0, :ctx_a], held_a[1][0, :ctx_a], ctx_a - 1, scale)
+    rel = (held - orig_a).abs().mean() / orig_a.abs().mean()
+    assert rel.item() <= tol, rel.item()

@@ -1,0 +1,52 @@
+"""The CPU paged decode kernel (kernels/cpu/paged_decode.c) against the torch reference, on fresh
+random inputs: every page format, GQA groups, shuffled pages, NaN in every slot it must not read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_paged_attention import available, build_error, paged_decode_attention_cpu
+from kernels.paged_attention import paged_decode_attention_ref
+from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
+from tests.kernels.test_paged_attention import (FP8, LENS, assert_close_in_mag, build_paged, random_layout,
+                                                random_sequences)
+
+pytestmark = pytest.mark.skipif(not available(), reason=f"CPU kernel not built: {build_error()}")
+FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": FP8}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_matches_reference(fmt: str, group: int, threads: int, seed: int) -> None:
+    head_dim, num_kv_heads = 64, 2
+    num_pages, page_table = random_layout(LENS)
+    paged = build_paged(random_sequences(LENS, num_kv_heads, head_dim), num_kv_heads, head_dim, FORMATS[fmt],
+                        num_pages, page_table, "cpu")
+    q = torch.randn(len(LENS), num_kv_heads * group, head_dim)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention_cpu(q, *paged, scale, threads=threads)
+    ref = paged_decode_attention_ref(q, *paged, scale)
+    mag = paged_decode_attention_ref(q, *paged.with_abs_v(), scale)
+    assert out is not None
+    assert_close_in_mag(out, ref, mag, 1e-5, seed)
+
+
+@pytest.mark.parametrize("head_dim", [32, 128, 96])
+def test_other_head_dims(head_dim: int, seed: int) -> None:
+    num_pages, page_table = random_layout([3, 40, 77])
+    paged = build_paged(random_sequences([3, 40, 77], 1, head_dim), 1, head_dim, FP8, num_pages, page_table, "cpu")
+    q = torch.randn(3, 5, head_dim)
+    out = paged_decode_attention_cpu(q, *paged, 0.1)
+    assert_close_in_mag(out, paged_decode_attention_ref(q, *paged, 0.1),
+                        paged_decode_attention_ref(q, *paged.with_abs_v(), 0.1), 1e-5, seed)
+
+
+def test_declines_what_it_cannot_run() -> None:
+    """Shapes beyond its buffers or another page dtype: None, so the caller takes the torch path."""
+    num_pages, page_table = random_layout([5])
+    paged = build_paged(random_sequences([5], 1, 320), 1, 320, torch.float32, num_pages, page_table, "cpu")
+    assert paged_decode_attention_cpu(torch.randn(1, 1, 320), *paged, 1.0) is None
+    f16 = paged._replace(k_cache=paged.k_cache.half(), v_cache=paged.v_cache.half())
+    assert paged_decode_attention_cpu(torch.randn(1, 1, 320), *f16, 1.0) is None
