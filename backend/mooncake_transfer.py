@@ -17,8 +17,8 @@ decode worker checks it while the next layer is written. The held pages' tags ar
 checked before and after each write (a page that changed hands would have sent
 another request's KV: the transfer ends with a KVError, the decode worker discards the
 reservation). A pool the target cannot take byte for byte (another format or
-geometry, a tensor-parallel pool whose heads live on several ranks) falls back to
-frames with the pages inside (`kv_transfer.py`).
+geometry, a tensor-parallel pool whose heads live on several ranks, on either side)
+falls back to frames with the pages inside (`kv_transfer.py`).
 
 Integrity on the decode side: after each layer lands, the reserved pages' tags are
 checked (`LLMEngine.check_transfer_target(written=True)`). A page that changed hands
@@ -76,11 +76,15 @@ class MooncakeKVTransport:
         self._te = transfer_engine(host)
         self.layout = _register_pool(self._te, engine.cache)
         self.session_id = self._te.session_id
+        # a tensor-parallel decode group keeps each rank's KV heads in that rank's pool: frames instead
+        self._direct = getattr(engine, "kv_exchange", None) is None
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    def target(self, seq: Sequence, deadline_s: float) -> KVTarget:
+    def target(self, seq: Sequence, deadline_s: float) -> KVTarget | None:
+        if not self._direct:
+            return None
         return KVTarget(self.session_id, self.layout, list(seq.page_ids), deadline_s)
 
     def fetch(self, prefill_url: str, request: PrefillRequest) -> AsyncIterator[tuple[Frame, bytes]]:
