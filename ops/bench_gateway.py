@@ -1,43 +1,54 @@
 """Gateway overhead: the edgeserve gateway and LiteLLM's proxy in front of the same instant worker.
 
-Processes, all on this machine: Redis (`ops.redis_server`), the stand-in worker
-(`ops.standin_worker`, a subprocess: every request gets the same N tokens at
-once, no model), the edgeserve gateway (`edgeserve gateway`, a subprocess, as
-deployed), and LiteLLM's proxy (a subprocess from its own venv under
-~/.cache/edgeserve/bench-venvs/litellm, installed on first use; skipped with
-``--no-litellm`` or when it does not install). Targets, all OpenAI
+Processes, all on this machine: Redis (`ops.redis_server`), a stand-in worker (no
+model; `per_token_standin_app` below, a subprocess) that streams exactly as real
+workers do: one NDJSON `TokenEvent` per token on the worker protocol, one SSE chunk
+per token on its OpenAI endpoint, with no pause between tokens, so every per-token
+cost of a path shows in its latency. Then the edgeserve gateway (`edgeserve
+gateway`, a subprocess, as deployed) and LiteLLM's proxy (a subprocess from its
+own venv under ~/.cache/edgeserve/bench-venvs/litellm, installed on first use;
+skipped with ``--no-litellm`` or when it does not install). Targets, all OpenAI
 ``POST /v1/chat/completions`` for the same N tokens:
 
 - ``direct``: the stand-in itself (the floor: load generator + HTTP + stand-in);
-- ``edgeserve``: the gateway with a bearer token of a tenant without quotas, so
-  each request still authenticates, is admitted, tokenised and metered in Redis;
+- ``edgeserve``: the gateway with a tenant without quotas: each request still
+  authenticates, is tokenised, routed, detokenised and metered in Redis;
+- ``edgeserve+quota``: the same gateway with a tenant that has both quotas
+  (requests per minute and tokens per day, set far above what the run uses), so
+  each request also passes quota admission and settles its reservation;
 - ``litellm``: the proxy with model ``openai/smollm2-135m`` at the stand-in and
   a static ``master_key`` (no database: that is how LiteLLM runs without
   Postgres, and it leaves out its virtual keys, spend tracking and rate limits).
   Otherwise its defaults (one process, uvicorn; `LITELLM_LOCAL_MODEL_COST_MAP`
-  is set only so start-up does not fetch the cost map from the network).
+  is set only so start-up does not fetch the cost map from the network);
+- with ``--baseline REF``: ``edgeserve@REF`` and ``edgeserve+quota@REF``, a second
+  gateway run from ``git archive REF`` (same Redis, stand-in and requests), so a
+  change is measured against the code before it in the same run.
 
 Load: closed loop in this process: c users, each with its own httpx.AsyncClient
 (one keep-alive connection), send requests back to back for a round of D seconds
 (after a short unmeasured warm-up round that reopens connections). Rounds are
-interleaved: every repetition visits every setting (c × stream) and within it
+interleaved: every repetition visits every setting (c x stream) and within it
 every target, the order rotating, so a burst of machine noise lands on all
-targets rather than one. Latency: non-stream, the full response; stream, the last byte (TTFT: the
-first body bytes). Percentiles are nearest-rank over all rounds' requests;
-requests/s = requests / seconds of all rounds. Added latency = target p50 (p99)
-minus direct's at the same setting; both pay the load generator and the stand-in,
-so the difference is what the proxy adds. The load generator's own garbage
-collector runs only between rounds. CPU ms/request: CPU time of the proxy
-process (and of Redis, for edgeserve) over its measured rounds / requests.
+targets rather than one. Latency: non-stream, the full response; stream, the last
+byte (TTFT: the first body bytes). Percentiles are nearest-rank over all rounds'
+requests; requests/s = requests / seconds of all rounds. Added latency = target
+p50 (p95, p99) minus direct's at the same setting; both pay the load generator
+and the stand-in, so the difference is what the proxy adds (its work and one more
+loopback hop). The load generator's own garbage collector runs only between
+rounds. CPU ms/request: CPU time of the proxy process (and of Redis, for
+edgeserve) over its measured rounds / requests.
 
 This machine has few cores (often 2): the load generator, the stand-in, the proxy
 and Redis share them. Each proxy is one process (one core at most), so once c is
 high enough to keep it busy its requests/s is about 1 / its CPU per request, and
 CPU ms/request is the steadier measure of a proxy's cost than latency.
 
-JSON: ``added_latency_p50_ms`` / ``added_latency_p99_ms`` are edgeserve's, keyed
-by setting ("c1_nostream", "c1_stream", ...); ``headline`` holds c=1 non-stream.
-``rps`` maps target -> setting -> requests/s (litellm null when unavailable).
+JSON: ``added_latency_ms`` maps target -> setting ("c1_nostream", "c1_stream", ...)
+-> {"p50", "p95", "p99"}; ``headline`` holds edgeserve+quota at c=1, both ways,
+against the 2 ms target; ``rps`` maps target -> setting -> requests/s (litellm
+null when unavailable); ``added_latency_p50_ms`` / ``_p99_ms`` keep the older
+keys for the tenant without quotas.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import itertools
 import os
 import secrets
 import ssl
@@ -53,10 +65,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+import msgspec
 
 from ops.bench import write_report
 from ops.bench_engine import percentile
@@ -64,10 +78,13 @@ from ops.cluster import child_process, machine_info, wait_http
 
 if TYPE_CHECKING:
     import httpx
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
 
-__all__ = ["add_arguments", "run", "Row", "compare", "setting_key", "TARGETS"]
+__all__ = ["add_arguments", "run", "Row", "compare", "setting_key", "per_token_standin_app", "TARGETS"]
 
-TARGETS = ("direct", "edgeserve", "litellm")
+TARGETS = ("direct", "edgeserve", "edgeserve+quota", "litellm")  # table order; baselines follow their own
 MODEL = "smollm2-135m"
 LITELLM_VENV = Path.home() / ".cache" / "edgeserve" / "bench-venvs" / "litellm"
 
@@ -89,6 +106,7 @@ class Row:
     rps: float
     p50_ms: float
     p99_ms: float
+    p95_ms: float | None = None
     ttft_p50_ms: float | None = None  # stream only
     ttft_p99_ms: float | None = None
     proxy_cpu_ms_per_request: float | None = None  # None for direct
@@ -104,7 +122,7 @@ class Row:
 def compare(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per target and setting: latency added over direct (ms) and requests/s relative to litellm.
 
-    `added_p50_ms` = target p50 - direct p50 (positive: the proxy costs time); likewise p99;
+    `added_p50_ms` = target p50 - direct p50 (positive: the proxy costs time); likewise p95, p99;
     `added_p50_rounds_ms` is the same difference round by round (rounds of a setting run side by
     side), as (min, max). `rps_ratio_vs_litellm` = target rps / litellm rps (> 1: faster than
     LiteLLM). Entries are None where the other row is missing.
@@ -113,17 +131,89 @@ def compare(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
         direct, litellm = by.get(("direct", r.key)), by.get(("litellm", r.key))
-        entry: dict[str, Any] = {"added_p50_ms": None, "added_p99_ms": None, "added_p50_rounds_ms": None,
-                                 "rps_ratio_vs_litellm": None}
+        entry: dict[str, Any] = {"added_p50_ms": None, "added_p95_ms": None, "added_p99_ms": None,
+                                 "added_p50_rounds_ms": None, "rps_ratio_vs_litellm": None}
         if direct is not None and r.target != "direct":
             entry["added_p50_ms"] = r.p50_ms - direct.p50_ms
             entry["added_p99_ms"] = r.p99_ms - direct.p99_ms
+            if r.p95_ms is not None and direct.p95_ms is not None:
+                entry["added_p95_ms"] = r.p95_ms - direct.p95_ms
             paired = [a - b for a, b in zip(r.p50_rounds_ms, direct.p50_rounds_ms)]
             entry["added_p50_rounds_ms"] = (min(paired), max(paired)) if paired else None
         if litellm is not None and litellm.rps > 0:
             entry["rps_ratio_vs_litellm"] = r.rps / litellm.rps
         out.setdefault(r.target, {})[r.key] = entry
     return out
+
+
+# ---------------------------------------------------------------- per-token stand-in worker
+
+class _ChatFields(msgspec.Struct):
+    """What the per-token chat endpoint reads of an OpenAI request (other fields are ignored)."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+
+def per_token_standin_app(num_tokens: int) -> Starlette:
+    """`ops.standin_worker`'s stand-in, streaming as real workers do: one NDJSON `TokenEvent` per token
+    on /v1/generate (`backend/worker.py` writes one line per engine step), and one SSE chunk per
+    token on /v1/chat/completions (what the gateway sends its clients). No pause between tokens:
+    every per-token cost of the path lands in the latency. Other routes are the stand-in's."""
+    from starlette.responses import Response, StreamingResponse  # noqa: F811 - the runtime import
+    from starlette.routing import Route
+
+    from backend.protocol import FinishEvent, GenerateRequest, TokenEvent, encoder
+    from ops.standin_worker import HELLO_WORLD, create_standin_app
+
+    app = create_standin_app(num_tokens)
+    generate_decoder, chat_decoder = msgspec.json.Decoder(GenerateRequest), msgspec.json.Decoder(_ChatFields)
+
+    texts = list(itertools.islice(itertools.cycle(HELLO_WORLD), num_tokens))  # (id, text) per token
+
+    async def generate(request: Request) -> Response:
+        req = generate_decoder.decode(await request.body())
+        arrived, n = time.perf_counter(), min(num_tokens, req.params.max_tokens)
+
+        async def body() -> AsyncIterator[bytes]:
+            for token_id, _ in texts[:n]:
+                yield encoder.encode(TokenEvent([token_id], [time.perf_counter() - arrived])) + b"\n"
+            elapsed = time.perf_counter() - arrived
+            yield encoder.encode(FinishEvent("length", len(req.prompt_ids), n, ttft_s=elapsed,
+                                             total_s=elapsed)) + b"\n"
+
+        return StreamingResponse(body(), media_type="application/x-ndjson")
+
+    async def chat(request: Request) -> Response:
+        req = chat_decoder.decode(await request.body())
+        n = min(num_tokens, req.max_completion_tokens or req.max_tokens or num_tokens)
+        usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+        head = {"id": "chatcmpl-standin", "created": int(time.time()), "model": MODEL}
+        if not req.stream:
+            return Response(msgspec.json.encode({**head, "object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "".join(t for _, t in texts[:n])},
+                 "finish_reason": "length", "logprobs": None}], "usage": usage}), media_type="application/json")
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            return b"data: " + msgspec.json.encode({**head, "object": "chat.completion.chunk", "choices": choices,
+                                                    **extra}) + b"\n\n"
+
+        async def body() -> AsyncIterator[bytes]:
+            for k, (_, text) in enumerate(texts[:n]):
+                delta = {"role": "assistant", "content": text} if k == 0 else {"content": text}
+                yield chunk([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}])
+            yield chunk([{"index": 0, "delta": {}, "finish_reason": "length", "logprobs": None}])
+            if (req.stream_options or {}).get("include_usage"):
+                yield chunk([], usage=usage)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    app.router.routes[:0] = [Route("/v1/generate", generate, methods=["POST"]),
+                             Route("/v1/chat/completions", chat, methods=["POST"])]
+    return app
 
 
 # ---------------------------------------------------------------- load generator
@@ -266,7 +356,7 @@ class _Samples:
         n, ms = len(self.latencies), lambda values, q: 1e3 * percentile(values, q)
         return Row(target=target, concurrency=c, stream=stream, requests=n, errors=self.errors,
                    seconds=self.seconds, rps=n / self.seconds, p50_ms=ms(self.latencies, 0.5),
-                   p99_ms=ms(self.latencies, 0.99), ttft_p50_ms=ms(self.ttfts, 0.5) if stream else None,
+                   p99_ms=ms(self.latencies, 0.99), p95_ms=ms(self.latencies, 0.95), ttft_p50_ms=ms(self.ttfts, 0.5) if stream else None,
                    ttft_p99_ms=ms(self.ttfts, 0.99) if stream else None,
                    proxy_cpu_ms_per_request=1e3 * self.proxy_cpu_s / n if target != "direct" and n else None,
                    redis_cpu_ms_per_request=1e3 * self.redis_cpu_s / n if redis_counted and n else None,
@@ -315,8 +405,8 @@ async def measure(targets: list[Target], points: list[int], streams: list[bool],
         gc.unfreeze()
         for client in (c for per_target in clients.values() for c in per_target):
             await client.aclose()
-    order = {t: i for i, t in enumerate(TARGETS)}
-    rows = [s.row(name, c, stream, redis_counted=name == "edgeserve" and bool(redis_pids))
+    order = {t.name: i for i, t in enumerate(targets)}
+    rows = [s.row(name, c, stream, redis_counted=name.startswith("edgeserve") and bool(redis_pids))
             for (name, c, stream), s in samples.items()]
     return sorted(rows, key=lambda r: (r.concurrency, r.stream, order.get(r.target, 99)))
 
@@ -361,7 +451,11 @@ general_settings:
 """)
 
 
-async def _tenant_token(redis_url: str) -> str:
+QUOTA_LIMITS = {"requests_per_minute": 10**9, "tokens_per_day": 10**15}  # enforced, never reached
+
+
+async def _tenant_tokens(redis_url: str) -> dict[str, str]:
+    """API tokens of two new tenants: "" without quotas, "+quota" with `QUOTA_LIMITS`."""
     import redis.asyncio as aioredis
 
     from gateway.tenants import TenantStore
@@ -369,10 +463,26 @@ async def _tenant_token(redis_url: str) -> str:
     client = aioredis.Redis.from_url(redis_url)
     try:
         store = TenantStore(client)
-        tenant = await store.create_tenant("bench-gateway")  # no quotas: unlimited, but still admitted
-        return (await store.create_key(tenant.id)).token
+        tokens = {}
+        for suffix, limits in (("", {}), ("+quota", QUOTA_LIMITS)):
+            tenant = await store.create_tenant(f"bench-gateway{suffix}", **limits)
+            tokens[suffix] = (await store.create_key(tenant.id)).token
+        return tokens
     finally:
         await client.aclose()
+
+
+def _source_tree(ref: str, into: Path) -> str:
+    """Extract commit `ref` of this checkout into `into` (`git archive`); its short hash."""
+    root = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=root, check=True, capture_output=True,
+                            text=True).stdout.strip()
+    into.mkdir(parents=True)
+    archive = subprocess.Popen(["git", "archive", "--format=tar", commit], cwd=root, stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", str(into)], stdin=archive.stdout, check=True)
+    if archive.wait() != 0:
+        raise RuntimeError(f"git archive {commit} failed")
+    return commit
 
 
 # ---------------------------------------------------------------- command
@@ -384,6 +494,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--round-seconds", type=float, default=None, help="measured seconds per round (default 2; "
                                                                        "quick 0.75)")
     p.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (no install, no proxy)")
+    p.add_argument("--baseline", default=None, metavar="REF",
+                   help="also measure the gateway of git commit REF (e.g. HEAD~1), in the same rounds")
     p.add_argument("--litellm-venv", default=str(LITELLM_VENV))
 
 
@@ -410,7 +522,8 @@ def run(args: argparse.Namespace) -> int:
         servers["litellm"] = _has_modules(str(Path(args.litellm_venv) / "bin" / "python"), ["uvloop", "httptools"])
 
     with contextlib.ExitStack() as stack:
-        targets, litellm_note = _start_targets(stack, args.tokens, litellm_exe, litellm_note, log)
+        targets, litellm_note, baseline = _start_targets(stack, args.tokens, litellm_exe, litellm_note,
+                                                         args.baseline, log)
         content_checks = asyncio.run(_check_all(targets, args.tokens, token_text(args.tokens)[1]))
         for name, problem in content_checks.items():
             if problem:
@@ -433,22 +546,29 @@ def run(args: argparse.Namespace) -> int:
           f"per request; took {total_s:.0f} s")
 
     keys = [setting_key(c, s) for c in points for s in (False, True)]
-    rps = {t: ({r.key: r.rps for r in rows if r.target == t} or None) for t in TARGETS}
-    edge = cmp.get("edgeserve", {})
+    names = [t.name for t in targets]
+    rps = {t: ({r.key: r.rps for r in rows if r.target == t} or None) for t in (*TARGETS, *names)}
+    edge, quota = cmp.get("edgeserve", {}), cmp.get("edgeserve+quota", {})
+    added = {t: {k: {q: v[f"added_{q}_ms"] for q in ("p50", "p95", "p99")} for k, v in per.items()}
+             for t, per in cmp.items() if t != "direct"}
     report = {
         "quick": quick,
         "machine": machine,
         "config": {"tokens": args.tokens, "concurrency": points, "rounds": rounds, "round_seconds": duration_s,
                    "warmup_seconds": warmup_s, "settings": keys, "model": MODEL,
                    "latency": "non-stream: full response; stream: last byte; ttft: first body bytes"},
-        "headline": {"setting": "c1_nostream",
-                     "added_latency_p50_ms": edge.get("c1_nostream", {}).get("added_p50_ms"),
-                     "added_latency_p99_ms": edge.get("c1_nostream", {}).get("added_p99_ms")},
+        "headline": {"target": "edgeserve+quota", "target_added_p50_ms": 2.0,
+                     **{k: added.get("edgeserve+quota", {}).get(k) for k in ("c1_nostream", "c1_stream")}},
+        "added_latency_ms": added,
         "added_latency_p50_ms": {k: v["added_p50_ms"] for k, v in edge.items()},
         "added_latency_p99_ms": {k: v["added_p99_ms"] for k, v in edge.items()},
-        "rps": {"edgeserve": rps["edgeserve"], "litellm": rps["litellm"], "direct": rps["direct"]},
+        "rps": rps,
         "rps_ratio_edgeserve_vs_litellm": {k: v["rps_ratio_vs_litellm"] for k, v in edge.items()}
         if have_litellm else None,
+        "rps_ratio_edgeserve_quota_vs_litellm": {k: v["rps_ratio_vs_litellm"] for k, v in quota.items()}
+        if have_litellm else None,
+        "baseline": None if baseline is None else {"ref": args.baseline, "commit": baseline,
+                                                   "vs_baseline": _vs_baseline(rows, cmp, baseline)},
         "comparison": cmp,
         "litellm": {"available": have_litellm, "version": litellm_version, "note": litellm_note},
         "servers_have": servers,
@@ -463,20 +583,47 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vs_baseline(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]], commit: str
+                 ) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per tenant kind and setting: added p50 and proxy CPU ms/request, this tree over the baseline's."""
+    by = {(r.target, r.key): r for r in rows}
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for kind in ("edgeserve", "edgeserve+quota"):
+        for key, entry in cmp.get(kind, {}).items():
+            old, new, base = cmp.get(f"{kind}@{commit}", {}).get(key), entry, by.get((f"{kind}@{commit}", key))
+            ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+            out.setdefault(kind, {})[key] = {
+                "added_p50_ratio": ratio(new["added_p50_ms"], old and old["added_p50_ms"]),
+                "cpu_ms_per_request_ratio": ratio(by[(kind, key)].proxy_cpu_ms_per_request,
+                                                  base and base.proxy_cpu_ms_per_request)}
+    return out
+
+
 def _start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Path | None, litellm_note: str,
-                   log: Callable[[str], None]) -> tuple[list[Target], str]:
-    """Start Redis, the stand-in, the gateway (with a tenant and key) and LiteLLM if given; stopped by `stack`."""
-    from ops.redis_server import free_port, run_redis_server, stop_process
+                   baseline_ref: str | None, log: Callable[[str], None]) -> tuple[list[Target], str, str | None]:
+    """Start Redis, the stand-in, the gateway (with two tenants), the baseline's gateway and LiteLLM if
+    asked; stopped by `stack`. Returns the targets, LiteLLM's note and the baseline's short commit."""
+    from ops.redis_server import free_port, run_redis_server
 
     logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgeserve-bench-gateway-")))
     redis_url = stack.enter_context(run_redis_server())
-    standin_url, gateway_port = f"http://127.0.0.1:{free_port()}", free_port()
+    standin_url = f"http://127.0.0.1:{free_port()}"
     standin = stack.enter_context(child_process(
-        [sys.executable, "-m", "ops.standin_worker", "--port", standin_url.rsplit(":", 1)[1],
+        [sys.executable, "-m", "ops.bench_gateway", "--port", standin_url.rsplit(":", 1)[1],
          "--tokens", str(num_tokens)], logs / "standin.log"))
-    gateway = stack.enter_context(child_process(
-        [sys.executable, "-m", "ops.cli", "gateway", "--model", MODEL, "--worker", standin_url,
-         "--redis-url", redis_url, "--port", str(gateway_port), "--served-name", MODEL], logs / "gateway.log"))
+    gateway_argv = ["gateway", "--model", MODEL, "--worker", standin_url, "--redis-url", redis_url,
+                    "--served-name", MODEL]
+    gateways: dict[str, tuple[subprocess.Popen, str]] = {}
+    baseline = None if baseline_ref is None else _source_tree(baseline_ref, logs / "baseline")
+    for suffix, tree in (("", None), *((() if baseline is None else ((f"@{baseline}", logs / "baseline"),)))):
+        port = free_port()
+        # The baseline's packages first on sys.path (they shadow this checkout's), then its CLI as `-m` would run.
+        argv = ([sys.executable, "-m", "ops.cli"] if tree is None else [
+            sys.executable, "-c", f"import runpy, sys; sys.path.insert(0, {str(tree)!r}); "
+                                  "runpy.run_module('ops.cli', run_name='__main__', alter_sys=True)"])
+        proc = stack.enter_context(child_process([*argv, *gateway_argv, "--port", str(port)],
+                                                 logs / f"gateway{suffix}.log"))
+        gateways[suffix] = proc, f"http://127.0.0.1:{port}"
     litellm = None
     if litellm_exe is not None:  # starts while the others come up; it is the slowest
         litellm_port, master_key = free_port(), "sk-bench-" + secrets.token_hex(8)
@@ -485,12 +632,12 @@ def _start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Pa
             [str(litellm_exe), "--config", str(logs / "litellm.yaml"), "--host", "127.0.0.1",
              "--port", str(litellm_port)], logs / "litellm.log", env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"}))
     wait_http(f"{standin_url}/health", standin, logs / "standin.log", "the stand-in worker", 30)
-    gateway_url = f"http://127.0.0.1:{gateway_port}"
-    wait_http(f"{gateway_url}/healthz", gateway, logs / "gateway.log", "the edgeserve gateway", 60)
-    token = asyncio.run(_tenant_token(redis_url))
-    targets = [Target("direct", f"{standin_url}/v1/chat/completions", {}, None),
-               Target("edgeserve", f"{gateway_url}/v1/chat/completions", {"authorization": f"Bearer {token}"},
-                      gateway.pid)]
+    tokens = asyncio.run(_tenant_tokens(redis_url))
+    targets = [Target("direct", f"{standin_url}/v1/chat/completions", {}, None)]
+    for suffix, (proc, url) in gateways.items():
+        wait_http(f"{url}/healthz", proc, logs / f"gateway{suffix}.log", f"the edgeserve gateway{suffix}", 60)
+        targets += [Target(f"edgeserve{kind}{suffix}", f"{url}/v1/chat/completions",
+                           {"authorization": f"Bearer {token}"}, proc.pid) for kind, token in tokens.items()]
     if litellm is not None:
         litellm_url = f"http://127.0.0.1:{litellm_port}"
         try:
@@ -500,19 +647,22 @@ def _start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Pa
         except Exception as exc:  # noqa: BLE001 - LiteLLM is a comparison, not a requirement
             litellm_note = f"installed but did not start: {exc}"
             log(f"litellm: {litellm_note}")
-    return targets, litellm_note
+    return targets, litellm_note, baseline
 
 
 def _print_table(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]]) -> None:
-    print(f"{'target':<10}{'c':>4} {'stream':<7}{'rps':>9}{'p50 ms':>9}{'p99 ms':>9}{'ttft p50':>10}"
-          f"{'added p50':>11}{'added p99':>11}{'rps/litellm':>13}{'cpu ms/req':>12}{'errors':>8}")
+    width = max(10, *(len(r.target) + 2 for r in rows))
+    print(f"{'target':<{width}}{'c':>4} {'stream':<7}{'rps':>9}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}"
+          f"{'ttft p50':>10}{'added p50':>11}{'added p95':>11}{'added p99':>11}{'rps/litellm':>13}"
+          f"{'cpu ms/req':>12}{'errors':>8}")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
         e = cmp[r.target][r.key]
         cpu = None if r.proxy_cpu_ms_per_request is None else (
             r.proxy_cpu_ms_per_request + (r.redis_cpu_ms_per_request or 0.0))
-        print(f"{r.target:<10}{r.concurrency:>4} {'yes' if r.stream else 'no':<7}{r.rps:>9.1f}{r.p50_ms:>9.2f}"
-              f"{r.p99_ms:>9.2f}{fmt(r.ttft_p50_ms, '.2f'):>10}{fmt(e['added_p50_ms'], '+.2f'):>11}"
+        print(f"{r.target:<{width}}{r.concurrency:>4} {'yes' if r.stream else 'no':<7}{r.rps:>9.1f}"
+              f"{r.p50_ms:>9.2f}{fmt(r.p95_ms, '.2f'):>9}{r.p99_ms:>9.2f}{fmt(r.ttft_p50_ms, '.2f'):>10}"
+              f"{fmt(e['added_p50_ms'], '+.2f'):>11}{fmt(e['added_p95_ms'], '+.2f'):>11}"
               f"{fmt(e['added_p99_ms'], '+.2f'):>11}{fmt(e['rps_ratio_vs_litellm'], '.2f'):>13}"
               f"{fmt(cpu, '.2f'):>12}{r.errors:>8}")
 
@@ -534,8 +684,8 @@ def _plot(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]], title: str
     import matplotlib.pyplot as plt
 
     keys = list(dict.fromkeys(r.key for r in rows))
-    targets = [t for t in TARGETS if any(r.target == t for r in rows)]
-    colours = {"direct": "tab:gray", "edgeserve": "tab:blue", "litellm": "tab:orange"}
+    targets = list(dict.fromkeys(r.target for r in rows))
+    colours = dict(zip(targets, ("tab:gray", "tab:blue", "tab:cyan", "tab:orange", "tab:purple", "tab:pink")))
     by = {(r.target, r.key): r for r in rows}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.8 / len(targets)
@@ -554,3 +704,20 @@ def _plot(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]], title: str
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ops.bench_gateway --port P --tokens N`: serve the per-token stand-in (the bench starts it)."""
+    import uvicorn
+
+    p = argparse.ArgumentParser(prog="python -m ops.bench_gateway", description=per_token_standin_app.__doc__)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tokens", type=int, default=32)
+    args = p.parse_args(argv)
+    uvicorn.run(per_token_standin_app(args.tokens), host="127.0.0.1", port=args.port, log_level="warning",
+                access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
