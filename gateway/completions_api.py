@@ -132,10 +132,15 @@ async def completions(request: Request) -> Response:
             out["usage"] = usage.to_dict()
         return out
 
-    if req.stream:
+    async def close_all() -> None:
+        for c in choices:
+            await c.gen.aclose()
+
+    if req.stream:  # metering finishes after the last byte (`sse.py`)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return StreamingResponse(_stream(choices, state.config.keepalive_s, body, include_usage),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
+                                 background=BackgroundTask(close_all))
     results: list[dict[str, Any]] = []
     dones: list[Done] = []
     try:
@@ -147,11 +152,6 @@ async def completions(request: Request) -> Response:
         for c in choices:
             await c.gen.aclose()
         return _error_json(exc, headers)
-
-    async def close_all() -> None:
-        for c in choices:
-            await c.gen.aclose()
-
     # metering finishes in the background: the answer does not wait for Redis
     return JSONResponse(body(results, _total(dones)), headers=headers, background=BackgroundTask(close_all))
 
@@ -162,8 +162,10 @@ def _total(dones: list[Done]) -> Usage:
 
 
 async def _stream(choices: list[_Choice], keepalive_s: float, body: Any, include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE bytes, choice after choice; closing it (client gone) cancels every generation."""
+    """SSE bytes, choice after choice; closing it before its end (client gone) cancels every generation
+    (after the end, the response's background task awaits their metering)."""
     dones: list[Done] = []
+    ended = False
     try:
         for c in choices:
             first = True
@@ -188,9 +190,10 @@ async def _stream(choices: list[_Choice], keepalive_s: float, body: Any, include
                 yield sse_event(body([{"index": c.index, "text": "", "logprobs": None,
                                        "finish_reason": item.finish_reason}]))
                 break
-        if include_usage:
-            yield sse_event(body([], _total(dones)))
-        yield DONE
+        ended = True
+        tail = sse_event(body([], _total(dones))) if include_usage else b""
+        yield tail + DONE
     finally:
-        for c in choices:
-            await c.gen.aclose()
+        if not ended:
+            for c in choices:
+                await c.gen.aclose()

@@ -20,6 +20,17 @@ completion tokens are the tokens that reached the gateway, also when the
 client left or the worker died mid-stream. A request refused before the worker
 admitted it is not metered; its quota reservation is released.
 
+Quota admission (a Redis round trip, for tenants with quotas) and routing (the prefix
+index, another) run side by side in `start`, so a request waits for one round trip,
+not two. The quota's answer still decides first: a refused request is refused for
+its quota (and leaves the router's in-flight count as it was), and a request the
+router cannot place gives its reservation back. Routing therefore sizes the request
+by the `max_tokens` asked for, before a tokens-per-day cap lowers it (so it may
+judge a worker full that the capped request would fit; never the other way).
+
+Items reach the response side through a queue; `next_items` hands over everything
+queued at once, so tokens that arrived together leave in one write.
+
 Where it runs is the router's decision (`router.py`), made in `start`; the client
 sees it in `x-edgeserve-worker` and `x-edgeserve-route` with workers named by an
 opaque tag (`worker_tag`), never by address; the logs keep the addresses. A worker
@@ -48,7 +59,7 @@ from backend.worker_client import WorkerClient
 from gateway.envelopes import as_typed, redact
 from gateway.metering import Meter, UsageRecord
 from gateway.metrics import GatewayMetrics
-from gateway.quotas import Quotas, Reservation
+from gateway.quotas import Quotas, Reservation, has_quotas
 from gateway.router import RouteDecision, Router
 from gateway.served_models import ServedModel
 from gateway.tenants import Tenant
@@ -101,6 +112,7 @@ class Generation:
         self.route: RouteDecision | None = None
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._accepted = asyncio.Event()
+        self._started: asyncio.Future[None] | None = None  # done once a worker took it or the producer ended
         self._producer: asyncio.Task[None] | None = None
         self._ended = False  # the final item (Done or an error) is queued: nothing left to cancel
         self._settling: asyncio.Future[None] | None = None  # the metering, once the producer ends
@@ -115,25 +127,53 @@ class Generation:
 
     async def start(self) -> None:
         """Admit against quotas and get the request accepted by a worker; raise typed refusals."""
-        self._reservation = await self._quotas.admit(self.tenant, self.request_id, len(self.prompt_ids),
-                                                     self.params.max_tokens)
+        await self._admit_and_route()
         if self._reservation.max_tokens < self.params.max_tokens:  # the day's tokens cap the completion
             self.params = SamplingParams(**{**_fields(self.params), "max_tokens": self._reservation.max_tokens})
-        try:
-            self.route = await self._router.route(self.model.name, self.tenant.id, self.prompt_ids,
-                                                  self.params.max_tokens, self.region, self.request_id)
-        except BaseException:
-            await self._meter.release(self._reservation)
-            raise
         log.info("route %s: %s", self.request_id, self.route.reason)
+        self._started = asyncio.get_running_loop().create_future()
         self._producer = asyncio.create_task(self._produce(), name=f"generation-{self.request_id}")
-        accepted = asyncio.create_task(self._accepted.wait())
-        await asyncio.wait({accepted, self._producer}, return_when=asyncio.FIRST_COMPLETED)
-        accepted.cancel()
+        self._producer.add_done_callback(self._on_started)
+        await self._started
         if not self._accepted.is_set():  # the producer ended before a worker took the request
             item = self._queue.get_nowait()
             assert isinstance(item, EdgeServeError), item
             raise item
+
+    async def _admit_and_route(self) -> None:
+        """Quota admission and routing side by side (module docstring); the quota's refusal wins."""
+        admit = self._quotas.admit(self.tenant, self.request_id, len(self.prompt_ids), self.params.max_tokens)
+        admission: asyncio.Future[Reservation] | None = None
+        if has_quotas(self.tenant):
+            admission = asyncio.ensure_future(admit)
+        else:  # admitted without a round trip: nothing to overlap
+            self._reservation = await admit
+        try:
+            self.route = await self._router.route(self.model.name, self.tenant.id, self.prompt_ids,
+                                                  self.params.max_tokens, self.region, self.request_id)
+        except BaseException as exc:
+            refused: BaseException | None = None
+            with anyio.CancelScope(shield=True):  # also when cancelled: an admitted reservation goes back
+                if admission is not None:
+                    await asyncio.wait({admission})
+                    refused = admission.exception()
+                    self._reservation = admission.result() if refused is None else None
+                if self._reservation is not None:
+                    await self._meter.release(self._reservation)
+            if isinstance(refused, EdgeServeError) and not isinstance(exc, asyncio.CancelledError):
+                raise refused from None
+            raise
+        if admission is not None:
+            try:
+                self._reservation = await admission
+            except BaseException:
+                self._router.done(self.request_id)
+                raise
+
+    def _on_started(self, _: object = None) -> None:
+        """The worker took the request (`on_accept`), or the producer ended without that."""
+        if self._started is not None and not self._started.done():
+            self._started.set_result(None)
 
     @property
     def reservation(self) -> Reservation | None:
@@ -181,10 +221,23 @@ class Generation:
 
     async def next_item(self, timeout: float) -> Delta | Done | EdgeServeError | None:
         """The next item, or None after `timeout` seconds without one (for keep-alives)."""
-        try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            return None
+        if self._queue.empty():
+            try:
+                async with asyncio.timeout(timeout):  # a timer, not wait_for's extra task per item
+                    return await self._queue.get()
+            except TimeoutError:
+                return None
+        return self._queue.get_nowait()
+
+    async def next_items(self, timeout: float) -> list[Delta | Done | EdgeServeError]:
+        """Every item queued now, waiting up to `timeout` seconds for the first; [] when none came."""
+        first = await self.next_item(timeout)
+        if first is None:
+            return []
+        items = [first]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return items
 
     async def aclose(self) -> None:
         """Cancel the run if it has not finished, and wait until it is metered."""
@@ -235,9 +288,13 @@ class Generation:
 
     async def _stream_from(self, client: WorkerClient, request: GenerateRequest) -> tuple[str, int]:
         text = TextStream(self.model.tokenizer, self.prompt_ids, self.params.stop, self.keep_special_ids)
-        events = client.generate(request, on_accept=self._accepted.set)
+        events = client.generate(request, on_accept=self._accept)
         async with contextlib.aclosing(events):
             return await self._consume(events, text, client)
+
+    def _accept(self) -> None:
+        self._accepted.set()
+        self._on_started()
 
     async def _consume(self, events: AsyncIterator[Event], text: TextStream, client: WorkerClient) -> tuple[str, int]:
         first = True

@@ -33,7 +33,7 @@ from typing import Any
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from backend.errors import EdgeServeError, InvalidRequest
 from backend.sampling_params import SamplingParams
@@ -44,7 +44,7 @@ from gateway.logprobs import chat_logprobs
 from gateway.response_format import openai_grammar
 from gateway.served_models import ServedModel
 from gateway.schemas import ChatCompletionRequest, decode_body, plain_messages
-from gateway.sse import SSE_HEADERS, sse_event, sse_stream
+from gateway.sse import sse_event, sse_response
 from gateway.state import GatewayState
 from gateway.chat_output import ChatOutput, chat_message
 from gateway.reasoning_parsers import ReasoningParser
@@ -132,10 +132,8 @@ async def chat_completions(request: Request) -> Response:
             if include_usage:
                 yield sse_event(chunk.make([], usage=d.usage.to_dict()))
 
-        return StreamingResponse(
-            sse_stream(gen, state.config.keepalive_s, on_delta=on_delta, on_done=on_done,
-                       on_error=lambda e: sse_event(openai_error(e))),
-            media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return sse_response(gen, state.config.keepalive_s, headers, on_delta=on_delta, on_done=on_done,
+                            on_error=lambda e: sse_event(openai_error(e)))
     try:
         text, done = await collect_or_cancel(gen, request)
     except EdgeServeError as exc:

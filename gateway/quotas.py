@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from backend.errors import EdgeServeError, InvalidRequest, QuotaExceeded
 from gateway import redis_keys as rk
-from gateway.redis_keys import redis_errors, text, utc_day
+from gateway.redis_keys import day_name, redis_errors, text, utc_day
 from gateway.tenants import Tenant
 
 if TYPE_CHECKING:
     import redis.asyncio
 
-__all__ = ["Reservation", "Quotas", "rate_limit_headers", "WINDOW_MS", "DAY_KEY_TTL_S"]
+__all__ = ["Reservation", "Quotas", "has_quotas", "rate_limit_headers", "WINDOW_MS", "DAY_KEY_TTL_S"]
 
 WINDOW_MS = 60_000  # the requests-per-minute window
 DAY_KEY_TTL_S = 2 * 86_400  # tokens-per-day counters outlive their day by a day
@@ -114,8 +114,9 @@ class Reservation(NamedTuple):
     tokens_left: int | None = None  # tokens left today once this reservation is taken
 
 
-def _day_name(day_number: int) -> str:
-    return utc_day(day_number * 86_400)
+def has_quotas(tenant: Tenant) -> bool:
+    """Whether `tenant` has a limit to enforce (admission then takes a Redis round trip)."""
+    return tenant.requests_per_minute is not None or tenant.tokens_per_day is not None
 
 
 class Quotas:
@@ -129,7 +130,7 @@ class Quotas:
         """Admit one request or raise QuotaExceeded (quota, limit, retry_after_s); a refusal consumes nothing."""
         if prompt_tokens < 0 or max_tokens < 0:
             raise InvalidRequest("prompt_tokens and max_tokens must not be negative")
-        if tenant.requests_per_minute is None and tenant.tokens_per_day is None:
+        if not has_quotas(tenant):
             # Nothing to enforce: no round trip (metering still counts, by the local clock's day).
             return Reservation(tenant.id, request_id, utc_day(), 0, max_tokens)
         rpm = "" if tenant.requests_per_minute is None else str(tenant.requests_per_minute)
@@ -137,12 +138,12 @@ class Quotas:
         centre = int(time.time() // 86_400)
         for _ in range(3):
             days = [centre - 1, centre, centre + 1]
-            keys = [rk.rpm_window(tenant.id), *(rk.tokens_day(tenant.id, _day_name(d)) for d in days)]
+            keys = [rk.rpm_window(tenant.id), *(rk.tokens_day(tenant.id, day_name(d)) for d in days)]
             with redis_errors():
                 reply = await self._admit(keys=keys, args=[rpm, tpd, request_id, prompt_tokens, max_tokens, *days])
             status, day = text(reply[0]), int(reply[1])
             if status == "ok":
-                return Reservation(tenant.id, request_id, _day_name(day), int(reply[2]), int(reply[3]),
+                return Reservation(tenant.id, request_id, day_name(day), int(reply[2]), int(reply[3]),
                                    None if tenant.requests_per_minute is None else int(reply[4]),
                                    None if tenant.tokens_per_day is None else int(reply[5]))
             if status == "rpm":

@@ -32,10 +32,12 @@ so a stopped or hung Redis turns into that 503 within about a second.
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import date
 
 import redis
 from redis import exceptions as rx
@@ -45,7 +47,7 @@ from backend.redis_client import OutageLog
 
 __all__ = [
     "PREFIX", "api_key", "key_id", "tenant", "tenant_keys", "tenants", "rpm_window",
-    "tokens_day", "usage", "usage_events", "metered", "utc_day", "text", "redis_errors",
+    "tokens_day", "usage", "usage_events", "metered", "utc_day", "day_name", "text", "redis_errors",
     "STORE_UNAVAILABLE_ERRORS", "STORE_RETRY_AFTER_S", "store_outage",
 ]
 
@@ -57,6 +59,7 @@ STORE_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     rx.TryAgainError, rx.ClusterDownError, ConnectionError, TimeoutError)
 
 log = logging.getLogger(__name__)
+_EPOCH_ORDINAL = date(1970, 1, 1).toordinal()
 store_outage = OutageLog(log, "Redis (tenants, quotas, usage, registry)")
 
 
@@ -116,8 +119,14 @@ def metered(tenant_id: str, request_id: str) -> str:
 
 def utc_day(ts: float | None = None) -> str:
     """'YYYY-MM-DD' of unix time `ts` (now by default) in UTC."""
-    moment = datetime.now(UTC) if ts is None else datetime.fromtimestamp(ts, UTC)
-    return moment.strftime("%Y-%m-%d")
+    return day_name(int((time.time() if ts is None else ts) // 86_400))
+
+
+@functools.lru_cache(maxsize=64)
+def day_name(day: int) -> str:
+    """'YYYY-MM-DD' of UTC day number `day` (days since 1970-01-01). Date arithmetic, not `strftime`,
+    which asks the C library for the time zone (a stat of /etc/localtime) on every call."""
+    return date.fromordinal(_EPOCH_ORDINAL + day).isoformat()
 
 
 def text(value: bytes | str | None) -> str | None:

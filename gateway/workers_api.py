@@ -40,7 +40,7 @@ from typing import Any
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from backend.errors import EdgeServeError, InvalidRequest, QuotaExceeded
 from backend.sampling_params import SamplingParams
@@ -51,7 +51,7 @@ from gateway.generation import Delta, Done, Generation
 from gateway.redis_keys import utc_day
 from gateway.response_format import TRUNCATED_JSON_NOTICE, workers_grammar
 from gateway.schemas import WorkersRunRequest, decode_body, plain_messages
-from gateway.sse import SSE_HEADERS, sse_event, sse_stream
+from gateway.sse import sse_event, sse_response
 from gateway.state import GatewayState
 from gateway.tool_parsers import ToolParser
 from gateway.tools import ToolCallStream, check_no_control_text, workers_tool_calls, workers_tools
@@ -99,10 +99,8 @@ async def workers_run(request: Request) -> Response:
     parser = (lambda: model.tool_parser(tools)) if tools else None
     if req.stream:
         on_delta, on_done = _stream_handlers(parser)
-        return StreamingResponse(
-            sse_stream(gen, state.config.keepalive_s, on_delta=on_delta, on_done=on_done,
-                       on_error=lambda e: sse_event(workers_error(e), event="error")),
-            media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return sse_response(gen, state.config.keepalive_s, headers, on_delta=on_delta, on_done=on_done,
+                            on_error=lambda e: sse_event(workers_error(e), event="error"))
     return await _collect(gen, request, headers, parser)
 
 
