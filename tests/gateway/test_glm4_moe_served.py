@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from backend.mooncake_runtime import MooncakeUnavailable, load
 from gateway.app import create_gateway_app
 from ops.redis_server import free_port
 from tests.backend.servers import serve_in_thread
@@ -23,9 +24,18 @@ from tests.gateway.conftest import ALIAS, MODEL, Gateway, gateway_config, make_a
 from tests.gateway.test_api import auth, run_url, sse_data
 from tests.ops.test_drain import ENV, TOKEN, start, stop, wait_up
 
+def mooncake_loads() -> bool:
+    try:
+        load()
+        return True
+    except MooncakeUnavailable:
+        return False
+
+
 WORKER_AUTH = {"authorization": f"Bearer {TOKEN}"}
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
 MAX_TOKENS = 8
+TRANSPORT = "mooncake" if mooncake_loads() else "http"
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +55,9 @@ class Workers(NamedTuple):
 @pytest.fixture(scope="module")
 def workers(glm_chat_dir: Path) -> Iterator[Workers]:
     """`edgeserve serve` three times, started together (EDGESERVE_WORKER_TOKEN set for each, as in
-    tests/ops/test_drain.py): unified and decode with an FP8 KV pool, the decode worker pulling the
-    prompt's KV from the prefill worker over the FP8 wire."""
+    tests/ops/test_drain.py), every pool FP8: the prefill worker writes the prompt's KV straight into
+    the decode worker's pages over the Mooncake Transfer Engine (`--kv-transport mooncake`), or sends
+    it in FP8 frames where the library cannot load."""
     assert ENV["EDGESERVE_WORKER_TOKEN"] == TOKEN
     urls = Workers(*(f"http://127.0.0.1:{free_port()}" for _ in range(3)))
     common = ["--model", str(glm_chat_dir), "--served-name", MODEL, "--kv-cache-bytes", "4M", "--max-model-len", "512",
@@ -58,7 +69,7 @@ def workers(glm_chat_dir: Path) -> Iterator[Workers]:
         procs.append(start(["serve", *common, *fp8, "--port", port["unified"]]))
         procs.append(start(["serve", *common, *fp8, "--role", "prefill", "--port", port["prefill"]]))
         procs.append(start(["serve", *common, *fp8, "--role", "decode", "--port", port["decode"],
-                            "--prefill-worker", urls.prefill, "--kv-wire", "fp8_e4m3"]))
+                            "--prefill-worker", urls.prefill, "--kv-wire", "fp8_e4m3", "--kv-transport", TRANSPORT]))
         for proc, url in zip(procs, urls):
             wait_up(proc, f"{url}/health")
         yield urls
@@ -128,5 +139,6 @@ def test_disaggregated_pair_answers_through_the_gateway_as_the_unified_worker(gl
     decode = _stats(workers.decode)
     assert decode["role"] == "decode" and decode["kv_format"] == "fp8_e4m3"
     assert decode["kv_transfer"]["transfers"] == before + 2  # both requests' prompts came from the prefill worker
+    assert decode["kv_transfer"]["direct"] == (decode["kv_transfer"]["transfers"] if TRANSPORT == "mooncake" else 0)
     assert _stats(workers.prefill)["kv_transfer"]["transfers"] >= 2
     assert len(wait_metered(redis_url, account.tenant_id, 4)) == 4
