@@ -62,5 +62,9 @@ serve: $(RUNTIME)
 test: $(TESTS)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
+# make bench: every benchmark's --quick run, one after another, then one summary table
+# (bench-results/all.md and .json; each benchmark's report and log in bench-results/all/).
+# BENCH_ARGS passes options on, e.g. make bench BENCH_ARGS="--only engine,integrity".
+BENCH_ARGS ?=
 bench: $(TESTS)
-	$(BIN)/edgeserve bench engine
+	$(BIN)/python -m ops.bench_all $(BENCH_ARGS)

@@ -5,10 +5,16 @@ Processes, all on this machine: Redis (`ops.redis_server`), four unified workers
 --worker-id wN --kv-cache-bytes 256M`, subprocesses that heartbeat into the
 registry and publish their prefix-cache KV events) and one gateway
 (`edgeserve gateway --policy P`, no ``--worker``: it routes over the registry).
-Cold caches: the workers and the gateway are restarted for every policy (same
-worker ids, same Redis, same tenants), so each policy starts with empty prefix
+Cold caches: the workers and the gateway are restarted for every policy run (same
+worker ids, same Redis, same tenants), so each run starts with empty prefix
 caches, an empty prefix index and a gateway with nothing in flight. Each worker
 is warmed up (one short request) before anything is measured.
+
+Rounds: every policy runs once per round (``--rounds``, default one per policy),
+the order rotated each round (`round_order`, a Latin rotation: round r starts at
+the r-th policy), so over the rounds each policy runs first, in the middle and last
+once: a slow spell of this shared machine, or whatever the previous run left
+behind (page cache, memory), does not always fall on the same policy.
 
 Workload (`make_workload`, seeded; identical for every policy): T tenants (8),
 each with its own API key and its own system prompt: a support-assistant
@@ -24,7 +30,8 @@ so what was generated never matters for the cache. Conversations run in a
 seeded shuffled order, closed loop: U users (8), each takes the next
 conversation and plays its turns back to back.
 
-Measured per policy (all requests of its run):
+Measured per policy, pooled over its rounds (all requests of all its runs; each
+round's own figures and the targets' verdicts per round are in the JSON):
 - hit rate: sum of ``usage.prompt_tokens_details.cached_tokens`` / sum of
   ``usage.prompt_tokens`` (token-weighted, not a mean of ratios); cross-checked
   against the change in the workers' own ``/stats`` prefix_cache counters
@@ -73,12 +80,12 @@ from typing import Any, NamedTuple
 
 from gateway.generation import worker_tag
 from ops.bench import write_report
-from ops.bench_engine import percentile
+from ops.bench_engine import percentile, rotated, spread
 from ops.cluster import child_process, machine_info, wait_http
 
 __all__ = ["add_arguments", "run", "Conversation", "TurnResult", "PolicySummary", "make_workload",
            "turn_messages", "hit_rate", "max_over_mean", "ceiling_hit_rate", "same_worker_rate",
-           "overlap_agreement", "summarize", "check_targets", "POLICIES"]
+           "overlap_agreement", "summarize", "check_targets", "round_order", "targets_by_round", "POLICIES"]
 
 MODEL = "smollm2-135m"
 POLICIES = ("prefix", "round-robin", "least-loaded")
@@ -157,6 +164,7 @@ class TurnResult:
     completion_tokens: int = 0
     route: str = ""  # the gateway's x-edgeserve-route reason
     error: str | None = None
+    round: int = 0  # which round of the policy (a conversation recurs once per round)
 
 
 def hit_rate(results: Sequence[TurnResult]) -> float:
@@ -212,8 +220,8 @@ def ceiling_hit_rate(prompts: Sequence[tuple[int, Sequence[int]]], page_size: in
 
 def same_worker_rate(results: Sequence[TurnResult]) -> float:
     """Of the successful turns after the first, the share that ran where the previous turn of its conversation ran."""
-    where = {(r.tenant, r.conversation, r.turn): r.worker for r in results if r.error is None}
-    later = [(w, where.get((t, c, k - 1))) for (t, c, k), w in where.items() if k > 0]
+    where = {(r.round, r.tenant, r.conversation, r.turn): r.worker for r in results if r.error is None}
+    later = [(w, where.get((n, t, c, k - 1))) for (n, t, c, k), w in where.items() if k > 0]
     return sum(1 for w, prev in later if w == prev) / len(later) if later else 0.0
 
 
@@ -258,6 +266,21 @@ def check_targets(s: dict[str, PolicySummary]) -> list[dict[str, Any]]:
     if p is not None:
         out.append({"target": "prefix: no worker > 1.5x mean load (requests)", "value": p.max_over_mean_load,
                     "threshold": 1.5, "met": 0 < p.max_over_mean_load <= 1.5})
+    return out
+
+
+def round_order(policies: Sequence[str], rounds: int) -> list[list[str]]:
+    """The policies' run order in each round: a Latin rotation (round r starts at policy r), so over
+    len(policies) rounds every policy runs in every position (first, after a warm machine, last) once."""
+    return [rotated(list(policies), r) for r in range(rounds)]
+
+
+def targets_by_round(per_round: Sequence[dict[str, PolicySummary]]) -> dict[str, list[bool]]:
+    """Every target's verdict in each round, from that round's figures alone."""
+    out: dict[str, list[bool]] = {}
+    for summaries in per_round:
+        for c in check_targets(summaries):
+            out.setdefault(c["target"], []).append(c["met"])
     return out
 
 
@@ -391,7 +414,7 @@ class Fleet(NamedTuple):
 
 
 def _start_fleet(stack: contextlib.ExitStack, redis_url: str, policy: str, kv_bytes: str, logs: Path,
-                 log: Callable[[str], None]) -> Fleet:
+                 log: Callable[[str], None], prefix: str = "") -> Fleet:
     """Start 4 workers and a gateway with `policy` (stopped by `stack`)."""
     from ops.redis_server import free_port
 
@@ -400,13 +423,13 @@ def _start_fleet(stack: contextlib.ExitStack, redis_url: str, policy: str, kv_by
     for n in range(1, NUM_WORKERS + 1):
         wid, port = f"w{n}", free_port()
         workers[f"http://127.0.0.1:{port}"] = wid
-        path = logs / f"{policy}-{wid}.log"
+        path = logs / f"{prefix}{policy}-{wid}.log"
         procs.append((stack.enter_context(child_process(
             [sys.executable, "-m", "ops.cli", "serve", "--model", MODEL, "--port", str(port), "--threads", "1",
              "--prefix-caching", "--redis-url", redis_url, "--worker-id", wid, "--kv-cache-bytes", kv_bytes], path)),
             f"http://127.0.0.1:{port}/health", path, f"worker {wid}"))
     gateway_port = free_port()
-    path = logs / f"{policy}-gateway.log"
+    path = logs / f"{prefix}{policy}-gateway.log"
     procs.append((stack.enter_context(child_process(
         [sys.executable, "-m", "ops.cli", "gateway", "--model", MODEL, "--redis-url", redis_url,
          "--port", str(gateway_port), "--policy", policy], path)),
@@ -437,11 +460,11 @@ async def _stats(worker_urls: list[str]) -> dict[str, dict[str, Any]]:
         return {url: (await client.get(f"{url}/stats")).json() for url in worker_urls}
 
 
-def _worker_hit_rate(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> float:
-    """Change in hit_tokens / change in query_tokens of the workers' prefix caches, summed over workers."""
+def _worker_hits(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> tuple[int, int]:
+    """Change in (hit_tokens, query_tokens) of the workers' prefix caches, summed over workers."""
     hit = sum(after[u]["prefix_cache"]["hit_tokens"] - before[u]["prefix_cache"]["hit_tokens"] for u in after)
     query = sum(after[u]["prefix_cache"]["query_tokens"] - before[u]["prefix_cache"]["query_tokens"] for u in after)
-    return hit / query if query else 0.0
+    return hit, query
 
 
 def _turn_keys(workload: list[Conversation]) -> list[tuple[Conversation, int]]:
@@ -482,7 +505,9 @@ def _scan_logs(logs: Path) -> dict[str, list[str]]:
 # ---------------------------------------------------------------- command
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in this order")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; round r starts at the r-th")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of every policy, the order rotated each round "
+                   "(default: one per policy, a full Latin rotation)")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--conversations", type=int, default=None, help="per tenant (default 3; quick 1)")
     p.add_argument("--turns", type=int, default=None, help="per conversation (default 4; quick 3)")
@@ -522,8 +547,10 @@ def run(args: argparse.Namespace) -> int:
         f"{len(workload) * turns} requests per policy, {args.users} users, max_tokens {args.max_tokens}; first turns "
         f"{first_turn_tokens:.0f} prompt tokens on average, all turns {_mean([len(i) for _, i in prompts]):.0f}; "
         f"hit-rate ceiling {ceiling:.1%}")
-    summaries: dict[str, PolicySummary] = {}
-    details: dict[str, dict[str, Any]] = {}
+    order = round_order(policies, args.rounds or len(policies))
+    rounds: list[dict[str, PolicySummary]] = [{} for _ in order]  # per round: policy -> its figures
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}  # per policy: one entry per round
+    results: dict[str, list[TurnResult]] = {p: [] for p in policies}
     with contextlib.ExitStack() as outer:
         if args.logs:
             logs = Path(args.logs)
@@ -532,32 +559,46 @@ def run(args: argparse.Namespace) -> int:
             logs = Path(outer.enter_context(tempfile.TemporaryDirectory(prefix="edgeserve-bench-routing-")))
         redis_url = outer.enter_context(run_redis_server())
         tokens = asyncio.run(_create_tenants(redis_url, args.tenants))
-        for policy in policies:
-            log(f"policy {policy}: starting 4 workers and the gateway (cold caches)")
-            with contextlib.ExitStack() as stack:
-                fleet = _start_fleet(stack, redis_url, policy, args.kv_cache_bytes, logs, log)
-                workers = fleet.workers
-                asyncio.run(_warm_up(list(workers)))
-                load_before = list(os.getloadavg())
-                before = asyncio.run(_stats(list(workers)))
-                results, wall_s, sample = asyncio.run(drive(f"{fleet.gateway_url}/v1/chat/completions", tokens,
+        for n, these in enumerate(order):
+            for policy in these:
+                log(f"round {n}, policy {policy}: starting 4 workers and the gateway (cold caches)")
+                with contextlib.ExitStack() as stack:
+                    fleet = _start_fleet(stack, redis_url, policy, args.kv_cache_bytes, logs, log, f"r{n}-")
+                    workers = fleet.workers
+                    asyncio.run(_warm_up(list(workers)))
+                    load_before = list(os.getloadavg())
+                    before = asyncio.run(_stats(list(workers)))
+                    got, wall_s, sample = asyncio.run(drive(f"{fleet.gateway_url}/v1/chat/completions", tokens,
                                                             workload, args.users, args.max_tokens, workers, log))
-                fleet.check_alive()
-                after = asyncio.run(_stats(list(workers)))
-                s = summarize(policy, results, sorted(workers.values()), wall_s)
-                summaries[policy] = s
-                details[policy] = {"hit_rate_workers": _worker_hit_rate(before, after),
-                                   "load_avg": [load_before, list(os.getloadavg())], "sample_reply": sample,
-                                   "worker_stats": {workers[u]: a["prefix_cache"] for u, a in after.items()},
-                                   "results": [asdict(r) for r in sorted(results, key=lambda r: r.sent_at)]}
-                log(f"  {policy}: hit rate {s.hit_rate:.1%} (workers' counters "
-                    f"{details[policy]['hit_rate_workers']:.1%}), TTFT p50 {s.ttft_p50_s:.2f} s, {wall_s:.0f} s, "
+                    fleet.check_alive()
+                    after = asyncio.run(_stats(list(workers)))
+                for r in got:
+                    r.round = n
+                results[policy] += got
+                s = rounds[n][policy] = summarize(policy, got, sorted(workers.values()), wall_s)
+                hits = _worker_hits(before, after)
+                runs[policy].append({"round": n, "position": these.index(policy), "summary": s._asdict(),
+                                     "hit_rate_workers": hits[0] / hits[1] if hits[1] else 0.0, "worker_hits": hits,
+                                     "load_avg": [load_before, list(os.getloadavg())], "sample_reply": sample,
+                                     "worker_stats": {workers[u]: a["prefix_cache"] for u, a in after.items()}})
+                log(f"  {policy}: hit rate {s.hit_rate:.1%}, TTFT p50 {s.ttft_p50_s:.2f} s, {wall_s:.0f} s, "
                     f"load avg {os.getloadavg()[0]:.1f}")
         problems = _scan_logs(logs)
+    names = [f"w{i}" for i in range(1, NUM_WORKERS + 1)]
+    summaries = {p: summarize(p, results[p], names, sum(run["summary"]["wall_s"] for run in runs[p]))
+                 for p in policies}
+    details = {p: {"hit_rate_workers": (sum(run["worker_hits"][0] for run in runs[p])
+                                        / max(1, sum(run["worker_hits"][1] for run in runs[p]))),
+                   "rounds": runs[p], "results": [asdict(r) for r in sorted(results[p], key=lambda r: (r.round,
+                                                                                                    r.sent_at))]}
+               for p in policies}
     total_s = time.perf_counter() - started
     machine["load_avg_end"] = list(os.getloadavg())
     machine["mem_available_gib_end"] = _mem_available_gib()
     checks = check_targets(summaries)
+    held = targets_by_round(rounds)
+    for c in checks:
+        c["met_in_rounds"] = f"{sum(held[c['target']])}/{len(rounds)}"
 
     print(f"\nedgeserve bench routing  {args.tenants} tenants x {conversations} conversations x {turns} turns, "
           f"{args.users} users, {NUM_WORKERS} workers x 1 thread, KV {args.kv_cache_bytes} each"
@@ -569,13 +610,21 @@ def run(args: argparse.Namespace) -> int:
     print("hit rate: cached / prompt tokens from the usage chunks ((workers): their /stats counters); TTFT: client "
           "clock to the first content chunk; same wkr: later turns on the worker of the previous turn")
     print(f"hit-rate ceiling for this workload (one infinite cache shared by all workers): {ceiling:.1%}")
+    per_round = {p: {f: [run["summary"][f] for run in runs[p]] for f in ("hit_rate", "ttft_p50_s", "ttft_p95_s")}
+                 for p in policies}
+    print(f"{len(order)} rounds, policies in rotated order ({' | '.join(', '.join(o) for o in order)}); figures "
+          f"pooled over rounds; per round [median, min, max]:")
+    for p in policies:
+        print(f"  {p:<14} hit rate " + ", ".join(f"{100 * v:.1f}%" for v in per_round[p]["hit_rate"])
+              + "; TTFT p50 " + ", ".join(f"{v:.2f}" for v in per_round[p]["ttft_p50_s"]) + " s")
     for c in checks:
         print(f"  {'met   ' if c['met'] else 'MISSED'}  {c['target']}: {c['value']:.3f} vs {c['threshold']:.3f}"
+              f" (met in {c['met_in_rounds']} rounds)"
               + ("  (above the ceiling: no router can meet it here)" if c["target"].startswith("hit rate")
                  and c["threshold"] > ceiling else ""))
     if problems:
         print(f"log lines with warnings/errors: {sum(len(v) for v in problems.values())} (see JSON 'log_problems')")
-    print(f"cold caches: workers and gateway restarted per policy; took {total_s:.0f} s")
+    print(f"cold caches: workers and gateway restarted per policy and round; took {total_s:.0f} s")
 
     by = lambda field: {p: getattr(s, field) for p, s in summaries.items()}  # noqa: E731
     report = {
@@ -587,7 +636,8 @@ def run(args: argparse.Namespace) -> int:
                    "temperature": 0, "system_words": args.system_words, "seed": args.seed,
                    "first_turn_prompt_tokens_mean": first_turn_tokens,
                    "prompt_tokens_mean": _mean([len(ids) for _, ids in prompts]),
-                   "cold_caches": "workers and gateway restarted for each policy",
+                   "cold_caches": "workers and gateway restarted for each policy in each round",
+                   "rounds": len(order), "order": order,
                    "assistant_messages": "scripted (a sentence of the tenant's document), not the model's reply",
                    "ttft": "client clock, request sent -> first chunk with content"},
         "hit_rate": by("hit_rate"),
@@ -608,6 +658,10 @@ def run(args: argparse.Namespace) -> int:
         "errors": by("errors"),
         "wall_s": by("wall_s"),
         "targets": checks,
+        "per_round": per_round,
+        "per_round_spread": {p: {f: spread(v) for f, v in figs.items()} for p, figs in per_round.items()},
+        "headline": {**{f"hit_rate_{p}": summaries[p].hit_rate for p in policies},
+                     **{f"ttft_p50_s_{p}": summaries[p].ttft_p50_s for p in policies}},
         "policy_runs": details,
         "log_problems": problems,
         "total_s": total_s,

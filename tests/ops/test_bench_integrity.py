@@ -1,9 +1,12 @@
-"""`edgeserve bench integrity`: the pure helpers (decode timing, overheads, spread); no model run."""
+"""`edgeserve bench integrity`: the pure helpers (decode timing, paired overheads, bootstrap interval,
+check timer, calibration arm); no model run."""
 
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from ops import bench, bench_integrity
@@ -25,16 +28,95 @@ def test_overhead_sign_means_cost() -> None:
     assert bench_integrity.overhead_pct(0.0202, 0.02, higher_is_better=False) == pytest.approx(1.0)
 
 
-def test_overheads_pair_settings_per_concurrency_and_repeat() -> None:
-    row = lambda s, c, rep, tput, p95: bench_integrity.DecodeRow(s, c, rep, tput, 0.0, p95, 1, 1.0, 1.0)  # noqa: E731
-    rows = [row("on", 8, 0, 99.0, 0.0101), row("off", 8, 0, 100.0, 0.0100),
-            row("off", 8, 1, 50.0, 0.0200), row("on", 8, 1, 50.5, 0.0198),
-            row("on", 32, 0, 200.0, 0.05), row("off", 32, 0, 200.0, 0.05)]
-    over = bench_integrity.overheads(rows)
-    assert over["throughput"][8] == pytest.approx([1.0, -1.0])
-    assert over["p95"][8] == pytest.approx([1.0, -1.0])
-    assert over["throughput"][32] == [0.0] and over["p95"][32] == [0.0]
-    assert bench_integrity.spread([3.0, -1.0, 2.0]) == {"median": 2.0, "min": -1.0, "max": 3.0}
+def test_paired_overheads() -> None:
+    off = np.array([0.10, 0.20, 0.30])
+    assert bench_integrity.throughput_overhead(off * 1.01, off) == pytest.approx(100 * (1 - 1 / 1.01))
+    assert bench_integrity.throughput_overhead(off, off) == 0.0
+    on = np.array([0.10, 0.20, 0.33])
+    assert bench_integrity.p95_overhead(on, off) == pytest.approx(10.0)  # nearest rank: the largest of 3
+
+
+def _paired_steps(rng: np.random.Generator, n: int, cost: float, burst: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """n paired step times: a shared slow drift (machine load), 3% independent noise each, and (`burst`) a
+    burst of load on 3 consecutive steps of one side or the other; `a` costs `cost` (a fraction) more."""
+    base = 0.1 * (1 + 0.3 * np.sin(np.arange(n) / 7))
+    b = base * (1 + 0.03 * rng.standard_normal(n))
+    a = base * (1 + cost) * (1 + 0.03 * rng.standard_normal(n))
+    start = int(rng.integers(0, n - 4))
+    if burst:
+        (a if rng.random() < 0.5 else b)[start:start + 3] *= 1.5
+    return a, b
+
+
+def test_bootstrap_interval_separates_a_one_percent_cost() -> None:
+    rng = np.random.default_rng()  # fresh data every run
+    lo, hi = bench_integrity.block_bootstrap_ci([_paired_steps(rng, 600, 0.01) for _ in range(3)],
+                                                bench_integrity.throughput_overhead, resamples=500)
+    assert 0 < lo and hi - lo < 1.5  # 1% (0.99 points) is resolved; a burst moves the centre ~0.4 points
+
+
+def test_bootstrap_interval_covers_the_truth_as_often_as_it_says() -> None:
+    rng = np.random.default_rng()
+    covered = 0
+    for _ in range(40):
+        lo, hi = bench_integrity.block_bootstrap_ci([_paired_steps(rng, 200, 0.0, burst=False) for _ in range(2)],
+                                                    bench_integrity.throughput_overhead, resamples=300)
+        covered += lo <= 0 <= hi
+    assert covered >= 32  # ~38 of 40 for a 95% interval; under 32 means it is too narrow (p < 0.001)
+
+
+def test_bootstrap_keeps_pairs_and_strata() -> None:
+    a = [1.0, 2.0, 3.0, 4.0]
+    lo, hi = bench_integrity.block_bootstrap_ci([(a, a), ([5.0], [5.0])], bench_integrity.throughput_overhead)
+    assert lo == hi == 0.0  # a pair never meets another pair's partner
+    seen: list[int] = []
+    bench_integrity.block_bootstrap_ci([([1.0] * 5, [1.0] * 5), ([2.0] * 3, [2.0] * 3)],
+                                       lambda x, y: seen.append((x.size, int((x == 2.0).sum()))) or 0.0,
+                                       resamples=10)
+    assert set(seen) == {(8, 3)}  # every resample keeps each stratum's size
+    assert np.isnan(bench_integrity.block_bootstrap_ci([([], [])], bench_integrity.throughput_overhead)).all()
+
+
+class _Engine:
+    """Just the method `CheckTimer` wraps: a check that takes `check_s`."""
+
+    def __init__(self, check_s: float) -> None:
+        self.check_s, self.batches = check_s, []
+
+    def _check_integrity(self, batch):
+        self.batches.append(batch)
+        bench_integrity.busy_wait(self.check_s)
+        return batch, []
+
+
+def test_check_timer_times_the_check_and_spins_apart() -> None:
+    engine = _Engine(0.002)
+    timer = bench_integrity.CheckTimer(engine)
+    assert engine._check_integrity("b1") == ("b1", []) and engine.batches == ["b1"]
+    assert timer.calls == 1 and 0.002 <= timer.seconds < 0.02 and timer.spun == 0.0
+    timer.spin_s = 0.003
+    engine._check_integrity("b2")
+    assert timer.calls == 2 and 0.003 <= timer.spun < 0.03 and timer.seconds < 0.04
+    assert bench_integrity.busy_wait(0.001) >= 0.001
+
+
+def test_step_in_turn_rotates_the_first_mover() -> None:
+    order: list[str] = []
+
+    class Loop:
+        def __init__(self, name: str) -> None:
+            self.name, self.left = name, 3
+
+        @property
+        def done(self) -> bool:
+            return self.left == 0
+
+        def step(self) -> None:
+            order.append(self.name)
+            self.left -= 1
+
+    bench_integrity.step_in_turn([Loop("a"), Loop("b"), Loop("c")])
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
 
 
 def test_decode_loops_in_turn_time_only_decode_steps() -> None:
@@ -58,3 +140,45 @@ def test_registered_with_quick_points() -> None:
     assert args.func.__wrapped__ is bench_integrity.run and args.json_path == "/tmp/x.json" and args.quick
     assert bench_integrity.concurrency_points(True) == [8, 16]
     assert bench_integrity.concurrency_points(False) == [8, 32, 64]
+
+
+class _CheckedEngine(FakeEngine):
+    """A `FakeEngine` whose step runs a 1 ms check first, as `LLMEngine._run_batch` does."""
+
+    def _check_integrity(self, batch):
+        bench_integrity.busy_wait(0.001)
+        return batch, []
+
+    def step(self):
+        self._check_integrity(None)
+        return super().step()
+
+
+def test_calibration_arm_spins_a_share_of_its_previous_decode_step() -> None:
+    engine = _CheckedEngine(8)
+    loop = bench_integrity.DecodeLoop(engine, "on+inject", [[1, 2, 3]], 4, 4, 6,
+                                      timer=bench_integrity.CheckTimer(engine), inject=0.5)
+    bench_integrity.step_in_turn([loop])
+    steps = [dt for dt, _ in loop.decode_steps]
+    assert len(steps) == len(loop.check_s) == len(loop.spin_s) == 5
+    assert all(0.001 <= c < s for c, s in zip(loop.check_s, steps))  # the check's time is inside its step
+    assert loop.spin_s[0] == 0.0  # nothing to scale from before the first decode step
+    for k in range(1, 5):  # at least half of the previous step without its spin (a busy CPU overshoots)
+        assert 0.5 * (steps[k - 1] - loop.spin_s[k - 1]) <= loop.spin_s[k]
+    assert loop.timer.spin_s == pytest.approx(0.5 * (steps[-1] - loop.spin_s[-1]))  # the next step's target
+
+
+def test_compare_pools_repetitions_and_reports_the_injected_share() -> None:
+    def loop(steps: list[float], spins: list[float] | None = None) -> SimpleNamespace:
+        return SimpleNamespace(decode_steps=[(dt, 4) for dt in steps], spin_s=spins or [0.0] * len(steps))
+
+    a1, a2 = [0.101] * 10, [0.202] * 10
+    loops = {("on+inject", 8): [loop(a1, [0.001] * 10), loop(a2, [0.002] * 10)],
+             ("on", 8): [loop([0.1] * 10), loop([0.2] * 12)]}  # a longer run: only the paired steps count
+    r = bench_integrity.compare(loops, "on+inject", "on", 8)
+    assert r["pairs"] == 20
+    assert r["throughput_pct"] == pytest.approx(100 * (1 - 3.0 / 3.03))
+    assert r["throughput_per_repeat"] == pytest.approx([100 * (1 - 1 / 1.01)] * 2)
+    assert r["throughput_ci95"] == pytest.approx([r["throughput_pct"]] * 2, abs=0.2)
+    assert r["injected_pct"] == pytest.approx(100 * 0.03 / 3.03)
+    assert r["p95_pct"] == pytest.approx(1.0)

@@ -132,3 +132,34 @@ def test_registered_with_the_bench_command() -> None:
     args = parser.parse_args(["bench", "routing", "--quick", "--json", "out.json"])
     assert args.func.__wrapped__ is bench_routing.run and args.quick and args.json_path == "out.json"
     assert args.tenants == 8 and args.users == 8 and math.isclose(args.max_tokens, 16)
+
+
+def test_rounds_rotate_the_policy_order() -> None:
+    order = bench_routing.round_order(bench_routing.POLICIES, 3)
+    assert order == [["prefix", "round-robin", "least-loaded"], ["round-robin", "least-loaded", "prefix"],
+                     ["least-loaded", "prefix", "round-robin"]]
+    for position in range(3):  # every policy once in every position
+        assert sorted(o[position] for o in order) == sorted(bench_routing.POLICIES)
+    assert bench_routing.round_order(["prefix", "round-robin"], 3) == [["prefix", "round-robin"],
+                                                                        ["round-robin", "prefix"],
+                                                                        ["prefix", "round-robin"]]
+
+
+def test_same_worker_rate_keeps_rounds_apart() -> None:
+    def at(rnd: int, turn: int, worker: str) -> TurnResult:
+        return TurnResult(0, 0, turn, worker, 0.0, 0.1, 1.0, 100, 0, 16, round=rnd)
+
+    # the same conversation in two rounds: round 0 stays on w1, round 1 on w2; pooled, neither round's
+    # turn 1 may be compared with the other round's turn 0
+    results = [at(0, 0, "w1"), at(0, 1, "w1"), at(1, 0, "w2"), at(1, 1, "w2")]
+    assert bench_routing.same_worker_rate(results) == 1.0
+    assert bench_routing.same_worker_rate([at(0, 0, "w1"), at(1, 1, "w1")]) == 0.0  # no previous turn in round 1
+
+
+def test_targets_by_round() -> None:
+    good = {"prefix": _summary("prefix", 0.8, 0.5, 1.2), "round-robin": _summary("round-robin", 0.4, 0.9, 1.0)}
+    slow = {"prefix": _summary("prefix", 0.8, 1.0, 1.2), "round-robin": _summary("round-robin", 0.4, 0.9, 1.0)}
+    held = bench_routing.targets_by_round([good, slow, good])
+    assert held == {"hit rate prefix >= 2x round-robin": [True, True, True],
+                    "TTFT p50 prefix < both baselines": [True, False, True],
+                    "prefix: no worker > 1.5x mean load (requests)": [True, True, True]}

@@ -1,0 +1,214 @@
+"""Every benchmark's quick run, one after another, and one summary table (`make bench`).
+
+Each benchmark in `ops.bench.BENCHES` runs as its own child process
+(``python -m ops.cli bench NAME --quick --json DIR/NAME.json``, its output in
+DIR/NAME.log), so one that crashes, runs out of memory or hangs past ``--timeout``
+is reported as failed and the next one still runs. They run strictly one after
+another: two benchmarks at once would measure each other.
+
+The summary (JSON at ``--json``, markdown beside it with the ``.md`` suffix) has one
+row per benchmark: its status (ok, failed with the exit status, timed out, or ran
+without writing a report), wall seconds, the commit its report recorded (with
+"+dirty" when the tree had uncommitted changes), its headline figures (the report's
+``headline`` when it has one, else the keys listed in `HEADLINE_KEYS`) and its
+target verdicts, read from whichever shape its ``targets`` take (`targets_of`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "run", "main", "BenchOutcome", "targets_of", "headline_of", "run_one", "summary_markdown",
+           "selected", "HEADLINE_KEYS"]
+
+# figures worth a glance, for reports without a "headline" of their own (dotted: one level down)
+HEADLINE_KEYS: dict[str, list[str]] = {
+    "kv-capacity": ["capacity_ratio", "throughput_ratio_fp8_over_bf16", "ppl_relative_fp8_vs_bf16"],
+    "weights": ["ratios"],
+    "moe": ["ratios"],
+    "mla": ["ratios"],
+    "structured": ["mask_us_mean", "valid_rate"],
+    "tp": ["step_ms"],
+    "pd": ["ttft_p50_s"],
+    "soak": ["total_s"],
+}
+MAX_FIGURES = 8  # per benchmark in the table (the JSON keeps them all)
+
+
+@dataclass
+class BenchOutcome:
+    name: str
+    status: str  # "ok" | "failed (exit N)" | "timed out" | "no report"
+    seconds: float
+    command: list[str]
+    report_path: str
+    log_path: str
+    commit: str | None = None
+    dirty: bool | None = None
+    headline: dict[str, Any] = field(default_factory=dict)
+    targets: dict[str, bool] = field(default_factory=dict)
+
+
+def selected(names: list[str], only: str | None, skip: str | None) -> list[str]:
+    """The benchmarks to run, in registry order: `only` (comma-separated) if given, minus `skip`; an
+    unknown name is an error, so a typo never silently runs nothing."""
+    wanted = [n.strip() for n in only.split(",") if n.strip()] if only else list(names)
+    dropped = [n.strip() for n in skip.split(",") if n.strip()] if skip else []
+    unknown = sorted(set(wanted + dropped) - set(names))
+    if unknown:
+        raise ValueError(f"unknown benchmarks {unknown}; choose from {', '.join(names)}")
+    return [n for n in names if n in wanted and n not in dropped]
+
+
+def targets_of(report: dict[str, Any]) -> dict[str, bool]:
+    """Target name -> met, from the shapes benchmarks use: {name: bool}, {name: {..., "met"}},
+    [{"target" or "name", "met", ...}], or a single "targets_met" flag."""
+    targets = report.get("targets")
+    out: dict[str, bool] = {}
+    if isinstance(targets, dict):
+        for name, v in targets.items():
+            if isinstance(v, bool):
+                out[name] = v
+            elif isinstance(v, dict) and "met" in v:
+                out[str(v.get("target") or v.get("name") or name)] = bool(v["met"])
+    elif isinstance(targets, list):
+        for i, v in enumerate(targets):
+            if isinstance(v, dict) and "met" in v:
+                out[str(v.get("target") or v.get("name") or f"target {i}")] = bool(v["met"])
+    if "targets_met" in report and isinstance(report["targets_met"], bool):
+        out["targets_met"] = report["targets_met"]
+    return out
+
+
+def headline_of(name: str, report: dict[str, Any]) -> dict[str, Any]:
+    """A benchmark's headline figures: its own "headline", else its `HEADLINE_KEYS` (dicts flattened one level)."""
+    if isinstance(report.get("headline"), dict):
+        return dict(report["headline"])
+    out: dict[str, Any] = {}
+    for key in HEADLINE_KEYS.get(name, []):
+        value = report.get(key)
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items() if not isinstance(v, (dict, list))})
+        elif value is not None and not isinstance(value, list):
+            out[key] = value
+    return out
+
+
+def run_one(name: str, command: list[str], report_path: Path, log_path: Path, timeout_s: float) -> BenchOutcome:
+    """Run one benchmark's command (output to `log_path`) and read the report it wrote; never raises for
+    the benchmark's own failure."""
+    report_path.unlink(missing_ok=True)  # a report left from an earlier run must not pass for this one
+    started = time.perf_counter()
+    with log_path.open("w") as out:
+        try:
+            rc: int | None = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    seconds = time.perf_counter() - started
+    outcome = BenchOutcome(name, "ok", seconds, command, str(report_path), str(log_path))
+    report: dict[str, Any] | None = None
+    if report_path.exists():
+        try:
+            report = json.loads(report_path.read_text())
+        except (OSError, ValueError):
+            report = None
+    if rc is None:
+        outcome.status = f"timed out after {timeout_s:g} s"
+    elif rc != 0:
+        outcome.status = f"failed (exit {rc})"
+    elif report is None:
+        outcome.status = "no report"
+    if report is not None:
+        prov = report.get("provenance") or {}
+        outcome.commit, outcome.dirty = prov.get("commit") or report.get("commit"), prov.get("dirty")
+        outcome.headline, outcome.targets = headline_of(name, report), targets_of(report)
+    return outcome
+
+
+def _figure(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.3g}"
+    return str(value)
+
+
+def summary_markdown(outcomes: list[BenchOutcome]) -> str:
+    """The summary as a markdown table: benchmark, status, seconds, commit, headline figures, targets."""
+    lines = ["| benchmark | status | seconds | commit | headline | targets |", "|---|---|---|---|---|---|"]
+    for o in outcomes:
+        figures = list(o.headline.items())
+        shown = ", ".join(f"{k} {_figure(v)}" for k, v in figures[:MAX_FIGURES])
+        if len(figures) > MAX_FIGURES:
+            shown += f", … ({len(figures) - MAX_FIGURES} more in the JSON)"
+        met = sum(o.targets.values())
+        verdicts = (f"{met}/{len(o.targets)} met" + "".join(f"; MISSED {k}" for k, v in o.targets.items() if not v)
+                    if o.targets else "")
+        commit = f"{o.commit[:10]}{'+dirty' if o.dirty else ''}" if o.commit else ""
+        lines.append(f"| {o.name} | {o.status} | {o.seconds:.0f} | {commit} | {shown} | {verdicts} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- command
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", default=None, help="comma-separated benchmarks to run (default: all)")
+    p.add_argument("--skip", default=None, help="comma-separated benchmarks to leave out")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one benchmark may run (default 3600)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ops.bench import BENCHES, provenance, write_report
+
+    try:
+        names = selected([n for n in BENCHES if n != "all"], args.only, args.skip)
+    except ValueError as exc:
+        raise SystemExit(f"edgeserve bench all: {exc}") from exc
+    summary_path = Path(args.json_path)
+    folder = summary_path.with_suffix("")  # bench-results/all.json -> bench-results/all/
+    folder.mkdir(parents=True, exist_ok=True)
+    started_at = provenance()
+    outcomes: list[BenchOutcome] = []
+    for i, name in enumerate(names):
+        print(f"[{i + 1}/{len(names)}] edgeserve bench {name} --quick", file=sys.stderr, flush=True)
+        report = folder / f"{name}.json"
+        command = [sys.executable, "-m", "ops.cli", "bench", name, "--quick", "--json", str(report)]
+        outcome = run_one(name, command, report, folder / f"{name}.log", args.timeout)
+        outcomes.append(outcome)
+        print(f"    {outcome.status} in {outcome.seconds:.0f} s", file=sys.stderr, flush=True)
+    markdown = summary_markdown(outcomes)
+    print("\n" + markdown)
+    md_path = summary_path.with_suffix(".md")
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(f"# `edgeserve bench all` (quick runs), commit {started_at['commit']}"
+                       f"{' (dirty tree)' if started_at['dirty'] else ''}\n\n" + markdown)
+    print(f"wrote {md_path}")
+    write_report(str(summary_path), {
+        "benchmarks": [asdict(o) for o in outcomes],
+        "failed": [o.name for o in outcomes if o.status != "ok"],
+        "targets_missed": {o.name: [k for k, v in o.targets.items() if not v] for o in outcomes
+                           if not all(o.targets.values())},
+        "total_s": sum(o.seconds for o in outcomes),
+    })
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ops.bench_all` (what `make bench` runs): the same options as `edgeserve bench all`."""
+    p = argparse.ArgumentParser(prog="edgeserve bench all", description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="accepted for symmetry: every run is a quick run")
+    p.add_argument("--json", dest="json_path", default="bench-results/all.json", help="where to write the summary")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""`edgeserve bench all` / `make bench`: choosing benchmarks, reading their reports' targets and headlines,
+running one as a child process (a failure is reported, not raised), the summary table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ops import bench, bench_all
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_selected_keeps_registry_order_and_refuses_unknown_names() -> None:
+    names = ["engine", "kv-capacity", "integrity", "routing"]
+    assert bench_all.selected(names, None, None) == names
+    assert bench_all.selected(names, "routing,engine", None) == ["engine", "routing"]
+    assert bench_all.selected(names, None, "kv-capacity") == ["engine", "integrity", "routing"]
+    with pytest.raises(ValueError, match="enigne"):
+        bench_all.selected(names, "enigne", None)
+
+
+def test_every_registered_benchmark_is_run_but_not_all_itself() -> None:
+    names = [n for n in bench.BENCHES if n != "all"]
+    assert bench_all.selected(names, None, None) == names and "engine" in names and "routing" in names
+
+
+def test_targets_of_reads_every_shape_in_use() -> None:
+    assert bench_all.targets_of({"targets": {"a": True, "b": False}}) == {"a": True, "b": False}  # kv, moe, mla
+    assert bench_all.targets_of({"targets": {"mixed": {"target": "TPOT ratio", "met": False}}}) == {
+        "TPOT ratio": False}  # pd
+    assert bench_all.targets_of({"targets": [{"target": "hit rate", "met": True, "value": 0.6},
+                                             {"name": "no 5xx", "met": False}]}) == {"hit rate": True,
+                                                                                      "no 5xx": False}  # routing, soak
+    assert bench_all.targets_of({"targets_met": True}) == {"targets_met": True}  # structured
+    assert bench_all.targets_of({"results": []}) == {}
+
+
+def test_headline_prefers_the_reports_own() -> None:
+    assert bench_all.headline_of("engine", {"headline": {"c1_vs_hf_sequential": 1.2}, "ratios": {}}) == {
+        "c1_vs_hf_sequential": 1.2}
+    report = {"capacity_ratio": 1.97, "throughput_ratio_fp8_over_bf16": {"1": 0.8, "4": 0.7},
+              "ppl_relative_fp8_vs_bf16": 0.001, "sweep": [1, 2]}
+    assert bench_all.headline_of("kv-capacity", report) == {
+        "capacity_ratio": 1.97, "throughput_ratio_fp8_over_bf16.1": 0.8, "throughput_ratio_fp8_over_bf16.4": 0.7,
+        "ppl_relative_fp8_vs_bf16": 0.001}
+    assert bench_all.headline_of("kernels", {"x": 1}) == {}
+
+
+def _script(tmp_path: Path, body: str) -> list[str]:
+    path = tmp_path / "fake_bench.py"
+    path.write_text(body)
+    return [sys.executable, str(path)]
+
+
+def test_run_one_reads_the_report_and_reports_failures(tmp_path: Path) -> None:
+    report, log = tmp_path / "x.json", tmp_path / "x.log"
+    ok = _script(tmp_path, "import json, sys\nprint('measuring')\njson.dump({'headline': {'ratio': 2.5}, "
+                           "'targets': {'fast': True, 'small': False}, 'provenance': {'commit': 'abc123', "
+                           "'dirty': True}}, open(sys.argv[1], 'w'))\n")
+    out = bench_all.run_one("x", ok + [str(report)], report, log, timeout_s=60)
+    assert out.status == "ok" and out.headline == {"ratio": 2.5} and out.targets == {"fast": True, "small": False}
+    assert (out.commit, out.dirty) == ("abc123", True) and "measuring" in log.read_text() and out.seconds > 0
+    # a crash after an earlier run's report: failed, and the stale report is not read as this run's
+    crash = _script(tmp_path, "raise SystemExit(3)\n")
+    out = bench_all.run_one("x", crash, report, log, timeout_s=60)
+    assert out.status == "failed (exit 3)" and out.headline == {} and not report.exists()
+    silent = _script(tmp_path, "pass\n")
+    assert bench_all.run_one("x", silent, report, log, timeout_s=60).status == "no report"
+    hang = _script(tmp_path, "import time\ntime.sleep(30)\n")
+    assert bench_all.run_one("x", hang, report, log, timeout_s=0.5).status == "timed out after 0.5 s"
+
+
+def test_summary_markdown_one_row_per_benchmark() -> None:
+    rows = [bench_all.BenchOutcome("engine", "ok", 61.2, [], "e.json", "e.log", "0123456789abcdef", False,
+                                   {"c1_vs_hf_sequential": 1.234567, "nan": float("nan")},
+                                   {"c1_ge_1.5x": False, "c32_ge_1.5x_batched": True}),
+            bench_all.BenchOutcome("routing", "failed (exit 1)", 3.0, [], "r.json", "r.log")]
+    md = bench_all.summary_markdown(rows).splitlines()
+    assert md[0].startswith("| benchmark | status | seconds | commit |") and len(md) == 4
+    assert md[2] == ("| engine | ok | 61 | 0123456789 | c1_vs_hf_sequential 1.23, nan nan | 1/2 met; MISSED "
+                     "c1_ge_1.5x |")
+    assert md[3] == "| routing | failed (exit 1) | 3 |  |  |  |"
+
+
+def test_make_bench_runs_the_runner(tmp_path: Path) -> None:
+    for name in ("Makefile", "pyproject.toml"):
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    done = subprocess.run(["make", "--no-print-directory", "-n", "bench", "BENCH_ARGS=--only engine"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip().endswith(".venv/bin/python -m ops.bench_all --only engine"), done.stdout
+
+
+def test_main_parses_the_bench_options(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="unknown benchmarks \\['nope'\\]"):
+        bench_all.main(["--only", "nope", "--json", str(tmp_path / "all.json")])
+    assert not (tmp_path / "all.json").exists()

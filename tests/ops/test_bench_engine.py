@@ -1,0 +1,78 @@
+"""`edgeserve bench engine`: the pure helpers (rotation, run order, per-round ratios, targets); no model run."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import pytest
+
+from ops import bench, bench_engine
+from ops.bench_engine import Timings
+
+
+def test_rotated_is_a_latin_rotation() -> None:
+    items = ["a", "b", "c"]
+    square = [bench_engine.rotated(items, r) for r in range(3)]
+    assert square == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    for position in range(3):  # every item once in every position
+        assert sorted(row[position] for row in square) == items
+    assert bench_engine.rotated(items, 4) == square[1] and bench_engine.rotated([], 2) == []
+    assert items == ["a", "b", "c"]  # not modified
+
+
+def test_schedule_runs_every_system_on_every_level_each_round_in_rotated_order() -> None:
+    order = bench_engine.schedule([1, 8, 32], rounds=3, with_hf=True)
+    assert Counter((c, s) for _, c, s in order) == {
+        (1, "edgeserve"): 3, (1, "hf_sequential"): 3,  # no static batch of one: that is hf_sequential
+        (8, "edgeserve"): 3, (8, "hf_sequential"): 3, (8, "hf_batched"): 3,
+        (32, "edgeserve"): 3, (32, "hf_sequential"): 3, (32, "hf_batched"): 3}
+    assert [r for r, _, _ in order] == sorted(r for r, _, _ in order)  # round by round
+    for c in (8, 32):  # over 3 rounds each system goes first, second and third once
+        per_round = [[s for r2, c2, s in order if (r2, c2) == (r, c)] for r in range(3)]
+        for position in range(3):
+            assert sorted(run[position] for run in per_round) == ["edgeserve", "hf_batched", "hf_sequential"]
+    assert bench_engine.schedule([1, 8], rounds=2, with_hf=False) == [(0, 1, "edgeserve"), (0, 8, "edgeserve"),
+                                                                       (1, 1, "edgeserve"), (1, 8, "edgeserve")]
+
+
+def test_ratios_pair_systems_within_each_round() -> None:
+    t = lambda tokens, wall: Timings(wall, tokens, 1, [0.1], [0.01])  # noqa: E731
+    by_round = {("edgeserve", 8, 0): t(100, 1.0), ("hf_sequential", 8, 0): t(100, 5.0),  # 5x
+                ("edgeserve", 8, 1): t(100, 2.0), ("hf_sequential", 8, 1): t(100, 8.0),  # 4x (a slower round)
+                ("edgeserve", 8, 2): t(100, 1.0), ("hf_sequential", 8, 2): t(100, 7.0),  # 7x
+                ("edgeserve", 1, 0): t(10, 1.0)}
+    r = bench_engine.ratios(by_round, [1, 8], 3, "hf_sequential")
+    assert list(r) == ["8"]  # level 1's baseline did not run
+    assert r["8"]["per_round"] == pytest.approx([5.0, 4.0, 7.0])
+    assert (r["8"]["median"], r["8"]["min"], r["8"]["max"]) == pytest.approx((5.0, 4.0, 7.0))
+    # pooling the rounds first would give 300/4 over 300/20 = 5.0 here too, but pairs by round keep a
+    # slow spell from landing on one system only
+    assert bench_engine.ratios(by_round, [8], 3, "hf_batched") == {}
+
+
+def test_timings_pool_and_summarise() -> None:
+    a = Timings(2.0, 40, 2, [0.1, 0.3], [0.02, 0.04])
+    b = Timings(1.0, 20, 1, [0.2], [0.03])
+    pooled = a + b
+    assert (pooled.wall_s, pooled.tokens, pooled.requests) == (3.0, 60, 3)
+    res = pooled.result("edgeserve", 8, 8)
+    assert res.output_tok_s == pytest.approx(20.0) and res.ttft_p50_s == 0.2 and res.tpot_p95_s == 0.04
+    assert res.round == -1 and a.result("edgeserve", 8, 8, 2).round == 2
+
+
+def test_targets_on_the_medians() -> None:
+    seq = {"1": {"median": 1.5}, "32": {"median": 9.9}}
+    bat = {"32": {"median": 1.6}}
+    assert bench_engine.engine_targets(seq, bat, {"1": 60.0, "32": 35.0}) == {
+        "c1_ge_1.5x_hf_sequential": True, "c32_ge_10x_hf_sequential": False, "c32_ge_1.5x_hf_batched": True,
+        "c32_ge_35pct_of_gemm_bound": True}
+    assert bench_engine.engine_targets({"8": {"median": 3.0}}, {}, {}) == {}  # no level the targets name
+
+
+def test_registered_with_rounds() -> None:
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "engine", "--quick", "--rounds", "4"])
+    assert args.func.__wrapped__ is bench_engine.run and args.rounds == 4 and args.quick
+    assert parser.parse_args(["bench", "engine"]).rounds is None  # the run picks 3 (quick 2)
