@@ -94,10 +94,13 @@ import torch
 from backend.errors import WeightsError
 from backend.weight_formats import CT_METHOD, INT4_GROUP_SIZES, Int4Format, StoredWeight, TensorSpec
 
-__all__ = ["CT_SUFFIXES", "CompressedTensorsInt4", "compressed_tensors_format", "int4_from_pack_quantized",
-           "matches_any", "symmetric_int4", "pack_quantized_tensors", "quantization_config", "PackQuantizedWriter"]
+__all__ = ["CT_SUFFIXES", "CT_ZP_SUFFIXES", "CompressedTensorsInt4", "CompressedTensorsZeroPointInt4",
+           "compressed_tensors_format", "int4_from_pack_quantized", "matches_any", "symmetric_int4", "asymmetric_int4",
+           "integer_zero_params", "pack_zero_points", "unpack_zero_points", "pack_quantized_tensors",
+           "quantization_config", "PackQuantizedWriter"]
 
 CT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")  # checkpoint tensors of one packed linear
+CT_ZP_SUFFIXES = (*CT_SUFFIXES, "weight_zero_point")  # ... of an asymmetric one
 _FORMAT = "pack-quantized"
 
 
@@ -106,9 +109,8 @@ def matches_any(name: str, patterns: Sequence[str]) -> bool:
     return any(re.match(p[3:], name) is not None if p.startswith("re:") else p == name for p in patterns)
 
 
-class CompressedTensorsInt4(Int4Format):
-    """The INT4 format (`Int4Format`: runtime tensors, GEMM, fusing) read from a compressed-tensors
-    pack-quantized checkpoint: `targets` and `ignore` say which modules are packed."""
+class _PackQuantizedConfig(Int4Format):
+    """What both pack-quantized readers share: `targets` and `ignore` say which modules are packed."""
 
     def __init__(self, group_size: int, targets: Sequence[str], ignore: Sequence[str], prefix: str = "") -> None:
         super().__init__(group_size)
@@ -130,16 +132,32 @@ class CompressedTensorsInt4(Int4Format):
             return True
         return not packed and contains(f"{module}.weight")
 
+
+
+class CompressedTensorsInt4(_PackQuantizedConfig):
+    """The INT4 format (`Int4Format`: runtime tensors, GEMM, fusing) read from a symmetric compressed-tensors
+    pack-quantized checkpoint (Kimi's)."""
+
     def read(self, get: Callable[[str], torch.Tensor], module: str) -> StoredWeight:
         packed, scale, shape = (get(f"{module}.{s}") for s in CT_SUFFIXES)
         return int4_from_pack_quantized(packed, scale, shape, self.group_size, module)
 
 
+class CompressedTensorsZeroPointInt4(_PackQuantizedConfig):
+    """The INT4 format read from an asymmetric (``symmetric: false``) pack-quantized checkpoint: each
+    group's integer zero point (``weight_zero_point``) becomes our zeros = bfloat16(-zp * scale)."""
+
+    def read(self, get: Callable[[str], torch.Tensor], module: str) -> StoredWeight:
+        packed, scale, shape, zero = (get(f"{module}.{s}") for s in CT_ZP_SUFFIXES)
+        return int4_from_pack_quantized(packed, scale, shape, self.group_size, module, zero)
+
+
 def int4_from_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, group_size: int,
-                             module: str) -> StoredWeight:
+                             module: str, zero_point: torch.Tensor | None = None) -> StoredWeight:
     """One pack-quantized linear (weight_packed int32 [N, ceil(K/8)], weight_scale [N, K/g],
-    weight_shape [2]) as an `Int4Format` weight {qweight [N, K/2] uint8, scales, zeros [N, K/g]
-    bfloat16}: the same bits and codes (see the module docstring)."""
+    weight_shape [2], and for an asymmetric one weight_zero_point int32 [ceil(N/8), K/g]) as an
+    `Int4Format` weight {qweight [N, K/2] uint8, scales, zeros [N, K/g] bfloat16}: the same bits and
+    codes; zeros 0, or bfloat16(-zp * scale) (see the module docstring)."""
     if packed.dtype != torch.int32 or packed.dim() != 2:
         raise WeightsError(f"{module}.weight_packed must be 2-D int32, got {packed.dtype} {list(packed.shape)}",
                            tensor=f"{module}.weight_packed")
@@ -162,19 +180,52 @@ def int4_from_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: t
     if sys.byteorder == "big":
         qweight = qweight.view(n, -1, 4).flip(-1).reshape(n, -1)
     scales = scale.to(torch.bfloat16).contiguous()  # [N, K/g]
-    return StoredWeight({"qweight": qweight[:, : k // 2].contiguous(), "scales": scales,
-                         "zeros": torch.zeros_like(scales)}, (n, k))
+    zeros = torch.zeros_like(scales)
+    if zero_point is not None:
+        zeros = (-unpack_zero_points(zero_point, n, module).float() * scales.float()).to(torch.bfloat16)
+        if zeros.shape != scales.shape:
+            raise WeightsError(f"{module}.weight_zero_point holds {list(zeros.shape)} zero points; weight_scale is "
+                               f"{list(scales.shape)}", tensor=f"{module}.weight_zero_point")
+    return StoredWeight({"qweight": qweight[:, : k // 2].contiguous(), "scales": scales, "zeros": zeros}, (n, k))
 
 
-def _check_group(name: str, group: dict[str, Any], default_format: str | None) -> int:
-    """The group size of config group `name`, after checking it is symmetric 4-bit int group-wise W4A16."""
+def pack_zero_points(zp: torch.Tensor) -> torch.Tensor:
+    """Integer zero points zp [N, G] in -8..7 packed as compressed-tensors packs them, along N: int32
+    [ceil(N/8), G], rows 8i..8i+7 of a column in bits 0..31 of word i as 4-bit zp + 8 (rows past N 0)."""
+    n, groups = zp.shape
+    codes = torch.zeros(groups, -(-n // 8) * 8, dtype=torch.uint8)  # [G, N padded]
+    codes[:, :n] = (zp.to(torch.int16) + 8).to(torch.uint8).t()
+    pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [G, N/2]: row 2j low nibble, 2j + 1 high
+    words = pairs.view(groups, -1, 4)
+    if sys.byteorder == "big":
+        words = words.flip(-1)
+    packed = words.contiguous().view(torch.int32).reshape(groups, -1)  # [G, N/8]
+    return torch.empty(packed.shape[1], groups, dtype=torch.int32).copy_(packed.t())  # [N/8, G], row-major strides
+
+
+def unpack_zero_points(packed: torch.Tensor, n: int, module: str = "weight") -> torch.Tensor:
+    """`pack_zero_points`' inverse: int32 [ceil(N/8), G] -> zp int16 [N, G] in -8..7."""
+    if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[0] != -(-n // 8):
+        raise WeightsError(f"{module}.weight_zero_point must be int32 [ceil({n}/8), groups], got {packed.dtype} "
+                           f"{list(packed.shape)}", tensor=f"{module}.weight_zero_point")
+    words = packed.t().contiguous().view(torch.uint8).view(packed.shape[1], -1, 4)  # [G, N/8, 4]
+    if sys.byteorder == "big":
+        words = words.flip(-1)
+    pairs = words.reshape(packed.shape[1], -1)  # [G, N/2]
+    codes = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(packed.shape[1], -1)[:, :n]  # [G, N]
+    return (codes.to(torch.int16) - 8).t().contiguous()
+
+
+def _check_group(name: str, group: dict[str, Any], default_format: str | None) -> tuple[int, bool]:
+    """(group size, symmetric) of config group `name`, after checking it is 4-bit int group-wise W4A16."""
     fmt = group.get("format") or default_format
     if fmt != _FORMAT:
         raise WeightsError(f"compressed-tensors format {fmt!r} (config group {name!r}) is not supported; "
                            f"supported: {_FORMAT!r} (INT4 W4A16)", config_group=name)
     w = group.get("weights") or {}
-    want = {"num_bits": 4, "type": "int", "strategy": "group", "symmetric": True}
-    got = {key: w.get(key) for key in want}
+    symmetric = w.get("symmetric", True) is not False
+    want = {"num_bits": 4, "type": "int", "strategy": "group", "symmetric": symmetric}
+    got = {key: w.get(key, True) if key == "symmetric" else w.get(key) for key in want}
     if got != want or w.get("dynamic") not in (False, None) or w.get("actorder") not in (None, False, "weight") \
             or group.get("input_activations") is not None:
         raise WeightsError(f"compressed-tensors config group {name!r} is not supported: weights {w}, "
@@ -184,10 +235,10 @@ def _check_group(name: str, group: dict[str, Any], default_format: str | None) -
     if size not in INT4_GROUP_SIZES:
         raise WeightsError(f"compressed-tensors config group {name!r} has group_size {size!r}; supported: "
                            f"{', '.join(map(str, INT4_GROUP_SIZES))}", config_group=name)
-    return int(size)
+    return int(size), symmetric
 
 
-def compressed_tensors_format(qc: dict[str, Any], prefix: str = "") -> CompressedTensorsInt4:
+def compressed_tensors_format(qc: dict[str, Any], prefix: str = "") -> _PackQuantizedConfig:
     """The format of a `quant_method: compressed-tensors` config (checked; see the module docstring)."""
     status = qc.get("quantization_status", "compressed")
     groups = qc.get("config_groups") or {}
@@ -199,12 +250,14 @@ def compressed_tensors_format(qc: dict[str, Any], prefix: str = "") -> Compresse
         if qc.get(extra):
             raise WeightsError(f"compressed-tensors {extra} {qc[extra]!r} is not supported (only dense INT4 weights "
                                f"with no transforms)", quantization_config=qc)
-    sizes = {_check_group(name, group, qc.get("format")) for name, group in groups.items()}
-    if len(sizes) > 1:
-        raise WeightsError(f"compressed-tensors config groups use group sizes {sorted(sizes)}; one group size per "
-                           f"checkpoint is supported", quantization_config=qc)
+    schemes = {_check_group(name, group, qc.get("format")) for name, group in groups.items()}
+    if len(schemes) > 1:
+        raise WeightsError(f"compressed-tensors config groups use (group size, symmetric) {sorted(schemes)}; one "
+                           f"scheme per checkpoint is supported", quantization_config=qc)
     targets = [t for group in groups.values() for t in group.get("targets") or []]
-    return CompressedTensorsInt4(sizes.pop(), targets, list(qc.get("ignore") or []), prefix)
+    size, symmetric = schemes.pop()
+    cls = CompressedTensorsInt4 if symmetric else CompressedTensorsZeroPointInt4
+    return cls(size, targets, list(qc.get("ignore") or []), prefix)
 
 
 # ---------------------------------------------------------------- writing
@@ -241,10 +294,40 @@ def symmetric_int4(w: torch.Tensor, group_size: int, module: str = "weight") -> 
                          "zeros": torch.zeros_like(scales)}, (n, k))
 
 
-def pack_quantized_tensors(module: str, int4: StoredWeight) -> dict[str, torch.Tensor]:
+def integer_zero_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zp) float32 of groups with minimum `lo` and maximum `hi` on compressed-tensors' asymmetric
+    grid: the range widened to hold 0, scale = bfloat16((hi - lo) / 15) (eps for an all-zero group),
+    zp = clamp(round(-8 - lo / scale), -8, 7) (module docstring)."""
+    lo, hi = lo.float().clamp(max=0), hi.float().clamp(min=0)
+    scale = ((hi - lo) / 15).to(torch.bfloat16)
+    scale = torch.where(scale == 0, torch.full_like(scale, _BF16_EPS), scale).float()
+    return scale, torch.round(-8 - lo / scale).clamp(-8, 7)
+
+
+def asymmetric_int4(w: torch.Tensor, group_size: int, module: str = "weight") -> StoredWeight:
+    """Round-to-nearest INT4 of `w` [N, K] on compressed-tensors' asymmetric grid (`integer_zero_params`),
+    in the `Int4Format` layout: codes q + 8 = clamp(round((w - z) / scale) + 8, 0, 15) against
+    z = bfloat16(-zp * scale), the zeros our runtime adds (module docstring)."""
+    if w.dim() != 2 or not w.dtype.is_floating_point:
+        raise WeightsError(f"{module}: expected a 2-D float weight, got {w.dtype} {list(w.shape)}", tensor=module)
+    n, k = (int(d) for d in w.shape)
+    _check_groups(module, (n, k), group_size)
+    groups = w.float().reshape(n, k // group_size, group_size)  # [N, K/g, g]
+    scale, zp = integer_zero_params(groups.amin(dim=-1), groups.amax(dim=-1))  # [N, K/g]
+    zeros = (-zp * scale).to(torch.bfloat16)
+    codes = (torch.round((groups - zeros.float().unsqueeze(-1)) / scale.unsqueeze(-1)) + 8).clamp(0, 15)
+    codes = codes.to(torch.uint8).reshape(n, k)
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [N, K/2]
+    return StoredWeight({"qweight": qweight.contiguous(), "scales": scale.to(torch.bfloat16), "zeros": zeros},
+                        (n, k))
+
+
+def pack_quantized_tensors(module: str, int4: StoredWeight, symmetric: bool = True) -> dict[str, torch.Tensor]:
     """`<module>.weight_packed` int32 [N, K/8], `.weight_scale` bfloat16 [N, K/g] and `.weight_shape`
     int64 [2] of a symmetric `Int4Format` weight (zeros all 0, as `symmetric_int4` or a symmetric GPTQ
-    gives): the same bits, eight codes per little-endian word. The group size is read off the scales."""
+    gives): the same bits, eight codes per little-endian word. The group size is read off the scales.
+    Not `symmetric`: zeros must be bfloat16(-zp * scale) for integers zp in -8..7 (`asymmetric_int4`,
+    an integer-zero GPTQ), written as `.weight_zero_point` int32 [ceil(N/8), K/g] (`pack_zero_points`)."""
     t, (n, k) = int4.tensors, int4.shape
     q, scales, zeros = t["qweight"], t["scales"], t["zeros"]
     if q.dtype != torch.uint8 or tuple(q.shape) != (n, k // 2) or scales.dim() != 2 or scales.shape[0] != n \
@@ -252,7 +335,15 @@ def pack_quantized_tensors(module: str, int4: StoredWeight) -> dict[str, torch.T
         raise WeightsError(f"{module}: not an INT4 weight of shape [{n}, {k}]: qweight {q.dtype} {list(q.shape)}, "
                            f"scales {list(scales.shape)}, zeros {list(zeros.shape)}", tensor=module)
     _check_groups(module, (n, k), k // scales.shape[1])
-    if zeros.any():
+    extra: dict[str, torch.Tensor] = {}
+    if not symmetric:
+        zp = torch.round(-zeros.float() / scales.float())
+        if zp.min() < -8 or zp.max() > 7 or not torch.equal((-zp * scales.float()).to(torch.bfloat16),
+                                                              zeros.to(torch.bfloat16)):
+            raise WeightsError(f"{module}: the INT4 weight's zeros are not -zp * scale for integers zp in -8..7; "
+                               f"quantise with asymmetric_int4 (or an integer-zero GPTQ)", tensor=f"{module}.zeros")
+        extra[f"{module}.weight_zero_point"] = pack_zero_points(zp)
+    elif zeros.any():
         raise WeightsError(f"{module}: the INT4 weight has nonzero zero points (an asymmetric grid); pack-quantized "
                            f"stores a symmetric one: quantise with symmetric_int4 (or a symmetric GPTQ)",
                            tensor=f"{module}.zeros")
@@ -261,18 +352,19 @@ def pack_quantized_tensors(module: str, int4: StoredWeight) -> dict[str, torch.T
         packed = packed.flip(-1)
     return {f"{module}.weight_packed": packed.contiguous().view(torch.int32).reshape(n, k // 8),
             f"{module}.weight_scale": scales.to(torch.bfloat16).contiguous(),
-            f"{module}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+            f"{module}.weight_shape": torch.tensor([n, k], dtype=torch.int64), **extra}
 
 
-def quantization_config(group_size: int, ignore: Sequence[str], actorder: str | None = None) -> dict[str, Any]:
+def quantization_config(group_size: int, ignore: Sequence[str], actorder: str | None = None,
+                        symmetric: bool = True) -> dict[str, Any]:
     """config.json's `quantization_config` for a pack-quantized W4A16 checkpoint: one config group
-    targeting every Linear, symmetric int4 in groups of `group_size`, minus the `ignore` list
-    (names or ``re:`` regexes). `actorder` "weight" records a static activation order (no g_idx)."""
+    targeting every Linear, int4 in groups of `group_size` (symmetric, or with zero points), minus the
+    `ignore` list (names or ``re:`` regexes). `actorder` "weight" records a static activation order (no g_idx)."""
     if actorder not in (None, "weight"):
         raise WeightsError(f"actorder {actorder!r} is not supported: None, or 'weight' (no g_idx is stored)",
                            actorder=actorder)
     _check_groups("quantization_config", (0, 0), group_size)
-    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group_size, "symmetric": True,
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group_size, "symmetric": symmetric,
                "dynamic": False, "actorder": actorder}
     return {"quant_method": CT_METHOD, "format": _FORMAT, "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
@@ -282,49 +374,53 @@ def quantization_config(group_size: int, ignore: Sequence[str], actorder: str | 
 
 class PackQuantizedWriter(Int4Format):
     """The INT4 target `edgeserve quantize` writes as compressed-tensors pack-quantized: `quantize`
-    rounds to `symmetric_int4` and packs; `specs` and `quantization_config` describe the output. Its
-    stored tensors are the pack-quantized ones; `read` (and `unpack`) turns them into the `Int4Format`
-    layout, the one the inherited runtime methods (`linear`, `cat_rows`, `permute_rows`) take;
-    `dequantize` takes either."""
+    rounds to `symmetric_int4` (or, not `symmetric`, `asymmetric_int4`) and packs; `specs` and
+    `quantization_config` describe the output. Its stored tensors are the pack-quantized ones; `read`
+    (and `unpack`) turns them into the `Int4Format` layout, the one the inherited runtime methods
+    (`linear`, `cat_rows`, `permute_rows`) take; `dequantize` takes either."""
 
-    suffixes = CT_SUFFIXES
-
-    def __init__(self, group_size: int = 32, ignore: Sequence[str] = ()) -> None:
+    def __init__(self, group_size: int = 32, ignore: Sequence[str] = (), symmetric: bool = True) -> None:
         super().__init__(group_size)
-        self.ignore = tuple(ignore)
+        self.ignore, self.symmetric = tuple(ignore), symmetric
+        self.suffixes = CT_SUFFIXES if symmetric else CT_ZP_SUFFIXES
 
     def __repr__(self) -> str:
-        return f"int4(g{self.group_size}, compressed-tensors pack-quantized)"
+        kind = "" if self.symmetric else ", zero points"
+        return f"int4(g{self.group_size}, compressed-tensors pack-quantized{kind})"
 
     def specs(self, shape: tuple[int, int]) -> dict[str, TensorSpec]:
         n, k = shape
         _check_groups("weight", (n, k), self.group_size)
-        return {"weight_packed": TensorSpec(torch.int32, (n, k // 8)),
-                "weight_scale": TensorSpec(torch.bfloat16, (n, k // self.group_size)),
-                "weight_shape": TensorSpec(torch.int64, (2,))}
+        specs = {"weight_packed": TensorSpec(torch.int32, (n, k // 8)),
+                 "weight_scale": TensorSpec(torch.bfloat16, (n, k // self.group_size)),
+                 "weight_shape": TensorSpec(torch.int64, (2,))}
+        if not self.symmetric:
+            specs["weight_zero_point"] = TensorSpec(torch.int32, (-(-n // 8), k // self.group_size))
+        return specs
 
     def quantize(self, w: torch.Tensor) -> StoredWeight:
-        return self.pack(symmetric_int4(w, self.group_size))
+        rtn = symmetric_int4 if self.symmetric else asymmetric_int4
+        return self.pack(rtn(w, self.group_size))
 
     def pack(self, int4: StoredWeight, module: str = "weight") -> StoredWeight:
-        """A symmetric `Int4Format` weight (a GPTQ result, say) as this format's stored tensors."""
+        """An `Int4Format` weight on this writer's grid (a GPTQ result, say) as this format's stored tensors."""
         if int4.tensors["scales"].shape[-1] * self.group_size != int4.shape[1]:
             raise WeightsError(f"{module}: scales {list(int4.tensors['scales'].shape)} are not groups of "
                                f"{self.group_size} over in_features {int4.shape[1]}", tensor=module)
-        out = pack_quantized_tensors(module, int4)
-        return StoredWeight({s: out[f"{module}.{s}"] for s in CT_SUFFIXES}, int4.shape)
+        out = pack_quantized_tensors(module, int4, self.symmetric)
+        return StoredWeight({s: out[f"{module}.{s}"] for s in self.suffixes}, int4.shape)
 
     def unpack(self, sw: StoredWeight, module: str = "weight") -> StoredWeight:
         """This format's stored tensors back in the `Int4Format` layout (the same codes and scales)."""
         t = sw.tensors
         return int4_from_pack_quantized(t["weight_packed"], t["weight_scale"], t["weight_shape"], self.group_size,
-                                        module)
+                                        module, t.get("weight_zero_point"))
 
     def read(self, get: Callable[[str], torch.Tensor], module: str) -> StoredWeight:
-        return self.unpack(StoredWeight({s: get(f"{module}.{s}") for s in CT_SUFFIXES}, (0, 0)), module)
+        return self.unpack(StoredWeight({s: get(f"{module}.{s}") for s in self.suffixes}, (0, 0)), module)
 
     def dequantize(self, sw: StoredWeight) -> torch.Tensor:
         return super().dequantize(sw if "qweight" in sw.tensors else self.unpack(sw))
 
     def quantization_config(self) -> dict[str, Any]:
-        return quantization_config(self.group_size, self.ignore)
+        return quantization_config(self.group_size, self.ignore, symmetric=self.symmetric)

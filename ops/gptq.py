@@ -65,12 +65,15 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
+from backend.compressed_tensors import integer_zero_params
 from backend.errors import WeightsError
 from backend.weight_formats import Int4Format, StoredWeight
 
 __all__ = ["HessianAccumulator", "PreparedHessian", "GptqResult", "prepare_hessian", "gptq_quantize",
-           "int4_group_params", "symmetric_group_params", "DEFAULT_DAMP", "DEFAULT_BLOCK"]
+           "int4_group_params", "symmetric_group_params", "integer_zero_group_params", "DEFAULT_DAMP",
+           "DEFAULT_BLOCK"]
 
 DEFAULT_DAMP = 0.01  # fraction of mean(diag H) added to the diagonal
 DEFAULT_BLOCK = 128  # columns whose updates are applied together (lazy batch updates)
@@ -101,6 +104,7 @@ class PreparedHessian(NamedTuple):
     perm: torch.Tensor | None  # [K] visiting order (act-order), None: column order
     dead: torch.Tensor  # [K] bool, input columns that were always zero
     diag: torch.Tensor  # [K] float32 diag H in column order (dead columns 1): the clip search's weights
+    h: torch.Tensor | None = None  # [K, K] float32 damped H in column order: the scale refit's metric
 
 
 class GptqResult(NamedTuple):
@@ -116,6 +120,7 @@ def prepare_hessian(h: torch.Tensor, act_order: bool = False, damp: float = DEFA
     dead = diag == 0
     diag[dead] = 1.0
     diag_cols = diag.float().clone()
+    h_cols = h.float() + damp * float(diag.mean()) * torch.eye(k)  # [K, K] column order, damped
     perm = torch.argsort(diag, descending=True, stable=True) if act_order else None
     if perm is not None:
         h = h[perm][:, perm]
@@ -127,7 +132,7 @@ def prepare_hessian(h: torch.Tensor, act_order: bool = False, damp: float = DEFA
             l_inv = torch.linalg.solve_triangular(chol, torch.eye(k, dtype=h.dtype), upper=False)
             u, info = torch.linalg.cholesky_ex(l_inv.t() @ l_inv, upper=True)  # H⁻¹ = L⁻ᵀ L⁻¹
             if int(info) == 0:
-                return PreparedHessian(u.float(), perm, dead, diag_cols)
+                return PreparedHessian(u.float(), perm, dead, diag_cols, h_cols)
     raise WeightsError(f"GPTQ: the calibration Hessian ({k} columns) is not positive definite even with "
                        f"{100 * damp * 1000:g}% dampening; use more calibration tokens or --method rtn")
 
@@ -151,6 +156,21 @@ def symmetric_group_params(w: torch.Tensor, shrink: float = 1.0) -> tuple[torch.
     s = (w.abs().amax(dim=1) * shrink / _SYM_STEPS).to(torch.bfloat16)
     s = torch.where(s == 0, torch.full_like(s, _BF16_EPS), s).float()
     return s, torch.zeros_like(s)
+
+
+def integer_zero_group_params(w: torch.Tensor, shrink: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+    """(s, z) [N] float32 of one group w [N, g] on compressed-tensors' asymmetric grid (an integer zero
+    point, `backend.compressed_tensors.integer_zero_params` of the range [a lo, b hi]) with z =
+    bfloat16(-zp s), the value of code 8 as our INT4 layout stores it; zp = round(-z / s) recovers zp."""
+    s, zp = integer_zero_params(w.amin(dim=1) * shrink[0], w.amax(dim=1) * shrink[1])
+    return s, (-zp * s).to(torch.bfloat16).float()
+
+
+def _grid(symmetric: bool, integer_zero: bool):  # noqa: ANN202 (one of the three params functions)
+    if symmetric:
+        return symmetric_group_params
+    return integer_zero_group_params if integer_zero else int4_group_params
 
 
 def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, symmetric: bool) -> torch.Tensor:
@@ -177,12 +197,12 @@ CLIP_SHRINKS_ASYM = tuple((a, b) for a in (1.0 - 0.05 * i for i in range(11))
 
 
 def _static_params(w: torch.Tensor, diag: torch.Tensor, g: int, symmetric: bool,
-                   clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   clip: bool, integer_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(scales, zeros) [N, groups] of w [N, K] from its groups before any update. With `clip`, each
     (row, group) takes the range shrink (`CLIP_SHRINKS_ASYM`: lo and hi shrunk independently;
     `CLIP_SHRINKS` symmetric) whose rounding error, weighted by the inputs' energy diag H, is least."""
     n, k = w.shape
-    params = symmetric_group_params if symmetric else int4_group_params
+    params = _grid(symmetric, integer_zero)
     groups = -(-k // g)
     scales, zeros = torch.zeros(n, groups), torch.zeros(n, groups)
     for j in range(groups):
@@ -204,19 +224,71 @@ def _static_params(w: torch.Tensor, diag: torch.Tensor, g: int, symmetric: bool,
     return scales, zeros
 
 
+def refit_group_params(w: torch.Tensor, codes: torch.Tensor, h: torch.Tensor, g: int, scales: torch.Tensor,
+                       zeros: torch.Tensor, fixed_zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zeros [N, G] re-fitted to the codes GPTQ chose: per row n, the (s, z) of all its groups
+    that minimise the output error (w_n - ŵ_n) H (w_n - ŵ_n)ᵀ with ŵ = (c - 8) s + z (least squares,
+    2G unknowns; a ridge of 1e-4 of the system's mean diagonal pulls it toward the current values).
+    `fixed_zero` (the symmetric and integer-zero grids): each group's zero point stays a fixed number
+    of steps, ŵ = (c - 8 + z / s) s, and only s is fitted. Returned bfloat16-rounded, as stored."""
+    n, k = w.shape
+    groups = -(-k // g)
+    pad = groups * g - k
+    q = F.pad(codes - 8 + (zeros / scales).repeat_interleave(g, dim=1)[:, :k] * fixed_zero, (0, pad))  # [N, G g]
+    wp = F.pad(w.float(), (0, pad))
+    hp = F.pad(h.float(), (0, pad, 0, pad)).view(groups, g, groups * g)  # [G, g, G g]
+    u = torch.einsum("nai,aij->naj", q.view(n, groups, g), hp)  # [N, G, G g]: sum_{i in a} q_i H_ij
+    m_ss = (u * q[:, None]).view(n, groups, groups, g).sum(-1)  # [N, G, G]
+    rhs_s = (u * wp[:, None]).sum(-1)  # [N, G]
+    if fixed_zero:
+        m, rhs, theta0 = m_ss, rhs_s, scales
+    else:
+        v = hp.sum(dim=1)  # [G, G g]: sum_{i in a} H_ij
+        m_sz = u.view(n, groups, groups, g).sum(-1)  # [N, G, G]
+        m_zz = v.view(groups, groups, g).sum(-1).expand(n, groups, groups)
+        m = torch.cat([torch.cat([m_ss, m_sz], 2), torch.cat([m_sz.transpose(1, 2), m_zz], 2)], 1)  # [N, 2G, 2G]
+        rhs, theta0 = torch.cat([rhs_s, wp @ v.t()], 1), torch.cat([scales, zeros], 1)
+    lam = 1e-4 * torch.diagonal(m, dim1=1, dim2=2).mean(dim=1).clamp(min=1e-12)  # [N]
+    eye = torch.eye(m.shape[1]).expand_as(m)
+    theta = torch.linalg.solve(m.double() + (lam[:, None, None] * eye).double(),
+                               (rhs + lam[:, None] * theta0).double()).float()
+    bad = ~torch.isfinite(theta).all(dim=1) | (theta[:, :groups] <= 0).any(dim=1)  # keep such rows as they were
+    theta = torch.where(bad[:, None], theta0, theta)
+    s_new = theta[:, :groups].to(torch.bfloat16).float()
+    if fixed_zero:
+        return s_new, (zeros / scales * s_new).to(torch.bfloat16).float()  # the same zero point in steps
+    return s_new, theta[:, groups:].to(torch.bfloat16).float()
+
+
 def gptq_quantize(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: int = DEFAULT_BLOCK,
-                  symmetric: bool = False, static_groups: bool = False, clip: bool = False) -> GptqResult:
+                  symmetric: bool = False, static_groups: bool = False, clip: bool = False,
+                  integer_zero: bool = False, refit: bool = False) -> GptqResult:
     """Quantise w [N, K] (any float dtype) with GPTQ against `prepared` into `fmt`'s layout (`Int4Format`:
-    qweight, scales, zeros), on its asymmetric grid or, `symmetric`, compressed-tensors' (module docstring)."""
-    if symmetric and w.shape[1] % fmt.group_size:
+    qweight, scales, zeros), on its asymmetric grid or, `symmetric`, compressed-tensors' symmetric one,
+    or, `integer_zero`, compressed-tensors' asymmetric one (module docstring)."""
+    if (symmetric or integer_zero) and w.shape[1] % fmt.group_size:
         raise WeightsError(f"a symmetric (pack-quantized) weight needs in_features divisible by the group size "
                            f"{fmt.group_size}; got {list(w.shape)}", shape=list(w.shape))
     with _one_thread():
-        return _gptq(w, prepared, fmt, block, symmetric, static_groups or clip or prepared.perm is not None, clip)
+        result = _gptq(w, prepared, fmt, block, symmetric, static_groups or clip or prepared.perm is not None, clip,
+                       integer_zero)
+    if not refit:
+        return result
+    n, k = result.dequantized.shape
+    sw = result.stored.tensors
+    codes = torch.stack([sw["qweight"] & 15, sw["qweight"] >> 4], dim=-1).reshape(n, -1)[:, :k].float()
+    w_cols = w.float().clone()
+    w_cols[:, prepared.dead] = 0
+    s, z = refit_group_params(w_cols, codes, prepared.h, fmt.group_size, sw["scales"].float(), sw["zeros"].float(),
+                              symmetric or integer_zero)
+    stored = StoredWeight({"qweight": sw["qweight"], "scales": s.to(torch.bfloat16), "zeros": z.to(torch.bfloat16)},
+                          (n, k))
+    g = fmt.group_size
+    return GptqResult(stored, (codes - 8) * s.repeat_interleave(g, dim=1)[:, :k] + z.repeat_interleave(g, dim=1)[:, :k])
 
 
 def _gptq(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: int, symmetric: bool,
-          static: bool, clip: bool) -> GptqResult:
+          static: bool, clip: bool, integer_zero: bool) -> GptqResult:
     n, k = w.shape
     if prepared.u.shape != (k, k):
         raise WeightsError(f"GPTQ: a [{n}, {k}] weight against a Hessian of {prepared.u.shape[0]} columns")
@@ -231,9 +303,9 @@ def _gptq(w: torch.Tensor, prepared: PreparedHessian, fmt: Int4Format, block: in
     scales = torch.zeros(n, groups)  # float32 values of the bfloat16 scales
     zeros = torch.zeros(n, groups)
     perm = prepared.perm
-    params = symmetric_group_params if symmetric else int4_group_params
+    params = _grid(symmetric, integer_zero)
     if static:  # static groups, from the weights before any update (column order)
-        scales, zeros = _static_params(W, prepared.diag, g, symmetric, clip)
+        scales, zeros = _static_params(W, prepared.diag, g, symmetric, clip, integer_zero)
     if perm is not None:
         W = W[:, perm]
         col_of = perm.tolist()

@@ -65,11 +65,11 @@ import torch
 from tqdm import tqdm
 
 from backend.config import ModelConfig, load_config
-from backend.errors import UnsupportedArchitecture, WeightsError
+from backend.errors import WeightsError
 from backend.models.checkpoint_layout import checkpoint_layout
 from backend.weight_formats import Int4Format, TensorSpec, WeightFormat, stored_format, weight_format
 from backend.weights import CheckpointReader, write_safetensors
-from ops.calibration import DEFAULT_CALIB_TOKENS, DenseWeights, LayerCalibrator, calibration_ids, in_layer_order
+from ops.calibration import DEFAULT_CALIB_TOKENS, DEFAULT_SEQ_LEN, DenseWeights, LayerCalibrator, calibration_ids, layer_of, in_layer_order
 from ops.gptq import DEFAULT_DAMP
 from ops.quantize_ignore import IGNORE_PRESETS, ignore_matcher, ignore_patterns, validate_patterns
 from ops.quantize_report import SizeReport, per_gpu_bytes, peak_rss_bytes, print_report, size_report
@@ -218,20 +218,24 @@ def plan_quantize(reader: CheckpointReader, cfg: ModelConfig, target: WeightForm
 def _produce(reader: CheckpointReader, plan: QuantizePlan, steps: Steps, done: Callable[[], object],
              weights: DenseWeights, calibrator: LayerCalibrator | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Output tensors of `steps`, one input tensor (or linear module) at a time; `done()` after each.
-    With a calibrator, a linear's INT4 weight comes from its layer's GPTQ (run when the first of
-    the layer's linears is due; steps are in layer order)."""
+    With a calibrator, a layer's tensors come after its calibration (run when the first of the
+    layer's tensors is due; steps are in layer order): a linear's INT4 weight from its GPTQ, a
+    norm AWQ rewrote from `calibrator.tensors`."""
     layer: dict[str, object] = {}
     for key, _ in steps:
+        index = layer_of(key)
+        if calibrator is not None and 0 <= index < plan.cfg.num_layers:
+            while calibrator.layer <= index:
+                layer = calibrator.next_layer()  # the previous layer's weights are dropped here
         if key in plan.dequantized:
             yield f"{key}.weight", weights(key).to(torch.bfloat16)
         elif key not in plan.linear_modules:
-            yield key, reader.get(key)
+            yield key, calibrator.tensors[key] if calibrator is not None and key in calibrator.tensors \
+                else reader.get(key)
         else:
             if calibrator is not None:
-                while key not in layer:
-                    if calibrator.layer >= plan.cfg.num_layers:
-                        raise WeightsError(f"{key}: GPTQ calibration produced no weight for it", tensor=key)
-                    layer = calibrator.next_layer()  # the previous layer's weights are dropped here
+                if key not in layer:
+                    raise WeightsError(f"{key}: GPTQ calibration produced no weight for it", tensor=key)
                 stored = layer.pop(key)
             else:
                 stored = plan.target.quantize(weights(key))
@@ -258,15 +262,12 @@ def resolve_method(method: str | None, target: WeightFormat, cfg: ModelConfig) -
     """The quantisation method: `method` checked, or for None the default (gptq for INT4 where
     calibration covers the architecture, rtn otherwise; FP8 is always rounded to nearest)."""
     if method is None:
-        return "gptq" if target.name == "int4" and not cfg.is_mla else "rtn"
+        return "gptq" if target.name == "int4" else "rtn"
     if method not in METHODS:
         raise WeightsError(f"unknown quantisation method {method!r}; known: {', '.join(METHODS)}", method=method)
     if method == "gptq" and target.name != "int4":
         raise WeightsError(f"--method gptq quantises to INT4; {target.name} is rounded to nearest (--method rtn)",
                            method=method)
-    if method == "gptq" and cfg.is_mla:
-        raise UnsupportedArchitecture(f"GPTQ calibration covers GQA decoders (Llama, Qwen2, Glm4Moe); "
-                                      f"{cfg.architecture} uses latent attention: use --method rtn")
     return method
 
 
@@ -274,7 +275,8 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
                         progress: bool = True, method: str | None = "rtn", calib_tokens: int = DEFAULT_CALIB_TOKENS,
                         calib_file: Path | None = None, calib_ids: torch.Tensor | None = None,
                         act_order: bool = True, ignore: Sequence[str] = (), damp: float = DEFAULT_DAMP,
-                        static_groups: bool = False, clip: bool = True) -> SizeReport:
+                        static_groups: bool = False, clip: bool = True, awq: bool = False,
+                        refit: bool = False) -> SizeReport:
     """Write `dst` (which must not exist) from `src` with its linear layers in `target`; atomic.
 
     method: "rtn" rounds each weight to nearest; "gptq" (INT4 only) calibrates layer by layer on
@@ -295,9 +297,10 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
     steps = in_layer_order(plan.steps, cfg.num_layers)
     weights = DenseWeights(reader, plan)
     calibrator = None
-    if method == "gptq":
+    if method == "gptq" or awq:
         assert isinstance(target, Int4Format)
-        ids = calib_ids if calib_ids is not None else calibration_ids(src, cfg, calib_tokens, calib_file)
+        seq_len = min(DEFAULT_SEQ_LEN, cfg.index_topk) if cfg.index_topk else DEFAULT_SEQ_LEN  # DSA: dense up to top-k
+        ids = calib_ids if calib_ids is not None else calibration_ids(src, cfg, calib_tokens, calib_file, seq_len)
         if ids.dim() != 2 or not ids.numel() or int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
             raise WeightsError(f"calibration ids must be [sequences, length] in 0..{cfg.vocab_size - 1}")
         def served(module: str) -> torch.Tensor:  # what the output holds for a kept linear
@@ -305,7 +308,8 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
 
         calibrator = LayerCalibrator(cfg, ids, target, reader.get, weights, reader.__contains__, act_order,
                                      kept=plan.kept.__contains__, served=served, damp=damp,
-                                     static_groups=static_groups, clip=clip)
+                                     static_groups=static_groups, clip=clip, awq=awq, gptq=method == "gptq",
+                                     refit=refit)
     prefix = cfg.checkpoint_prefix  # written back under the prefix the config.json implies
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))

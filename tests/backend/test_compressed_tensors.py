@@ -198,11 +198,12 @@ def _group(**weights: object) -> dict[str, object]:
 @pytest.mark.parametrize("qc, match", [
     ({"format": "float-quantized", "config_groups": {"g": _group()}}, "format 'float-quantized'"),
     ({"format": "nvfp4-pack-quantized", "config_groups": {"g": _group()}}, "nvfp4"),
-    ({"format": "pack-quantized", "config_groups": {"g": _group(symmetric=False)}}, "config group 'g'"),
+    ({"format": "pack-quantized", "config_groups": {"a": _group(), "b": _group(symmetric=False)}}, "one scheme"),
     ({"format": "pack-quantized", "config_groups": {"g": _group(num_bits=8)}}, "config group 'g'"),
     ({"format": "pack-quantized", "config_groups": {"g": _group(actorder="group")}}, "activation ordering"),
     ({"format": "pack-quantized", "config_groups": {"g": _group(group_size=48)}}, "group_size 48"),
-    ({"format": "pack-quantized", "config_groups": {"a": _group(), "b": _group(group_size=64)}}, r"\[32, 64\]"),
+    ({"format": "pack-quantized", "config_groups": {"a": _group(), "b": _group(group_size=64)}},
+     r"\(32, True\), \(64, True\)"),
     ({"format": "pack-quantized", "config_groups": {}}, "config_groups"),
 ])
 def test_unsupported_configs_are_weights_errors(qc: dict[str, object], match: str) -> None:

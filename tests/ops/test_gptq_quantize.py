@@ -55,25 +55,33 @@ def test_calibration_and_evaluation_genres_are_disjoint(smollm2_dir: Path) -> No
     assert {d[1] for d in held_docs} <= set(EVAL_GENRES) and not set(docs) & set(held_docs)
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_calibrator_forward_is_the_runtime_forward(tiny_moe_tok: Path, tmp_path: Path, act_order: bool) -> None:
+@pytest.mark.parametrize("act_order,awq", [(False, False), (True, False), (True, True)])
+def test_calibrator_forward_is_the_runtime_forward(tiny_moe_tok: Path, tmp_path: Path, act_order: bool,
+                                                   awq: bool) -> None:
     """Walking every layer, the calibrator's hidden states (through the quantised layers) give the
     logits that our engine computes from the written checkpoint's dequantised weights, and the
-    stored weights are the calibrator's. Covers q/k norm, biases, partial RoPE, routing, shared experts."""
+    stored weights are the calibrator's. Covers q/k norm, biases, partial RoPE, routing, shared experts,
+    and AWQ's scales folded into the norms (written) and into up_proj's rows."""
     ids = torch.randint(3, 49000, (2, 48))
     fmt = weight_format("int4", 32)
     out = tmp_path / "q"
     report = quantize.quantize_checkpoint(tiny_moe_tok, out, fmt, method="gptq", calib_ids=ids, act_order=act_order,
-                                          progress=False)
+                                          progress=False, awq=awq)
     cfg = load_config(tiny_moe_tok)
     reader = CheckpointReader(tiny_moe_tok)
     plan = quantize.plan_quantize(reader, cfg, fmt)
     cal = LayerCalibrator(cfg, ids, fmt, reader.get, quantize.DenseWeights(reader, plan), reader.__contains__,
-                          act_order)
+                          act_order, awq=awq)
     written = CheckpointReader(out)
+    folded = []
     for _ in range(cfg.num_layers):
         for module, sw in cal.next_layer().items():
             assert all(torch.equal(t, written.get(f"{module}.{s}")) for s, t in sw.tensors.items()), module
+        for name, t in cal.tensors.items():
+            assert torch.equal(t, written.get(name)) and t.dtype == reader.get(name).dtype, name
+            folded.append(name)
+    assert len(folded) == (cfg.num_layers + sum(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))) * awq
+    assert len(cal.stats.awq_alphas) > len(folded) if awq else not cal.stats.awq_alphas
     assert report.calibration.gptq_linears + 3 * len(report.calibration.rtn_experts) == len(plan.linear_modules)
     h = rms_norm(cal.h[1], reader.get("model.norm.weight").float(), cfg.rms_norm_eps)
     ours = h @ reader.get("lm_head.weight").float().t()
