@@ -33,17 +33,15 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 async def collect_or_cancel(gen: Generation, request: Request) -> tuple[str, Done]:
-    """`gen.collect()`, or, if the client disconnects first, close `gen` and raise `RequestCancelled`."""
-    collect = asyncio.ensure_future(gen.collect())
+    """`gen.collect()`, or, if the client disconnects first, close `gen` and raise `RequestCancelled`.
+    One task (the disconnect watch); the generation's end is waited for in this one."""
     gone = asyncio.ensure_future(wait_for_disconnect(request))
     try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({gen.final, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        collect.cancel()
         gone.cancel()
-        await asyncio.gather(collect, gone, return_exceptions=True)
-    if collect.done() and not collect.cancelled():
-        return collect.result()  # the answer was ready: send it even if the client is leaving
+    if gen.final.done():
+        return await gen.collect()  # the answer was ready (all queued): send it even if the client is leaving
     log.info("request %s: client disconnected before the answer; cancelling", gen.request_id)
     await gen.aclose()
     raise RequestCancelled("client disconnected before the answer was ready")

@@ -29,7 +29,7 @@ from typing import Any
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from backend.errors import EdgeServeError
 from backend.protocol import Logprobs
@@ -40,7 +40,7 @@ from gateway.generation import Delta, Done, Generation, Usage
 from gateway.logprobs import completion_logprobs, join_completion_logprobs
 from gateway.schemas import CompletionRequest, decode_body
 from gateway.served_models import ServedModel
-from gateway.sse import DONE, KEEPALIVE, SSE_HEADERS, sse_event
+from gateway.sse import DONE, KEEPALIVE, SSEResponse, sse_event
 from gateway.state import GatewayState
 
 __all__ = ["completions"]
@@ -114,7 +114,8 @@ async def completions(request: Request) -> Response:
         prompts = req.prompts()
         ids = [await _prompt_ids(model, p) for p in prompts]
         for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
-            gen = await state.start_generation(request, API, tenant, model, prompt_ids, _params(req))
+            gen = await state.start_generation(request, API, tenant, model, prompt_ids, _params(req),
+                                               stream=req.stream)
             choices.append(_Choice(i, gen, req, model, prompt))
     except Exception as exc:  # noqa: BLE001 - translated once, here
         for c in choices:
@@ -138,9 +139,7 @@ async def completions(request: Request) -> Response:
 
     if req.stream:  # metering finishes after the last byte (`sse.py`)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_stream(choices, state.config.keepalive_s, body, include_usage),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
-                                 background=BackgroundTask(close_all))
+        return SSEResponse(_stream(choices, state.config.keepalive_s, body, include_usage), headers, after=close_all)
     results: list[dict[str, Any]] = []
     dones: list[Done] = []
     try:

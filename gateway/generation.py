@@ -2,6 +2,7 @@
 
     gen = Generation(...);  await gen.start()      # quota, worker admission: typed refusals raise here
     async for item in gen.events(): ...            # Delta(text) ..., then one Done; errors raise
+    text, done = await gen.collect()               # or all at once (`stream=False`: decoded once, at the end)
     gen.token_ids, gen.logprobs, gen.prompt_logprobs   # what arrived, when the request asked for logprobs
     await gen.aclose()                              # always (finally): cancels if unfinished, waits for metering
 
@@ -102,12 +103,15 @@ _Item = Delta | Done | EdgeServeError
 class Generation:
     def __init__(self, *, tenant: Tenant, model: ServedModel, prompt_ids: list[int], params: SamplingParams,
                  api: str, region: str, router: Router, pool: WorkerPool, quotas: Quotas, meter: Meter,
-                 metrics: GatewayMetrics, keep_special_ids: frozenset[int] = frozenset()) -> None:
+                 metrics: GatewayMetrics, keep_special_ids: frozenset[int] = frozenset(), stream: bool = True) -> None:
+        """`stream=False`: the response is read whole (`collect`), so the text is decoded once, at the end,
+        and the only items are one Delta and the Done (`TextStream` with `incremental=False`)."""
         self.request_id = uuid.uuid4().hex
         self.tenant, self.model, self.prompt_ids, self.params, self.api = tenant, model, prompt_ids, params, api
         self.requested_max_tokens = params.max_tokens  # `params.max_tokens` is lower when the day's quota caps it
         self.region = region
         self.keep_special_ids = keep_special_ids  # special tokens whose text the response's parsers read
+        self.stream = stream
         self._router, self._pool, self._quotas, self._meter, self._metrics = router, pool, quotas, meter, metrics
         self.route: RouteDecision | None = None
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
@@ -115,6 +119,7 @@ class Generation:
         self._started: asyncio.Future[None] | None = None  # done once a worker took it or the producer ended
         self._producer: asyncio.Task[None] | None = None
         self._ended = False  # the final item (Done or an error) is queued: nothing left to cancel
+        self._final: asyncio.Future[None] | None = None  # done once the final item is queued (`ended`)
         self._settling: asyncio.Future[None] | None = None  # the metering, once the producer ends
         self._reservation: Reservation | None = None
         self._completion_tokens = 0
@@ -131,7 +136,8 @@ class Generation:
         if self._reservation.max_tokens < self.params.max_tokens:  # the day's tokens cap the completion
             self.params = SamplingParams(**{**_fields(self.params), "max_tokens": self._reservation.max_tokens})
         log.info("route %s: %s", self.request_id, self.route.reason)
-        self._started = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._started, self._final = loop.create_future(), loop.create_future()
         self._producer = asyncio.create_task(self._produce(), name=f"generation-{self.request_id}")
         self._producer.add_done_callback(self._on_started)
         await self._started
@@ -169,6 +175,20 @@ class Generation:
             except BaseException:
                 self._router.done(self.request_id)
                 raise
+
+    def _end(self, item: Done | EdgeServeError) -> None:
+        """Queue the final item: nothing is left to cancel, and `ended` completes."""
+        self._ended = True
+        self._queue.put_nowait(item)
+        if self._final is not None and not self._final.done():
+            self._final.set_result(None)
+
+    @property
+    def final(self) -> asyncio.Future[None]:
+        """Done once the final item (Done or an error) is queued, so `collect` returns at once (after
+        `start`). Wait on it; never cancel it."""
+        assert self._final is not None, "start() first"
+        return self._final
 
     def _on_started(self, _: object = None) -> None:
         """The worker took the request (`on_accept`), or the producer ended without that."""
@@ -279,15 +299,15 @@ class Generation:
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a typed item
             error = as_typed(exc)
             finish_reason = "error"
-            self._ended = True
-            self._queue.put_nowait(error)
+            self._end(error)
         finally:
             # its own task, shielded: cancelling the producer (client gone) never cancels the metering
             self._settling = asyncio.ensure_future(self._settle(finish_reason, error, cached))
             await asyncio.shield(self._settling)
 
     async def _stream_from(self, client: WorkerClient, request: GenerateRequest) -> tuple[str, int]:
-        text = TextStream(self.model.tokenizer, self.prompt_ids, self.params.stop, self.keep_special_ids)
+        text = TextStream(self.model.tokenizer, self.prompt_ids, self.params.stop, self.keep_special_ids,
+                          incremental=self.stream)
         events = client.generate(request, on_accept=self._accept)
         async with contextlib.aclosing(events):
             return await self._consume(events, text, client)
@@ -312,7 +332,8 @@ class Generation:
                     if self.logprobs is None:
                         self.logprobs = Logprobs([])
                     self.logprobs.extend(ev.logprobs)
-                    self._queue.put_nowait(Delta(piece, tuple(ev.token_ids), ev.logprobs))
+                    if self.stream:
+                        self._queue.put_nowait(Delta(piece, tuple(ev.token_ids), ev.logprobs))
                 elif piece:
                     self._queue.put_nowait(Delta(piece))
             elif isinstance(ev, FinishEvent):
@@ -322,8 +343,7 @@ class Generation:
                     self._queue.put_nowait(Delta(tail))
                 reason = "length" if ev.finish_reason == "length" else "stop"
                 usage = Usage(len(self.prompt_ids), ev.completion_tokens, ev.cached_tokens)
-                self._ended = True
-                self._queue.put_nowait(Done(reason, usage))
+                self._end(Done(reason, usage))
                 return reason, ev.cached_tokens
             elif isinstance(ev, ErrorEvent):
                 self._completion_tokens = max(self._completion_tokens, ev.completion_tokens)

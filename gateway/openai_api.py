@@ -99,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                 grammar=grammar)
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params,
-                                           keep_special_ids=parsers.keep_special_ids)
+                                           keep_special_ids=parsers.keep_special_ids, stream=req.stream)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return _error_response(exc, state)
     headers = state.response_headers(gen)

@@ -51,9 +51,10 @@ class GatewayState:
 
     async def start_generation(self, request: Request, api: str, tenant: Tenant, model: ServedModel,
                                prompt_ids: list[int], params: SamplingParams,
-                               keep_special_ids: frozenset[int] = frozenset()) -> Generation:
+                               keep_special_ids: frozenset[int] = frozenset(), stream: bool = True) -> Generation:
         """Quota, route and worker admission for one request; typed refusals raise (nothing left behind).
-        `keep_special_ids`: special tokens kept in the text for the response's parsers (`TextStream`).
+        `keep_special_ids`: special tokens kept in the text for the response's parsers (`TextStream`);
+        `stream=False` for a response read whole (`Generation.collect`).
         A prompt plus `max_tokens` over the model's context is refused here, before any quota is taken."""
         wanted = len(prompt_ids) + params.max_tokens
         if wanted > model.max_model_len:
@@ -64,7 +65,7 @@ class GatewayState:
         gen = Generation(tenant=tenant, model=model, prompt_ids=prompt_ids, params=params, api=api,
                          region=self.region_of(request), router=self.router, pool=self.pool,
                          quotas=self.quotas, meter=self.meter, metrics=self.metrics,
-                         keep_special_ids=keep_special_ids)
+                         keep_special_ids=keep_special_ids, stream=stream)
         try:
             await gen.start()
         except BaseException:

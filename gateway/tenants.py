@@ -187,7 +187,7 @@ class TenantStore:
             raise AuthenticationError("missing Authorization header (expected 'Bearer <api token>')")
         scheme, _, token = authorization.strip().partition(" ")
         token = token.strip()
-        if scheme.lower() != "bearer" or not token or any(c.isspace() for c in token):
+        if scheme.lower() != "bearer" or len(token.split()) != 1:  # empty, or whitespace inside
             raise AuthenticationError("malformed Authorization header (expected 'Bearer <api token>')")
         with redis_errors():
             tenant_id = text(await self.redis.hget(rk.api_key(hash_token(token)), "tenant_id"))

@@ -92,7 +92,8 @@ async def workers_run(request: Request) -> Response:
                                 presence_penalty=req.presence_penalty or 0.0,
                                 grammar=workers_grammar(req.response_format))
         keep = model.tokenizer.special_ids_of(model.tool_parser.MARKERS) if tools else frozenset()
-        gen = await state.start_generation(request, API, tenant, model, prompt_ids, params, keep_special_ids=keep)
+        gen = await state.start_generation(request, API, tenant, model, prompt_ids, params, keep_special_ids=keep,
+                                           stream=req.stream)
     except Exception as exc:  # noqa: BLE001 - translated once, here
         return workers_error_response(exc, state)
     headers = state.response_headers(gen)
