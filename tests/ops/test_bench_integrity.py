@@ -22,12 +22,6 @@ def test_decode_row_weights_gaps_by_requests_in_the_step() -> None:
     assert row.tpot_p95_s == 1.0
 
 
-def test_overhead_sign_means_cost() -> None:
-    assert bench_integrity.overhead_pct(99.0, 100.0, higher_is_better=True) == pytest.approx(1.0)
-    assert bench_integrity.overhead_pct(101.0, 100.0, higher_is_better=True) == pytest.approx(-1.0)
-    assert bench_integrity.overhead_pct(0.0202, 0.02, higher_is_better=False) == pytest.approx(1.0)
-
-
 def test_paired_overheads() -> None:
     off = np.array([0.10, 0.20, 0.30])
     assert bench_integrity.throughput_overhead(off * 1.01, off) == pytest.approx(100 * (1 - 1 / 1.01))
@@ -78,7 +72,7 @@ def test_bootstrap_keeps_pairs_and_strata() -> None:
 
 
 class _Engine:
-    """Just the method `CheckTimer` wraps: a check that takes `check_s`."""
+    """Just the method `CheckTimer` wraps: a check that takes `check_s` of CPU."""
 
     def __init__(self, check_s: float) -> None:
         self.check_s, self.batches = check_s, []
@@ -93,11 +87,16 @@ def test_check_timer_times_the_check_and_spins_apart() -> None:
     engine = _Engine(0.002)
     timer = bench_integrity.CheckTimer(engine)
     assert engine._check_integrity("b1") == ("b1", []) and engine.batches == ["b1"]
-    assert timer.calls == 1 and 0.002 <= timer.seconds < 0.02 and timer.spun == 0.0
-    timer.spin_s = 0.003
+    assert timer.calls == 1 and timer.seconds >= 0.002 and timer.cpu >= 0.002 and timer.spun == timer.spun_cpu == 0
+    timer.spin_cpu_s = 0.003
     engine._check_integrity("b2")
-    assert timer.calls == 2 and 0.003 <= timer.spun < 0.03 and timer.seconds < 0.04
-    assert bench_integrity.busy_wait(0.001) >= 0.001
+    assert timer.calls == 2 and timer.spun >= 0.003 and timer.spun_cpu >= 0.003
+    assert 0.004 <= timer.cpu < 0.0065  # two 2 ms checks; the 3 ms spin is not counted as the check
+
+
+def test_busy_wait_spends_cpu_time_not_just_wall_time() -> None:
+    wall, cpu = bench_integrity.busy_wait(0.005)
+    assert cpu >= 0.005 and wall >= cpu * 0.5  # (process CPU may run ahead of wall with other threads busy)
 
 
 def test_step_in_turn_rotates_the_first_mover() -> None:
@@ -143,7 +142,7 @@ def test_registered_with_quick_points() -> None:
 
 
 class _CheckedEngine(FakeEngine):
-    """A `FakeEngine` whose step runs a 1 ms check first, as `LLMEngine._run_batch` does."""
+    """A `FakeEngine` whose step runs a 1 ms check and 4 ms of model first, as `LLMEngine._run_batch` does."""
 
     def _check_integrity(self, batch):
         bench_integrity.busy_wait(0.001)
@@ -151,6 +150,7 @@ class _CheckedEngine(FakeEngine):
 
     def step(self):
         self._check_integrity(None)
+        bench_integrity.busy_wait(0.004)
         return super().step()
 
 
@@ -159,18 +159,22 @@ def test_calibration_arm_spins_a_share_of_its_previous_decode_step() -> None:
     loop = bench_integrity.DecodeLoop(engine, "on+inject", [[1, 2, 3]], 4, 4, 6,
                                       timer=bench_integrity.CheckTimer(engine), inject=0.5)
     bench_integrity.step_in_turn([loop])
-    steps = [dt for dt, _ in loop.decode_steps]
-    assert len(steps) == len(loop.check_s) == len(loop.spin_s) == 5
+    steps, cpu = [dt for dt, _ in loop.decode_steps], loop.decode_cpu
+    assert len(steps) == len(cpu) == len(loop.check_s) == len(loop.check_cpu) == len(loop.spin_cpu) == 5
     assert all(0.001 <= c < s for c, s in zip(loop.check_s, steps))  # the check's time is inside its step
-    assert loop.spin_s[0] == 0.0  # nothing to scale from before the first decode step
-    for k in range(1, 5):  # at least half of the previous step without its spin (a busy CPU overshoots)
-        assert 0.5 * (steps[k - 1] - loop.spin_s[k - 1]) <= loop.spin_s[k]
-    assert loop.timer.spin_s == pytest.approx(0.5 * (steps[-1] - loop.spin_s[-1]))  # the next step's target
+    assert all(0.001 <= c < s for c, s in zip(loop.check_cpu, cpu))
+    assert loop.spin_cpu[0] == 0.0  # nothing to scale from before the first decode step
+    for k in range(1, 5):  # half the previous step's CPU time without its spin, spun in CPU time
+        assert 0.5 * (cpu[k - 1] - loop.spin_cpu[k - 1]) <= loop.spin_cpu[k] < cpu[k] and loop.spin_s[k] > 0
+        assert cpu[k - 1] - loop.spin_cpu[k - 1] >= 0.005  # check + model
+    assert loop.timer.spin_cpu_s == pytest.approx(0.5 * (cpu[-1] - loop.spin_cpu[-1]))  # the next step's target
 
 
 def test_compare_pools_repetitions_and_reports_the_injected_share() -> None:
     def loop(steps: list[float], spins: list[float] | None = None) -> SimpleNamespace:
-        return SimpleNamespace(decode_steps=[(dt, 4) for dt in steps], spin_s=spins or [0.0] * len(steps))
+        spins = spins or [0.0] * len(steps)
+        return SimpleNamespace(decode_steps=[(dt, 4) for dt in steps], spin_s=spins,
+                               decode_cpu=[dt / 2 for dt in steps], spin_cpu=[s / 2 for s in spins])
 
     a1, a2 = [0.101] * 10, [0.202] * 10
     loops = {("on+inject", 8): [loop(a1, [0.001] * 10), loop(a2, [0.002] * 10)],
@@ -181,4 +185,15 @@ def test_compare_pools_repetitions_and_reports_the_injected_share() -> None:
     assert r["throughput_per_repeat"] == pytest.approx([100 * (1 - 1 / 1.01)] * 2)
     assert r["throughput_ci95"] == pytest.approx([r["throughput_pct"]] * 2, abs=0.2)
     assert r["injected_pct"] == pytest.approx(100 * 0.03 / 3.03)
-    assert r["p95_pct"] == pytest.approx(1.0)
+    assert r["injected_cpu_pct"] == pytest.approx(100 * 0.03 / 3.03)  # spin and steps both half in CPU here
+    assert r["p95_pct"] == pytest.approx(1.0) and r["step_pct"] == pytest.approx(1.0)
+    assert r["cpu_pct"] == pytest.approx(r["throughput_pct"])
+    assert r["cpu_per_repeat"] == pytest.approx([100 * (1 - 1 / 1.01)] * 2)
+
+
+def test_verdicts_and_detection() -> None:
+    assert [bench_integrity.verdict(ci) for ci in ([-0.5, 0.9], [1.1, 3.0], [0.2, 1.4])] == [
+        "met", "missed", "unresolved"]
+    r = {"cpu_ci95": [0.6, 1.3], "throughput_ci95": [-2.0, 4.0]}
+    assert bench_integrity.detected(r, "cpu", 1.0) and not bench_integrity.detected(r, "cpu", 1.4)
+    assert not bench_integrity.detected(r, "throughput", 1.0)  # holds 1 but also 0: not resolved
