@@ -11,6 +11,11 @@ skipped with ``--no-litellm`` or when it does not install). Targets, all OpenAI
 ``POST /v1/chat/completions`` for the same N tokens:
 
 - ``direct``: the stand-in itself (the floor: load generator + HTTP + stand-in);
+- ``worker``: the stand-in's worker protocol (``/v1/generate``, the gateway's request
+  to it: the chat template's prompt ids, N tokens, one NDJSON line per token), read
+  whole; non-stream settings only. Not a target for the added latency: it shows what
+  the worker's per-token stream costs by itself, which the gateway path pays and
+  ``direct`` does not;
 - ``edgeserve``: the gateway with a tenant without quotas: each request still
   authenticates, is tokenised, routed, detokenised and metered in Redis;
 - ``edgeserve+quota``: the same gateway with a tenant that has both quotas
@@ -84,7 +89,7 @@ if TYPE_CHECKING:
 
 __all__ = ["add_arguments", "run", "Row", "compare", "setting_key", "per_token_standin_app", "TARGETS"]
 
-TARGETS = ("direct", "edgeserve", "edgeserve+quota", "litellm")  # table order; baselines follow their own
+TARGETS = ("direct", "worker", "edgeserve", "edgeserve+quota", "litellm")  # table order; baselines follow their own
 MODEL = "smollm2-135m"
 LITELLM_VENV = Path.home() / ".cache" / "edgeserve" / "bench-venvs" / "litellm"
 
@@ -220,9 +225,10 @@ def per_token_standin_app(num_tokens: int) -> Starlette:
 
 class Target(NamedTuple):
     name: str
-    url: str  # the chat completions URL
+    url: str  # the chat completions URL (`worker`: the stand-in's /v1/generate)
     headers: dict[str, str]
     pid: int | None  # the proxy's process (CPU accounting); None for direct
+    body: bytes | None = None  # the request, when not the chat request (`worker`: its GenerateRequest)
 
 
 class RoundResult(NamedTuple):
@@ -233,13 +239,23 @@ class RoundResult(NamedTuple):
 
 
 def request_body(num_tokens: int, stream: bool) -> bytes:
-    import msgspec
-
     body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the world."}],
                             "max_tokens": num_tokens, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
     return msgspec.json.encode(body)
+
+
+def worker_body(num_tokens: int) -> bytes:
+    """The chat request as the gateway sends it on: its prompt ids (the model's chat template), N tokens."""
+    from backend.protocol import GenerateRequest
+    from backend.sampling_params import SamplingParams
+    from backend.tokenizer import Tokenizer
+    from ops.pull import resolve_model
+
+    messages = msgspec.json.decode(request_body(num_tokens, False))["messages"]
+    prompt_ids = Tokenizer.from_model_dir(resolve_model(MODEL, progress=False)).encode_chat(messages)
+    return msgspec.json.encode(GenerateRequest(prompt_ids, SamplingParams(max_tokens=num_tokens), model=MODEL))
 
 
 async def _one(client: httpx.AsyncClient, target: Target, body: bytes,
@@ -356,9 +372,11 @@ class _Samples:
         n, ms = len(self.latencies), lambda values, q: 1e3 * percentile(values, q)
         return Row(target=target, concurrency=c, stream=stream, requests=n, errors=self.errors,
                    seconds=self.seconds, rps=n / self.seconds, p50_ms=ms(self.latencies, 0.5),
-                   p99_ms=ms(self.latencies, 0.99), p95_ms=ms(self.latencies, 0.95), ttft_p50_ms=ms(self.ttfts, 0.5) if stream else None,
+                   p99_ms=ms(self.latencies, 0.99), p95_ms=ms(self.latencies, 0.95),
+                   ttft_p50_ms=ms(self.ttfts, 0.5) if stream else None,
                    ttft_p99_ms=ms(self.ttfts, 0.99) if stream else None,
-                   proxy_cpu_ms_per_request=1e3 * self.proxy_cpu_s / n if target != "direct" and n else None,
+                   proxy_cpu_ms_per_request=1e3 * self.proxy_cpu_s / n if target not in ("direct", "worker") and n
+                   else None,
                    redis_cpu_ms_per_request=1e3 * self.redis_cpu_s / n if redis_counted and n else None,
                    p50_rounds_ms=self.p50_rounds_ms, rps_rounds=self.rps_rounds)
 
@@ -383,10 +401,11 @@ async def measure(targets: list[Target], points: list[int], streams: list[bool],
         settings = [(c, stream) for c in points for stream in streams]
         for rep in range(rounds):
             for i, (c, stream) in enumerate(settings):
-                body = request_body(num_tokens, stream)
                 turn = (rep + i) % len(targets)
                 for target in targets[turn:] + targets[:turn]:
-                    users = clients[target.name]
+                    if target.body is not None and stream:
+                        continue  # the worker protocol is one NDJSON stream: measured once, as non-stream
+                    users, body = clients[target.name], target.body or request_body(num_tokens, stream)
                     await run_round(users, target, c, stream, body, warmup_s)
                     pids = _descendants(target.pid) if target.pid else []
                     gc.collect()
@@ -633,7 +652,8 @@ def _start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Pa
              "--port", str(litellm_port)], logs / "litellm.log", env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"}))
     wait_http(f"{standin_url}/health", standin, logs / "standin.log", "the stand-in worker", 30)
     tokens = asyncio.run(_tenant_tokens(redis_url))
-    targets = [Target("direct", f"{standin_url}/v1/chat/completions", {}, None)]
+    targets = [Target("direct", f"{standin_url}/v1/chat/completions", {}, None),
+               Target("worker", f"{standin_url}/v1/generate", {}, None, worker_body(num_tokens))]
     for suffix, (proc, url) in gateways.items():
         wait_http(f"{url}/healthz", proc, logs / f"gateway{suffix}.log", f"the edgeserve gateway{suffix}", 60)
         targets += [Target(f"edgeserve{kind}{suffix}", f"{url}/v1/chat/completions",
@@ -671,7 +691,7 @@ async def _check_all(targets: list[Target], num_tokens: int, expected: str) -> d
     import httpx
 
     async with httpx.AsyncClient(timeout=60) as client:
-        return {t.name: await expected_text_check(client, t, num_tokens, expected) for t in targets}
+        return {t.name: await expected_text_check(client, t, num_tokens, expected) for t in targets if t.body is None}
 
 
 def _plot(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]], title: str, path: Path) -> bool:
@@ -685,15 +705,17 @@ def _plot(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]], title: str
 
     keys = list(dict.fromkeys(r.key for r in rows))
     targets = list(dict.fromkeys(r.target for r in rows))
-    colours = dict(zip(targets, ("tab:gray", "tab:blue", "tab:cyan", "tab:orange", "tab:purple", "tab:pink")))
+    palette = ("tab:gray", "tab:olive", "tab:blue", "tab:cyan", "tab:purple", "tab:pink", "tab:orange")
+    colours = dict(zip(targets, palette))
     by = {(r.target, r.key): r for r in rows}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.8 / len(targets)
     for i, t in enumerate(targets):
         xs = [k + (i - (len(targets) - 1) / 2) * width for k in range(len(keys))]
-        left.bar(xs, [by[(t, k)].rps if (t, k) in by else 0 for k in keys], width, label=t, color=colours[t])
+        left.bar(xs, [by[(t, k)].rps if (t, k) in by else 0 for k in keys], width, label=t, color=colours.get(t))
         if t != "direct":
-            right.bar(xs, [cmp[t][k]["added_p50_ms"] or 0 for k in keys], width, label=t, color=colours[t])
+            right.bar(xs, [cmp[t].get(k, {}).get("added_p50_ms") or 0 for k in keys], width, label=t,
+                      color=colours.get(t))
     for ax, ylabel in ((left, "requests/s"), (right, "added p50 latency vs direct (ms)")):
         ax.set_xticks(range(len(keys)), keys, rotation=20)
         ax.set_ylabel(ylabel)
