@@ -42,6 +42,7 @@ from gateway.schemas import CompletionRequest, decode_body
 from gateway.served_models import ServedModel
 from gateway.sse import DONE, KEEPALIVE, SSEResponse, sse_event
 from gateway.state import GatewayState
+from gateway.tenants import PendingAuth
 
 __all__ = ["completions"]
 
@@ -107,12 +108,14 @@ class _Choice:
 async def completions(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
     choices: list[_Choice] = []
+    pending: PendingAuth | None = None
     try:
-        tenant = await state.tenant_of(request)
+        pending = await state.begin_auth_checked(request)  # its answer is awaited below, before any quota
         req = decode_body(await state.body(request), CompletionRequest)
         model = state.catalog.resolve(req.model)
         prompts = req.prompts()
         ids = [await _prompt_ids(model, p) for p in prompts]
+        tenant = await state.confirm_auth(pending, request)
         for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
             gen = await state.start_generation(request, API, tenant, model, prompt_ids, _params(req),
                                                stream=req.stream)
@@ -120,7 +123,7 @@ async def completions(request: Request) -> Response:
     except Exception as exc:  # noqa: BLE001 - translated once, here
         for c in choices:
             await c.gen.aclose()
-        typed = as_typed(exc)
+        typed = as_typed(exc if pending is None else await pending.first_error(exc))
         state.metrics.requests.labels(API, str(typed.code)).inc()
         return _error_json(typed)
     headers = state.response_headers(choices[0].gen)

@@ -46,6 +46,7 @@ from gateway.served_models import ServedModel
 from gateway.schemas import ChatCompletionRequest, decode_body, plain_messages
 from gateway.sse import sse_event, sse_response
 from gateway.state import GatewayState
+from gateway.tenants import PendingAuth
 from gateway.chat_output import ChatOutput, chat_message
 from gateway.reasoning_parsers import ReasoningParser
 from gateway.tool_grammar import tool_choice_grammar
@@ -70,8 +71,9 @@ def _error_json(exc: EdgeServeError, headers: dict[str, str] | None = None) -> J
 
 async def chat_completions(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
+    pending: PendingAuth | None = None
     try:
-        tenant = await state.tenant_of(request)
+        pending = await state.begin_auth_checked(request)  # its answer is awaited below, before any quota
         req = decode_body(await state.body(request), ChatCompletionRequest)
         model = state.catalog.resolve(req.model)
         tools = check_tools(req.tools) if req.tools else None
@@ -98,10 +100,11 @@ async def chat_completions(request: Request) -> Response:
                                 presence_penalty=req.presence_penalty or 0.0,
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                 grammar=grammar)
+        tenant = await state.confirm_auth(pending, request)
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params,
                                            keep_special_ids=parsers.keep_special_ids, stream=req.stream)
     except Exception as exc:  # noqa: BLE001 - translated once, here
-        return _error_response(exc, state)
+        return _error_response(exc if pending is None else await pending.first_error(exc), state)
     headers = state.response_headers(gen)
     chunk = _ChunkMaker(f"chatcmpl-{gen.request_id}", req.model)
     tokenizer = model.tokenizer

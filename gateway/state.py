@@ -1,6 +1,11 @@
 """What every request handler needs, built once per gateway app: the caller's tenant, its
 request body (size-limited), a started generation, and the response headers both APIs send.
 
+The generation endpoints authenticate in two steps (`begin_auth`, then `confirm_auth` before
+`start_generation`): the token's lookup travels to Redis while the body is read, decoded and
+tokenised (for a token that authenticated within the last `tenant_cache_s`; others are
+checked first), and an authentication error still wins over any other (`PendingAuth.first_error`).
+
 Response headers of an admitted request (`response_headers`): the generation's own
 (`x-edgeserve-request-id`, worker tag, route), OpenAI's `x-ratelimit-*` figures where
 the tenant has quotas (`quotas.rate_limit_headers`), and, when the tenant's tokens per
@@ -22,7 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas, rate_limit_headers
 from gateway.router import Router
 from gateway.served_models import ModelCatalog, ServedModel
-from gateway.tenants import Tenant, TenantStore
+from gateway.tenants import PendingAuth, Tenant, TenantStore
 from gateway.worker_pool import WorkerPool
 
 __all__ = ["GatewayState", "QUOTA_CAP_HEADER"]
@@ -43,11 +48,22 @@ class GatewayState:
 
     async def tenant_of(self, request: Request) -> Tenant:
         """The caller's tenant (401 without a valid token); on an account path it must be that account (403)."""
-        tenant = await self.tenants.authenticate(request.headers.get("authorization"))
-        account = request.path_params.get("account_id")
-        if account is not None and account != tenant.id:
-            raise PermissionDenied("this API token cannot act on that account", account_id=account)
-        return tenant
+        return await self.confirm_auth(self.begin_auth(request), request)
+
+    def begin_auth(self, request: Request) -> PendingAuth:
+        """The caller's token lookup, sent now (module docstring); a malformed header raises at once."""
+        return self.tenants.begin(request.headers.get("authorization"))
+
+    async def begin_auth_checked(self, request: Request) -> PendingAuth:
+        """`begin_auth`, awaited now unless the token authenticated lately; the account path is checked
+        against the tenant either way (403 before anything else)."""
+        pending = self.begin_auth(request)
+        _check_account(pending.tenant or await pending.confirm(), request)
+        return pending
+
+    async def confirm_auth(self, pending: PendingAuth, request: Request) -> Tenant:
+        """The caller's tenant from its lookup; on an account path it must be that account (403)."""
+        return _check_account(await pending.confirm(), request)
 
     async def start_generation(self, request: Request, api: str, tenant: Tenant, model: ServedModel,
                                prompt_ids: list[int], params: SamplingParams,
@@ -98,6 +114,13 @@ class GatewayState:
                 raise _too_large(limit)
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _check_account(tenant: Tenant, request: Request) -> Tenant:
+    account = request.path_params.get("account_id")
+    if account is not None and account != tenant.id:
+        raise PermissionDenied("this API token cannot act on that account", account_id=account)
+    return tenant
 
 
 def _too_large(limit: int) -> PromptTooLong:

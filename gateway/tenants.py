@@ -8,6 +8,14 @@ that digest *is* the lookup key, so authenticating is one HGET and no token is
 ever compared in Python. A key also has a short public id (12 hex chars) that
 names it for listing and revocation.
 
+The lookup can overlap the request's own work (`TenantStore.begin`): it is sent at
+once, and for a token that authenticated within `tenant_cache_s` the tenant is known
+before its answer arrives, so the handler decodes and tokenises meanwhile and awaits
+the answer (`PendingAuth.confirm`) before any quota, worker or usage is touched: a
+revoked key still fails at once, on its next request. A token not seen recently
+(unknown, wrong, revoked) is checked before anything else is done for it, so a
+client without a valid key never gets its prompt tokenised.
+
 Writes to one tenant's record go through small Lua scripts so a reader never
 sees a half-written tenant. Keys are written index-first and the token lookup
 last, and revoked lookup-first, so a token works only while its key fully exists.
@@ -15,6 +23,7 @@ last, and revoked lookup-first, so a token works only while its key fully exists
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import secrets
@@ -30,7 +39,7 @@ from gateway.redis_keys import redis_errors, text
 if TYPE_CHECKING:
     import redis.asyncio
 
-__all__ = ["Tenant", "ApiKey", "TenantStore", "hash_token"]
+__all__ = ["Tenant", "ApiKey", "TenantStore", "PendingAuth", "hash_token"]
 
 _TENANT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # safe inside a {hash tag} and a URL path
 
@@ -94,6 +103,34 @@ def _tenant_from_hash(tenant_id: str, fields: dict) -> Tenant | None:
                   tokens_per_day=int(tpd) if tpd else None)
 
 
+class PendingAuth:
+    """A token's lookup in flight (`TenantStore.begin`). `tenant` is set at once when the same token
+    authenticated within the store's `tenant_cache_s` (a hint for work that touches nothing shared);
+    `confirm` is the lookup's answer, the only one to act on."""
+
+    def __init__(self, lookup: asyncio.Future[Tenant], tenant: Tenant | None) -> None:
+        self._lookup, self.tenant = lookup, tenant
+        lookup.add_done_callback(_retrieve)  # a request that ends early leaves no unretrieved error
+
+    async def confirm(self) -> Tenant:
+        """The token's tenant; AuthenticationError (or StoreUnavailable) otherwise."""
+        return await self._lookup
+
+    async def first_error(self, exc: BaseException) -> BaseException:
+        """The error a request that failed with `exc` reports: the lookup's own, if it fails
+        (authentication comes first, as if it had been awaited before anything else), else `exc`."""
+        try:
+            await self._lookup
+        except Exception as auth_error:  # noqa: BLE001 - returned, to be rendered in its place
+            return auth_error
+        return exc
+
+
+def _retrieve(lookup: asyncio.Future[Tenant]) -> None:
+    if not lookup.cancelled():
+        lookup.exception()
+
+
 class TenantStore:
     """Tenants and API keys of every gateway replica, in one Redis."""
 
@@ -104,6 +141,7 @@ class TenantStore:
         self.redis = redis
         self._tenant_cache_s = tenant_cache_s
         self._tenant_cache: dict[str, tuple[float, Tenant]] = {}
+        self._recent: dict[str, tuple[float, str]] = {}  # token hash -> (when it last authenticated, tenant id)
         self._create = redis.register_script(_CREATE)
         self._set_quotas = redis.register_script(_SET_QUOTAS)
 
@@ -183,17 +221,39 @@ class TenantStore:
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an ``Authorization: Bearer <token>`` header; AuthenticationError otherwise."""
+        return await self.begin(authorization).confirm()
+
+    def begin(self, authorization: str | None) -> PendingAuth:
+        """Send the lookup of an ``Authorization: Bearer <token>`` header now (module docstring); a
+        missing or malformed header raises AuthenticationError here."""
         if not authorization or not authorization.strip():
             raise AuthenticationError("missing Authorization header (expected 'Bearer <api token>')")
         scheme, _, token = authorization.strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or len(token.split()) != 1:  # empty, or whitespace inside
             raise AuthenticationError("malformed Authorization header (expected 'Bearer <api token>')")
-        with redis_errors():
-            tenant_id = text(await self.redis.hget(rk.api_key(hash_token(token)), "tenant_id"))
-        tenant = await self._cached_tenant(tenant_id) if tenant_id else None
+        token_hash = hash_token(token)
+        hint, recent = None, self._recent.get(token_hash)
+        if recent is not None and time.monotonic() - recent[0] < self._tenant_cache_s:
+            cached = self._tenant_cache.get(recent[1])
+            hint = cached[1] if cached is not None else None
+        return PendingAuth(asyncio.ensure_future(self._lookup(token_hash)), hint)
+
+    async def _lookup(self, token_hash: str) -> Tenant:
+        try:
+            with redis_errors():
+                tenant_id = text(await self.redis.hget(rk.api_key(token_hash), "tenant_id"))
+            tenant = await self._cached_tenant(tenant_id) if tenant_id else None
+        except BaseException:
+            self._recent.pop(token_hash, None)
+            raise
         if tenant is None:
+            self._recent.pop(token_hash, None)
             raise AuthenticationError("invalid or revoked API token")
+        if self._tenant_cache_s > 0:
+            if len(self._recent) > 100_000:
+                self._recent.clear()
+            self._recent[token_hash] = (time.monotonic(), tenant.id)
         return tenant
 
     async def _cached_tenant(self, tenant_id: str) -> Tenant | None:

@@ -53,6 +53,7 @@ from gateway.response_format import TRUNCATED_JSON_NOTICE, workers_grammar
 from gateway.schemas import WorkersRunRequest, decode_body, plain_messages
 from gateway.sse import sse_event, sse_response
 from gateway.state import GatewayState
+from gateway.tenants import PendingAuth
 from gateway.tool_parsers import ToolParser
 from gateway.tools import ToolCallStream, check_no_control_text, workers_tool_calls, workers_tools
 
@@ -69,8 +70,9 @@ def workers_error_response(exc: BaseException, state: GatewayState) -> JSONRespo
 
 async def workers_run(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
+    pending: PendingAuth | None = None
     try:
-        tenant = await state.tenant_of(request)
+        pending = await state.begin_auth_checked(request)  # its answer is awaited below, before any quota
         model = state.catalog.resolve(request.path_params["model"])
         req = decode_body(await state.body(request), WorkersRunRequest)
         tools = workers_tools(req.tools) if req.tools else None
@@ -92,10 +94,11 @@ async def workers_run(request: Request) -> Response:
                                 presence_penalty=req.presence_penalty or 0.0,
                                 grammar=workers_grammar(req.response_format))
         keep = model.tokenizer.special_ids_of(model.tool_parser.MARKERS) if tools else frozenset()
+        tenant = await state.confirm_auth(pending, request)
         gen = await state.start_generation(request, API, tenant, model, prompt_ids, params, keep_special_ids=keep,
                                            stream=req.stream)
     except Exception as exc:  # noqa: BLE001 - translated once, here
-        return workers_error_response(exc, state)
+        return workers_error_response(exc if pending is None else await pending.first_error(exc), state)
     headers = state.response_headers(gen)
     parser = (lambda: model.tool_parser(tools)) if tools else None
     if req.stream:
