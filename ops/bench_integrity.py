@@ -161,10 +161,6 @@ class DecodeLoop(ClosedLoop):
         return decode_row(self.kv, self.c, repeat, self.decode_steps, self.clock)
 
 
-def decode_row(self, repeat: int) -> DecodeRow:
-        return decode_row(self.kv, self.c, repeat, self.decode_steps, self.clock)
-
-
 def decode_row(setting: str, c: int, repeat: int, steps: list[tuple[float, int]], wall_s: float) -> DecodeRow:
     """Decode tok/s and per-token gap percentiles from (seconds, requests) per decode step."""
     seconds = sum(dt for dt, _ in steps)
@@ -421,7 +417,7 @@ def _print(args, cmp, share, rows, points, repeats, prompt_tokens, output_tokens
            total_s) -> None:
     med = lambda arm, c, field: statistics.median(  # noqa: E731
         getattr(r, field) for r in rows if r.setting == arm and r.concurrency == c)
-    fmt = lambda r, key: f"{r[key + '_pct']:+6.2f} [{r[key + '_ci95'][0]:+.2f}, {r[key + '_ci95'][1]:+.2f}]"  # noqa: E731
+    fmt = lambda r, k: f"{r[k + '_pct']:+6.2f} [{r[k + '_ci95'][0]:+.2f}, {r[k + '_ci95'][1]:+.2f}]"  # noqa: E731
     print(f"\nedgeserve bench integrity  model={args.model} dtype={args.dtype} kv=fp8_e4m3 "
           f"threads={torch.get_num_threads()}{' (quick)' if args.quick else ''}")
     print(f"{prompt_tokens} prompt + {output_tokens} output tokens per request, one wave of c requests, {repeats} "
