@@ -309,3 +309,45 @@ def test_gpu_pools_go_direct(model_dir: Path) -> None:
         assert tokens(events) == want.output_ids
         assert next(h for h, _ in transport.headers if isinstance(h, KVBegin)).direct
         wait_free(dec, pre)
+
+
+class Late(Recording):
+    """`target_s`: the target's deadline is shortened to this (the prefill worker refuses to start a
+    layer write after it); `stall_s`: the first frame is held that long (the decode side times out)."""
+
+    def __init__(self, inner, target_s: float | None = None, stall_s: float = 0.0) -> None:
+        super().__init__(inner)
+        self.target_s, self.stall_s = target_s, stall_s
+
+    def target(self, seq, deadline_s):
+        t = super().target(seq, deadline_s)
+        return t if self.target_s is None else type(t)(t.session_id, t.layout, t.page_ids, self.target_s)
+
+    async def fetch(self, url, request):
+        import asyncio
+
+        first = True
+        async for header, payload in super().fetch(url, request):
+            if first:
+                await asyncio.sleep(self.stall_s)
+                first = False
+            yield header, payload
+
+
+@needs_mooncake
+@pytest.mark.parametrize("late", [dict(target_s=0.0), dict(stall_s=1.5)], ids=["prefill_deadline", "decode_timeout"])
+def test_a_late_direct_transfer_fails_typed_and_frees_both_pools_after_its_deadline(model_dir: Path, late) -> None:
+    """prefill_deadline: the prefill worker starts no layer write after the target's deadline;
+    decode_timeout: the decode worker gives up after transfer_timeout_s. Either way a typed error,
+    no retry, and the decode pages come back only once no write can still land."""
+    with pair(model_dir, n_prefill=2, wrap=lambda t: Late(t, **late), transfer_timeout_s=1.0,
+              direct_grace_s=0.3) as (url, dec, prefills, _):
+        started = time.monotonic()
+        events = generate(url, PROMPT, max_tokens=5, **GREEDY)
+        assert tokens(events) == [] and isinstance(events[-1], ErrorEvent) and events[-1].code == 5003
+        assert ("deadline" if "target_s" in late else "timed out") in events[-1].message
+        assert sum(p.stats["prompt_tokens"] for p in prefills) == len(PROMPT)  # not retried
+        wait_free(dec, *prefills, timeout=5.0)
+        if "stall_s" in late:
+            assert time.monotonic() - started >= 1.0 + 0.3  # deadline + grace
+        assert httpx.get(f"{url}/stats").json()["kv_transfer"]["direct"] == 0
