@@ -19,6 +19,14 @@ worker's `/health` reads `alive`.
 
 `fail_all(err)` ends every subscribed request with `err` now (drain timeout);
 `num_active()` counts them.
+
+With a KV store tier (`kv_store_tier.py`), `submit` first asks the tier to fetch the
+prompt's blocks that follow its locally cached prefix. Such a request is checked at
+once (`Scheduler.check_room`: a refusal still raises in `submit`) but queued only when
+its fetch has finished or its deadline (`fetch_timeout_s`) has passed, whichever comes
+first: the engine thread then installs what arrived (`KVStoreTier.install`) and adds the
+request in the same loop turn, before the step whose admission matches those blocks.
+The engine thread sleeps at most until the nearest deadline while fetches are pending.
 """
 
 from __future__ import annotations
@@ -30,11 +38,16 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from backend.engine import LLMEngine, StepOutput
 from backend.errors import EdgeServeError, EngineStopped, InvalidRequest
 from backend.protocol import ErrorEvent, Event, FinishEvent, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.sequence import Sequence
+
+if TYPE_CHECKING:
+    from backend.kv_store_tier import KVStoreTier, StoreFetch
 
 __all__ = ["AsyncEngine", "MAX_FAILED_STEPS_IN_ROW"]
 
@@ -59,10 +72,13 @@ def _finish_event(seq: Sequence) -> FinishEvent:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, store_tier: KVStoreTier | None = None) -> None:
+        """`store_tier`: a `KVStoreTier` attached to `engine`, fetched from before admission."""
         self.engine = engine
+        self.store_tier = store_tier
         self._subs: dict[str, _Subscriber] = {}
-        self._lock = threading.Lock()  # guards _subs and _failure
+        self._pending: list[StoreFetch] = []  # requests waiting for their store fetch (guarded by _lock)
+        self._lock = threading.Lock()  # guards _subs, _pending and _failure
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="edgeserve-engine", daemon=True)
         self._started = False
@@ -105,17 +121,21 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self.engine.scheduler._wakeup.set()
+        self.engine.scheduler.wake()
         if self._started:
             self._thread.join(timeout=10)
+        if self.store_tier is not None:
+            self.store_tier.close()
 
     # -- engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self.engine.scheduler.wait_for_work(timeout=0.5)
+                self.engine.scheduler.wait_for_work(timeout=self._wait_timeout())
                 if self._stop.is_set():
                     break
+                if self._pending:
+                    self._admit_fetched()
                 if not self.engine.has_work():  # idle: refresh what other threads changed (held pages freed)
                     self.engine.publish(force=True)
                     continue
@@ -132,6 +152,7 @@ class AsyncEngine:
         err = EngineStopped("this worker's engine stopped; the request can be retried on another worker")
         with self._lock:
             self._failure = exc  # from here on submit/attach refuse
+            self._pending.clear()  # their subscribers are ended below; the fetched blocks are dropped
         try:
             self.engine.scheduler.close(err)
             self.engine.publish(force=True)
@@ -148,6 +169,37 @@ class AsyncEngine:
             ev = ErrorEvent(err.code, type(err).__name__, err.message, sub.tokens)
             by_loop.setdefault(sub.loop, []).append((sub.queue, ev))
         _post(by_loop)
+
+    def _wait_timeout(self) -> float:
+        """How long the idle engine thread may sleep: until the nearest fetch deadline, at most 0.5 s."""
+        with self._lock:
+            if not self._pending:
+                return 0.5
+            nearest = min(f.deadline for f in self._pending)
+        return min(0.5, max(0.0, nearest - time.monotonic()))
+
+    def _admit_fetched(self) -> None:
+        """Engine thread: install the blocks of fetches that finished or ran out of time, then queue their
+        requests (a request whose stream was closed meanwhile is dropped; a refusal ends its stream)."""
+        now = time.monotonic()
+        with self._lock:
+            ready = [f for f in self._pending if f.done.is_set() or now >= f.deadline]
+            self._pending = [f for f in self._pending if f not in ready]
+        for fetch in ready:
+            seq = fetch.seq
+            with self._lock:
+                live = seq.request_id in self._subs
+            if not live:
+                fetch.take()
+                continue
+            self.store_tier.install(fetch)
+            try:
+                self.engine.scheduler.add(seq)
+            except EdgeServeError as err:  # the queue filled meanwhile, or the scheduler closed
+                with self._lock:
+                    sub = self._subs.pop(seq.request_id, None)
+                if sub is not None:
+                    _post({sub.loop: [(sub.queue, ErrorEvent(err.code, type(err).__name__, err.message, 0))]})
 
     def _events(self, outputs: list[StepOutput]) -> list[tuple[str, Event]]:
         events: list[tuple[str, Event]] = []
@@ -204,7 +256,15 @@ class AsyncEngine:
             self._check_alive()
             if request_id is not None and request_id in self._subs:
                 raise InvalidRequest(f"request id {request_id!r} is already in flight", request_id=request_id)
-            seq = self.engine.add_request(prompt_ids, params, request_id, cache_salt=cache_salt, hold=hold)
+            seq = self.engine.new_sequence(prompt_ids, params, request_id, cache_salt, hold)
+            fetch = None
+            if self.store_tier is not None:
+                self.engine.scheduler.check_room(seq, len(self._pending))
+                fetch = self.store_tier.prefetch(seq, self.engine.scheduler.wake)
+            if fetch is None:
+                self.engine.scheduler.add(seq)
+            else:
+                self._pending.append(fetch)
             self._subs[seq.request_id] = _Subscriber(loop, queue)
         return self._stream(seq.request_id, queue)
 

@@ -15,13 +15,17 @@ drops only that block, so a chain can lose its tail first (LRU is updated on eve
 hit, so tails are older than heads only when they are used less).
 
 Each store and removal is reported through `on_event` (the worker publishes them
-to Redis, so routers know exactly which blocks this worker holds). Engine thread only.
+to Redis, so routers know exactly which blocks this worker holds). A `KVEvent` names
+the tier that holds the blocks: "local" (this pool) or "store" (the cluster-wide
+Mooncake Store, `kv_store_tier.py`, which reports its puts through `report`).
+
+Engine thread only, except `leading_cached` and `report` (any thread; see each).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import NamedTuple
 
 from backend.page_allocator import PageAllocator
@@ -32,6 +36,7 @@ __all__ = ["KVEvent", "PrefixCachePool"]
 class KVEvent(NamedTuple):
     kind: str  # "stored" | "removed"
     hashes: list[bytes]
+    tier: str = "local"  # "local": this worker's pool | "store": the cluster's KV store
 
 
 class _Entry(NamedTuple):
@@ -50,6 +55,24 @@ class PrefixCachePool:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._entries
+
+    def leading_cached(self, hashes: Sequence[bytes], max_blocks: int) -> int:
+        """How many leading blocks of `hashes` (at most `max_blocks`) are cached now. Any thread: a
+        hint that may be stale by the time it is used (no LRU touch, no stats, tokens not verified);
+        `match` at admission is what counts."""
+        n = 0
+        for h in hashes[:max_blocks]:
+            if h not in self._entries:
+                break
+            n += 1
+        return n
+
+    def report(self, event: KVEvent) -> None:
+        """Pass an event of another tier to this pool's sink (any thread; the sink is a bounded deque)."""
+        self._on_event(event)
 
     def match(self, hashes: Sequence[bytes], token_ids: Sequence[int], max_blocks: int) -> list[int]:
         """Pages of the longest verified cached prefix (at most `max_blocks`), each shared once more."""
@@ -70,14 +93,21 @@ class PrefixCachePool:
 
     def insert(self, hashes: Sequence[bytes], token_ids: Sequence[int], page_ids: Sequence[int]) -> None:
         """Cache the full blocks of a computed prompt (blocks already cached are only touched)."""
-        bs, stored = self.block_size, []
-        for i, h in enumerate(hashes):
+        bs = self.block_size
+        self.insert_blocks(hashes, [token_ids[i * bs:(i + 1) * bs] for i in range(len(hashes))],
+                           page_ids[:len(hashes)])
+
+    def insert_blocks(self, hashes: Sequence[bytes], block_token_ids: Sequence[Sequence[int]],
+                      page_ids: Sequence[int]) -> None:
+        """Cache blocks given one by one (hash, its token ids, its page); each page gains the cache's own
+        reference. Blocks already cached are only touched."""
+        stored = []
+        for h, tokens, page in zip(hashes, block_token_ids, page_ids, strict=True):
             if h in self._entries:
                 self._entries.move_to_end(h)
                 continue
-            page = page_ids[i]
             self.allocator.share([page])
-            self._entries[h] = _Entry(page, tuple(token_ids[i * bs:(i + 1) * bs]))
+            self._entries[h] = _Entry(page, tuple(tokens))
             stored.append(h)
         if stored:
             self.stats["stored_blocks"] += len(stored)
@@ -87,13 +117,14 @@ class PrefixCachePool:
         """Blocks that only the cache references (what `evict` could free now)."""
         return sum(1 for e in self._entries.values() if self.allocator.refcount(e.page) == 1)
 
-    def evict(self, num_pages: int) -> int:
-        """Free up to `num_pages` pages from least recently used unreferenced blocks; return how many."""
+    def evict(self, num_pages: int, keep: Set[bytes] = frozenset()) -> int:
+        """Free up to `num_pages` pages from least recently used unreferenced blocks (never those in
+        `keep`); return how many."""
         victims = []
         for h, entry in self._entries.items():
             if len(victims) == num_pages:
                 break
-            if self.allocator.refcount(entry.page) == 1:
+            if self.allocator.refcount(entry.page) == 1 and h not in keep:
                 victims.append(h)
         if not victims:
             return 0

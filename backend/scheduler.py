@@ -35,6 +35,11 @@ admission racing a reservation never finds the pages it counted gone.
 
 When the engine thread stops, `close` ends every request it knows of, returns what
 pages it can, and makes `add` and `reserve` raise the stopping error from then on.
+
+A second prefix-cache tier (the cluster's KV store, `kv_store_tier.py`) hooks in at two
+points: `prompt_listeners` hear of every prompt whose KV is complete (its blocks are
+put to the store), and a request whose blocks are being fetched from the store is
+checked with `check_room` when it arrives and `add`ed once they are installed.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -90,6 +96,8 @@ class Scheduler:
         self._abort_ids: set[str] = set()
         self.cache_stats = {"query_tokens": 0, "hit_tokens": 0}
         self.closed: EdgeServeError | None = None  # set by `close`: the engine thread stopped
+        # engine thread: called with each sequence whose whole prompt is in the cache (after the prefix cache)
+        self.prompt_listeners: list[Callable[[Sequence], None]] = []
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -123,11 +131,26 @@ class Scheduler:
         """Queue a request, or raise PromptTooLong / CapacityError without queueing it."""
         self.validate(seq)
         with self._lock:
-            self.check_open()
-            if len(self.waiting) >= self.config.max_waiting:
-                raise CapacityError(f"wait queue full ({self.config.max_waiting} requests)",
-                                    max_waiting=self.config.max_waiting)
+            self._check_room(0)
             self.waiting.append(seq)
+        self._wakeup.set()
+
+    def check_room(self, seq: Sequence, pending: int) -> None:
+        """Raise what `add` would (PromptTooLong, CapacityError, the stopping error) for a request that
+        will be added later, counting `pending` such requests as already waiting; queue nothing."""
+        self.validate(seq)
+        with self._lock:
+            self._check_room(pending)
+
+    def _check_room(self, pending: int) -> None:
+        """Under the lock: refuse when closed or when the wait queue (plus `pending`) is full."""
+        self.check_open()
+        if len(self.waiting) + pending >= self.config.max_waiting:
+            raise CapacityError(f"wait queue full ({self.config.max_waiting} requests)",
+                                max_waiting=self.config.max_waiting)
+
+    def wake(self) -> None:
+        """Wake the engine thread (any thread): something it waits for has happened."""
         self._wakeup.set()
 
     def reserve(self, seq: Sequence) -> bool:
@@ -240,6 +263,8 @@ class Scheduler:
         """Engine thread: `seq`'s whole prompt is in the cache; offer its full blocks to the prefix cache."""
         if self.prefix_cache is not None and seq.block_hashes:
             self.prefix_cache.insert(seq.block_hashes, seq.prompt_ids, seq.page_ids)
+        for listener in self.prompt_listeners:
+            listener(seq)
 
     def _reap_aborted(self) -> list[Sequence]:
         with self._lock:

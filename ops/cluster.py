@@ -6,9 +6,19 @@
     svc = Service("worker u1", argv, log_path)              # a process that a fault may kill and restart
     svc.start(); svc.kill(); svc.start(); svc.stop()
 
+    with mooncake_master() as master:                      # "127.0.0.1:PORT" of a fresh mooncake_master
+        ...                                                 # (`edgeserve up --kv-store`, tests)
+
 Every child writes stdout and stderr to its own log file, which is appended to
 across restarts (so a killed process's last words survive). `machine_info`
 describes the host a benchmark ran on, for its JSON report.
+
+`MooncakeMaster` is the KV store's master (`mooncake_master` from the Mooncake wheel:
+`bin/` of the environment, else the `mooncake` package folder, found without importing
+the library) on free loopback ports, with its metrics reporting off. It keeps only
+metadata; the stored blocks live in the workers' own segments
+(`backend/kv_store_client.py`), so stopping it loses the index of every block, never a
+request. `kill` / `pause` / `resume` are the outage drills.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ from typing import Any
 
 from ops.redis_server import stop_process
 
-__all__ = ["child_process", "wait_http", "wait_redis", "Service", "machine_info", "log_tail"]
+__all__ = ["child_process", "wait_http", "wait_redis", "Service", "machine_info", "log_tail", "mooncake_master_binary",
+           "MooncakeMaster", "mooncake_master"]
 
 
 def log_tail(log_path: Path, chars: int = 1500) -> str:
@@ -128,6 +139,100 @@ class Service:
             raise BackendUnavailable(f"{self.name} exited with status {self.proc.returncode} (a negative status "
                                      f"is a signal: -9 is often the kernel's OOM killer); its log ends:\n"
                                      f"{log_tail(self.log_path)}")
+
+
+def mooncake_master_binary() -> str:
+    """Path of the `mooncake_master` binary (the environment's bin/, PATH, then the package folder), or
+    MooncakeUnavailable (the install hint) when the Mooncake wheel is not installed."""
+    import importlib.util
+    import shutil
+    import sys
+
+    from backend.mooncake_runtime import MooncakeUnavailable
+
+    candidates = [Path(sys.prefix) / "bin" / "mooncake_master", shutil.which("mooncake_master")]
+    spec = importlib.util.find_spec("mooncake")  # the package's folder, without loading its libraries
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(loc) / "mooncake_master" for loc in spec.submodule_search_locations]
+    for c in candidates:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return str(c)
+    raise MooncakeUnavailable("no mooncake_master binary: install it with `pip install "
+                              "mooncake-transfer-engine-non-cuda` (it ships the master)")
+
+
+class MooncakeMaster:
+    """A `mooncake_master` on `host`:`port` (a free port by default), output to `log_path`."""
+
+    def __init__(self, log_path: Path, host: str = "127.0.0.1", port: int | None = None,
+                 timeout_s: float = 10.0) -> None:
+        from ops.redis_server import free_port
+
+        self.host, self.port, self.log_path, self.timeout_s = host, port or free_port(), Path(log_path), timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        """What workers pass as --kv-store."""
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> str:
+        """Start it (again, on the same port) and wait until it accepts connections; return `address`."""
+        import socket
+
+        from backend.errors import BackendUnavailable
+        from ops.redis_server import free_port
+
+        argv = [mooncake_master_binary(), f"--rpc_port={self.port}", f"--rpc_address={self.host}",
+                f"--metrics_port={free_port()}", "--enable_metric_reporting=false"]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = _popen(argv, self.log_path, {"GLOG_minloglevel": "2"})
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
+                return self.address
+            time.sleep(0.02)
+        self.stop()
+        raise BackendUnavailable(f"mooncake_master on {self.address} did not start in {self.timeout_s:.0f} s; "
+                                 f"its log ends:\n{log_tail(self.log_path)}")
+
+    def kill(self) -> None:
+        """SIGKILL it (a crash) and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: connections are accepted but nothing answers (a hung master)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        """SIGTERM (SIGKILL after 5 s); always reaped."""
+        if self.proc is not None:
+            self.resume()
+            stop_process(self.proc, timeout_s=5)
+
+
+@contextlib.contextmanager
+def mooncake_master(log_path: Path | None = None, host: str = "127.0.0.1", port: int | None = None
+                    ) -> Iterator[str]:
+    """A fresh `mooncake_master` for the context's duration; yields its address ("host:port")."""
+    import tempfile
+
+    with contextlib.ExitStack() as stack:
+        if log_path is None:
+            log_path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgeserve-mooncake-"))) / "m.log"
+        master = MooncakeMaster(log_path, host, port)
+        master.start()
+        try:
+            yield master.address
+        finally:
+            master.stop()
 
 
 def _cpu_flags() -> list[str]:

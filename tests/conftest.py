@@ -1,7 +1,9 @@
-"""Shared fixtures: the real default model (pulled once), a tiny model with its tokenizer, a real Redis."""
+"""Shared fixtures: the real default model (pulled once), a tiny model with its tokenizer, a real Redis,
+a real Mooncake master (the KV store tier's)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -9,6 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from ops.cluster import MooncakeMaster
     from ops.redis_server import RedisServer
 
 
@@ -78,3 +81,37 @@ def restartable_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
     with RedisServer(tmp_path / "redis-data") as server:
         yield server
+
+
+
+@contextlib.contextmanager
+def _mooncake_master(log_path: Path) -> Iterator[MooncakeMaster]:
+    """A started `MooncakeMaster`, stopped on exit; skips the test where Mooncake cannot load."""
+    from backend.mooncake_runtime import MooncakeUnavailable, load
+    from ops.cluster import MooncakeMaster
+
+    try:
+        load()
+        master = MooncakeMaster(log_path)
+        master.start()
+    except MooncakeUnavailable as exc:
+        pytest.skip(exc.message)
+    try:
+        yield master
+    finally:
+        master.stop()
+
+
+@pytest.fixture
+def mooncake_master(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    """A real `mooncake_master` of this test's own on a free port (its address: `.address`), which the
+    test may kill or pause; skipped with the library's message where Mooncake cannot load."""
+    with _mooncake_master(tmp_path / "mooncake-master.log") as master:
+        yield master
+
+
+@pytest.fixture(scope="module")
+def module_mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """One real `mooncake_master` for a test module (not to be killed: use `mooncake_master` for that)."""
+    with _mooncake_master(tmp_path_factory.mktemp("mooncake") / "mooncake-master.log") as master:
+        yield master
