@@ -260,29 +260,43 @@ class KVStoreTier:
         present = self.client.exists(keys)
         fetch.answered = True
         n = next((i for i, p in enumerate(present) if not p), len(present))
+        if n < len(present):  # the routers' index may still name it (the store evicts silently)
+            self._report("removed", [hashes[n]])
         if n == 0:
             self.stats["fetch_miss"] += 1
             return
-        for lo in range(0, n, self.fetch_chunk):
-            if fetch.taken:
-                return
-            chunk = keys[lo:min(n, lo + self.fetch_chunk)]
-            for j, data in enumerate(self.client.get(chunk)):
-                i = fetch.start + lo + j
-                if not data:  # evicted since the existence query
+        got = 0
+        try:
+            for lo in range(0, n, self.fetch_chunk):
+                if fetch.taken:
                     return
-                try:
-                    payload = decode_block(data, self.namespace, seq.block_hashes[i],
-                                           seq.prompt_ids[i * bs:(i + 1) * bs], self.layout)
-                except BlockRejected as exc:
-                    self.stats[f"rejected_{exc.reason}"] += 1
-                    log.warning("KV store: block %s rejected (%s): %s; it is removed and recomputed", chunk[j],
-                                exc.reason, exc)
-                    self.client.remove(chunk[j])
-                    return
-                if not fetch.add(payload):
-                    return
-                self.stats["fetch_hit_blocks"] += 1
+                chunk = keys[lo:min(n, lo + self.fetch_chunk)]
+                for j, data in enumerate(self.client.get(chunk)):
+                    i = fetch.start + lo + j
+                    if not data:  # evicted since the existence query
+                        self._report("removed", [hashes[lo + j]])
+                        return
+                    try:
+                        payload = decode_block(data, self.namespace, seq.block_hashes[i],
+                                               seq.prompt_ids[i * bs:(i + 1) * bs], self.layout)
+                    except BlockRejected as exc:
+                        self.stats[f"rejected_{exc.reason}"] += 1
+                        log.warning("KV store: block %s rejected (%s): %s; it is removed and recomputed", chunk[j],
+                                    exc.reason, exc)
+                        self.client.remove(chunk[j])
+                        self._report("removed", [hashes[lo + j]])
+                        return
+                    if not fetch.add(payload):
+                        return
+                    got += 1
+                    self.stats["fetch_hit_blocks"] += 1
+        finally:
+            if got:  # hot blocks stay in the routers' index (their entries expire otherwise)
+                self._report("stored", hashes[:got])
+
+    def _report(self, kind: str, hashes: list[bytes]) -> None:
+        """A store-tier KV event, through the prefix cache's sink (any thread)."""
+        self.engine.scheduler.prefix_cache.report(KVEvent(kind, list(hashes), "store"))
 
     def install(self, fetch: StoreFetch) -> int:
         """Engine thread, right before the request is queued: copy the blocks that arrived in time into
@@ -373,7 +387,7 @@ class KVStoreTier:
         hashes = [job.hashes[todo[k]] for k in keep]
         self.client.put([keys[todo[k]] for k in keep], objects)
         self.stats["put_blocks"] += len(keep)
-        self.engine.scheduler.prefix_cache.report(KVEvent("stored", hashes, "store"))
+        self._report("stored", hashes)
 
 
 def open_store_tier(engine: Any, master: str, model_id: str, *, host: str = "127.0.0.1",

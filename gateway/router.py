@@ -19,7 +19,11 @@
      `cost = queued prefill tokens + prompt tokens it would compute (minus its cached
      overlap) + load_tokens * (running + waiting)`, the lowest cost wins. A hot prefix
      therefore stays on its worker until the queue there outweighs the tokens saved,
-     then spreads.
+     then spreads. Blocks the cluster's KV store holds beyond a worker's own overlap
+     (the index's "store" tier) are fetched, not computed: each counts
+     `store_token_cost` of a token (default 0.25: between a local hit, 0, and a
+     recompute, 1; `prefill_cost`). So with a store a hot prefix spreads at a quarter
+     of the imbalance it needs without one.
    - `least-loaded`: fewest running + waiting (+ in flight from this gateway).
    - `round-robin`: in turn.
    In a disaggregated pool the prefill worker is chosen by that score and the decode
@@ -45,11 +49,21 @@ from backend.errors import NoCapacity
 from backend.registration import WorkerRecord
 from gateway.regions import RegionMap
 from prefix_cache.hashing import block_hashes
-from prefix_cache.kv_events import PrefixIndex
+from prefix_cache.kv_events import PrefixIndex, TierOverlap
 
-__all__ = ["Target", "RouteDecision", "Router", "POLICIES"]
+__all__ = ["Target", "RouteDecision", "Router", "POLICIES", "prefill_cost", "STORE_TOKEN_COST"]
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
+STORE_TOKEN_COST = 0.25  # a prompt token fetched from the KV store, against 1 computed and 0 cached locally
+
+
+def prefill_cost(prompt_tokens: int, local_tokens: int, store_tokens: int, store_token_cost: float = STORE_TOKEN_COST
+                 ) -> float:
+    """Tokens' worth of prefill work for a prompt of which the worker caches `local_tokens` leading tokens
+    and the KV store holds `store_tokens` leading tokens (at least one token is always computed)."""
+    local = min(local_tokens, prompt_tokens - 1)
+    fetched = max(0, min(store_tokens, prompt_tokens - 1) - local)
+    return (prompt_tokens - local - fetched) + store_token_cost * fetched
 
 
 class Target(NamedTuple):
@@ -85,11 +99,13 @@ class _InFlight:
 
 class Router:
     def __init__(self, view, index: PrefixIndex | None, regions: RegionMap, *, policy: str = "prefix",
-                 max_waiting: int = 16, load_tokens: int = 256) -> None:
+                 max_waiting: int = 16, load_tokens: int = 256, store_token_cost: float = STORE_TOKEN_COST) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {POLICIES}")
+        if not 0.0 <= store_token_cost <= 1.0:
+            raise ValueError(f"store_token_cost is a fraction of a computed token (0..1), got {store_token_cost}")
         self.view, self.index, self.regions, self.policy = view, index, regions, policy
-        self.max_waiting, self.load_tokens = max_waiting, load_tokens
+        self.max_waiting, self.load_tokens, self.store_token_cost = max_waiting, load_tokens, store_token_cost
         self._turn = itertools.count()
         self._inflight = _InFlight()
 
@@ -172,21 +188,24 @@ class Router:
                 return [Target(w) for w in ordered], 0, f"policy least-loaded (load {self._load(ordered[0])})"
         # prefix-aware: score the prefill-capable workers
         scorable = prefills if disaggregated else front
-        overlap = await self._overlap(model, tenant_id, prompt_ids, scorable)
+        tiers = await self._overlap(model, tenant_id, prompt_ids, scorable)
+        overlap = tiers.local
         page = scorable[0].page_size or 16
 
         def cost(w: WorkerRecord) -> float:
-            cached = min(overlap.get(w.id, 0) * page, len(prompt_ids) - 1)
+            work = prefill_cost(len(prompt_ids), overlap.get(w.id, 0) * page, tiers.store * page,
+                                self.store_token_cost)
             queued = w.queued_prefill_tokens + self._inflight.unseen(w)[1]
-            return queued + (len(prompt_ids) - cached) + self.load_tokens * self._load(w)
+            return queued + work + self.load_tokens * self._load(w)
 
         if self.policy == "least-loaded":
             scored = sorted(scorable, key=lambda w: (self._load(w), w.id))
         else:
             scored = sorted(scorable, key=lambda w: (cost(w), w.id))
         best = scored[0]
+        store = f", {tiers.store} in the KV store" if tiers.store else ""
         why = (f"policy {self.policy}: {overlap.get(best.id, 0)} cached blocks of {len(prompt_ids) // page} "
-               f"on {best.id}, cost {cost(best):.0f} tokens")
+               f"on {best.id}{store}, cost {cost(best):.0f} tokens")
         if disaggregated:
             decodes = sorted(front, key=lambda w: (self._load(w), -w.pages_free, w.id))
             targets = [Target(d, best) for d in decodes]
@@ -196,8 +215,8 @@ class Router:
         return [Target(w) for w in scored], overlap.get(best.id, 0), why
 
     async def _overlap(self, model: str, tenant_id: str, prompt_ids: list[int],
-                       workers: list[WorkerRecord]) -> dict[str, int]:
+                       workers: list[WorkerRecord]) -> TierOverlap:
         if self.index is None or not workers:
-            return {}
+            return TierOverlap({}, 0)
         hashes = block_hashes(prompt_ids, workers[0].page_size or 16, tenant_id)
-        return await self.index.overlap(model, hashes) if hashes else {}
+        return await self.index.overlap_tiers(model, hashes) if hashes else TierOverlap({}, 0)

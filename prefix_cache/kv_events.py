@@ -7,7 +7,19 @@ follows the caches exactly, a batch behind:
 
     edgeserve:{m:<model>}:block:<hash hex>          set of worker ids holding that block
     edgeserve:{m:<model>}:worker:<id>:blocks        set of block hashes a worker holds
+    edgeserve:{m:<model>}:store-block:<hash hex>    "1" while the cluster's KV store holds it (expires)
     edgeserve:{m:<model>}:kv-events                 stream of the raw events (audit), capped
+
+**Tiers.** An event names the tier holding its blocks (`KVEvent.tier`; events without
+the field, from older workers, are "local"). "local" blocks are a worker's own pool and
+go in the sets above. "store" blocks are in the cluster-wide KV store
+(`backend/kv_store_tier.py`), which any worker with a store can fetch from: they are
+not any worker's, so they are not withdrawn when a worker stops, and since the store
+evicts on its own without telling anyone, each entry expires `store_ttl_s` after the
+last put or hit that reported it (a worker that finds a block gone reports its
+removal). An entry may thus outlive its block by up to that long: the router then
+counts a store hit that turns into a recompute, and the worker's bounded fetch finds
+out. The stream's entries carry a `tier` field.
 
 All keys of one model share the hash tag `{m:<model>}` (one Redis Cluster slot,
 so a batch is one transaction). On start, and when it stops, a worker withdraws
@@ -39,6 +51,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis import RedisError
@@ -46,12 +59,13 @@ from redis import RedisError
 from backend.redis_client import OutageLog, connect
 from backend.registration import members_key, record_key
 
-__all__ = ["block_key", "worker_blocks_key", "events_key", "forget_worker", "KVEventPublisher", "PrefixIndex",
-           "EVENTS_MAXLEN", "MAX_UNSENT_EVENTS"]
+__all__ = ["block_key", "worker_blocks_key", "store_block_key", "events_key", "forget_worker", "KVEventPublisher",
+           "PrefixIndex", "TierOverlap", "EVENTS_MAXLEN", "MAX_UNSENT_EVENTS", "STORE_TTL_S"]
 
 log = logging.getLogger(__name__)
 EVENTS_MAXLEN = 100_000
 MAX_UNSENT_EVENTS = 50_000  # events held for Redis while it is away; past this the index goes stale
+STORE_TTL_S = 600  # a store-tier entry expires this long after the last event that reported the block
 
 # KEYS: the worker's record, the model's member set, the worker's block set. ARGV: worker id, block key prefix.
 # Returns -1 when the worker is alive (record present), else how many blocks it was removed from.
@@ -77,6 +91,10 @@ def worker_blocks_key(model: str, worker_id: str) -> str:
     return f"{_tag(model)}:worker:{worker_id}:blocks"
 
 
+def store_block_key(model: str, block_hash: bytes) -> str:
+    return f"{_tag(model)}:store-block:{block_hash.hex()}"
+
+
 def events_key(model: str) -> str:
     return f"{_tag(model)}:kv-events"
 
@@ -94,10 +112,12 @@ class KVEventPublisher:
 
     def __init__(self, redis_url: str, model: str, worker_id: str, events: deque, interval_s: float = 0.02, *,
                  dropped: Callable[[], int] | None = None, resync: Callable[[], None] | None = None,
-                 max_unsent: int = MAX_UNSENT_EVENTS) -> None:
+                 max_unsent: int = MAX_UNSENT_EVENTS, store_ttl_s: int = STORE_TTL_S) -> None:
         """`dropped`: how many events the engine has dropped so far (its queue is bounded); `resync`:
-        asks the engine to report every block it caches as one "stored" event (engine thread-safe)."""
+        asks the engine to report every block it caches as one "stored" event (engine thread-safe);
+        `store_ttl_s`: how long a store-tier entry lives after the last event that reported it."""
         self.redis = connect(redis_url)
+        self.store_ttl_s = store_ttl_s
         self.model, self.worker_id, self.events, self.interval_s = model, worker_id, events, interval_s
         self._dropped, self._resync, self.max_unsent = dropped, resync, max_unsent
         self._dropped_seen = dropped() if dropped is not None else 0
@@ -161,15 +181,21 @@ class KVEventPublisher:
         mine = worker_blocks_key(self.model, self.worker_id)
         pipe = self.redis.pipeline(transaction=True)
         for ev in batch:
+            tier = getattr(ev, "tier", "local")  # events of older producers have no tier: their own pool
             for h in ev.hashes:
-                if ev.kind == "stored":
+                if tier == "store":
+                    if ev.kind == "stored":
+                        pipe.set(store_block_key(self.model, h), 1, ex=self.store_ttl_s)
+                    else:
+                        pipe.delete(store_block_key(self.model, h))
+                elif ev.kind == "stored":
                     pipe.sadd(block_key(self.model, h), self.worker_id)
                     pipe.sadd(mine, h.hex())
                 else:
                     pipe.srem(block_key(self.model, h), self.worker_id)
                     pipe.srem(mine, h.hex())
             pipe.xadd(events_key(self.model), {"worker": self.worker_id, "kind": ev.kind,
-                                               "hashes": ",".join(h.hex() for h in ev.hashes)},
+                                               "hashes": ",".join(h.hex() for h in ev.hashes), "tier": tier},
                       maxlen=EVENTS_MAXLEN, approximate=True)
         await pipe.execute()
 
@@ -185,6 +211,13 @@ class KVEventPublisher:
         await pipe.execute()
 
 
+class TierOverlap(NamedTuple):
+    """How much of a request's prefix each tier holds, in leading blocks."""
+
+    local: dict[str, int]  # worker id -> leading blocks in its own pool
+    store: int  # leading blocks in the cluster's KV store
+
+
 class PrefixIndex:
     """Router side: read the index; no overlap (rank by load) while Redis cannot answer."""
 
@@ -195,19 +228,27 @@ class PrefixIndex:
 
     async def overlap(self, model: str, hashes: Sequence[bytes]) -> dict[str, int]:
         """For each worker holding the first block: how many leading blocks of `hashes` it holds."""
+        return (await self.overlap_tiers(model, hashes, store=False)).local
+
+    async def overlap_tiers(self, model: str, hashes: Sequence[bytes], store: bool = True) -> TierOverlap:
+        """`overlap` per worker, and how many leading blocks of `hashes` the KV store holds (one round trip)."""
         if not hashes or time.monotonic() < self._skip_until:
-            return {}
+            return TierOverlap({}, 0)
         pipe = self.redis.pipeline(transaction=False)
         for h in hashes:
             pipe.smembers(block_key(model, h))
+        if store:
+            for h in hashes:
+                pipe.exists(store_block_key(model, h))
         try:
             replies = await pipe.execute()
         except (RedisError, OSError) as exc:
             self._outage.failed(exc)
             self._skip_until = time.monotonic() + self.retry_s
-            return {}
+            return TierOverlap({}, 0)
         self._outage.ok()
-        holders = [{m.decode() if isinstance(m, bytes) else m for m in s} for s in replies]
+        n = len(hashes)
+        holders = [{m.decode() if isinstance(m, bytes) else m for m in s} for s in replies[:n]]
         result: dict[str, int] = {}
         current = holders[0]
         for i, members in enumerate(holders):
@@ -216,4 +257,5 @@ class PrefixIndex:
                 break
             for w in current:
                 result[w] = i + 1
-        return result
+        in_store = next((i for i, e in enumerate(replies[n:]) if not e), len(replies) - n)
+        return TierOverlap(result, in_store)

@@ -121,7 +121,9 @@ def test_a_prompt_computed_on_one_worker_is_served_on_another_from_the_store(wor
     assert b.delta("prompt_tokens") == PROMPT_LEN - 6 * PAGE  # only the tail was computed on B
     assert b.delta("imported_blocks") == 6 and b.delta("fetch_hit_blocks") == 6
     assert b.delta("put_blocks") == 0  # its blocks came from the store: nothing new to put
-    assert [ev.tier for ev in b.engine.kv_events] == ["local"]  # B now holds them itself
+    events = [(ev.kind, ev.tier, len(ev.hashes)) for ev in b.engine.kv_events]
+    assert ("stored", "local", 6) in events  # B holds them itself now
+    assert ("stored", "store", 6) in events  # and the hit keeps the store's entries in the routers' index
     tokens_b2, fin_b2 = b.generate(p, "tenant-1")  # now a local hit: no second fetch
     assert tokens_b2 == tokens_a and fin_b2.cached_tokens == 6 * PAGE and b.delta("fetches") == 1
 
