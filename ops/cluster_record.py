@@ -46,6 +46,7 @@ class ClusterRecord(msgspec.Struct, frozen=True):
     model: str  # the name clients ask for
     tenant_id: str  # the demo tenant
     token: str  # the demo tenant's API token, so `edgeserve chat` works with no flags
+    kv_store: str = ""  # the KV store's Mooncake master ("host:port"; `up --kv-store`), "" without one
 
 
 def record_path(home: Path | None = None) -> Path:
@@ -65,13 +66,13 @@ def process_start_time(pid: int) -> int | None:
 
 
 def new_record(*, gateway_url: str, redis_url: str, worker_urls: list[str], worker_pids: list[int], model: str,
-               tenant_id: str, token: str) -> ClusterRecord:
+               tenant_id: str, token: str, kv_store: str = "") -> ClusterRecord:
     """The record of the cluster this process runs, stamped with its pid and the time."""
     pid = os.getpid()
     return ClusterRecord(gateway_url=gateway_url, redis_url=redis_url, worker_urls=worker_urls, pid=pid,
                          pid_started=process_start_time(pid) or 0, worker_pids=worker_pids,
                          started_at=datetime.now(UTC).isoformat(timespec="seconds"), model=model,
-                         tenant_id=tenant_id, token=token)
+                         tenant_id=tenant_id, token=token, kv_store=kv_store)
 
 
 def write_record(record: ClusterRecord, home: Path | None = None) -> Path:

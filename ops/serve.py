@@ -12,6 +12,16 @@ The worker token comes from `--worker-token` or `$EDGESERVE_WORKER_TOKEN` (see
 refuses new work (503 Draining), lets in-flight requests finish for up to
 `--drain-timeout` seconds, ends the rest with `Draining`, and exits 0.
 
+KV store tier (`backend/kv_store_tier.py`): with `--kv-store HOST:PORT` (a Mooncake
+master; `edgeserve up --kv-store` starts one) a unified or prefill worker with
+`--prefix-caching` puts its prompts' full blocks into the cluster-wide store after
+prefill and, on a local miss, fetches the blocks another worker computed instead of
+recomputing them, waiting at most `--kv-store-timeout` seconds per request. It lends
+`--kv-store-segment` bytes of its memory to the store. A store that is down or slow is
+skipped; requests never fail for it.
+
+    edgeserve serve --prefix-caching --kv-store 127.0.0.1:50051 --redis-url redis://...
+
 Tensor parallelism (one worker = a group of ranks, `backend/distributed/`):
 
     edgeserve serve --tensor-parallel 3 [--expert-parallel]      # spawns ranks 1, 2 itself
@@ -35,9 +45,10 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["register", "DEFAULT_MODEL", "parse_bytes", "add_engine_args", "add_worker_token_args", "add_drain_arg",
-           "ENGINE_OPTIONS"]
+           "add_kv_store_args", "check_kv_store_args", "ENGINE_OPTIONS", "EMBEDDED_KV_STORE"]
 
 DEFAULT_MODEL = "smollm2-135m"
+EMBEDDED_KV_STORE = "embedded"  # `up --kv-store` with no address: start a mooncake_master
 log = logging.getLogger(__name__)
 
 
@@ -121,6 +132,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "written by the prefill worker straight into this worker's reserved pages over the "
                             "Mooncake Transfer Engine (mooncake; TCP, or RDMA with EDGESERVE_MOONCAKE_PROTOCOL=rdma); "
                             "a prefill worker whose pool cannot take a direct write falls back to frames")
+    add_kv_store_args(serve)
     serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                        help="register in this Redis (heartbeat with live load) and publish prefix-cache KV events "
                             "(default: $REDIS_URL when set, else none: not registered)")
@@ -139,6 +151,52 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_worker_token_args(serve)
     add_drain_arg(serve)
     serve.set_defaults(func=run_serve)
+
+
+def add_kv_store_args(p: argparse.ArgumentParser, up: bool = False) -> None:
+    """--kv-store, --kv-store-segment, --kv-store-timeout (serve; `up` with `up=True`: the address is
+    optional, and without one `up` starts a mooncake_master)."""
+    if up:
+        p.add_argument("--kv-store", nargs="?", const=EMBEDDED_KV_STORE, default=None, metavar="MASTER",
+                       help="a cluster-wide KV store tier: workers share computed prompt blocks through Mooncake "
+                            "Store; with no address, a mooncake_master is started on a free port and stopped "
+                            "with the cluster (default: no store)")
+    else:
+        p.add_argument("--kv-store", default=os.environ.get("EDGESERVE_KV_STORE"), metavar="MASTER",
+                       help="the Mooncake master (host:port) of the cluster's KV store: put prompt blocks after "
+                            "prefill, fetch other workers' blocks on a local miss; needs --prefix-caching "
+                            "(default: $EDGESERVE_KV_STORE, else none)")
+    p.add_argument("--kv-store-segment", type=parse_bytes, default="512M",
+                   help="memory this worker lends to the KV store (e.g. 512M, 2G)")
+    p.add_argument("--kv-store-timeout", type=float, default=0.15,
+                   help="seconds a request may wait for its blocks from the KV store; what has not arrived by "
+                        "then is recomputed")
+
+
+def check_kv_store_args(args: argparse.Namespace, worker: bool = True) -> None:
+    """Refuse --kv-store settings that cannot work, before anything loads (InvalidRequest or, when the
+    library is missing, MooncakeUnavailable). `worker`: a `serve` command line (role, prefix caching and
+    tensor parallelism are checked too); `up` sets its worker's itself."""
+    from backend.errors import InvalidRequest
+
+    if not args.kv_store:
+        return
+    if args.kv_store != EMBEDDED_KV_STORE:
+        from backend.kv_store_client import parse_master_address
+
+        parse_master_address(args.kv_store)
+    if worker and args.role == "decode":
+        raise InvalidRequest("--kv-store is for unified and prefill workers (a decode worker's KV comes from its "
+                             "prefill worker)")
+    if worker and not args.prefix_caching:
+        raise InvalidRequest("--kv-store needs --prefix-caching (the store is the prefix cache's second tier)")
+    if worker and args.tensor_parallel > 1:
+        raise InvalidRequest("--kv-store needs --tensor-parallel 1 (a block holds the whole model's KV heads)")
+    if not 0 < args.kv_store_timeout <= 10:
+        raise InvalidRequest(f"--kv-store-timeout must be in (0, 10] seconds, got {args.kv_store_timeout}")
+    from backend.mooncake_runtime import load
+
+    load()
 
 
 def add_worker_token_args(p: argparse.ArgumentParser) -> None:
@@ -163,6 +221,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     token = resolve_token(args.worker_token)
     warning = check_bind(args.host, token, args.insecure_no_worker_token)  # before torch and the model load
+    check_kv_store_args(args)
 
     from backend.engine import EngineConfig, LLMEngine
     from ops.pull import resolve_model
@@ -207,7 +266,15 @@ def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token:
 
     config = engine.config
     name = args.served_name or args.model
-    async_engine = AsyncEngine(engine)
+    store_tier = None
+    if args.kv_store:
+        from backend.kv_store_tier import model_fingerprint, open_store_tier
+        from backend.mooncake_runtime import advertised_host
+
+        store_tier = open_store_tier(engine, args.kv_store, model_fingerprint(model_dir),
+                                     host=advertised_host(args.host), segment_bytes=args.kv_store_segment,
+                                     fetch_timeout_s=args.kv_store_timeout)
+    async_engine = AsyncEngine(engine, store_tier)
     coordinator = None
     if args.role == "decode":
         from backend.decode_coordinator import DecodeCoordinator
@@ -245,6 +312,10 @@ def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token:
           f"{where}\n"
           f"  KV pool: {snap['pages_total']} pages x {snap['page_size']} tokens ({snap['kv_format']}, "
           f"{snap['kv_bytes_per_token']} B/token), context {snap['max_model_len']}", flush=True)
+    if store_tier is not None:
+        print(f"  KV store: Mooncake master {args.kv_store} (namespace {store_tier.namespace}, lends "
+              f"{args.kv_store_segment >> 20} MiB, waits at most {args.kv_store_timeout * 1000:.0f} ms per request)",
+              flush=True)
     if group is not None:
         pids = ", ".join(f"rank {r} pid {p}" for r, p in group.pids.items()) or "launched by torchrun"
         print(f"  tensor parallel: {group.coll.world} ranks{' (expert parallel)' if config.expert_parallel else ''}"

@@ -1,0 +1,84 @@
+"""`edgeserve serve --kv-store` as users run it: two real worker processes on one mooncake_master and
+one Redis. A prompt computed by the first is served by the second from the store, and the store-tier
+KV events reach the routers' index. Settings that cannot work are refused before the model loads."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import redis
+
+from backend.protocol import GenerateRequest
+from backend.sampling_params import SamplingParams
+from ops.cluster import MooncakeMaster
+from ops.redis_server import free_port
+from prefix_cache.hashing import block_hashes
+from prefix_cache.kv_events import store_block_key
+from tests.ops.test_drain import AUTH, ENV, model_dir, start, stop, wait_up  # noqa: F401  (model_dir: fixture)
+
+
+def serve_args(model_dir: Path, port: int, redis_url: str, master: str) -> list[str]:
+    return ["serve", "--model", str(model_dir), "--served-name", "tiny", "--port", str(port), "--redis-url", redis_url,
+            "--kv-cache-bytes", "4M", "--max-model-len", "1024", "--threads", "1", "--gemm-buckets", "none",
+            "--prefix-caching", "--kv-store", master, "--kv-store-segment", "32M", "--kv-store-timeout", "2"]
+
+
+@pytest.fixture
+def two_workers(model_dir: Path, redis_url: str, mooncake_master: MooncakeMaster) -> Iterator[list[str]]:
+    ports = [free_port(), free_port()]
+    procs = [start(serve_args(model_dir, p, redis_url, mooncake_master.address)) for p in ports]
+    try:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for proc, url in zip(procs, urls):
+            wait_up(proc, f"{url}/health")
+        yield urls
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def generate(url: str, prompt: list[int], salt: str) -> dict:
+    body = msgspec.json.encode(GenerateRequest(prompt, SamplingParams(max_tokens=4, temperature=0.0), model="tiny",
+                                               cache_salt=salt))
+    response = httpx.post(f"{url}/v1/generate", content=body, headers=AUTH, timeout=60)
+    events = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+    assert events[-1]["event"] == "finish", events[-1]
+    return {"tokens": [t for e in events if e["event"] == "token" for t in e["token_ids"]], **events[-1]}
+
+
+def test_a_second_worker_serves_the_first_workers_prompt_from_the_store(two_workers: list[str],
+                                                                        redis_url: str) -> None:
+    prompt = [random.randrange(3, 320) for _ in range(70)]  # 4 full blocks; (70 - 1) // 16 = 4 shareable
+    first = generate(two_workers[0], prompt, "tenant-1")
+    assert first["cached_tokens"] == 0
+    r = redis.Redis.from_url(redis_url)
+    keys = [store_block_key("tiny", h) for h in block_hashes(prompt, 16, "tenant-1")]
+    deadline = time.monotonic() + 15
+    while r.exists(*keys) < 4:  # put after prefill, then published by the worker's KV-event publisher
+        assert time.monotonic() < deadline, "the store-tier events never reached the index"
+        time.sleep(0.05)
+    second = generate(two_workers[1], prompt, "tenant-1")
+    assert second["tokens"] == first["tokens"] and second["cached_tokens"] == 64
+    assert generate(two_workers[1], prompt, "tenant-2")["cached_tokens"] == 0  # another tenant: nothing shared
+    r.close()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--kv-store", "127.0.0.1:1"], "needs --prefix-caching"),
+    (["--kv-store", "nowhere", "--prefix-caching"], "host:port"),
+    (["--kv-store", "127.0.0.1:1", "--prefix-caching", "--role", "decode", "--prefill-worker", "http://x"],
+     "unified and prefill workers"),
+])
+def test_settings_that_cannot_work_are_refused_before_loading(flags: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "--model", "/nonexistent", *flags], env=ENV,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and message in done.stderr + done.stdout, done.stderr
