@@ -83,6 +83,14 @@ def search_scales(h: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.T
                   quantise: Callable[[torch.Tensor], torch.Tensor], grid: int = DEFAULT_GRID) -> AwqScales:
     """The α (and its scales [K]) whose RTN output error over `weights` (each [N_i, K], reading the
     inputs of Gram matrix `h` [K, K] and mean |x| `mean_abs` [K]) is least (module docstring)."""
+    from ops.gptq import _one_thread
+
+    with _one_thread():  # many small ops: a second intra-op thread only adds synchronisation (ops/gptq.py)
+        return _search(h, mean_abs, weights, quantise, grid)
+
+
+def _search(h: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Tensor],
+            quantise: Callable[[torch.Tensor], torch.Tensor], grid: int) -> AwqScales:
     w = torch.cat([t.float() for t in weights])  # [N, K]
     h = h.float()
     m = mean_abs.float().clamp(min=_M_MIN)

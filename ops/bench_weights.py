@@ -30,7 +30,9 @@ it runs the fp32 GEMM on FP8-rounded values), ``int4`` torch's INT4 CPU GEMM.
    (20; quick 1 of 512) of held-out Brown corpus text, genres J-R (`ops.calibration.
    EVAL_GENRES`; GPTQ calibrates on genres A-H, so no document is shared), scored
    teacher-forced through the serving path (`LLMEngine.score_tokens`) with the engine's
-   format, for bf16, fp8, int4_rtn_g128, int4_rtn_g32, int4_gptq_g128 and int4_gptq_g32.
+   format, for bf16, fp8, int4_rtn_g128, int4_rtn_g32, int4_gptq_g128, int4_gptq_g32 and int4_awq_g128
+   (`edgeserve quantize`'s methods with their defaults: gptq scales the inputs AWQ-style first, awq
+   is those scales with round to nearest).
    Each quantised checkpoint is written by `edgeserve quantize` (`quantize_checkpoint`)
    in a fresh process of its own, which gives its `quantize_s` and
    `quantize_peak_rss_bytes` (the child's ru_maxrss); GPTQ calibrates on C tokens
@@ -75,10 +77,11 @@ SPEED_FORMATS: dict[str, tuple[str, int]] = {  # report name -> (format, int4 gr
     "int4": ("int4", 128), "fp8": ("fp8", 128), "bf16": ("bf16", 128), "fp32": ("fp32", 128)}
 QUANTIZED: dict[str, tuple[str, int, str]] = {  # report name -> (format, group size, method) written by quantize
     "fp8": ("fp8", 128, "rtn"), "int4_rtn_g128": ("int4", 128, "rtn"), "int4_rtn_g32": ("int4", 32, "rtn"),
-    "int4_gptq_g128": ("int4", 128, "gptq"), "int4_gptq_g32": ("int4", 32, "gptq")}
+    "int4_gptq_g128": ("int4", 128, "gptq"), "int4_gptq_g32": ("int4", 32, "gptq"),
+    "int4_awq_g128": ("int4", 128, "awq")}
 QUALITY_FORMATS: dict[str, str] = {  # report name -> the engine it is measured on
     "bf16": "fp32", "fp8": "fp8", "int4_rtn_g128": "int4", "int4_rtn_g32": "int4_g32",
-    "int4_gptq_g128": "int4_gptq_g128", "int4_gptq_g32": "int4_gptq_g32"}
+    "int4_gptq_g128": "int4_gptq_g128", "int4_gptq_g32": "int4_gptq_g32", "int4_awq_g128": "int4_awq_g128"}
 
 
 def checkpoint_sizes(model_dir) -> tuple[dict[str, int], dict[str, int]]:

@@ -1,4 +1,4 @@
-"""`edgeserve quantize IN OUT --to int4|fp8 [--group-size 128] [--method gptq|rtn]`: convert a checkpoint's linears.
+"""`edgeserve quantize IN OUT --to int4|fp8 [--group-size 128] [--method gptq|awq|rtn]`: convert a checkpoint's linears.
 
 IN is a Hugging Face folder (config.json + safetensors, one file or shards with an
 index) whose linear layers are dense (BF16, FP16, FP32) or FP8 (e4m3 with block
@@ -20,12 +20,17 @@ then groups the float values. Experts stored fused, as newer transformers holds 
 tensor read once for its experts.
 
 Method: ``rtn`` rounds each weight to nearest on its own. ``gptq`` (INT4 only; the
-default for INT4 on GQA models) chooses the codes against each linear's inputs on
-calibration text (`--calib-tokens`, 8192, of Brown genres A-H or `--calib-file`),
-walking the model layer by layer (`ops/calibration.py`, `ops/gptq.py`), by default with
-activation order and a clip search of each group's range (`--no-act-order`, `--no-clip`:
-measured worse on SmolLM2, `BENCHMARKS.md`). Both write the same tensors, dtypes,
-shapes and order: the checkpoints differ only in values. MLA models take rtn.
+default for INT4) chooses the codes against each linear's inputs on calibration text
+(`--calib-tokens`, 8192, of Brown genres A-H or `--calib-file`), walking the model layer
+by layer (`ops/calibration.py`, `ops/gptq.py`; GQA and MLA decoders), by default after
+AWQ-style input scaling (`ops/awq.py`: scales searched per input, folded into the norms
+and the previous linear's rows) and with activation order and a clip search of each
+group's range (`--no-awq`, `--no-act-order`, `--no-clip`: each measured worse on SmolLM2,
+`BENCHMARKS.md`; `--refit` re-fits the group scales to the codes). ``awq`` is the AWQ
+scaling followed by round to nearest. All write the same tensors, dtypes, shapes and
+order: the checkpoints differ only in values (AWQ rewrites norm weights, in their dtype).
+`--zero-points` writes compressed-tensors' asymmetric grid (``symmetric: false``, an
+integer zero point per group, ``weight_zero_point``) instead of the symmetric one.
 
 Streaming: the output header is planned from the input headers alone (a format's
 tensors have known dtypes and shapes), then the tensors are written layer by layer
@@ -77,7 +82,9 @@ from ops.quantize_report import SizeReport, per_gpu_bytes, peak_rss_bytes, print
 __all__ = ["register", "QuantizePlan", "plan_quantize", "quantize_checkpoint", "per_gpu_bytes", "SizeReport",
            "METHODS", "resolve_method"]
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")  # awq: AWQ input scales, then round to nearest (gptq scales first by default)
+GPTQ_AWQ = True  # --awq: GPTQ on AWQ-scaled weights (measured better on SmolLM2, BENCHMARKS.md)
+GPTQ_REFIT = False  # --refit: least-squares refit of each row's group scales after GPTQ
 OUTPUT_FORMATS = ("compressed-tensors", "edgeserve")  # INT4 layouts --output-format writes
 
 DEFAULT_SHARD_BYTES = 4 * 2**30
@@ -265,8 +272,8 @@ def resolve_method(method: str | None, target: WeightFormat, cfg: ModelConfig) -
         return "gptq" if target.name == "int4" else "rtn"
     if method not in METHODS:
         raise WeightsError(f"unknown quantisation method {method!r}; known: {', '.join(METHODS)}", method=method)
-    if method == "gptq" and target.name != "int4":
-        raise WeightsError(f"--method gptq quantises to INT4; {target.name} is rounded to nearest (--method rtn)",
+    if method != "rtn" and target.name != "int4":
+        raise WeightsError(f"--method {method} quantises to INT4; {target.name} is rounded to nearest (--method rtn)",
                            method=method)
     return method
 
@@ -275,17 +282,20 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
                         progress: bool = True, method: str | None = "rtn", calib_tokens: int = DEFAULT_CALIB_TOKENS,
                         calib_file: Path | None = None, calib_ids: torch.Tensor | None = None,
                         act_order: bool = True, ignore: Sequence[str] = (), damp: float = DEFAULT_DAMP,
-                        static_groups: bool = False, clip: bool = True, awq: bool = False,
-                        refit: bool = False) -> SizeReport:
+                        static_groups: bool = False, clip: bool = True, awq: bool = GPTQ_AWQ,
+                        refit: bool = GPTQ_REFIT) -> SizeReport:
     """Write `dst` (which must not exist) from `src` with its linear layers in `target`; atomic.
 
     method: "rtn" rounds each weight to nearest; "gptq" (INT4 only) calibrates layer by layer on
     `calib_tokens` tokens of `calib_file` or Brown genres A-H (`ops/calibration.py`), or on the
-    given `calib_ids` [S, L]; `act_order` visits columns by decreasing activation energy, `clip`
-    searches each group's range, `static_groups` fixes the grids before any update, `damp` is
-    the Hessian dampening (`ops/gptq.py`); None picks the default method (`resolve_method`). `ignore`: linears kept dense (names or ``re:``
-    regexes, `ops/quantize_ignore.py`), besides the target's own list. Every input check, the
-    calibration text's included, runs before anything is written."""
+    given `calib_ids` [S, L]; "awq" (INT4 only) calibrates AWQ input scales the same way, then rounds
+    to nearest. GPTQ options: `awq` scales the inputs first (`ops/awq.py`), `act_order` visits
+    columns by decreasing activation energy, `clip` searches each group's range, `static_groups`
+    fixes the grids before any update, `refit` re-fits each row's group scales to the chosen codes,
+    `damp` is the Hessian dampening (`ops/gptq.py`); None picks the default method
+    (`resolve_method`). `ignore`: linears kept dense (names or ``re:`` regexes,
+    `ops/quantize_ignore.py`), besides the target's own list. Every input check, the calibration
+    text's included, runs before anything is written."""
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
     if dst.exists():
@@ -297,7 +307,7 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
     steps = in_layer_order(plan.steps, cfg.num_layers)
     weights = DenseWeights(reader, plan)
     calibrator = None
-    if method == "gptq" or awq:
+    if method in ("gptq", "awq"):
         assert isinstance(target, Int4Format)
         seq_len = min(DEFAULT_SEQ_LEN, cfg.index_topk) if cfg.index_topk else DEFAULT_SEQ_LEN  # DSA: dense up to top-k
         ids = calib_ids if calib_ids is not None else calibration_ids(src, cfg, calib_tokens, calib_file, seq_len)
@@ -308,8 +318,8 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
 
         calibrator = LayerCalibrator(cfg, ids, target, reader.get, weights, reader.__contains__, act_order,
                                      kept=plan.kept.__contains__, served=served, damp=damp,
-                                     static_groups=static_groups, clip=clip, awq=awq, gptq=method == "gptq",
-                                     refit=refit)
+                                     static_groups=static_groups, clip=clip, awq=awq or method == "awq",
+                                     gptq=method == "gptq", refit=refit)
     prefix = cfg.checkpoint_prefix  # written back under the prefix the config.json implies
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
@@ -360,8 +370,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--to", required=True, choices=["int4", "fp8"], help="target format of the linear layers")
     p.add_argument("--group-size", type=int, default=128, help="INT4 group size along in_features (128; 32 allowed)")
     p.add_argument("--method", choices=METHODS, default=None,
-                   help="rtn: round to nearest; gptq: calibrated (INT4 only). Default: gptq for int4 on GQA "
-                        "models (Llama, Qwen2, Glm4Moe), rtn otherwise")
+                   help="rtn: round to nearest; gptq: calibrated (INT4 only); awq: activation-aware input scales, "
+                        "then round to nearest (INT4 only). Default: gptq for int4, rtn for fp8")
     p.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS,
                    help=f"GPTQ calibration tokens (default {DEFAULT_CALIB_TOKENS})")
     p.add_argument("--calib-file", type=Path, default=None,
@@ -370,6 +380,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="GPTQ: quantise columns by decreasing activation energy (default on)")
     p.add_argument("--clip", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: search each group's range for the least weighted rounding error (default on)")
+    p.add_argument("--awq", action=argparse.BooleanOptionalAction, default=GPTQ_AWQ,
+                   help=f"GPTQ: search activation-aware input scales first, folded into the norms and previous "
+                        f"linears (default {'on' if GPTQ_AWQ else 'off'})")
+    p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=GPTQ_REFIT,
+                   help=f"GPTQ: least-squares refit of each row's group scales to the chosen codes "
+                        f"(default {'on' if GPTQ_REFIT else 'off'})")
+    p.add_argument("--zero-points", action="store_true",
+                   help="compressed-tensors output: asymmetric grid with integer zero points (symmetric: false, "
+                        "weight_zero_point) instead of the symmetric one Kimi ships")
     p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None,
                    help="INT4 layout: compressed-tensors pack-quantized (symmetric; vLLM/SGLang load it) or "
                         "edgeserve (asymmetric, zero points). Default: compressed-tensors when the group size "
@@ -387,9 +406,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def int4_target(src: Path, group_size: int, output_format: str | None, ignore: Sequence[str]) -> Int4Format:
+def int4_target(src: Path, group_size: int, output_format: str | None, ignore: Sequence[str],
+                zero_points: bool = False) -> Int4Format:
     """The INT4 target for `--output-format` (None: compressed-tensors when `group_size` divides the
-    in_features of every linear it would quantise, read from the headers; edgeserve otherwise)."""
+    in_features of every linear it would quantise, read from the headers; edgeserve otherwise);
+    compressed-tensors symmetric, or with `zero_points` asymmetric."""
     if output_format is None:
         cfg = load_config(src)
         plan = plan_quantize(CheckpointReader(src, cfg.checkpoint_prefix), cfg, Int4Format(group_size), ignore)
@@ -401,7 +422,7 @@ def int4_target(src: Path, group_size: int, output_format: str | None, ignore: S
     if output_format == "compressed-tensors":
         from backend.compressed_tensors import PackQuantizedWriter
 
-        return PackQuantizedWriter(group_size, ignore)
+        return PackQuantizedWriter(group_size, ignore, symmetric=not zero_points)
     return Int4Format(group_size)
 
 
@@ -420,12 +441,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.input is None or args.output is None:
         raise WeightsError("edgeserve quantize needs IN and OUT folders (or --plan CONFIG)")
-    target = int4_target(args.input, args.group_size, args.output_format, ignore) if args.to == "int4" \
-        else weight_format(args.to, args.group_size)
+    target = int4_target(args.input, args.group_size, args.output_format, ignore, args.zero_points) \
+        if args.to == "int4" else weight_format(args.to, args.group_size)
     report = quantize_checkpoint(args.input, args.output, target, shard_bytes=args.shard_bytes,
                                  progress=not args.no_progress, method=args.method,
                                  calib_tokens=args.calib_tokens, calib_file=args.calib_file,
-                                 act_order=args.act_order, clip=args.clip, ignore=ignore)
+                                 act_order=args.act_order, clip=args.clip, awq=args.awq, refit=args.refit,
+                                 ignore=ignore)
     print(f"wrote {args.output}")
     print_report(report, target, load_config(args.output))
     return 0

@@ -38,10 +38,10 @@ class SizeReport:
     input_linear_bytes: int
     output_linear_bytes: int
     per_gpu_bytes: dict[int, int]  # tensor parallel degree -> output weight bytes per GPU
-    method: str = "rtn"  # rtn (round to nearest) or gptq
+    method: str = "rtn"  # rtn (round to nearest), gptq or awq
     quantize_s: float = 0.0  # wall seconds of the whole conversion (calibration included)
     peak_rss_bytes: int = 0  # the process's peak resident memory so far (`peak_rss_bytes()`)
-    calibration: CalibrationStats | None = None  # gptq only
+    calibration: CalibrationStats | None = None  # gptq and awq only
 
     @property
     def ratio(self) -> float:
@@ -114,5 +114,9 @@ def print_report(report: SizeReport, target: WeightFormat, cfg: ModelConfig) -> 
         print(f"  calibration    {cal.tokens:>12,} tokens ({cal.sequences} x {cal.seq_len}); GPTQ on "
               f"{cal.gptq_linears} linears, {len(cal.rtn_experts)} routed experts rounded to nearest "
               f"(fewer calibration tokens than the group size)")
+        if cal.awq_alphas:
+            alphas = sorted(cal.awq_alphas)
+            print(f"  AWQ scales     {len(alphas):>12} inputs scaled, alpha median {alphas[len(alphas) // 2]:.2f} "
+                  f"(range {alphas[0]:.2f}..{alphas[-1]:.2f})")
     print(f"  quantize time  {report.quantize_s:>10.1f} s")
     print(f"  peak RSS       {_gb(report.peak_rss_bytes):>12}")

@@ -80,7 +80,9 @@ def test_calibrator_forward_is_the_runtime_forward(tiny_moe_tok: Path, tmp_path:
         for name, t in cal.tensors.items():
             assert torch.equal(t, written.get(name)) and t.dtype == reader.get(name).dtype, name
             folded.append(name)
-    assert len(folded) == (cfg.num_layers + sum(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))) * awq
+    dense_mlps = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    # norms before q/k/v and before a dense MLP, and (attention biases) v_proj's bias with o_proj's scales
+    assert len(folded) == (cfg.num_layers * (1 + cfg.attention_bias) + dense_mlps) * awq
     assert len(cal.stats.awq_alphas) > len(folded) if awq else not cal.stats.awq_alphas
     assert report.calibration.gptq_linears + 3 * len(report.calibration.rtn_experts) == len(plan.linear_modules)
     h = rms_norm(cal.h[1], reader.get("model.norm.weight").float(), cfg.rms_norm_eps)
@@ -91,8 +93,8 @@ def test_calibrator_forward_is_the_runtime_forward(tiny_moe_tok: Path, tmp_path:
 
 def test_gptq_and_rtn_checkpoints_differ_only_in_values_and_gptq_is_closer(tiny_chat_dir: Path,
                                                                           tmp_path: Path) -> None:
-    """Same tensors, dtypes, shapes, order and config; the INT4 values differ; on held-out text
-    (genres J-R) GPTQ's logits are closer to the dense model's than RTN's."""
+    """Same tensors, dtypes, shapes, order and config; the INT4 values (and the norms AWQ scaled) differ;
+    on held-out text (genres J-R) GPTQ's logits are closer to the dense model's than RTN's."""
     fmt = weight_format("int4", 32)
     rtn = quantize.quantize_checkpoint(tiny_chat_dir, tmp_path / "rtn", fmt, method="rtn", progress=False)
     # plain GPTQ: on random weights the clip search (tuned on SmolLM2, BENCHMARKS.md) can lose to RTN
@@ -105,7 +107,8 @@ def test_gptq_and_rtn_checkpoints_differ_only_in_values_and_gptq_is_closer(tiny_
     assert (tmp_path / "rtn" / "config.json").read_text() == (tmp_path / "gptq" / "config.json").read_text()
     differ = [n for n in a.names() if not torch.equal(a.get(n), b.get(n))]
     assert all(a.spec(n) == b.spec(n) for n in a.names())
-    assert differ and all(n.endswith((".qweight", ".scales", ".zeros")) for n in differ)
+    assert differ and all(n.endswith((".qweight", ".scales", ".zeros", "layernorm.weight")) for n in differ)
+    assert any(n.endswith("layernorm.weight") for n in differ)  # AWQ's scales, folded into the norms
     from backend.tokenizer import Tokenizer
 
     held, _ = corpus_tokens(Tokenizer.from_model_dir(tiny_chat_dir).encode, 200, fetch_brown(), EVAL_GENRES)
@@ -144,7 +147,7 @@ def test_cli_output_format_compressed_tensors_for_gptq_and_rtn(tiny_chat_dir: Pa
 
     common = ["--to", "int4", "--group-size", "32", "--calib-tokens", "512", "--no-progress"]
     for method in ("gptq", "rtn"):
-        plain = ["--no-act-order", "--no-clip"] if method == "gptq" else []  # see the test above
+        plain = ["--no-act-order", "--no-clip", "--no-awq"] if method == "gptq" else []  # see the test above
         assert main(["quantize", str(tiny_chat_dir), str(tmp_path / method), "--method", method, *common,
                      *plain]) == 0
     assert main(["quantize", str(tiny_chat_dir), str(tmp_path / "g128"), "--to", "int4", "--method", "rtn",
