@@ -365,6 +365,17 @@ class KVStoreTier:
             except Exception as exc:  # noqa: BLE001 - a failed put only costs a later recompute
                 self.stats["put_errors"] += 1
                 self._store_failed(f"put failed: {exc}")
+            finally:
+                self._puts.task_done()
+
+    def wait_puts(self, timeout_s: float) -> bool:
+        """Block until every put queued so far is done (True), or `timeout_s` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self._puts.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def _put(self, job: _PutJob) -> None:
         keys = [self.key(h) for h in job.hashes]

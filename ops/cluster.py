@@ -36,7 +36,7 @@ from typing import Any
 from ops.redis_server import stop_process
 
 __all__ = ["child_process", "wait_http", "wait_redis", "Service", "machine_info", "log_tail", "mooncake_master_binary",
-           "MooncakeMaster", "mooncake_master"]
+           "MooncakeMaster", "mooncake_master", "kv_store_master"]
 
 
 def log_tail(log_path: Path, chars: int = 1500) -> str:
@@ -233,6 +233,25 @@ def mooncake_master(log_path: Path | None = None, host: str = "127.0.0.1", port:
             yield master.address
         finally:
             master.stop()
+
+
+@contextlib.contextmanager
+def kv_store_master(kv_store: str | None) -> Iterator[str]:
+    """`edgeserve up --kv-store`: "" without a store, the given master address as is, or (with
+    `ops.serve.EMBEDDED_KV_STORE`) a fresh `mooncake_master` started with SIGINT blocked (a terminal's
+    Ctrl-C reaches only `up`, which stops it after the worker) and stopped when the context exits."""
+    from ops.serve import EMBEDDED_KV_STORE
+
+    if kv_store != EMBEDDED_KV_STORE:
+        yield kv_store or ""
+        return
+    with contextlib.ExitStack() as stack:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the child inherits the mask
+        try:
+            address = stack.enter_context(mooncake_master())
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        yield address
 
 
 def _cpu_flags() -> list[str]:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["register", "DEFAULT_MODEL", "parse_bytes", "add_engine_args", "add_worker_token_args", "add_drain_arg",
-           "add_kv_store_args", "check_kv_store_args", "ENGINE_OPTIONS", "EMBEDDED_KV_STORE"]
+           "add_kv_store_args", "check_kv_store_args", "kv_store_worker_argv", "ENGINE_OPTIONS", "EMBEDDED_KV_STORE"]
 
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED_KV_STORE = "embedded"  # `up --kv-store` with no address: start a mooncake_master
@@ -197,6 +197,14 @@ def check_kv_store_args(args: argparse.Namespace, worker: bool = True) -> None:
     from backend.mooncake_runtime import load
 
     load()
+
+
+def kv_store_worker_argv(args: argparse.Namespace, address: str) -> list[str]:
+    """The --kv-store flags `up` passes to its worker for the master at `address` ([] without one)."""
+    if not address:
+        return []
+    return ["--kv-store", address, "--kv-store-segment", str(args.kv_store_segment),
+            "--kv-store-timeout", str(args.kv_store_timeout)]
 
 
 def add_worker_token_args(p: argparse.ArgumentParser) -> None:

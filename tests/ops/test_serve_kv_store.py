@@ -82,3 +82,38 @@ def test_settings_that_cannot_work_are_refused_before_loading(flags: list[str], 
     done = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "--model", "/nonexistent", *flags], env=ENV,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and message in done.stderr + done.stdout, done.stderr
+
+
+def test_up_starts_an_embedded_master_and_stops_it_with_the_cluster(tmp_path: Path) -> None:
+    import argparse
+    import socket
+
+    from ops.cluster import kv_store_master
+    from ops.cluster_record import new_record, read_record, write_record
+    from ops.serve import add_engine_args, add_kv_store_args, check_kv_store_args, kv_store_worker_argv
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    add_kv_store_args(parser, up=True)
+    assert parser.parse_args([]).kv_store is None
+    args = parser.parse_args(["--kv-store"])
+    try:
+        check_kv_store_args(args, worker=False)
+    except Exception as exc:  # noqa: BLE001 - MooncakeUnavailable where the library cannot load
+        pytest.skip(str(exc))
+    with kv_store_master(args.kv_store) as address:
+        host, port = address.rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=2).close()  # listening
+        assert kv_store_worker_argv(args, address)[:2] == ["--kv-store", address]
+        write_record(new_record(gateway_url="http://g", redis_url="redis://r", worker_urls=[], worker_pids=[],
+                                model="m", tenant_id="t", token="k", kv_store=address), tmp_path)
+        assert read_record(tmp_path).kv_store == address
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=2).close()  # stopped with the context
+    with kv_store_master("10.1.2.3:5000") as given:
+        assert given == "10.1.2.3:5000"  # a cluster's own master: used as is, nothing started
+    with kv_store_master(None) as none:
+        assert none == "" and kv_store_worker_argv(args, none) == []
+    old = (tmp_path / "cluster.json").read_text().replace(f'"kv_store": "{address}"', '"x": 1')
+    (tmp_path / "cluster.json").write_text(old)  # a record written before the field existed still reads
+    assert read_record(tmp_path).kv_store == ""
