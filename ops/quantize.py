@@ -437,7 +437,8 @@ def run(args: argparse.Namespace) -> int:
         from ops.quantize_plan import print_plan
 
         print_plan(args.plan, args.to, args.group_size, args.tp, ignore, args.plan_json,
-                   scheme=args.output_format or "compressed-tensors")
+                   scheme=(args.output_format or "compressed-tensors") + ("-zp" if args.zero_points and
+                                                                            args.output_format != "edgeserve" else ""))
         return 0
     if args.input is None or args.output is None:
         raise WeightsError("edgeserve quantize needs IN and OUT folders (or --plan CONFIG)")

@@ -23,7 +23,8 @@ weights_proj and eh_proj stay BF16. Target ``int4`` as compressed-tensors
 pack-quantized (`backend/compressed_tensors.py`): weight_packed 0.5 B per weight,
 weight_scale one bfloat16 per g weights (the scale dtype Kimi's release ships) and
 a 16 B weight_shape: 0.5 + 2/g B per weight (0.5625 at g 32); scheme ``edgeserve``
-(our `Int4Format`) adds a bfloat16 zero per group: 0.5 + 4/g. A linear is
+(our `Int4Format`) adds a bfloat16 zero per group: 0.5 + 4/g; ``compressed-tensors-zp``
+(`--zero-points`) a 4-bit integer zero point per group, packed along N: 0.5 + 2.5/g. A linear is
 converted unless the ignore list (`ops/quantize_ignore.py`) names it; an ignored
 linear is written as BF16 (``keep="bf16"``, the default: a pack-quantized
 checkpoint holds packed INT4 and plain float weights, so an FP8 linear it leaves
@@ -104,7 +105,8 @@ CLASSES = ("embeddings", "lm_head", "attention", "mla_kv_b_indexer", "dense_mlp"
            "shared_experts", "router", "norms", "other")
 SOURCES = ("bf16", "fp8")
 TARGETS = ("int4", "fp8")
-SCHEMES = ("compressed-tensors", "edgeserve")  # INT4 layouts: pack-quantized (symmetric) or Int4Format
+SCHEMES = ("compressed-tensors", "compressed-tensors-zp", "edgeserve")  # INT4 layouts: pack-quantized (symmetric,
+# or with integer zero points: --zero-points) or Int4Format
 KEEPS = ("bf16", "source")  # what an ignored linear is written as
 MTP_MODES = ("quantize", "source", "drop")
 
@@ -277,8 +279,9 @@ def _fp8_bytes(shape: tuple[int, ...]) -> int:
 
 def _int4_bytes(shape: tuple[int, ...], group: int, scheme: str) -> int:
     n, k = shape
-    if scheme == "compressed-tensors":  # weight_packed int32 [N, K/8], weight_scale bf16 [N, K/g], weight_shape
-        return 4 * n * _ceil(k, 8) + 2 * n * (k // group) + 16
+    if scheme.startswith("compressed-tensors"):  # weight_packed int32 [N, K/8], weight_scale bf16 [N, K/g], shape
+        zero_points = 4 * _ceil(n, 8) * (k // group) if scheme.endswith("-zp") else 0  # int32 [N/8, K/g]
+        return 4 * n * _ceil(k, 8) + 2 * n * (k // group) + 16 + zero_points
     return n * k // 2 + 2 * 2 * n * _ceil(k, group)  # qweight, bf16 scales and zeros
 
 
@@ -324,7 +327,7 @@ def plan_sizes(cfg: ModelConfig, to: str = "int4", group_size: int = 32, tp: int
         src = _fp8_bytes(t.shape) if source == "fp8" and t.fp8 else _dense_bytes(t)
         converted = t.linear and not (t.mtp and mtp != "quantize") and not ignored(t.name.rsplit(".", 1)[0])
         if converted and to == "int4":
-            if t.shape[1] % group_size and scheme == "compressed-tensors":
+            if t.shape[1] % group_size and scheme.startswith("compressed-tensors"):
                 raise InvalidRequest(f"{t.name}: in_features {t.shape[1]} is not a multiple of the group size "
                                      f"{group_size}; add it to the ignore list or choose another group size",
                                      tensor=t.name)

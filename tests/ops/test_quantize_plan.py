@@ -130,6 +130,10 @@ def test_plan_is_what_quantize_writes(tmp_path: Path) -> None:
         assert report.target_bytes == _stored_bytes(out)
         rows = {r.cls: r for r in report.rows}
         assert rows["lm_head"].target_params == 0 and rows["attention"].target_params == rows["attention"].params
+    zp = tmp_path / "int4-zp"  # --zero-points: weight_zero_point int32 [ceil(N/8), K/g] more
+    quantize_checkpoint(bf16, zp, PackQuantizedWriter(32, DEFAULT_IGNORE, symmetric=False), progress=False)
+    report = plan_sizes(cfg, "int4", 32, 8, DEFAULT_IGNORE, source="bf16", scheme="compressed-tensors-zp")
+    assert report.target_bytes == _stored_bytes(zp) > _stored_bytes(tmp_path / "int4-bf16")
 
 
 def test_per_gpu_split_rules() -> None:
