@@ -194,7 +194,9 @@ class LayerCalibrator:
     a linear's float weight [N, K]; `has(name)` says whether the checkpoint has a tensor.
     Linears `kept(module)` (an ignore list) are not quantised: the forward runs `served(module)`,
     the dense weight the output checkpoint holds for them. A `PackQuantizedWriter` target gets
-    the symmetric grid and its packed tensors."""
+    its grid (symmetric, or integer zero points) and its packed tensors. `awq`: AWQ input scales
+    first (`ops/awq.py`); `gptq` False rounds to nearest instead of GPTQ; `act_order`, `clip`,
+    `static_groups`, `refit`, `damp`: GPTQ's options (`ops/gptq.py`)."""
 
     def __init__(self, cfg: ModelConfig, ids: torch.Tensor, fmt: Int4Format, get: Callable[[str], torch.Tensor],
                  weight: Callable[[str], torch.Tensor], has: Callable[[str], bool], act_order: bool = True,

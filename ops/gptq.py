@@ -34,6 +34,11 @@ zero point, s = bfloat16(max |w| / 7.5) per group (bfloat16's eps for an all-zer
 group), q = clamp(round(w / s), -8, 7), stored as code q + 8 with zeros 0; H = I gives
 `symmetric_int4`'s codes bit for bit.
 
+**The integer-zero grid** (``integer_zero=True``) is compressed-tensors' asymmetric one
+(``symmetric: false``, `backend/compressed_tensors.asymmetric_int4`): the group's range widened
+to hold 0, s = bfloat16((hi - lo) / 15), an integer zero point zp = clamp(round(-8 - lo / s),
+-8, 7), stored in our layout as z = bfloat16(-zp s); H = I gives `asymmetric_int4` bit for bit.
+
 **Activation order** (``act_order``): columns are visited by decreasing diag H (the
 inputs with the most energy first, while there is most freedom left to absorb their
 error). The group scales stay in column order (the stored format has no column
@@ -48,6 +53,11 @@ weighted by the inputs' energy diag H, is least: clipping a few large weights bu
 others, and GPTQ then spreads the clipped weights' error over the later columns. On
 SmolLM2 at g128 act-order plus clip is what beats RTN end to end (`BENCHMARKS.md`);
 on random-weight test models it can lose to RTN, where plain GPTQ wins.
+
+**Scale refit** (``refit``): with the codes fixed, each row's group scales and zeros are re-fitted
+by least squares to the output error through the damped H (`refit_group_params`; on the symmetric
+and integer-zero grids only the scales, each zero point staying the same number of steps).
+Measured on SmolLM2 g128: ppl 29.08 against 29.13 without (BENCHMARKS.md), so off by default.
 
 Numerics: H is accumulated in float64, inverted and factored in float64 (the
 Cholesky of a damped H of a few thousand columns loses nothing there), the column
