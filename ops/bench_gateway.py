@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import gc
 import itertools
@@ -85,7 +86,6 @@ if TYPE_CHECKING:
     import httpx
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import Response
 
 __all__ = ["add_arguments", "run", "Row", "compare", "setting_key", "per_token_standin_app", "TARGETS"]
 
@@ -118,6 +118,7 @@ class Row:
     redis_cpu_ms_per_request: float | None = None  # edgeserve only
     p50_rounds_ms: list[float] = field(default_factory=list)
     rps_rounds: list[float] = field(default_factory=list)
+    error_kinds: dict[str, int] = field(default_factory=dict)  # errors by kind ("HTTP 503", "stream cut", ...)
 
     @property
     def key(self) -> str:
@@ -167,7 +168,7 @@ def per_token_standin_app(num_tokens: int) -> Starlette:
     on /v1/generate (`backend/worker.py` writes one line per engine step), and one SSE chunk per
     token on /v1/chat/completions (what the gateway sends its clients). No pause between tokens:
     every per-token cost of the path lands in the latency. Other routes are the stand-in's."""
-    from starlette.responses import Response, StreamingResponse  # noqa: F811 - the runtime import
+    from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
     from backend.protocol import FinishEvent, GenerateRequest, TokenEvent, encoder
@@ -234,7 +235,7 @@ class Target(NamedTuple):
 class RoundResult(NamedTuple):
     latencies: list[float]  # seconds, full response (stream: last byte)
     ttfts: list[float]  # seconds to the first body bytes (stream only)
-    errors: int
+    errors: collections.Counter[str]  # failed requests by kind ("HTTP 503", "stream cut", an exception's name)
     seconds: float
 
 
@@ -259,19 +260,22 @@ def worker_body(num_tokens: int) -> bytes:
 
 
 async def _one(client: httpx.AsyncClient, target: Target, body: bytes,
-               stream: bool) -> tuple[float, float | None, bool]:
+               stream: bool) -> tuple[float, float | None, str | None]:
+    """(latency, ttft, what went wrong: None, "HTTP <status>" or "stream cut" when no [DONE] came)."""
     t0 = time.perf_counter()
     if not stream:
         resp = await client.post(target.url, content=body, headers=target.headers)
-        return time.perf_counter() - t0, None, resp.status_code == 200
+        return time.perf_counter() - t0, None, None if resp.status_code == 200 else f"HTTP {resp.status_code}"
     first, tail = None, b""
     async with client.stream("POST", target.url, content=body, headers=target.headers) as resp:
         async for chunk in resp.aiter_raw():
             if first is None:
                 first = time.perf_counter() - t0
             tail = (tail + chunk)[-16:]
-        ok = resp.status_code == 200 and tail.endswith(b"data: [DONE]\n\n")
-    return time.perf_counter() - t0, first, ok
+    problem = None if resp.status_code == 200 else f"HTTP {resp.status_code}"
+    if problem is None and not tail.endswith(b"data: [DONE]\n\n"):
+        problem = "stream cut"
+    return time.perf_counter() - t0, first, problem
 
 
 async def run_round(clients: list[httpx.AsyncClient], target: Target, concurrency: int, stream: bool,
@@ -279,21 +283,20 @@ async def run_round(clients: list[httpx.AsyncClient], target: Target, concurrenc
     """`concurrency` users (each its own client) sending back to back until `duration_s`; every reply awaited."""
     latencies: list[float] = []
     ttfts: list[float] = []
-    errors = 0
+    errors: collections.Counter[str] = collections.Counter()
     start = time.perf_counter()
     deadline = start + duration_s
 
     async def loop(client: httpx.AsyncClient) -> None:
-        nonlocal errors
         while time.perf_counter() < deadline:
             try:
-                latency, ttft, ok = await _one(client, target, body, stream)
-            except Exception:  # noqa: BLE001 - counted; a dead target must not spin
-                errors += 1
+                latency, ttft, problem = await _one(client, target, body, stream)
+            except Exception as exc:  # noqa: BLE001 - counted; a dead target must not spin
+                errors[type(exc).__name__] += 1
                 await asyncio.sleep(0.01)
                 continue
-            if not ok:
-                errors += 1
+            if problem is not None:
+                errors[problem] += 1
                 continue
             latencies.append(latency)
             if ttft is not None:
@@ -351,7 +354,7 @@ class _Samples:
 
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
-    errors: int = 0
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
     seconds: float = 0.0
     proxy_cpu_s: float = 0.0
     redis_cpu_s: float = 0.0
@@ -361,7 +364,7 @@ class _Samples:
     def add(self, res: RoundResult, proxy_cpu_s: float, redis_cpu_s: float) -> None:
         self.latencies += res.latencies
         self.ttfts += res.ttfts
-        self.errors += res.errors
+        self.errors.update(res.errors)
         self.seconds += res.seconds
         self.proxy_cpu_s += proxy_cpu_s
         self.redis_cpu_s += redis_cpu_s
@@ -370,7 +373,8 @@ class _Samples:
 
     def row(self, target: str, c: int, stream: bool, redis_counted: bool) -> Row:
         n, ms = len(self.latencies), lambda values, q: 1e3 * percentile(values, q)
-        return Row(target=target, concurrency=c, stream=stream, requests=n, errors=self.errors,
+        return Row(target=target, concurrency=c, stream=stream, requests=n, errors=sum(self.errors.values()),
+                   error_kinds=dict(self.errors),
                    seconds=self.seconds, rps=n / self.seconds, p50_ms=ms(self.latencies, 0.5),
                    p99_ms=ms(self.latencies, 0.99), p95_ms=ms(self.latencies, 0.95),
                    ttft_p50_ms=ms(self.ttfts, 0.5) if stream else None,
@@ -418,7 +422,7 @@ async def measure(targets: list[Target], points: list[int], streams: list[bool],
                     log(f"round {rep + 1}/{rounds} {setting_key(c, stream):<13} {target.name:<9} "
                         f"{len(res.latencies) / res.seconds:8.1f} req/s  "
                         f"p50 {1e3 * percentile(res.latencies, 0.5):7.2f} ms"
-                        f"{f'  errors {res.errors}' if res.errors else ''}")
+                        f"{f'  errors {dict(res.errors)}' if res.errors else ''}")
     finally:
         gc.enable()
         gc.unfreeze()
