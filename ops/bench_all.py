@@ -2,8 +2,9 @@
 
 Each benchmark in `ops.bench.BENCHES` runs as its own child process
 (``python -m ops.cli bench NAME --quick --json DIR/NAME.json``, its output in
-DIR/NAME.log), so one that crashes, runs out of memory or hangs past ``--timeout``
-is reported as failed and the next one still runs. They run strictly one after
+DIR/NAME.log), in its own process group, so one that crashes, runs out of memory or
+hangs past ``--timeout`` is reported as failed, whatever it started (workers, a
+gateway, Redis) is stopped with it (`stop_group`), and the next one still runs. They run strictly one after
 another: two benchmarks at once would measure each other.
 
 The summary (JSON at ``--json``, markdown beside it with the ``.md`` suffix) has one
@@ -17,8 +18,11 @@ target verdicts, read from whichever shape its ``targets`` take (`targets_of`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "run", "main", "BenchOutcome", "targets_of", "headline_of", "run_one", "summary_markdown",
-           "selected", "HEADLINE_KEYS"]
+__all__ = ["add_arguments", "run", "main", "BenchOutcome", "targets_of", "headline_of", "run_one", "stop_group",
+           "summary_markdown", "selected", "HEADLINE_KEYS"]
 
 # figures worth a glance, for reports without a "headline" of their own (dotted: one level down)
 HEADLINE_KEYS: dict[str, list[str]] = {
@@ -107,11 +111,16 @@ def run_one(name: str, command: list[str], report_path: Path, log_path: Path, ti
     the benchmark's own failure."""
     report_path.unlink(missing_ok=True)  # a report left from an earlier run must not pass for this one
     started = time.perf_counter()
+    rc: int | None = None
     with log_path.open("w") as out:
+        # its own process group: on a timeout (or Ctrl-C here) the workers and servers it started go with it
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc: int | None = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            rc = None
+            pass
+        finally:
+            stop_group(proc)
     seconds = time.perf_counter() - started
     outcome = BenchOutcome(name, "ok", seconds, command, str(report_path), str(log_path))
     report: dict[str, Any] | None = None
@@ -131,6 +140,26 @@ def run_one(name: str, command: list[str], report_path: Path, log_path: Path, ti
         outcome.commit, outcome.dirty = prov.get("commit") or report.get("commit"), prov.get("dirty")
         outcome.headline, outcome.targets = headline_of(name, report), targets_of(report)
     return outcome
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End whatever is left of `proc`'s process group (a benchmark and the workers, gateways and Redis it
+    started): SIGTERM, then SIGKILL after `grace_s`. Nothing to do when the group is already gone."""
+    deadline = time.monotonic() + grace_s
+    sig = signal.SIGTERM
+    while True:
+        try:
+            os.killpg(proc.pid, sig if sig else 0)
+        except ProcessLookupError:
+            break
+        proc.poll()  # reap the leader, or the group never empties
+        sig = None
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    proc.poll()
 
 
 def _figure(value: Any) -> str:

@@ -101,3 +101,16 @@ def test_main_parses_the_bench_options(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="unknown benchmarks \\['nope'\\]"):
         bench_all.main(["--only", "nope", "--json", str(tmp_path / "all.json")])
     assert not (tmp_path / "all.json").exists()
+
+
+def test_a_timed_out_benchmark_takes_the_processes_it_started_with_it(tmp_path: Path) -> None:
+    pid_file = tmp_path / "worker.pid"
+    hang = _script(tmp_path, "import subprocess, sys, time\n"
+                             "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                             f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+                             "time.sleep(60)\n")
+    out = bench_all.run_one("x", hang, tmp_path / "x.json", tmp_path / "x.log", timeout_s=3)
+    assert out.status == "timed out after 3 s" and out.seconds < 20
+    worker = int(pid_file.read_text())
+    state = Path(f"/proc/{worker}/stat")
+    assert not state.exists() or state.read_text().split(")")[1].split()[0] == "Z", "the benchmark's worker survived"
