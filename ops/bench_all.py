@@ -58,7 +58,7 @@ class BenchOutcome:
     commit: str | None = None
     dirty: bool | None = None
     headline: dict[str, Any] = field(default_factory=dict)
-    targets: dict[str, bool] = field(default_factory=dict)
+    targets: dict[str, str] = field(default_factory=dict)  # name -> "met" | "missed" | "unresolved" ...
 
 
 def selected(names: list[str], only: str | None, skip: str | None) -> list[str]:
@@ -72,23 +72,25 @@ def selected(names: list[str], only: str | None, skip: str | None) -> list[str]:
     return [n for n in names if n in wanted and n not in dropped]
 
 
-def targets_of(report: dict[str, Any]) -> dict[str, bool]:
-    """Target name -> met, from the shapes benchmarks use: {name: bool}, {name: {..., "met"}},
-    [{"target" or "name", "met", ...}], or a single "targets_met" flag."""
+def targets_of(report: dict[str, Any]) -> dict[str, str]:
+    """Target name -> verdict ("met", "missed", or the report's own word, e.g. "unresolved" for an
+    interval that straddles the limit), from the shapes benchmarks use: {name: bool},
+    {name: {..., "met"[, "verdict"]}}, [{"target" or "name", "met", ...}], or a "targets_met" flag."""
+    word = lambda v: str(v.get("verdict") or ("met" if v["met"] else "missed"))  # noqa: E731
     targets = report.get("targets")
-    out: dict[str, bool] = {}
+    out: dict[str, str] = {}
     if isinstance(targets, dict):
         for name, v in targets.items():
             if isinstance(v, bool):
-                out[name] = v
+                out[name] = "met" if v else "missed"
             elif isinstance(v, dict) and "met" in v:
-                out[str(v.get("target") or v.get("name") or name)] = bool(v["met"])
+                out[str(v.get("target") or v.get("name") or name)] = word(v)
     elif isinstance(targets, list):
         for i, v in enumerate(targets):
             if isinstance(v, dict) and "met" in v:
-                out[str(v.get("target") or v.get("name") or f"target {i}")] = bool(v["met"])
-    if "targets_met" in report and isinstance(report["targets_met"], bool):
-        out["targets_met"] = report["targets_met"]
+                out[str(v.get("target") or v.get("name") or f"target {i}")] = word(v)
+    if isinstance(report.get("targets_met"), bool):
+        out["targets_met"] = "met" if report["targets_met"] else "missed"
     return out
 
 
@@ -178,9 +180,9 @@ def summary_markdown(outcomes: list[BenchOutcome]) -> str:
         shown = ", ".join(f"{k} {_figure(v)}" for k, v in figures[:MAX_FIGURES])
         if len(figures) > MAX_FIGURES:
             shown += f", … ({len(figures) - MAX_FIGURES} more in the JSON)"
-        met = sum(o.targets.values())
-        verdicts = (f"{met}/{len(o.targets)} met" + "".join(f"; MISSED {k}" for k, v in o.targets.items() if not v)
-                    if o.targets else "")
+        met = sum(v == "met" for v in o.targets.values())
+        verdicts = (f"{met}/{len(o.targets)} met" + "".join(f"; {v.upper()} {k}" for k, v in o.targets.items()
+                                                             if v != "met") if o.targets else "")
         commit = f"{o.commit[:10]}{'+dirty' if o.dirty else ''}" if o.commit else ""
         lines.append(f"| {o.name} | {o.status} | {o.seconds:.0f} | {commit} | {shown} | {verdicts} |")
     return "\n".join(lines) + "\n"
@@ -223,8 +225,8 @@ def run(args: argparse.Namespace) -> int:
     write_report(str(summary_path), {
         "benchmarks": [asdict(o) for o in outcomes],
         "failed": [o.name for o in outcomes if o.status != "ok"],
-        "targets_missed": {o.name: [k for k, v in o.targets.items() if not v] for o in outcomes
-                           if not all(o.targets.values())},
+        "targets_not_met": {o.name: {k: v for k, v in o.targets.items() if v != "met"} for o in outcomes
+                            if any(v != "met" for v in o.targets.values())},
         "total_s": sum(o.seconds for o in outcomes),
     })
     return 0

@@ -30,13 +30,15 @@ def test_every_registered_benchmark_is_run_but_not_all_itself() -> None:
 
 
 def test_targets_of_reads_every_shape_in_use() -> None:
-    assert bench_all.targets_of({"targets": {"a": True, "b": False}}) == {"a": True, "b": False}  # kv, moe, mla
+    assert bench_all.targets_of({"targets": {"a": True, "b": False}}) == {"a": "met", "b": "missed"}  # kv, moe
     assert bench_all.targets_of({"targets": {"mixed": {"target": "TPOT ratio", "met": False}}}) == {
-        "TPOT ratio": False}  # pd
+        "TPOT ratio": "missed"}  # pd
     assert bench_all.targets_of({"targets": [{"target": "hit rate", "met": True, "value": 0.6},
-                                             {"name": "no 5xx", "met": False}]}) == {"hit rate": True,
-                                                                                      "no 5xx": False}  # routing, soak
-    assert bench_all.targets_of({"targets_met": True}) == {"targets_met": True}  # structured
+                                             {"name": "no 5xx", "met": False}]}) == {"hit rate": "met",
+                                                                                      "no 5xx": "missed"}  # soak
+    assert bench_all.targets_of({"targets": {"cpu_lt_1pct": {"met": False, "verdict": "unresolved"}}}) == {
+        "cpu_lt_1pct": "unresolved"}  # integrity: an interval straddling the limit is not a miss
+    assert bench_all.targets_of({"targets_met": True}) == {"targets_met": "met"}  # structured
     assert bench_all.targets_of({"results": []}) == {}
 
 
@@ -63,7 +65,7 @@ def test_run_one_reads_the_report_and_reports_failures(tmp_path: Path) -> None:
                            "'targets': {'fast': True, 'small': False}, 'provenance': {'commit': 'abc123', "
                            "'dirty': True}}, open(sys.argv[1], 'w'))\n")
     out = bench_all.run_one("x", ok + [str(report)], report, log, timeout_s=60)
-    assert out.status == "ok" and out.headline == {"ratio": 2.5} and out.targets == {"fast": True, "small": False}
+    assert out.status == "ok" and out.headline == {"ratio": 2.5} and out.targets == {"fast": "met", "small": "missed"}
     assert (out.commit, out.dirty) == ("abc123", True) and "measuring" in log.read_text() and out.seconds > 0
     # a crash after an earlier run's report: failed, and the stale report is not read as this run's
     crash = _script(tmp_path, "raise SystemExit(3)\n")
@@ -78,12 +80,12 @@ def test_run_one_reads_the_report_and_reports_failures(tmp_path: Path) -> None:
 def test_summary_markdown_one_row_per_benchmark() -> None:
     rows = [bench_all.BenchOutcome("engine", "ok", 61.2, [], "e.json", "e.log", "0123456789abcdef", False,
                                    {"c1_vs_hf_sequential": 1.234567, "nan": float("nan")},
-                                   {"c1_ge_1.5x": False, "c32_ge_1.5x_batched": True}),
+                                   {"c1_ge_1.5x": "missed", "c32_ge_1.5x_batched": "met", "p95": "unresolved"}),
             bench_all.BenchOutcome("routing", "failed (exit 1)", 3.0, [], "r.json", "r.log")]
     md = bench_all.summary_markdown(rows).splitlines()
     assert md[0].startswith("| benchmark | status | seconds | commit |") and len(md) == 4
-    assert md[2] == ("| engine | ok | 61 | 0123456789 | c1_vs_hf_sequential 1.23, nan nan | 1/2 met; MISSED "
-                     "c1_ge_1.5x |")
+    assert md[2] == ("| engine | ok | 61 | 0123456789 | c1_vs_hf_sequential 1.23, nan nan | 1/3 met; MISSED "
+                     "c1_ge_1.5x; UNRESOLVED p95 |")
     assert md[3] == "| routing | failed (exit 1) | 3 |  |  |  |"
 
 
