@@ -51,7 +51,8 @@ def store_ttft(model_dir: Path, master: str, prompt_tokens: int = 1024, repeats:
     workers = []
     for _ in range(2):
         engine = LLMEngine.from_pretrained(Path(model_dir), config)
-        client = MooncakeStoreClient(master, segment_bytes=max(256 << 20, 3 * prompt_tokens * engine.cache.bytes_per_token))
+        segment = max(256 << 20, 3 * (repeats + 1) * prompt_tokens * engine.cache.bytes_per_token)
+        client = MooncakeStoreClient(master, segment_bytes=segment)
         if not client.wait_ready(30):
             raise TimeoutError(f"no connection to the Mooncake master at {master}: {client.failure}")
         tier = KVStoreTier(client, store_namespace(engine, str(model_dir)), fetch_timeout_s=fetch_timeout_s)

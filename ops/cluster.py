@@ -14,8 +14,8 @@ across restarts (so a killed process's last words survive). `machine_info`
 describes the host a benchmark ran on, for its JSON report.
 
 `MooncakeMaster` is the KV store's master (`mooncake_master` from the Mooncake wheel:
-`bin/` of the environment, else the `mooncake` package folder, found without importing
-the library) on free loopback ports, with its metrics reporting off. It keeps only
+the binary in the `mooncake` package folder, found without importing the library, else
+the environment's `bin/` wrapper or PATH) on free loopback ports, with its metrics reporting off. It keeps only
 metadata; the stored blocks live in the workers' own segments
 (`backend/kv_store_client.py`), so stopping it loses the index of every block, never a
 request. `kill` / `pause` / `resume` are the outage drills.
@@ -142,7 +142,7 @@ class Service:
 
 
 def mooncake_master_binary() -> str:
-    """Path of the `mooncake_master` binary (the environment's bin/, PATH, then the package folder), or
+    """Path of the `mooncake_master` binary (the package folder, the environment's bin/, then PATH), or
     MooncakeUnavailable (the install hint) when the Mooncake wheel is not installed."""
     import importlib.util
     import shutil
@@ -150,10 +150,11 @@ def mooncake_master_binary() -> str:
 
     from backend.mooncake_runtime import MooncakeUnavailable
 
-    candidates = [Path(sys.prefix) / "bin" / "mooncake_master", shutil.which("mooncake_master")]
+    candidates: list[Path | str | None] = []
     spec = importlib.util.find_spec("mooncake")  # the package's folder, without loading its libraries
-    if spec is not None and spec.submodule_search_locations:
+    if spec is not None and spec.submodule_search_locations:  # the binary itself (bin/'s is a Python wrapper)
         candidates += [Path(loc) / "mooncake_master" for loc in spec.submodule_search_locations]
+    candidates += [Path(sys.prefix) / "bin" / "mooncake_master", shutil.which("mooncake_master")]
     for c in candidates:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return str(c)

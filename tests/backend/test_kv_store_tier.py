@@ -4,11 +4,13 @@ A prompt computed on worker A is served on worker B from the store (B computes o
 tail, greedy output identical); another tenant's salt misses; a corrupted object (checksum
 or token ids) is rejected, removed and recomputed; a killed or hung master, or one never
 reached, costs at most the bounded wait and the request succeeds; a put whose pages changed
-hands is dropped; every page returns to the pool afterwards."""
+hands is dropped; a request waiting for its fetch counts as waiting and, if its client leaves,
+never runs; every page returns to the pool afterwards."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Iterator
@@ -233,3 +235,34 @@ def test_a_put_of_pages_that_changed_hands_is_dropped(workers: tuple[Worker, Wor
     a.engine.allocator.release(pages)
     assert a.delta("put_dropped_changed_hands") == 2 and a.delta("put_blocks") == 6
     assert a.client.exists([a.tier.key(h) for h in other]) == [False, False]
+
+
+def test_a_request_that_leaves_during_its_fetch_never_runs_and_pending_fetches_count_as_waiting(
+        model_dir: Path, mooncake_master: MooncakeMaster) -> None:
+    from backend.errors import CapacityError
+
+    w = Worker(model_dir, mooncake_master.address, fetch_timeout_s=1.0)
+    w.engine.scheduler.config = dataclasses.replace(w.engine.scheduler.config, max_waiting=1)
+    try:
+        w.mark()
+        mooncake_master.pause()  # the fetch waits its whole bound
+
+        async def go() -> None:
+            stream = w.aengine.submit(prompt(), SamplingParams(max_tokens=4), cache_salt="t")
+            assert w.aengine.num_active() == 1
+            with pytest.raises(CapacityError):  # the pending request holds the only waiting slot
+                w.aengine.submit(prompt(), SamplingParams(max_tokens=4), cache_salt="t")
+            reader = asyncio.create_task(anext(stream))
+            await asyncio.sleep(0.1)
+            reader.cancel()  # the client leaves before its blocks arrive (the stream's reader is cancelled)
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            await asyncio.sleep(1.2)  # past the fetch's deadline
+
+        asyncio.run(go())
+        assert w.aengine.num_active() == 0 and not w.aengine._pending
+        assert w.delta("prompt_tokens") == 0 and not w.engine.scheduler.waiting  # never queued, never computed
+        assert w.engine.allocator.num_used == 0
+    finally:
+        mooncake_master.resume()
+        w.close()

@@ -23,7 +23,13 @@ from ops.cluster import MooncakeMaster
 from ops.redis_server import free_port
 from prefix_cache.hashing import block_hashes
 from prefix_cache.kv_events import store_block_key
-from tests.ops.test_drain import AUTH, ENV, model_dir, start, stop, wait_up  # noqa: F401  (model_dir: fixture)
+from tests.backend.tiny_models import write_tiny_model
+from tests.ops.test_drain import AUTH, ENV, start, stop, wait_up
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=3, max_position_embeddings=1024)
 
 
 def serve_args(model_dir: Path, port: int, redis_url: str, master: str) -> list[str]:
