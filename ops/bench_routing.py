@@ -485,6 +485,18 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _check_memory(allow: bool, log: Callable[[str], None]) -> None:
+    """Refuse to start 4 workers without the memory they need (the kernel's OOM killer would pick a
+    process, maybe someone else's), unless `allow`: then only warn."""
+    free, need = _mem_available_gib(), NUM_WORKERS * WORKER_RSS_GIB + 1
+    if free < need:
+        msg = (f"{free:.1f} GiB of memory available; 4 workers need about {need:.0f} GiB: the kernel could kill "
+               f"a process mid-run")
+        if not allow:
+            raise SystemExit(f"edgeserve bench routing: {msg} (--allow-low-memory to run anyway)")
+        log(f"warning: {msg}")
+
+
 def _mem_available_gib() -> float:
     with contextlib.suppress(OSError, IndexError, ValueError):
         return int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) / 2**20
@@ -517,6 +529,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", default="256M", help="each worker's KV pool (default 256M)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", default=None, help="keep worker and gateway logs here (default: a temporary folder)")
+    p.add_argument("--allow-low-memory", action="store_true",
+                   help="start the workers even with less memory available than they need (default: refuse)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -533,9 +547,7 @@ def run(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
     machine = {**machine_info(), "load_avg_start": list(os.getloadavg()), "mem_available_gib_start": _mem_available_gib()}
-    if machine["mem_available_gib_start"] < NUM_WORKERS * WORKER_RSS_GIB + 1:
-        log(f"warning: {machine['mem_available_gib_start']:.1f} GiB of memory available; 4 workers take about "
-            f"{NUM_WORKERS * WORKER_RSS_GIB:.0f} GiB: the kernel may kill one mid-run")
+    _check_memory(args.allow_low_memory, log)
 
     resolve_model(MODEL)
     workload = make_workload(brown_documents(args.tenants, args.system_words), args.tenants, conversations, turns,
@@ -562,6 +574,7 @@ def run(args: argparse.Namespace) -> int:
         for n, these in enumerate(order):
             for policy in these:
                 log(f"round {n}, policy {policy}: starting 4 workers and the gateway (cold caches)")
+                _check_memory(args.allow_low_memory, log)
                 with contextlib.ExitStack() as stack:
                     fleet = _start_fleet(stack, redis_url, policy, args.kv_cache_bytes, logs, log, f"r{n}-")
                     workers = fleet.workers

@@ -163,3 +163,15 @@ def test_targets_by_round() -> None:
     assert held == {"hit rate prefix >= 2x round-robin": [True, True, True],
                     "TTFT p50 prefix < both baselines": [True, False, True],
                     "prefix: no worker > 1.5x mean load (requests)": [True, True, True]}
+
+
+def test_refuses_to_start_workers_without_the_memory_they_need(monkeypatch) -> None:
+    logged: list[str] = []
+    monkeypatch.setattr(bench_routing, "WORKER_RSS_GIB", 1e6)  # more than any machine has
+    with pytest.raises(SystemExit, match="--allow-low-memory"):
+        bench_routing._check_memory(False, logged.append)
+    bench_routing._check_memory(True, logged.append)
+    assert len(logged) == 1 and "GiB of memory available" in logged[0]
+    monkeypatch.setattr(bench_routing, "WORKER_RSS_GIB", 0.0)
+    bench_routing._check_memory(False, logged.append)  # enough: nothing said
+    assert len(logged) == 1
