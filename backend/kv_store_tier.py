@@ -4,13 +4,12 @@
     value = one object per full block (`kv_store_codec.py`): header with the block's token
             ids, the page's raw bytes of every layer in the pool's format, crc32
 
-The namespace hashes what the bytes depend on: the model (its `model_fingerprint`), the
-compute dtype, the prefill weight format, and the pool's format and geometry (format,
-page size, layers, bytes per token of each region). Pools that share a namespace can
-take each other's pages byte for byte. The block hash is the tenant-salted chained
-hash of `prefix_cache.hashing`: the salt is inside it, so a tenant's request can only
-ever name its own tenant's blocks, and the chain means a key also pins every token
-before the block.
+The namespace (`kv_store_keys.py`) hashes what the bytes depend on: the model, the
+compute dtype, the prefill weight format, and the pool's format and geometry, so pools
+that share it take each other's pages byte for byte. The block hash is the
+tenant-salted chained hash of `prefix_cache.hashing`: the salt is inside it, so a
+tenant's request can only ever name its own tenant's blocks, and the chain means a key
+also pins every token before the block.
 
 **Puts happen after prefill**, not on eviction. When a prompt's KV is complete
 (`Scheduler.prompt_listeners`), its full blocks that were computed here (not those it
@@ -44,28 +43,26 @@ cache's sink, so the routers' index knows about them (`prefix_cache/kv_events.py
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from backend.errors import EdgeServeError, InvalidRequest
+from backend.errors import InvalidRequest
 from backend.kv_store_codec import BlockLayout, BlockRejected, block_layout, decode_block, encode_block, read_pages, \
     write_pages
+from backend.kv_store_keys import block_key, store_namespace
 from backend.prefix_cache_pool import KVEvent
 from backend.sequence import Sequence
 
-__all__ = ["StoreClient", "StoreFetch", "KVStoreTier", "model_fingerprint", "store_namespace", "open_store_tier",
-           "DEFAULT_FETCH_TIMEOUT_S"]
+__all__ = ["StoreClient", "StoreFetch", "KVStoreTier", "open_store_tier", "DEFAULT_FETCH_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FETCH_TIMEOUT_S = 0.15
-CODEC_VERSION = "eskv1"
 
 
 class StoreClient(Protocol):
@@ -123,31 +120,6 @@ class _PutJob(NamedTuple):
     tags: list[int]
 
 
-def model_fingerprint(model_dir: Path) -> str:
-    """What identifies a model's weights cheaply: its config.json and the names and sizes of its
-    weight files (a retrained checkpoint with the same name and shapes still differs in size only
-    by chance; pass a version in `model_id` to `store_namespace` where that matters)."""
-    h = hashlib.blake2b(digest_size=16)
-    model_dir = Path(model_dir)
-    config = model_dir / "config.json"
-    h.update(config.read_bytes() if config.exists() else b"")
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()
-
-
-def store_namespace(engine: Any, model_id: str) -> str:
-    """The key namespace of `engine`'s blocks (see the module docstring)."""
-    cfg = engine.config
-    if cfg.tensor_parallel > 1:
-        raise InvalidRequest("the KV store tier holds a whole model's KV per block; a tensor-parallel worker's "
-                             "pool holds only rank 0's heads (use it with --tensor-parallel 1)")
-    lay = block_layout(engine.cache)
-    text = "|".join([CODEC_VERSION, model_id, cfg.dtype, str(cfg.prefill_weights), str(cfg.int4_group_size),
-                     repr(tuple(lay))])
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
 class KVStoreTier:
     """A worker's second prefix-cache tier (see the module docstring). `attach` binds it to an engine
     with a prefix cache; `prefetch` (any thread) and `install` (engine thread) serve a request's
@@ -164,6 +136,7 @@ class KVStoreTier:
         self._skip_until = 0.0  # monotonic: the store is skipped until then (it failed or did not answer)
         self._current: StoreFetch | None = None  # the fetch the fetch thread works on
         self._threads: list[threading.Thread] = []
+        self._closed = False
         self.stats: dict[str, int] = dict.fromkeys((
             "fetches", "fetch_hit_blocks", "fetch_miss", "fetch_timeouts", "fetch_errors", "skipped_not_ready",
             "skipped_down", "skipped_busy", "imported_blocks", "rejected_checksum", "rejected_tokens",
@@ -184,16 +157,13 @@ class KVStoreTier:
         return self
 
     def key(self, block_hash: bytes) -> str:
-        return f"edgeserve-kv/{self.namespace}/{block_hash.hex()}"
+        return block_key(self.namespace, block_hash)
 
     def close(self) -> None:
         """Stop the threads (work queued is dropped) and the client."""
+        self._closed = True
         self._fetches.put(None)
-        try:
-            self._puts.put_nowait(None)
-        except queue.Full:
-            with self._puts.mutex:
-                self._puts.queue.clear()
+        with contextlib.suppress(queue.Full):  # a full queue: the loop sees `_closed` at its next job
             self._puts.put_nowait(None)
         self.client.close()
 
@@ -310,9 +280,7 @@ class KVStoreTier:
             return 0
         try:
             return self._install(fetch.seq, fetch.start, blocks)
-        except EdgeServeError:
-            raise
-        except Exception:  # noqa: BLE001 - never fail the request: recompute instead
+        except Exception:  # noqa: BLE001 - never fail the request (nor the engine thread): recompute instead
             log.exception("KV store: installing fetched blocks failed; recomputing them")
             return 0
 
@@ -330,13 +298,15 @@ class KVStoreTier:
         if not pages:
             return 0
         tags = allocator.tags_of(pages)
-        write_pages(engine.cache, pages, [blocks[i - start] for i in todo])
-        if allocator.tags_of(pages) != tags:  # cannot happen while we hold them; never insert if it did
-            log.error("KV store: pages %s changed hands while fetched blocks were installed", pages)
-            return 0
-        cache.insert_blocks([seq.block_hashes[i] for i in todo],
-                            [seq.prompt_ids[i * bs:(i + 1) * bs] for i in todo], pages)
-        allocator.release(pages)  # the cache's own reference keeps them
+        try:
+            write_pages(engine.cache, pages, [blocks[i - start] for i in todo])
+            if allocator.tags_of(pages) != tags:  # cannot happen while we hold them; never insert if it did
+                log.error("KV store: pages %s changed hands while fetched blocks were installed", pages)
+                return 0
+            cache.insert_blocks([seq.block_hashes[i] for i in todo],
+                                [seq.prompt_ids[i * bs:(i + 1) * bs] for i in todo], pages)
+        finally:  # our own reference goes; the cache's keeps the inserted blocks
+            allocator.release([p for p, t, now in zip(pages, tags, allocator.tags_of(pages)) if t == now])
         self.stats["imported_blocks"] += len(todo)
         return len(todo)
 
@@ -358,7 +328,7 @@ class KVStoreTier:
             log.exception("KV store: could not queue a put")
 
     def _put_loop(self) -> None:
-        while (job := self._puts.get()) is not None:
+        while (job := self._puts.get()) is not None and not self._closed:
             try:
                 if self._usable(None):
                     self._put(job)

@@ -40,7 +40,8 @@ def store_ttft(model_dir: Path, master: str, prompt_tokens: int = 1024, repeats:
     from backend.async_engine import AsyncEngine
     from backend.engine import EngineConfig, LLMEngine
     from backend.kv_store_client import MooncakeStoreClient
-    from backend.kv_store_tier import KVStoreTier, store_namespace
+    from backend.kv_store_keys import store_namespace
+    from backend.kv_store_tier import KVStoreTier
     from backend.protocol import FinishEvent
     from backend.sampling_params import SamplingParams
 

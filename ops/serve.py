@@ -276,7 +276,8 @@ def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token:
     name = args.served_name or args.model
     store_tier = None
     if args.kv_store:
-        from backend.kv_store_tier import model_fingerprint, open_store_tier
+        from backend.kv_store_keys import model_fingerprint
+        from backend.kv_store_tier import open_store_tier
         from backend.mooncake_runtime import advertised_host
 
         store_tier = open_store_tier(engine, args.kv_store, model_fingerprint(model_dir),

@@ -122,3 +122,30 @@ def test_damage_of_every_kind_is_refused() -> None:
     assert reason(obj, lay=block_layout(pools("gqa", "bf16", 2))) == "malformed"  # another pool's size
     forged = encode_block("ns", h, [1, 1, 1, 1], layout, read_pages(src, [0])[0])  # valid checksum, wrong tokens
     assert reason(forged) == "tokens"
+
+
+def test_namespaces_separate_whatever_changes_the_bytes(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from backend.engine import EngineConfig
+    from backend.errors import InvalidRequest
+    from backend.kv_store_keys import block_key, model_fingerprint, store_namespace
+
+    def ns(model_id: str = "m", kv_format: str = "fp32", page: int = 4, **config) -> str:
+        cache = PagedKVCache(gqa_cfg(), kv_format, 2, page, torch.float32)
+        return store_namespace(SimpleNamespace(config=EngineConfig(kv_format=kv_format, **config), cache=cache),
+                               model_id)
+
+    base = ns()
+    assert base == ns()  # stable
+    variants = [ns("other"), ns(kv_format="fp8_e4m3"), ns(page=8), ns(dtype="bfloat16"), ns(prefill_weights="int4")]
+    assert len({base, *variants}) == 1 + len(variants)
+    with pytest.raises(InvalidRequest, match="tensor-parallel"):
+        ns(tensor_parallel=2)
+    h = random.randbytes(16)
+    assert block_key(base, h) == f"edgeserve-kv/{base}/{h.hex()}"
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    first = model_fingerprint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
+    assert model_fingerprint(tmp_path) != first

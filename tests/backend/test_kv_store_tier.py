@@ -22,7 +22,8 @@ from backend.async_engine import AsyncEngine
 from backend.engine import EngineConfig, LLMEngine
 from backend.kv_store_client import MooncakeStoreClient
 from backend.kv_store_codec import decode_block, encode_block, read_pages
-from backend.kv_store_tier import KVStoreTier, _PutJob, store_namespace
+from backend.kv_store_keys import store_namespace
+from backend.kv_store_tier import KVStoreTier, _PutJob
 from backend.protocol import FinishEvent, TokenEvent
 from backend.sampling_params import SamplingParams
 from ops.cluster import MooncakeMaster
