@@ -57,7 +57,9 @@ This machine has few cores (often 2) and other people's processes run on it:
 four single-threaded workers, the gateway, Redis and this load generator share
 them, so the workers are CPU-starved and absolute numbers are low. The
 comparison is what matters; the load average is recorded before and after each
-policy. Each worker holds about 2.8 GiB resident, so four need ~11 GiB free. Worker and gateway logs are scanned for warnings and errors.
+policy. Each worker holds about 3 GiB resident, so four need ~13 GiB free: the run
+refuses to start them with less (`--allow-low-memory` overrides). Worker and gateway
+logs are scanned for warnings and errors.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ __all__ = ["add_arguments", "run", "Conversation", "TurnResult", "PolicySummary"
 MODEL = "smollm2-135m"
 POLICIES = ("prefix", "round-robin", "least-loaded")
 NUM_WORKERS = 4
-WORKER_RSS_GIB = 2.8  # one idle worker's resident memory, measured here (SmolLM2-135M, 256M KV)
+WORKER_RSS_GIB = 3.0  # one warmed-up worker's resident memory, measured here (SmolLM2-135M, 256M KV; was 2.8 idle)
 
 
 # ---------------------------------------------------------------- workload
