@@ -185,6 +185,8 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
     async def stats(request: Request) -> Response:
         transfer = coordinator.stats if coordinator is not None else prefill_stats
         extra = {"tensor_parallel": group_stats()} if group_stats is not None else {}
+        if engine.store_tier is not None:
+            extra["kv_store"] = engine.store_tier.snapshot()
         return JSONResponse({"role": role, "model": model_name, **engine.engine.snapshot(),
                              "kv_transfer": transfer.snapshot(), **extra})
 

@@ -193,8 +193,8 @@ class Router:
         page = scorable[0].page_size or 16
 
         def cost(w: WorkerRecord) -> float:
-            work = prefill_cost(len(prompt_ids), overlap.get(w.id, 0) * page, tiers.store * page,
-                                self.store_token_cost)
+            store = tiers.store * page if w.kv_store else 0  # only a worker with the store can fetch
+            work = prefill_cost(len(prompt_ids), overlap.get(w.id, 0) * page, store, self.store_token_cost)
             queued = w.queued_prefill_tokens + self._inflight.unseen(w)[1]
             return queued + work + self.load_tokens * self._load(w)
 

@@ -353,4 +353,4 @@ def _record(engine, worker_id: str, url: str, name: str, args: argparse.Namespac
                         page_size=int(snap["page_size"]), pages_total=int(snap["pages_total"]),
                         pages_free=int(snap["pages_free"]), running=int(snap["running"]),
                         waiting=int(snap["waiting"]), queued_prefill_tokens=int(snap["queued_prefill_tokens"]),
-                        pages_evictable=int(snap["pages_evictable"]))
+                        pages_evictable=int(snap["pages_evictable"]), kv_store=bool(args.kv_store))

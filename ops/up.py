@@ -61,7 +61,7 @@ the gateway once in-flight requests finish, then the worker, then Redis."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ops.serve import add_drain_arg, add_engine_args
+    from ops.serve import add_drain_arg, add_engine_args, add_kv_store_args
 
     p = subparsers.add_parser("up", help="run the local cluster: Redis, a worker and the gateway",
                               description=DESCRIPTION)
@@ -80,13 +80,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the gateway's split of <think> reasoning into reasoning_content, as `edgeserve gateway "
                         "--reasoning-parser` (default: from its config.json where the family is certain: qwen3, "
                         "glm4_moe, kimi_k2; else off)")
+    add_kv_store_args(p, up=True)
     add_drain_arg(p)
 
 
-def _worker_argv(args: argparse.Namespace, model: str) -> list[str]:
+def _worker_argv(args: argparse.Namespace, model: str, kv_store: str = "") -> list[str]:
     """The worker's command line; its Redis URL (which may carry a password) and worker token go in
     its environment instead, since `ps` shows every process's argv."""
-    from ops.serve import ENGINE_OPTIONS
+    from ops.serve import ENGINE_OPTIONS, kv_store_worker_argv
 
     argv = [sys.executable, "-m", "ops.cli", "serve", "--model", model, "--served-name", args.served_name,
             "--host", "127.0.0.1", "--port", str(args.worker_port), "--prefix-caching",
@@ -99,6 +100,7 @@ def _worker_argv(args: argparse.Namespace, model: str) -> list[str]:
             argv += [flag, ",".join(map(str, value)) or "none"]
         elif value is not None:
             argv += [flag, str(value)]
+    argv += kv_store_worker_argv(args, kv_store)
     return argv
 
 
@@ -249,7 +251,9 @@ def run(args: argparse.Namespace) -> int:
     from backend.redis_client import redact
     from backend.worker_auth import TOKEN_ENV, new_token, resolve_token
     from gateway.app import create_gateway_app, render_error
+    from ops.cluster import kv_store_master
     from ops.cluster_record import new_record, record_path, remove_record, write_record
+    from ops.serve import check_kv_store_args
     from ops.gateway_cmd import freeze_heap
     from ops.graceful import serve
     from ops.pull import resolve_model
@@ -262,11 +266,15 @@ def run(args: argparse.Namespace) -> int:
     token = resolve_token(None) or new_token()
     worker_env = {**os.environ, TOKEN_ENV: token}  # the environment, not argv: `ps` shows argv
     redis_arg = args.redis_url or os.environ.get("REDIS_URL")
-    with _redis(redis_arg) as redis_url:
+    check_kv_store_args(args, worker=False)
+    with _redis(redis_arg) as redis_url, kv_store_master(args.kv_store) as kv_store:
         print(f"[1/3] redis     {redact(redis_url)}", flush=True)
+        if kv_store:
+            print(f"      kv store  mooncake master {kv_store}"
+                  f"{' (started here)' if args.kv_store == 'embedded' else ''}", flush=True)
         worker_url = f"http://127.0.0.1:{args.worker_port}"
         worker_env["REDIS_URL"] = redis_url
-        with _child(_worker_argv(args, str(model_dir)), worker_env, args.drain_timeout + 15) as worker:
+        with _child(_worker_argv(args, str(model_dir), kv_store), worker_env, args.drain_timeout + 15) as worker:
             print(f"[2/3] worker    {worker_url} loading {args.served_name} ...", flush=True)
             stats = _wait_healthy(worker_url, worker, args.startup_timeout, token)
             # no static worker list: the gateway routes over the registry the worker heartbeats into
@@ -275,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
             base = f"http://{_loopback(args.host)}:{args.port}"
             alias = config.models[0].aliases[0] if config.models[0].aliases else args.served_name
             record = new_record(gateway_url=base, redis_url=redis_url, worker_urls=[worker_url],
-                                worker_pids=[worker.pid], model=args.served_name, tenant_id=tenant, token=api_token)
+                                worker_pids=[worker.pid], model=args.served_name, tenant_id=tenant, token=api_token,
+                                kv_store=kv_store)
 
             def ready() -> None:  # the gateway listens: record the cluster, then tell the user
                 write_record(record)
@@ -290,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
                           on_ready=ready)
             finally:
                 remove_record(pid=os.getpid())
-            print("edgeserve up: gateway stopped; stopping the worker, then redis", flush=True)
+            print("edgeserve up: gateway stopped; stopping the worker, then "
+                  f"{'the KV store master and ' if kv_store else ''}redis", flush=True)
     print("edgeserve up: stopped gateway, worker and redis", flush=True)
     return 0

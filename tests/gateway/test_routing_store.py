@@ -47,15 +47,20 @@ def test_the_router_prefers_a_local_hit_and_spreads_sooner_with_a_store(redis_ur
         rt = Router(RegistryView(r, refresh_s=0.0), PrefixIndex(r), RegionMap(), policy="prefix", load_tokens=30)
         # a holds 4 blocks itself; the store holds all 5
         a_pub = await publish(redis_url, "a", KVEvent("stored", HASHES[:4]), KVEvent("stored", HASHES, "store"))
-        await register(redis_url, rec("a", "local"), rec("b", "local"))
+        await register(redis_url, rec("a", "local", kv_store=True), rec("b", "local", kv_store=True))
         decision = await rt.route("m", TENANT, PROMPT, 8, "local", "r1")
         assert decision.candidates[0].worker.id == "a"  # equal load: the local hit beats the store hit
         assert "5 in the KV store" in decision.reason
         rt.done("r1")
-        await register(redis_url, rec("a", "local", running=1), rec("b", "local"))
+        await register(redis_url, rec("a", "local", running=1, kv_store=True), rec("b", "local", kv_store=True))
         # a: 1 + 0.25 * 15 + 30 (load) = 34.75 tokens; b: 1 + 0.25 * 79 = 20.75: b fetches the prefix
         assert (await rt.route("m", TENANT, PROMPT, 8, "local", "r2")).candidates[0].worker.id == "b"
         rt.done("r2")
+        await register(redis_url, rec("a", "local", running=1, kv_store=True), rec("b", "local"))
+        # b has no store: it would recompute all 80 tokens (80 > 34.75): a keeps the request
+        assert (await rt.route("m", TENANT, PROMPT, 8, "local", "r2b")).candidates[0].worker.id == "a"
+        rt.done("r2b")
+        await register(redis_url, rec("a", "local", running=1, kv_store=True), rec("b", "local", kv_store=True))
         await publish(redis_url, "a", KVEvent("removed", HASHES, "store"))  # the store lost them
         # without the store: a 16 + 30 = 46, b 80 tokens: a again
         assert (await rt.route("m", TENANT, PROMPT, 8, "local", "r3")).candidates[0].worker.id == "a"

@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from backend.protocol import GenerateRequest
+from backend.registration import WorkerRecord, record_key
 from backend.sampling_params import SamplingParams
 from ops.cluster import MooncakeMaster
 from ops.redis_server import free_port
@@ -75,6 +76,10 @@ def test_a_second_worker_serves_the_first_workers_prompt_from_the_store(two_work
     second = generate(two_workers[1], prompt, "tenant-1")
     assert second["tokens"] == first["tokens"] and second["cached_tokens"] == 64
     assert generate(two_workers[1], prompt, "tenant-2")["cached_tokens"] == 0  # another tenant: nothing shared
+    store = httpx.get(f"{two_workers[1]}/stats", headers=AUTH).json()["kv_store"]  # the worker's own account
+    assert store["ready"] and store["imported_blocks"] == 4 and store["fetch_hit_blocks"] >= 4
+    raw = r.get(record_key("tiny", f"127.0.0.1:{two_workers[1].rsplit(':', 1)[1]}"))
+    assert msgspec.json.decode(raw, type=WorkerRecord).kv_store  # routers give it the store's credit
     r.close()
 
 
