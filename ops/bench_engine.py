@@ -44,7 +44,8 @@ import torch
 
 from ops.bench import write_report
 
-__all__ = ["add_arguments", "run", "percentile", "rotated", "spread", "prefill_tok_s", "TOPICS"]
+__all__ = ["add_arguments", "run", "percentile", "rotated", "spread", "schedule", "systems_at", "ratios", "engine_targets",
+           "Result", "Timings", "bench_ours", "bench_hf", "prefill_tok_s", "TOPICS"]
 
 T = TypeVar("T")
 TOPICS = ["the sea", "a city at night", "learning to cook", "the history of maps", "a long train journey",
