@@ -89,6 +89,7 @@ from typing import TYPE_CHECKING, Any
 from ops.bench import write_report
 from ops.bench_engine import percentile
 from ops.bench_pd_kv import TRANSPORT_WORKERS, print_transport, transport_phase
+from ops.bench_pd_store import print_store
 from ops.cluster import child_process, machine_info, wait_http
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ __all__ = ["add_arguments", "run", "RequestRecord", "token_gaps", "window_gaps",
            "is_idle", "worker_specs"]
 
 THEORETICAL_WIRE_RATIO = 128 / 65  # bf16 2 * head_dim bytes vs fp8 head_dim + 1, head_dim 64
-PHASES = ("mixed", "wire", "prefix", "transport")
+PHASES = ("mixed", "wire", "prefix", "transport", "store")
 LONG_OFFSET_S = 1.0  # the first long prompt arrives this long into a round
 WORKER_GB = 2.7  # resident size of one worker here: weights, their MKL-packed copies (3 buckets), the KV pool
 
@@ -542,6 +543,17 @@ def run(args: argparse.Namespace) -> int:
                                                               transport["requests"], args.seed, log))
             mark("after_transport")
             workers.stop(*TRANSPORT_WORKERS)
+    if "store" in phases:
+        from ops.bench_pd_store import store_ttft
+        from ops.cluster import mooncake_master
+
+        store = {"prompt_tokens": 1024, "repeats": 2 if quick else 5, "kv_format": "fp8_e4m3"}
+        with mooncake_master(logs / "mooncake_master.log") as master:
+            got = store_ttft(resolve_model(args.model), master, store["prompt_tokens"], store["repeats"],
+                             kv_format=store["kv_format"], seed=args.seed)
+        result["store"] = store | got._asdict()
+        log(f"store: hit TTFT p50 {got.store_hit_p50_s:.3f} s, miss {got.store_miss_p50_s:.3f} s")
+        mark("after_store")
     result["final_stats"] = workers.final_stats
     mark("end")
     machine["uptime_end"] = uptime()
@@ -722,6 +734,12 @@ def _report(args, quick, machine, loads, mixed, pairs, prefix, wire, result, pro
         out["targets"]["transport"] = check("KV transfer ms at 1024 tokens http / mooncake",
                                             tr["transfer_ratio_http_over_mooncake"].get(1024, float("nan")), ">=", 2.0)
         out |= {"transfer_ms": tr["transfer_ms"], "transport": tr}
+    if "store" in result:
+        st = result["store"]
+        out["ttft_p50_s"] |= {"store_hit": st["store_hit_p50_s"], "store_miss": st["store_miss_p50_s"]}
+        out["targets"]["store"] = check("TTFT p50 store hit / recompute", ratio(st["store_hit_p50_s"],
+                                                                                st["store_miss_p50_s"]), "<=", 0.5)
+        out["store"] = st
     out |= {"final_worker_stats": result["final_stats"], "worker_log_problems": problems, "total_s": total_s}
     return out
 
@@ -744,6 +762,9 @@ def _print_tables(r: dict[str, Any]) -> None:
     if "transport" in r:
         print_transport(r["transport"])
         print(verdict(r["targets"]["transport"]))
+    if "store" in r:
+        print_store(r["store"])
+        print(verdict(r["targets"]["store"]))
     idle_bad = ([k for k, v in r.get("idle_checks", {}).items() if not v["ok"]]
                 + [f"mixed round {x['round'] + 1}" for x in r.get("mixed_rounds", []) if not x["idle_after"]["ok"]]
                 + [f"wire {k}" for k, v in r.get("wire", {}).items() if not v["idle_after"]["ok"]]

@@ -1,4 +1,5 @@
-"""Time to first token with the KV store tier: a prefix another worker put in the store, against recompute.
+"""`edgeserve bench pd`'s store phase: time to first token for a prefix another worker put in the KV
+store, against recompute.
 
 `store_ttft(model_dir, master)` runs two engines in this process, each with its own store
 client on the Mooncake master at `master` (two workers of one cluster): worker A computes a
@@ -8,7 +9,9 @@ computes only the last partial block) and a second fresh prompt of the same leng
 is in no tier (a **store miss**: B asks the store, finds nothing, computes it all).
 Each is a request with `max_tokens=1`, timed by the engine's own TTFT (arrival to first
 token, the store wait included); `repeats` rounds, medians reported.
-`edgeserve bench pd` reports these as `ttft_p50_s.store_hit` / `store_miss`.
+`edgeserve bench pd` reports these as `ttft_p50_s.store_hit` / `store_miss`, with the
+Mooncake master it starts for the phase (`ops.cluster.mooncake_master`); target: a hit's
+TTFT <= 0.5x a miss's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import NamedTuple
 
 from backend.kv_store_tier import DEFAULT_FETCH_TIMEOUT_S
 
-__all__ = ["StoreTTFT", "store_ttft"]
+__all__ = ["StoreTTFT", "store_ttft", "print_store"]
 
 
 class StoreTTFT(NamedTuple):
@@ -93,3 +96,14 @@ def store_ttft(model_dir: Path, master: str, prompt_tokens: int = 1024, repeats:
             aengine.shutdown()
     return StoreTTFT(statistics.median(hits), statistics.median(misses), cached, tier_b.layout.block_bytes, hits,
                      misses)
+
+
+def print_store(r: dict) -> None:
+    """The phase's table."""
+    print(f"\n5) KV store tier: a {r['prompt_tokens']}-token prompt another worker put in the store vs one in no tier "
+          f"(in process, two engines on one mooncake_master, {r['kv_format']} pools, {r['repeats']} rounds)")
+    print(f"{'request':<12}{'TTFT p50 ms':>13}{'per round ms':>30}")
+    for name, key in (("store hit", "store_hit_s"), ("store miss", "store_miss_s")):
+        rounds = ",".join(f"{1e3 * v:.0f}" for v in r[key])
+        print(f"{name:<12}{1e3 * r[key.replace('_s', '_p50_s')]:>13.0f}{rounds:>30}")
+    print(f"hit took {r['hit_cached_tokens']} prompt tokens from the store; block object {r['block_bytes']} B")
