@@ -16,14 +16,15 @@ its pages) and also sends an explicit cancel.
 Metering starts in the producer's `finally` as a task of its own, shielded from
 cancellation, and `aclose` waits for it; once the final item is queued, `aclose`
 no longer cancels the producer (the response side closes right after reading
-Done, while the metering is still on its way to Redis). Exactly once per request id (the Redis script refuses a second record):
-completion tokens are the tokens that reached the gateway, also when the
+Done, while the metering is still on its way to Redis). Exactly once per request
+id (the Redis script refuses a second record): completion tokens are the tokens
+that reached the gateway, also when the
 client left or the worker died mid-stream. A request refused before the worker
 admitted it is not metered; its quota reservation is released.
 
 Quota admission (a Redis round trip, for tenants with quotas) and routing (the prefix
 index, another) run side by side in `start`, so a request waits for one round trip,
-not two. The quota's answer still decides first: a refused request is refused for
+not two (a tenant without quotas is admitted without one). The quota's answer still decides first: a refused request is refused for
 its quota (and leaves the router's in-flight count as it was), and a request the
 router cannot place gives its reservation back. Routing therefore sizes the request
 by the `max_tokens` asked for, before a tokens-per-day cap lowers it (so it may
