@@ -17,9 +17,9 @@ reaches them) and a mask costs tens of microseconds.
 
 The pieces:
 
-- `grammar_of(spec)` turns a spec into llguidance's grammar text and checks it (no
-  tokenizer needed: the gateway calls it to answer an invalid schema with a 400).
-  JSON is compact (`whitespace_flexible` off): no whitespace between tokens, so a model
+- `grammar_of(spec)` (`grammar_text.py`, importable without torch) turns a spec into
+  llguidance's grammar text and checks it (no tokenizer needed: the gateway calls it to
+  answer an invalid schema with a 400). JSON is compact (`whitespace_flexible` off): no whitespace between tokens, so a model
   cannot spend its tokens on blank space.
 - `GrammarCompiler` holds the `LLTokenizer` (built once per worker, ~0.3 s) and one
   compiled matcher per distinct spec (keyed by its hash, bounded, least recently used
@@ -39,7 +39,6 @@ accepts, so EOS cannot cut a document short; a grammar that can take no further 
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence as Seq
@@ -48,44 +47,12 @@ import llguidance
 import torch
 
 from backend.errors import InvalidSamplingParams
+from backend.grammar_text import JSON_OBJECT_SCHEMA, grammar_of
 from backend.sampling_params import GrammarSpec
 
 __all__ = ["grammar_of", "GrammarCompiler", "GrammarState", "apply_masks", "allowed_tokens", "JSON_OBJECT_SCHEMA"]
 
-JSON_OBJECT_SCHEMA = '{"type": "object"}'  # `json_object`: any JSON object
-_COMPILE_OPTIONS: llguidance.JsonCompileOptions = {"whitespace_flexible": False}
 _BIT = torch.arange(32, dtype=torch.int32)  # bit i of a mask word is token 32 * word + i
-
-
-def grammar_of(spec: GrammarSpec) -> str:
-    """llguidance grammar text for `spec`; InvalidSamplingParams (field `response_format`, `tool_choice`
-    for a Lark grammar) when the schema is not a JSON object or llguidance refuses it (unknown type,
-    bad `$ref`, a Lark syntax error, ...)."""
-    if spec.kind == "lark":
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_lark(spec.schema)
-        except (ValueError, TypeError) as exc:
-            raise InvalidSamplingParams(f"invalid grammar: {exc}", field="tool_choice") from exc
-        error = llguidance.LLMatcher.validate_grammar(grammar, None)
-        if error:
-            raise InvalidSamplingParams(f"invalid grammar: {error}", field="tool_choice")
-        return grammar
-    if spec.kind == "json_object":
-        schema = JSON_OBJECT_SCHEMA
-    elif spec.kind == "json_schema":
-        schema = spec.schema
-    else:
-        raise InvalidSamplingParams(f"unknown grammar kind {spec.kind!r}", field="response_format")
-    try:
-        if not isinstance(json.loads(schema), dict):
-            raise ValueError("a JSON schema is an object")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPILE_OPTIONS)
-    except (ValueError, TypeError) as exc:
-        raise InvalidSamplingParams(f"invalid JSON schema: {exc}", field="response_format") from exc
-    error = llguidance.LLMatcher.validate_grammar(grammar, None)
-    if error:
-        raise InvalidSamplingParams(f"invalid JSON schema: {error}", field="response_format")
-    return grammar
 
 
 class GrammarState:

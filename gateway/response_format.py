@@ -5,7 +5,7 @@ OpenAI:     {"type": "text"} | {"type": "json_object"}
 Workers AI: {"type": "json_object"} | {"type": "json_schema", "json_schema": {...the schema...}}
             (OpenAI's wrapped form, with `schema` inside, is accepted there too)
 
-The schema is checked here (`backend.grammar.grammar_of`: llguidance compiles it without a
+The schema is checked here (`backend.grammar_text.grammar_of`: llguidance compiles it without a
 tokenizer), so an invalid one is a 400 naming `response_format` before any worker is asked;
 the worker checks it again. Decoding is constrained whether `strict` is true or not: the
 output always follows the schema, cut only by `max_tokens` (`finish_reason` "length").
@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from backend.errors import InvalidRequest, InvalidSamplingParams
-from backend.grammar import grammar_of
+from backend.grammar_text import grammar_of
 from backend.sampling_params import GrammarSpec
 
 __all__ = ["openai_grammar", "workers_grammar", "TRUNCATED_JSON_NOTICE"]

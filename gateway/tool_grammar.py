@@ -31,7 +31,7 @@ import re
 from typing import Any
 
 from backend.errors import InvalidRequest, InvalidSamplingParams
-from backend.grammar import grammar_of
+from backend.grammar_text import grammar_of
 from backend.sampling_params import GrammarSpec
 from backend.tokenizer import Tokenizer
 from gateway.tool_parsers.base import Lit, ToolParser
