@@ -154,7 +154,8 @@ class LLMEngine:
         self._stop_checkers: dict[str, StopChecker] = {}
         self._grammars: GrammarCompiler | None = None  # built on the first grammar request
         self.stats: dict[str, Any] = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "finished": 0,
-                                       "cancelled": 0, "failed": 0, "integrity_checks": 0, "held_expired": 0,
+                                       "cancelled": 0, "failed": 0, "integrity_checks": 0, "integrity_check_s": 0.0,
+                                       "held_expired": 0,
                                        "grammar_advances": 0, "grammar_advance_s": 0.0,
                                        "integrity_aborts_by_cause": {"tag_mismatch": 0, "invalid_page": 0, "overwritten": 0}}
         self.failed_steps_in_row = 0  # steps whose batch failed since the last one that ran
@@ -375,7 +376,9 @@ class LLMEngine:
         outputs: list[StepOutput] = []
         try:
             if self.config.integrity_check:
+                t0 = time.perf_counter()
                 batch, failed = self._check_integrity(batch)
+                self.stats["integrity_check_s"] += time.perf_counter() - t0
                 outputs += failed
             if not batch.empty:
                 logits = self.runner.run(batch)

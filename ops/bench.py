@@ -29,6 +29,7 @@ BENCHES: dict[str, str] = {
     "mla": "ops.bench_mla",
     "structured": "ops.bench_structured",
     "tp": "ops.bench_tp",
+    "all": "ops.bench_all",
 }
 
 
