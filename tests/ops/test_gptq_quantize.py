@@ -81,8 +81,7 @@ def test_calibrator_forward_is_the_runtime_forward(tiny_moe_tok: Path, tmp_path:
             assert torch.equal(t, written.get(name)) and t.dtype == reader.get(name).dtype, name
             folded.append(name)
     dense_mlps = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    # norms before q/k/v and before a dense MLP, and (attention biases) v_proj's bias with o_proj's scales
-    assert len(folded) == (cfg.num_layers * (1 + cfg.attention_bias) + dense_mlps) * awq
+    assert len(folded) == (cfg.num_layers + dense_mlps) * awq  # the norms before q/k/v and a dense MLP
     assert len(cal.stats.awq_alphas) > len(folded) if awq else not cal.stats.awq_alphas
     assert report.calibration.gptq_linears + 3 * len(report.calibration.rtn_experts) == len(plan.linear_modules)
     h = rms_norm(cal.h[1], reader.get("model.norm.weight").float(), cfg.rms_norm_eps)
