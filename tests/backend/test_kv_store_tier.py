@@ -21,7 +21,7 @@ import pytest
 from backend.async_engine import AsyncEngine
 from backend.engine import EngineConfig, LLMEngine
 from backend.kv_store_client import MooncakeStoreClient
-from backend.kv_store_codec import decode_block, encode_block, read_pages
+from backend.kv_store_codec import BlockRejected, decode_block, encode_block, read_pages
 from backend.kv_store_keys import store_namespace
 from backend.kv_store_tier import KVStoreTier, _PutJob
 from backend.protocol import FinishEvent, TokenEvent
@@ -164,9 +164,17 @@ def test_a_corrupted_object_is_rejected_removed_and_recomputed(workers: tuple[Wo
     assert tokens_b == tokens_a
     assert b.delta(f"rejected_{damage}") == 1
     assert fin_b.cached_tokens == 2 * PAGE and b.delta("imported_blocks") == 2  # blocks 0, 1; 2.. recomputed
-    b.wait_puts(1)  # the bad object was removed, and B's recomputed block put in its place
-    assert b.delta("put_existing") == 3
-    decode_block(a.client.get([key])[0], a.tier.namespace, h, p[2 * PAGE:3 * PAGE], a.tier.layout)
+    # the bad object was removed, and B's recomputed block put in its place (B's other recomputed blocks
+    # were in the store already; under load an `exists` query can fail and B re-puts them: not asserted)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            decode_block(a.client.get([key])[0], a.tier.namespace, h, p[2 * PAGE:3 * PAGE], a.tier.layout)
+            break
+        except BlockRejected:
+            assert time.monotonic() < deadline, b.tier.stats
+            time.sleep(0.02)
+    assert b.delta("put_blocks") >= 1
 
 
 def test_a_killed_master_costs_at_most_the_bound(model_dir: Path, mooncake_master: MooncakeMaster) -> None:
