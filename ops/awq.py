@@ -28,8 +28,11 @@ candidate costs one [N, K] × [K, K] product whatever the number of calibration 
 - into the previous linear's output rows: down_proj's input silu(g) ⊙ u scales with up_proj's
   rows, so ``up.rows / s`` and ``down.columns · s`` (every dense MLP, routed and shared expert).
 
-The scaled weights are then quantised by GPTQ (``awq+gptq``) or rounded to nearest
-(``awq``) against the scaled inputs. Only where every linear reading x is quantised: a linear an
+The scaled weights are then quantised by GPTQ (`edgeserve quantize --method gptq --awq`) or
+rounded to nearest (``--method awq``) against the scaled inputs. On SmolLM2 g128 (BENCHMARKS.md)
+AWQ + RTN closes most of RTN's loss, and AWQ before GPTQ gains nothing over GPTQ alone over
+20k held-out tokens. o_proj's inputs could take scales folded into v_proj's rows (tied across
+a kv head's query heads under GQA); measured worse, that fold is not made. Only where every linear reading x is quantised: a linear an
 ignore list keeps dense would have to be written scaled, so such groups are left unscaled.
 """
 

@@ -31,8 +31,8 @@ it runs the fp32 GEMM on FP8-rounded values), ``int4`` torch's INT4 CPU GEMM.
    EVAL_GENRES`; GPTQ calibrates on genres A-H, so no document is shared), scored
    teacher-forced through the serving path (`LLMEngine.score_tokens`) with the engine's
    format, for bf16, fp8, int4_rtn_g128, int4_rtn_g32, int4_gptq_g128, int4_gptq_g32 and int4_awq_g128
-   (`edgeserve quantize`'s methods with their defaults: gptq scales the inputs AWQ-style first, awq
-   is those scales with round to nearest).
+   (`edgeserve quantize`'s methods with their defaults; awq is AWQ-style input scales, then round
+   to nearest).
    Each quantised checkpoint is written by `edgeserve quantize` (`quantize_checkpoint`)
    in a fresh process of its own, which gives its `quantize_s` and
    `quantize_peak_rss_bytes` (the child's ru_maxrss); GPTQ calibrates on C tokens

@@ -22,12 +22,12 @@ tensor read once for its experts.
 Method: ``rtn`` rounds each weight to nearest on its own. ``gptq`` (INT4 only; the
 default for INT4) chooses the codes against each linear's inputs on calibration text
 (`--calib-tokens`, 8192, of Brown genres A-H or `--calib-file`), walking the model layer
-by layer (`ops/calibration.py`, `ops/gptq.py`; GQA and MLA decoders), by default after
-AWQ-style input scaling (`ops/awq.py`: scales searched per input, folded into the norms
-and the previous linear's rows) and with activation order and a clip search of each
-group's range (`--no-awq`, `--no-act-order`, `--no-clip`: each measured worse on SmolLM2,
-`BENCHMARKS.md`; `--refit` re-fits the group scales to the codes). ``awq`` is the AWQ
-scaling followed by round to nearest. All write the same tensors, dtypes, shapes and
+by layer (`ops/calibration.py`, `ops/gptq.py`; GQA and MLA decoders), by default with
+activation order and a clip search of each group's range (`--no-act-order`, `--no-clip`:
+measured worse on SmolLM2, `BENCHMARKS.md`). `--awq` scales the inputs AWQ-style first
+(`ops/awq.py`: scales searched per input, folded into the norms and up_proj's rows) and
+`--refit` re-fits the group scales to the codes: neither measured better on SmolLM2's 20k
+held-out tokens, so both are off. ``awq`` is the AWQ scaling followed by round to nearest. All write the same tensors, dtypes, shapes and
 order: the checkpoints differ only in values (AWQ rewrites norm weights, in their dtype).
 `--zero-points` writes compressed-tensors' asymmetric grid (``symmetric: false``, an
 integer zero point per group, ``weight_zero_point``) instead of the symmetric one.
@@ -83,7 +83,7 @@ __all__ = ["register", "QuantizePlan", "plan_quantize", "quantize_checkpoint", "
            "METHODS", "resolve_method"]
 
 METHODS = ("rtn", "gptq", "awq")  # awq: AWQ input scales, then round to nearest (gptq scales first by default)
-GPTQ_AWQ = True  # --awq: GPTQ on AWQ-scaled weights (measured better on SmolLM2, BENCHMARKS.md)
+GPTQ_AWQ = False  # --awq: GPTQ on AWQ-scaled weights (no better on SmolLM2 over 20,460 tokens, BENCHMARKS.md)
 GPTQ_REFIT = False  # --refit: least-squares refit of each row's group scales after GPTQ
 OUTPUT_FORMATS = ("compressed-tensors", "edgeserve")  # INT4 layouts --output-format writes
 
