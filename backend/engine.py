@@ -157,7 +157,8 @@ class LLMEngine:
                                        "cancelled": 0, "failed": 0, "integrity_checks": 0, "integrity_check_s": 0.0,
                                        "held_expired": 0,
                                        "grammar_advances": 0, "grammar_advance_s": 0.0,
-                                       "integrity_aborts_by_cause": {"tag_mismatch": 0, "invalid_page": 0, "overwritten": 0}}
+                                       "integrity_aborts_by_cause": {"tag_mismatch": 0, "invalid_page": 0,
+                                                                     "overwritten": 0}}
         self.failed_steps_in_row = 0  # steps whose batch failed since the last one that ran
         self._published: dict[str, object] = {}
         self._published_at = 0.0

@@ -59,9 +59,9 @@ from backend.worker_auth import auth_headers
 from kernels.kv_store import quantize_fp8_ref
 from kernels.latent_kv_store import dequantize_latent_ref, latent_row_dtype, quantize_latent_ref
 
-__all__ = ["KVTarget", "PrefillRequest", "KVBegin", "KVLayer", "KVEnd", "KVError", "Frame", "LatentRows", "WIRE_FORMATS",
-           "encode_frame", "FrameReader", "encode_layer", "decode_layer", "KVTransport", "HttpKVTransport",
-           "KV_MEDIA_TYPE"]
+__all__ = ["KVTarget", "PrefillRequest", "KVBegin", "KVLayer", "KVEnd", "KVError", "Frame", "LatentRows",
+           "WIRE_FORMATS", "encode_frame", "FrameReader", "encode_layer", "decode_layer", "KVTransport",
+           "HttpKVTransport", "KV_MEDIA_TYPE"]
 
 WIRE_FORMATS = ("fp8_e4m3", "bf16")
 KV_MEDIA_TYPE = "application/x-edgeserve-kv"
