@@ -208,7 +208,8 @@ def unpack_zero_points(packed: torch.Tensor, n: int, module: str = "weight") -> 
     if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[0] != -(-n // 8):
         raise WeightsError(f"{module}.weight_zero_point must be int32 [ceil({n}/8), groups], got {packed.dtype} "
                            f"{list(packed.shape)}", tensor=f"{module}.weight_zero_point")
-    words = packed.t().contiguous().view(torch.uint8).view(packed.shape[1], -1, 4)  # [G, N/8, 4]
+    by_group = torch.empty(packed.shape[1], packed.shape[0], dtype=torch.int32).copy_(packed.t())  # [G, N/8]
+    words = by_group.view(torch.uint8).view(packed.shape[1], -1, 4)  # [G, N/8, 4] (a one-word [G, 1] too)
     if sys.byteorder == "big":
         words = words.flip(-1)
     pairs = words.reshape(packed.shape[1], -1)  # [G, N/2]

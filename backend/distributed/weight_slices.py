@@ -30,7 +30,12 @@ from the file headers alone. Layouts and numerics of the formats are in
 - compressed-tensors pack-quantized (``weight_packed`` int32 [N, K/8], ``weight_scale``
   [N, K/g], ``weight_shape`` [2]): rows anywhere; columns on group boundaries (g is a
   multiple of 8, so whole words): words [a/8, b/8) and groups [a/g, b/g). ``weight_shape``
-  (16 bytes) is read whole and checked against the headers.
+  (16 bytes) is read whole and checked against the headers. An asymmetric one
+  (``symmetric: false``) also has ``weight_zero_point`` int32 [ceil(N/8), K/g], eight 4-bit
+  zero points per word packed along the *rows*: a row range reads the words [a // 8,
+  ceil(b / 8)) that hold its rows (a range starting or ending inside a word shares that word
+  with the neighbouring rank) and repacks its own rows; a column range reads groups
+  [a/g, b/g) of every word.
 
 An INT4 column range that cuts a group is refused (`WeightsError`): the group's one scale
 (and zero point) would be needed on both sides of a split through packed codes, and the
@@ -44,7 +49,8 @@ from collections.abc import Callable
 
 import torch
 
-from backend.compressed_tensors import CompressedTensorsInt4, int4_from_pack_quantized
+from backend.compressed_tensors import (CompressedTensorsInt4, CompressedTensorsZeroPointInt4, int4_from_pack_quantized,
+                                        pack_zero_points, unpack_zero_points)
 from backend.errors import WeightsError
 from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, StoredWeight, TensorSpec, WeightFormat
 
@@ -52,6 +58,7 @@ __all__ = ["Region", "Spec", "stored_shape", "read_slice", "check_group_split"]
 
 Region = Callable[[str, list[tuple[int, int]]], torch.Tensor]  # `CheckpointReader.get_region`
 Spec = Callable[[str], TensorSpec]  # `CheckpointReader.spec`
+_PACKED = (CompressedTensorsInt4, CompressedTensorsZeroPointInt4)  # pack-quantized, symmetric or zero-point
 
 
 def _ceil(a: int, b: int) -> int:
@@ -72,7 +79,7 @@ def _shape(spec: Spec, name: str) -> tuple[int, int]:
 
 def stored_shape(fmt: WeightFormat, spec: Spec, module: str) -> tuple[int, int]:
     """(N, K) of linear `module` stored in `fmt`, from the checkpoint headers alone."""
-    if isinstance(fmt, CompressedTensorsInt4):  # K = groups x g (a packed K is a multiple of g)
+    if isinstance(fmt, _PACKED):  # K = groups x g (a packed K is a multiple of g)
         n, groups = _shape(spec, f"{module}.weight_scale")
         return n, groups * fmt.group_size
     if isinstance(fmt, Int4Format):
@@ -101,7 +108,7 @@ def read_slice(fmt: WeightFormat, region: Region, spec: Spec, module: str, dim: 
     if dim not in (0, 1) or not 0 <= start < stop <= (n, k)[dim]:
         raise WeightsError(f"slice [{start}, {stop}) of dim {dim} is outside {module} of shape {[n, k]}",
                            tensor=module)
-    if isinstance(fmt, CompressedTensorsInt4):
+    if isinstance(fmt, _PACKED):
         return fmt, _pack_quantized(fmt, region, module, (n, k), dim, start, stop)
     if isinstance(fmt, Int4Format):
         return fmt, _int4(fmt, region, module, (n, k), dim, start, stop)
@@ -149,21 +156,29 @@ def _int4(fmt: Int4Format, region: Region, module: str, shape: tuple[int, int], 
     return fmt.read(lambda name: region(name, [(0, n), cols[name.rsplit(".", 1)[1]]]), module)
 
 
-def _pack_quantized(fmt: CompressedTensorsInt4, region: Region, module: str, shape: tuple[int, int], dim: int,
-                    start: int, stop: int) -> StoredWeight:
+def _pack_quantized(fmt: CompressedTensorsInt4 | CompressedTensorsZeroPointInt4, region: Region, module: str,
+                    shape: tuple[int, int], dim: int, start: int, stop: int) -> StoredWeight:
     n, k = shape
     whole = region(f"{module}.weight_shape", [(0, 2)])
     if whole.dim() != 1 or whole.dtype.is_floating_point or whole.tolist() != [n, k]:
         raise WeightsError(f"{module}.weight_shape is {whole.tolist()}, but weight_scale's header says [{n}, {k}] "
                            f"in groups of {fmt.group_size}", tensor=f"{module}.weight_shape")
+    g = fmt.group_size
+    zero = None
     if dim == 0:
         packed = region(f"{module}.weight_packed", [(start, stop)])
         scale = region(f"{module}.weight_scale", [(start, stop)])
         part = [stop - start, k]
+        if isinstance(fmt, CompressedTensorsZeroPointInt4):  # the words holding rows [start, stop), repacked
+            first, end = start // 8, _ceil(stop, 8)
+            words = region(f"{module}.weight_zero_point", [(first, end), (0, k // g)])
+            rows = unpack_zero_points(words, 8 * (end - first), module)[start - 8 * first:stop - 8 * first]
+            zero = pack_zero_points(rows)
     else:
-        g = fmt.group_size
         check_group_split(module, k, start, stop, g)
         packed = region(f"{module}.weight_packed", [(0, n), (start // 8, stop // 8)])
         scale = region(f"{module}.weight_scale", [(0, n), (start // g, stop // g)])
         part = [n, stop - start]
-    return int4_from_pack_quantized(packed, scale, torch.tensor(part), fmt.group_size, module)
+        if isinstance(fmt, CompressedTensorsZeroPointInt4):
+            zero = region(f"{module}.weight_zero_point", [(0, _ceil(n, 8)), (start // g, stop // g)])
+    return int4_from_pack_quantized(packed, scale, torch.tensor(part), g, module, zero)

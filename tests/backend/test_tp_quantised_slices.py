@@ -1,7 +1,7 @@
 """A tensor-parallel rank's rows or columns of a quantised linear, read from the file without the rest:
 FP8 block-scaled (ranges starting on and inside a scale block, partial edge blocks), our INT4 format
 (rows anywhere, columns on group boundaries, a partial last group) and compressed-tensors
-pack-quantized (Kimi K2.x). Each slice dequantises to exactly the matching part of the whole weight,
+pack-quantized (Kimi K2.x), symmetric and with zero points. Each slice dequantises to exactly the matching part of the whole weight,
 and the reader counts exactly the bytes of the stored rows, columns, blocks and groups the range
 touches. Column ranges that cut an INT4 group are refused."""
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from backend.compressed_tensors import CompressedTensorsInt4, pack_quantized_tensors, symmetric_int4
+from backend.compressed_tensors import (CompressedTensorsInt4, CompressedTensorsZeroPointInt4, asymmetric_int4,
+                                        pack_quantized_tensors, symmetric_int4)
 from backend.distributed.weight_slices import read_slice
 from backend.errors import WeightsError
 from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, StoredWeight, WeightFormat
@@ -138,6 +139,30 @@ def test_pack_quantized_slices_keep_codes_and_scales(tmp_path: Path) -> None:
         assert nbytes == want, (dim, a, b)
     with pytest.raises(WeightsError, match="cut INT4 groups of 32"):
         read(fmt, reader, 1, 16, 128)
+
+
+def test_zero_point_pack_quantized_slices_equal_the_unsliced_weight(tmp_path: Path) -> None:
+    """An asymmetric pack-quantized weight (zero points packed eight to a word along the rows): row ranges
+    starting and ending inside a word, on word boundaries, and column ranges of whole groups each give
+    the codes, scales and zeros of the unsliced read, and two ranks' rows fuse back into it."""
+    n, k, g = 44, 128, 32  # 44 rows: five full zero-point words and a half one
+    int4 = asymmetric_int4(torch.randn(n, k) * 2.0 + 0.7, g)  # off-centre groups: zero points other than 0
+    reader = reader_of(tmp_path, pack_quantized_tensors("m", int4, symmetric=False))
+    fmt = CompressedTensorsZeroPointInt4(g, ["Linear"], [])
+    whole = fmt.read(reader.get, "m")
+    assert whole.tensors["zeros"].abs().sum() > 0
+    for dim, a, b in [(0, 0, 22), (0, 22, 44), (0, 5, 13), (0, 8, 16), (0, 43, 44), (1, 0, 64), (1, 32, 96)]:
+        src, got, nbytes = read(fmt, reader, dim, a, b)
+        assert src is fmt and got.shape == tuple(part(fmt.dequantize(whole), dim, a, b).shape)
+        for name, t in got.tensors.items():
+            cols = (a // 2, b // 2) if name == "qweight" else (a // g, b // g)
+            assert torch.equal(t, part(whole.tensors[name], dim, *((a, b) if dim == 0 else cols))), (dim, a, b, name)
+        words = _ceil(b, 8) - a // 8 if dim == 0 else _ceil(n, 8)
+        zp_bytes = words * (k // g) * 4 if dim == 0 else words * (b - a) // g * 4
+        rest = (b - a) * (k // 8 * 4 + k // g * 2) if dim == 0 else n * (b - a) // 8 * 4 + n * (b - a) // g * 2
+        assert nbytes == rest + zp_bytes + 16, (dim, a, b)
+    halves = [read(fmt, reader, 0, a, b)[1] for a, b in ((0, 21), (21, 44))]
+    assert torch.equal(fmt.dequantize(fmt.cat_rows(halves)), fmt.dequantize(whole))
 
 
 def test_pack_quantized_slice_checks_weight_shape(tmp_path: Path) -> None:
