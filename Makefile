@@ -67,4 +67,4 @@ test: $(TESTS)
 # BENCH_ARGS passes options on, e.g. make bench BENCH_ARGS="--only engine,integrity".
 BENCH_ARGS ?=
 bench: $(TESTS)
-	$(BIN)/python -m ops.bench_all $(BENCH_ARGS)
+	$(BIN)/python -m ops.bench.all $(BENCH_ARGS)

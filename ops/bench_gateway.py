@@ -78,8 +78,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from ops.bench import write_report
-from ops.bench_engine import percentile
+from ops.bench.report import write_report
+from ops.bench.harness.stats import percentile
 from ops.cluster import child_process, machine_info, wait_http
 
 if TYPE_CHECKING:

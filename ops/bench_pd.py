@@ -86,8 +86,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ops.bench import write_report
-from ops.bench_engine import percentile
+from ops.bench.report import write_report
+from ops.bench.harness.stats import percentile
 from ops.bench_pd_kv import TRANSPORT_WORKERS, print_transport, transport_phase
 from ops.bench_pd_store import print_store
 from ops.cluster import child_process, machine_info, wait_http

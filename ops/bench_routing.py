@@ -81,8 +81,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gateway.generation import worker_tag
-from ops.bench import write_report
-from ops.bench_engine import percentile, rotated, spread
+from ops.bench.report import write_report
+from ops.bench.harness.stats import percentile, rotated, spread
 from ops.cluster import child_process, machine_info, wait_http
 
 __all__ = ["add_arguments", "run", "Conversation", "TurnResult", "PolicySummary", "make_workload",

@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ops.bench import provenance, write_report
+from ops.bench.report import provenance, write_report
 from ops.cluster import Service, machine_info, wait_http, wait_redis
 from ops.soak_checks import Fault, RequestResult, TenantMetering, build_report, missing_ids
 from ops.soak_traffic import MODEL, Tenant, malformed_specs, send, send_cut_body, traffic_spec, worker_generate

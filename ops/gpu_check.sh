@@ -43,9 +43,9 @@ if step 1; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
-step 2 && { timeout 200 "$PY" -m ops.bench_kernels --json "$OUT/bench_kernels.json" || status=1; }
+step 2 && { timeout 200 "$PY" -m ops.bench.kernels --json "$OUT/bench_kernels.json" || status=1; }
 
-step 3 && { timeout 100 "$PY" -m ops.bench_kernels --parts mla --json "$OUT/bench_mla_decode.json" || status=1; }
+step 3 && { timeout 100 "$PY" -m ops.bench.kernels --parts mla --json "$OUT/bench_mla_decode.json" || status=1; }
 
 if step 4; then
     WHEELS=${WHEELS:-.whl}

@@ -17,7 +17,7 @@ from backend.grammar import GrammarCompiler, allowed_tokens, apply_masks, gramma
 from backend.sampler import sample
 from backend.sampling_params import GrammarSpec, SamplingParams
 from backend.tokenizer import Tokenizer
-from ops.bench_structured import schemas
+from ops.bench.structured import schemas
 
 
 @pytest.fixture(scope="module")

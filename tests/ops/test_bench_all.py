@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ops import bench, bench_all
+from ops import bench
+from ops.bench import all as bench_all
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +97,7 @@ def test_make_bench_runs_the_runner(tmp_path: Path) -> None:
     done = subprocess.run(["make", "--no-print-directory", "-n", "bench", "BENCH_ARGS=--only engine"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.rstrip().endswith(".venv/bin/python -m ops.bench_all --only engine"), done.stdout
+    assert done.stdout.rstrip().endswith(".venv/bin/python -m ops.bench.all --only engine"), done.stdout
 
 
 def test_main_parses_the_bench_options(tmp_path: Path) -> None:

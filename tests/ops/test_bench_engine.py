@@ -7,17 +7,19 @@ from collections import Counter
 
 import pytest
 
-from ops import bench, bench_engine
-from ops.bench_engine import Timings
+from ops import bench
+from ops.bench import engine as bench_engine
+from ops.bench.engine import Timings
+from ops.bench.harness.stats import rotated
 
 
 def test_rotated_is_a_latin_rotation() -> None:
     items = ["a", "b", "c"]
-    square = [bench_engine.rotated(items, r) for r in range(3)]
+    square = [rotated(items, r) for r in range(3)]
     assert square == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     for position in range(3):  # every item once in every position
         assert sorted(row[position] for row in square) == items
-    assert bench_engine.rotated(items, 4) == square[1] and bench_engine.rotated([], 2) == []
+    assert rotated(items, 4) == square[1] and rotated([], 2) == []
     assert items == ["a", "b", "c"]  # not modified
 
 

@@ -9,13 +9,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ops import bench, bench_integrity
+from ops import bench
+from ops.bench import integrity as bench_integrity
+from ops.bench.harness.loops import DecodeLoop, decode_row, step_in_turn
+from ops.bench.harness.stats import block_bootstrap_ci
 from tests.ops.test_bench_kv import FakeEngine
 
 
 def test_decode_row_weights_gaps_by_requests_in_the_step() -> None:
     # 3 decode steps: 0.1 s with 4 requests, 0.2 s with 4, 1.0 s with 1 (a straggler)
-    row = bench_integrity.decode_row("on", 4, 0, [(0.1, 4), (0.2, 4), (1.0, 1)], wall_s=5.0)
+    row = decode_row("on", 4, 0, [(0.1, 4), (0.2, 4), (1.0, 1)], wall_s=5.0)
     assert row.decode_tok_s == pytest.approx(9 / 1.3)
     assert row.decode_steps == 3 and row.decode_s == pytest.approx(1.3) and row.wall_s == 5.0
     assert row.tpot_p50_s == 0.2  # gaps: 4 x 0.1, 4 x 0.2, 1 x 1.0
@@ -44,7 +47,7 @@ def _paired_steps(rng: np.random.Generator, n: int, cost: float, burst: bool = T
 
 def test_bootstrap_interval_separates_a_one_percent_cost() -> None:
     rng = np.random.default_rng()  # fresh data every run
-    lo, hi = bench_integrity.block_bootstrap_ci([_paired_steps(rng, 600, 0.01) for _ in range(3)],
+    lo, hi = block_bootstrap_ci([_paired_steps(rng, 600, 0.01) for _ in range(3)],
                                                 bench_integrity.throughput_overhead, resamples=500)
     assert 0 < lo and hi - lo < 1.5  # 1% (0.99 points) is resolved; a burst moves the centre ~0.4 points
 
@@ -53,7 +56,7 @@ def test_bootstrap_interval_covers_the_truth_as_often_as_it_says() -> None:
     rng = np.random.default_rng()
     covered = 0
     for _ in range(40):
-        lo, hi = bench_integrity.block_bootstrap_ci([_paired_steps(rng, 200, 0.0, burst=False) for _ in range(2)],
+        lo, hi = block_bootstrap_ci([_paired_steps(rng, 200, 0.0, burst=False) for _ in range(2)],
                                                     bench_integrity.throughput_overhead, resamples=300)
         covered += lo <= 0 <= hi
     assert covered >= 32  # ~38 of 40 for a 95% interval; under 32 means it is too narrow (p < 0.001)
@@ -61,14 +64,14 @@ def test_bootstrap_interval_covers_the_truth_as_often_as_it_says() -> None:
 
 def test_bootstrap_keeps_pairs_and_strata() -> None:
     a = [1.0, 2.0, 3.0, 4.0]
-    lo, hi = bench_integrity.block_bootstrap_ci([(a, a), ([5.0], [5.0])], bench_integrity.throughput_overhead)
+    lo, hi = block_bootstrap_ci([(a, a), ([5.0], [5.0])], bench_integrity.throughput_overhead)
     assert lo == hi == 0.0  # a pair never meets another pair's partner
     seen: list[int] = []
-    bench_integrity.block_bootstrap_ci([([1.0] * 5, [1.0] * 5), ([2.0] * 3, [2.0] * 3)],
+    block_bootstrap_ci([([1.0] * 5, [1.0] * 5), ([2.0] * 3, [2.0] * 3)],
                                        lambda x, y: seen.append((x.size, int((x == 2.0).sum()))) or 0.0,
                                        resamples=10)
     assert set(seen) == {(8, 3)}  # every resample keeps each stratum's size
-    assert np.isnan(bench_integrity.block_bootstrap_ci([([], [])], bench_integrity.throughput_overhead)).all()
+    assert np.isnan(block_bootstrap_ci([([], [])], bench_integrity.throughput_overhead)).all()
 
 
 class _Engine:
@@ -114,7 +117,7 @@ def test_step_in_turn_rotates_the_first_mover() -> None:
             order.append(self.name)
             self.left -= 1
 
-    bench_integrity.step_in_turn([Loop("a"), Loop("b"), Loop("c")])
+    step_in_turn([Loop("a"), Loop("b"), Loop("c")])
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
 
 
@@ -122,8 +125,8 @@ def test_decode_loops_in_turn_time_only_decode_steps() -> None:
     # FakeEngine gives every running request a token each step: the first step is each request's
     # first token (prefill), the other output_tokens - 1 are decode steps with all c requests
     engines = {"on": FakeEngine(8), "off": FakeEngine(8)}
-    loops = [bench_integrity.DecodeLoop(e, name, [[1, 2, 3]], 4, 4, 6) for name, e in engines.items()]
-    bench_integrity.step_in_turn(loops)
+    loops = [DecodeLoop(e, name, [[1, 2, 3]], 4, 4, 6) for name, e in engines.items()]
+    step_in_turn(loops)
     for loop in loops:
         assert loop.done and loop.tokens == 4 * 6
         assert [n for _, n in loop.decode_steps] == [4] * 5
@@ -156,9 +159,9 @@ class _CheckedEngine(FakeEngine):
 
 def test_calibration_arm_spins_a_share_of_its_previous_decode_step() -> None:
     engine = _CheckedEngine(8)
-    loop = bench_integrity.DecodeLoop(engine, "on+inject", [[1, 2, 3]], 4, 4, 6,
-                                      timer=bench_integrity.CheckTimer(engine), inject=0.5)
-    bench_integrity.step_in_turn([loop])
+    loop = bench_integrity.CheckedDecodeLoop(engine, "on+inject", [[1, 2, 3]], 4, 4, 6,
+                                             timer=bench_integrity.CheckTimer(engine), inject=0.5)
+    step_in_turn([loop])
     steps, cpu = [dt for dt, _ in loop.decode_steps], loop.decode_cpu
     assert len(steps) == len(cpu) == len(loop.check_s) == len(loop.check_cpu) == len(loop.spin_cpu) == 5
     assert all(0.001 <= c < s for c, s in zip(loop.check_s, steps))  # the check's time is inside its step

@@ -14,7 +14,8 @@ from backend.engine import StepOutput
 from backend.kv_cache import kv_bytes_per_token
 from backend.sampling_params import SamplingParams
 from backend.sequence import Sequence
-from ops import bench, bench_kv
+from ops import bench
+from ops.bench import kv as bench_kv
 
 # SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64)
 SMOLLM2 = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,

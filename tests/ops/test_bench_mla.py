@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import bench_mla
+from ops.bench import mla as bench_mla
 
 TINY = ["--quick", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-lora-rank", "32", "--experts", "4",
         "--vocab", "256", "--concurrency", "1,3", "--prompt-tokens", "8", "--bf16-requests", "2"]

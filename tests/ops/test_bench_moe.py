@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops import bench, bench_moe
+from ops import bench
+from ops.bench import moe as bench_moe
+from ops.bench.harness.prompts import random_prompts
 from ops.cli import main
 
 TINY = ["--hidden", "128", "--inter", "128", "--experts", "8", "--top-k", "2", "--vocab", "512", "--layers", "2",
@@ -42,8 +44,8 @@ def test_a_missing_grouped_path_has_no_ratio_and_misses_its_targets() -> None:
 
 
 def test_random_prompts_are_reproducible_ids_without_specials() -> None:
-    a = bench_moe.random_prompts(50, 3, 40, seed=7)
-    assert a == bench_moe.random_prompts(50, 3, 40, seed=7) != bench_moe.random_prompts(50, 3, 40, seed=8)
+    a = random_prompts(50, 3, 40, seed=7)
+    assert a == random_prompts(50, 3, 40, seed=7) != random_prompts(50, 3, 40, seed=8)
     assert [len(p) for p in a] == [40, 40, 40] and all(3 <= t < 50 for p in a for t in p)
 
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from ops.bench import write_report
+from ops.bench.report import write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,17 +31,17 @@ def test_the_commit_is_taken_when_the_run_starts(tmp_path: Path, monkeypatch) ->
     start's commit and names the end's beside it."""
     import argparse
 
-    from ops import bench
+    from ops.bench import report
 
     moves = iter([{"commit": "before", "dirty": False, "command": "edgeserve bench x"},
                   {"commit": "after", "dirty": False, "command": "edgeserve bench x"}])
-    monkeypatch.setattr(bench, "provenance", lambda: next(moves))
-    monkeypatch.setattr(bench, "_started", None)  # restored to None after the test
+    monkeypatch.setattr(report, "provenance", lambda: next(moves))
+    monkeypatch.setattr(report, "_started", None)  # restored to None after the test
 
     def run(args: argparse.Namespace) -> int:
         write_report(str(tmp_path / "r.json"), {"tok_s": {}})
         return 0
 
-    assert bench._recording_start(run)(argparse.Namespace()) == 0
+    assert report.recording_start(run)(argparse.Namespace()) == 0
     got = json.loads((tmp_path / "r.json").read_text())["provenance"]
     assert got["commit"] == "before" and got["at_end"] == {"commit": "after", "dirty": False}

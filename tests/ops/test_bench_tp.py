@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from backend.config import load_config
-from ops.bench_tp import run
+from ops.bench.tp import run
 from tests.backend.tiny_models import write_tiny_model
 
 

@@ -47,27 +47,25 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from ops.bench import write_report
-
 from backend.config import ModelConfig
 from backend.kv_cache import kv_bytes_per_token, pages_for_budget
-from ops.bench_engine import TOPICS, percentile
+from ops.bench.harness import plot
+from ops.bench.harness.loops import ClosedLoop, SweepRow
+from ops.bench.harness.progress import log
+from ops.bench.harness.prompts import fixed_length_prompts, greedy_prompts
+from ops.bench.report import write_report
 
 __all__ = ["add_arguments", "run", "Shape", "kv_budget", "admitted_requests", "capacity_report", "sweep_points",
            "agreement"]
 
 FORMATS: dict[str, str] = {"bf16": "bf16", "fp8": "fp8_e4m3"}  # report name -> engine kv_format
 REFERENCE: dict[str, str] = {"fp32": "fp32"}
-INSTRUCTIONS = ["Write a short essay about {}.", "Explain {} to a ten-year-old.",
-                "List three surprising facts about {}."]
 
 
 @dataclass(frozen=True)
@@ -82,20 +80,6 @@ class Shape:
     @property
     def pages_per_request(self) -> int:
         return -(-(self.prompt_tokens + self.output_tokens) // self.page_size)
-
-
-@dataclass
-class SweepRow:
-    kv: str
-    concurrency: int  # offered: requests kept submitted
-    requests: int
-    admitted: int  # most RUNNING at once
-    output_tok_s: float
-    ttft_p50_s: float
-    ttft_p95_s: float
-    tpot_p50_s: float
-    tpot_p95_s: float
-    wall_s: float
 
 
 def kv_budget(cfg: ModelConfig, shape: Shape) -> int:
@@ -152,90 +136,7 @@ def agreement(ours: list[list[int]], base: list[list[int]]) -> dict[str, object]
             "positions": total, "first_divergence": firsts}
 
 
-# ---------------------------------------------------------------- workloads
-
-def fixed_length_prompts(tok, count: int, length: int) -> list[list[int]]:
-    """`count` chat-templated prompts of exactly `length` tokens: a long user message cut to
-    fit, so each keeps the template's head and its generation prompt."""
-    prompts = []
-    for i in range(count):
-        content = f"Write a short essay about {TOPICS[i % len(TOPICS)]}." + " Please be detailed and give examples." * (
-            length // 6 + 1)
-        rendered = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-        at = rendered.index(content)
-        head, body, tail = (tok.encode(rendered[:at]), tok.encode(content), tok.encode(rendered[at + len(content):]))
-        room = length - len(head) - len(tail)
-        if room < 8:
-            raise ValueError(f"prompt length {length} leaves no room for a message (template takes "
-                             f"{len(head) + len(tail)} tokens)")
-        prompts.append(head + body[:room] + tail)
-    return prompts
-
-
-def greedy_prompts(tok, count: int) -> list[list[int]]:
-    prompts = []
-    for i in range(count):
-        text = INSTRUCTIONS[(i // len(TOPICS)) % len(INSTRUCTIONS)].format(TOPICS[i % len(TOPICS)])
-        prompts.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                          add_generation_prompt=True)))
-    return prompts
-
-
 # ---------------------------------------------------------------- runs
-
-class ClosedLoop:
-    """One format's closed loop at one offered concurrency, advanced a step at a time.
-
-    Keeps `c` requests submitted until `requests` are done. Time is the loop's own
-    clock: the sum of its own steps (submits and bookkeeping included), so two loops
-    stepped in turn each see only their own work, and a burst of load on the machine
-    lands on both.
-    """
-
-    def __init__(self, engine, kv: str, prompts: list[list[int]], c: int, requests: int, output_tokens: int) -> None:
-        from backend.sampling_params import SamplingParams
-
-        self.engine, self.kv, self.c, self.requests = engine, kv, c, requests
-        self.params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
-        self.pending = deque(prompts[i % len(prompts)] for i in range(requests))
-        self.inflight: dict[str, list[float | None]] = {}  # request id -> [submit, first token] (own clock)
-        self.clock = 0.0
-        self.admitted = self.tokens = 0
-        self.ttft: list[float] = []
-        self.tpot: list[float] = []
-
-    @property
-    def done(self) -> bool:
-        return not self.pending and not self.inflight
-
-    def step(self) -> None:
-        t0 = time.perf_counter()
-        own = lambda wall: self.clock + (wall - t0)  # noqa: E731
-        while self.pending and len(self.inflight) < self.c:
-            seq = self.engine.add_request(self.pending.popleft(), self.params)
-            self.inflight[seq.request_id] = [own(time.perf_counter()), None]
-        outputs = self.engine.step()
-        self.admitted = max(self.admitted, len(self.engine.scheduler.running))
-        for out in outputs:
-            if out.error is not None:
-                raise out.error
-            times = self.inflight[out.seq.request_id]
-            if out.new_token is not None and times[1] is None:
-                times[1] = own(out.token_time)
-            if out.finished:
-                del self.inflight[out.seq.request_id]
-                n = len(out.seq.output_ids)
-                self.tokens += n
-                self.ttft.append(times[1] - times[0])
-                if n > 1:
-                    self.tpot.append((own(out.token_time) - times[1]) / (n - 1))
-        self.clock = own(time.perf_counter())
-
-    def row(self) -> SweepRow:
-        return SweepRow(self.kv, self.c, self.requests, self.admitted, self.tokens / self.clock,
-                        percentile(self.ttft, 0.5), percentile(self.ttft, 0.95),
-                        percentile(self.tpot, 0.5), percentile(self.tpot, 0.95), self.clock)
-
 
 def run_point(engines: dict[str, object], prompts: list[list[int]], c: int, requests: int,
               output_tokens: int) -> list[SweepRow]:
@@ -302,13 +203,9 @@ def _defaults(args: argparse.Namespace) -> None:
 
 
 def _plot(rows: list[SweepRow], caps: dict[str, int], title: str, path: Path) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no PNG (pip install matplotlib)", file=sys.stderr)
+    plt = plot.pyplot(" (pip install matplotlib)")
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for kv, colour in (("bf16", "tab:blue"), ("fp8", "tab:orange")):
@@ -327,11 +224,7 @@ def _plot(rows: list[SweepRow], caps: dict[str, int], title: str, path: Path) ->
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend()
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return plot.save(fig, title, path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -344,7 +237,6 @@ def run(args: argparse.Namespace) -> int:
     _defaults(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
     timings: dict[str, float] = {}
 

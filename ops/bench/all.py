@@ -18,11 +18,8 @@ target verdicts, read from whichever shape its ``targets`` take (`targets_of`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "run", "main", "BenchOutcome", "targets_of", "headline_of", "run_one", "stop_group",
+from ops.bench.harness.procs import stop_group
+
+__all__ = ["add_arguments", "run", "main", "BenchOutcome", "targets_of", "headline_of", "run_one",
            "summary_markdown", "selected", "HEADLINE_KEYS"]
 
 # figures worth a glance, for reports without a "headline" of their own (dotted: one level down)
@@ -144,26 +143,6 @@ def run_one(name: str, command: list[str], report_path: Path, log_path: Path, ti
     return outcome
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """End whatever is left of `proc`'s process group (a benchmark and the workers, gateways and Redis it
-    started): SIGTERM, then SIGKILL after `grace_s`. Nothing to do when the group is already gone."""
-    deadline = time.monotonic() + grace_s
-    sig = signal.SIGTERM
-    while True:
-        try:
-            os.killpg(proc.pid, sig if sig else 0)
-        except ProcessLookupError:
-            break
-        proc.poll()  # reap the leader, or the group never empties
-        sig = None
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.1)
-    proc.poll()
-
-
 def _figure(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return str(value)
@@ -197,7 +176,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ops.bench import BENCHES, provenance, write_report
+    from ops.bench import BENCHES
+    from ops.bench.report import provenance, write_report
 
     try:
         names = selected([n for n in BENCHES if n != "all"], args.only, args.skip)
@@ -233,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ops.bench_all` (what `make bench` runs): the same options as `edgeserve bench all`."""
+    """`python -m ops.bench.all` (what `make bench` runs): the same options as `edgeserve bench all`."""
     p = argparse.ArgumentParser(prog="edgeserve bench all", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="accepted for symmetry: every run is a quick run")
     p.add_argument("--json", dest="json_path", default="bench-results/all.json", help="where to write the summary")

@@ -10,8 +10,8 @@ once, greedy, EOS ignored: one wave, so after the first steps every step is pure
 decode, and the arms run in lockstep: their i-th decode steps hold the same batch.
 
 The arms run side by side, one engine step each per round, the order rotated every
-round (a Latin rotation, `ops.bench_engine.rotated`), each with its own clock (the
-sum of its own steps; `ops.bench_kv.ClosedLoop`): a burst of load on this shared
+round (a Latin rotation, `ops.bench.harness.stats.rotated`), each with its own clock (the
+sum of its own steps; `ops.bench.harness.loops.ClosedLoop`): a burst of load on this shared
 machine lands on all arms, and no arm always goes first. Only decode steps count
 (prefill is a few large steps whose time swings far more than the check costs); a
 step counts as decode if every request had its first token before it.
@@ -55,37 +55,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 import torch
 
-from ops.bench import write_report
-from ops.bench_engine import percentile, rotated
-from ops.bench_kv import ClosedLoop, fixed_length_prompts
+from ops.bench.harness.loops import DecodeLoop, DecodeRow, step_in_turn
+from ops.bench.harness.progress import log
+from ops.bench.harness.prompts import fixed_length_prompts
+from ops.bench.harness.stats import block_bootstrap_ci, percentile, rotated
+from ops.bench.report import write_report
 
-__all__ = ["add_arguments", "run", "DecodeLoop", "DecodeRow", "CheckTimer", "step_in_turn", "concurrency_points",
-           "decode_row", "throughput_overhead", "p95_overhead", "step_overhead", "block_bootstrap_ci", "busy_wait",
-           "compare", "check_share", "verdict", "detected", "COMPARISONS"]
+__all__ = ["add_arguments", "run", "CheckedDecodeLoop", "CheckTimer", "concurrency_points", "throughput_overhead",
+           "p95_overhead", "step_overhead", "busy_wait", "compare", "check_share", "verdict", "detected", "COMPARISONS"]
 
 ARMS: dict[str, bool] = {"off": False, "on": True, "on+inject": True}  # arm -> EngineConfig.integrity_check
 COMPARISONS: dict[str, tuple[str, str]] = {"check": ("on", "off"), "inject": ("on+inject", "on")}  # (A, B)
-
-
-@dataclass
-class DecodeRow:
-    setting: str
-    concurrency: int
-    repeat: int
-    decode_tok_s: float
-    tpot_p50_s: float
-    tpot_p95_s: float
-    decode_steps: int
-    decode_s: float
-    wall_s: float  # own clock, prefill included
 
 
 class CheckTimer:
@@ -126,16 +113,12 @@ def busy_wait(cpu_seconds: float) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-class DecodeLoop(ClosedLoop):
-    """A `ClosedLoop` that also times its decode-only steps (every request already has a token), in wall
-    and process CPU seconds. With a `CheckTimer` it records each decode step's check and spin time,
-    and, when `inject` > 0, sets the next step's spin to `inject` times this step's CPU time without
-    its spin."""
+class CheckedDecodeLoop(DecodeLoop):
+    """A `DecodeLoop` that, with a `CheckTimer`, records each decode step's check and spin time, and, when
+    `inject` > 0, sets the next step's spin to `inject` times this step's CPU time without its spin."""
 
-    def __init__(self, *args, timer: CheckTimer | None = None, inject: float = 0.0, **kwargs) -> None:
+    def __init__(self, *args: Any, timer: CheckTimer | None = None, inject: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.decode_steps: list[tuple[float, int]] = []  # (own-clock seconds, requests in the step)
-        self.decode_cpu: list[float] = []  # process CPU seconds per decode step
         self.check_s: list[float] = []  # per decode step, with a timer: wall seconds in the check
         self.check_cpu: list[float] = []
         self.spin_s: list[float] = []  # wall seconds spun
@@ -143,43 +126,14 @@ class DecodeLoop(ClosedLoop):
         self.timer, self.inject = timer, inject
 
     def step(self) -> None:
-        decode = not self.pending and all(times[1] is not None for times in self.inflight.values())
-        running, before, cpu = len(self.inflight), self.clock, time.process_time()
-        t = self.timer
+        t, steps = self.timer, len(self.decode_steps)
         marks = (t.seconds, t.cpu, t.spun, t.spun_cpu) if t else (0.0,) * 4
         super().step()
-        if decode and running:
-            self.decode_steps.append((self.clock - before, running))
-            self.decode_cpu.append(time.process_time() - cpu)
-            if t:
-                for series, now, mark in zip((self.check_s, self.check_cpu, self.spin_s, self.spin_cpu),
-                                             (t.seconds, t.cpu, t.spun, t.spun_cpu), marks, strict=True):
-                    series.append(now - mark)
-                t.spin_cpu_s = self.inject * (self.decode_cpu[-1] - self.spin_cpu[-1])
-
-    def decode_row(self, repeat: int) -> DecodeRow:
-        return decode_row(self.kv, self.c, repeat, self.decode_steps, self.clock)
-
-
-def decode_row(setting: str, c: int, repeat: int, steps: list[tuple[float, int]], wall_s: float) -> DecodeRow:
-    """Decode tok/s and per-token gap percentiles from (seconds, requests) per decode step."""
-    seconds = sum(dt for dt, _ in steps)
-    tokens = sum(n for _, n in steps)
-    gaps = [dt for dt, n in steps for _ in range(n)]
-    return DecodeRow(setting, c, repeat, tokens / seconds if seconds else float("nan"), percentile(gaps, 0.5),
-                     percentile(gaps, 0.95), len(steps), seconds, wall_s)
-
-
-def step_in_turn(loops: list) -> None:
-    """Step every unfinished loop once per round until all are done, the order rotated by one each
-    round (with two loops: the first mover alternates)."""
-    loops = list(loops)
-    r = 0
-    while not all(loop.done for loop in loops):
-        for loop in rotated(loops, r):
-            if not loop.done:
-                loop.step()
-        r += 1
+        if t and len(self.decode_steps) > steps:
+            for series, now, mark in zip((self.check_s, self.check_cpu, self.spin_s, self.spin_cpu),
+                                         (t.seconds, t.cpu, t.spun, t.spun_cpu), marks, strict=True):
+                series.append(now - mark)
+            t.spin_cpu_s = self.inject * (self.decode_cpu[-1] - self.spin_cpu[-1])
 
 
 def concurrency_points(quick: bool) -> list[int]:
@@ -205,34 +159,8 @@ def p95_overhead(a: np.ndarray, b: np.ndarray) -> float:
     return 100.0 * (percentile(a.tolist(), 0.95) / percentile(b.tolist(), 0.95) - 1.0)
 
 
-def block_bootstrap_ci(strata: Sequence[tuple[Sequence[float], Sequence[float]]],
-                       statistic: Callable[[np.ndarray, np.ndarray], float], block: int = 4,
-                       resamples: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """Percentile interval of `statistic(a, b)` under a stratified circular block bootstrap.
-
-    `strata` holds paired series (a[i] and b[i] measured side by side); each stratum (a
-    repetition) is resampled on its own, in runs of `block` consecutive pairs (wrapping
-    round at the end, so the first and last pairs are drawn as often as the rest), so a
-    burst that spans several steps stays one unit. Pairs stay together."""
-    rng = np.random.default_rng(seed)
-    picks = []
-    for a, b in strata:
-        n = min(len(a), len(b))
-        if n == 0:
-            continue
-        width = min(block, n)
-        starts = rng.integers(0, n, size=(resamples, -(-n // width)))
-        picks.append((np.asarray(a[:n], float), np.asarray(b[:n], float),
-                      ((starts[:, :, None] + np.arange(width)) % n).reshape(resamples, -1)[:, :n]))
-    if not picks:
-        return float("nan"), float("nan")
-    values = [statistic(np.concatenate([a[idx[r]] for a, _, idx in picks]),
-                        np.concatenate([b[idx[r]] for _, b, idx in picks])) for r in range(resamples)]
-    lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
-
-
-def _paired(loops_a: list[DecodeLoop], loops_b: list[DecodeLoop], series: str) -> list[tuple[list[float], list[float]]]:
+def _paired(loops_a: list[CheckedDecodeLoop], loops_b: list[CheckedDecodeLoop],
+            series: str) -> list[tuple[list[float], list[float]]]:
     """Per repetition, the two arms' decode steps ("wall" or "cpu" seconds), cut to the steps both ran."""
     get = (lambda lp: [dt for dt, _ in lp.decode_steps]) if series == "wall" else (lambda lp: lp.decode_cpu)
     out = []
@@ -247,7 +175,7 @@ FIGURES = {"throughput": ("wall", throughput_overhead), "step": ("wall", step_ov
            "p95": ("wall", p95_overhead), "cpu": ("cpu", throughput_overhead)}
 
 
-def compare(loops: dict[tuple[str, int], list[DecodeLoop]], arm_a: str, arm_b: str, c: int) -> dict[str, object]:
+def compare(loops: dict[tuple[str, int], list[CheckedDecodeLoop]], arm_a: str, arm_b: str, c: int) -> dict[str, object]:
     """Overheads of `arm_a` against `arm_b` at concurrency c over every repetition's paired decode steps,
     with bootstrap intervals; `loops[(arm, c)]` holds one loop per repetition, in order. Figures
     (`FIGURES`): throughput (wall), step (median paired wall ratio), p95 (wall) and cpu (process CPU
@@ -268,7 +196,7 @@ def compare(loops: dict[tuple[str, int], list[DecodeLoop]], arm_a: str, arm_b: s
     return out
 
 
-def check_share(loops: list[DecodeLoop]) -> dict[str, float]:
+def check_share(loops: list[CheckedDecodeLoop]) -> dict[str, float]:
     """The check's own time over the decode steps' time (percent; wall and process CPU), and its median
     wall time per call."""
     checks = [s for lp in loops for s in lp.check_s]
@@ -330,7 +258,6 @@ def run(args: argparse.Namespace) -> int:
     inject = args.inject_pct / 100.0
     if args.threads:
         torch.set_num_threads(args.threads)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
 
     model_dir = resolve_model(args.model)
@@ -344,12 +271,12 @@ def run(args: argparse.Namespace) -> int:
                for name, check in arms.items()}
     timers = {name: CheckTimer(e) for name, e in engines.items() if arms[name]}
 
-    def loop(name: str, c: int, requests: int, out: int) -> DecodeLoop:
-        return DecodeLoop(engines[name], name, prompts, c, requests, out, timer=timers.get(name),
+    def loop(name: str, c: int, requests: int, out: int) -> CheckedDecodeLoop:
+        return CheckedDecodeLoop(engines[name], name, prompts, c, requests, out, timer=timers.get(name),
                           inject=inject if name == "on+inject" else 0.0)
 
     step_in_turn([loop(name, 2, 2, 4) for name in engines])  # warm-up
-    loops: dict[tuple[str, int], list[DecodeLoop]] = {(name, c): [] for name in engines for c in points}
+    loops: dict[tuple[str, int], list[CheckedDecodeLoop]] = {(name, c): [] for name in engines for c in points}
     rows: list[DecodeRow] = []
     cmp: dict[str, dict[int, dict[str, object]]] = {}
     rep = 0

@@ -47,7 +47,11 @@ from typing import Any
 
 import torch
 
-from ops.bench import provenance, write_report
+from ops.bench.harness.loops import DecodeLoop, step_in_turn
+from ops.bench.harness.machine import load_average_text
+from ops.bench.harness.progress import log
+from ops.bench.harness.prompts import random_prompts
+from ops.bench.report import provenance, write_report
 from ops.cluster import machine_info
 
 __all__ = ["add_arguments", "run", "model_config", "write_random_deepseek_v3", "admitted_at_budget",
@@ -103,15 +107,13 @@ def admitted_at_budget(engine, prompt: list[int], output_tokens: int, requests: 
 def decode_rounds(engines: dict[str, Any], prompts: list[list[int]], points: list[int], rounds: int,
                   output_tokens: dict[int, int], log=lambda msg: None) -> dict[str, dict[str, list[float]]]:
     """Per path and c, the tok/s of each round (c / median decode-step time), paths stepped in turn."""
-    from ops.bench_integrity import DecodeLoop, step_in_turn
-
     per_round: dict[str, dict[str, list[float]]] = {path: {str(c): [] for c in points} for path in engines}
     for r in range(rounds):
         for c in points:
             loops = [DecodeLoop(e, path, prompts, c, c, output_tokens[c]) for path, e in engines.items()]
             step_in_turn(loops if r % 2 == 0 else loops[::-1])
             for loop in loops:
-                per_round[loop.kv][str(c)].append(c / statistics.median(dt for dt, _ in loop.decode_steps))
+                per_round[loop.kv][str(c)].append(loop.median_tok_s())
             log(f"round {r + 1} c={c}: " + ", ".join(f"{p} {per_round[p][str(c)][-1]:.1f}" for p in engines)
                 + " tok/s")
     return per_round
@@ -187,17 +189,14 @@ def run(args: argparse.Namespace) -> int:
     from backend.config import load_config
     from backend.engine import EngineConfig, LLMEngine
     from backend.kv_cache import kv_bytes_per_token, pages_for_budget
-    from ops.bench_moe import random_prompts
     from ops.kv_budget import GIB, budget_tokens, kv_budget
     from ops.model_configs import load_model_config
 
     quick = args.quick
     if args.threads:
         torch.set_num_threads(args.threads)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
-    with open("/proc/loadavg") as f:
-        load_before = f.read().split()[:3]
+    load_before = load_average_text()
     cfg_kwargs = model_config(hidden=args.hidden, layers=args.layers or (2 if quick else 4), heads=args.heads,
                               experts=args.experts, vocab=args.vocab, kv_lora_rank=args.kv_lora_rank)
     points = [int(c) for c in args.concurrency.split(",")]
@@ -260,16 +259,15 @@ def run(args: argparse.Namespace) -> int:
         budgets[label] = budget_tokens(kv_budget(real, int(BUDGET_SETTING["free_gib"] * GIB), BUDGET_SETTING["tp"],
                                                  BUDGET_SETTING["page_size"], model=label))
     timings["total_s"] = time.perf_counter() - started
-    with open("/proc/loadavg") as f:
-        load_after = f.read().split()[:3]
+    load_after = load_average_text()
 
     ratios, met = targets(admitted, decode)
     # paired per round (the two paths ran side by side, so a burst of load hits both)
     ratios["absorbed_vs_non_absorbed_rounds"] = {
         c: [a / n for a, n in zip(per_round["absorbed"][c], per_round["non_absorbed"][c])] for c in decode["absorbed"]}
     prov = provenance()
-    if Path(sys.argv[0]).name == "bench_mla.py":  # run as `python -m ops.bench_mla`, not through edgeserve
-        prov["command"] = " ".join(["python -m ops.bench_mla", *sys.argv[1:]])
+    if Path(sys.argv[0]).resolve() == Path(__file__).resolve():  # `python -m ops.bench.mla`, not edgeserve
+        prov["command"] = " ".join(["python -m ops.bench.mla", *sys.argv[1:]])
     report = {
         **prov, "quick": quick, "threads": torch.get_num_threads(), "machine": machine_info(),
         "load_avg_before": load_before, "load_avg_after": load_after,
@@ -288,8 +286,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ops.bench_mla [--quick] [--json PATH] ...`: the same run as `edgeserve bench mla`."""
-    parser = argparse.ArgumentParser(prog="python -m ops.bench_mla", description=__doc__.splitlines()[0])
+    """`python -m ops.bench.mla [--quick] [--json PATH] ...`: the same run as `edgeserve bench mla`."""
+    parser = argparse.ArgumentParser(prog="python -m ops.bench.mla", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (smoke test of the command)")
     parser.add_argument("--json", dest="json_path", default="bench-results/mla.json", help="where to write JSON")
     add_arguments(parser)

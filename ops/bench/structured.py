@@ -19,13 +19,13 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 
-from ops.bench import provenance, write_report
+from ops.bench.harness.progress import log
+from ops.bench.report import provenance, write_report
 
 __all__ = ["add_arguments", "run", "random_schema", "schemas"]
 
@@ -98,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
     n_out, rounds, n_schemas = (16, 1, 12) if args.quick else (64, 3, 60)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     engine = LLMEngine.from_pretrained(resolve_model(args.model), EngineConfig(
         kv_cache_bytes=1 << 30, max_num_seqs=max(levels)))
     tok = engine.tokenizer

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ops.bench import write_report
+from ops.bench.report import write_report
 
 __all__ = ["add_arguments", "run", "measure_tp", "bench_model"]
 

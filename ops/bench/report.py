@@ -1,54 +1,24 @@
-"""`edgeserve bench <name>`: benchmark commands (each prints a table and writes JSON)."""
+"""A benchmark's JSON report, and the provenance every report records: which commit ran (taken when the
+run started, so a commit landing mid-run is not recorded as the code that ran), whether the tree was
+dirty, the command line, and the machine."""
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "BENCHES", "write_report", "provenance"]
-
-# bench name -> module with `add_arguments(parser)` and `run(args) -> int`
-BENCHES: dict[str, str] = {
-    "engine": "ops.bench_engine",
-    "kv-capacity": "ops.bench_kv",
-    "kernels": "ops.bench_kernels",
-    "integrity": "ops.bench_integrity",
-    "gateway": "ops.bench_gateway",
-    "routing": "ops.bench_routing",
-    "pd": "ops.bench_pd",
-    "weights": "ops.bench_weights",
-    "soak": "ops.bench_soak",
-    "moe": "ops.bench_moe",
-    "mla": "ops.bench_mla",
-    "structured": "ops.bench_structured",
-    "tp": "ops.bench_tp",
-    "all": "ops.bench_all",
-}
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="run a benchmark")
-    which = bench.add_subparsers(dest="bench", required=True)
-    for name, module_name in BENCHES.items():
-        module = importlib.import_module(module_name)
-        p = which.add_parser(name, help=(module.__doc__ or "").splitlines()[0])
-        p.add_argument("--quick", action="store_true", help="a short run (smoke test of the command)")
-        p.add_argument("--json", dest="json_path", default=f"bench-results/{name}.json", help="where to write JSON")
-        module.add_arguments(p)
-        p.set_defaults(func=_recording_start(module.run))
-
+__all__ = ["write_report", "provenance", "recording_start"]
 
 _started: dict[str, object] | None = None  # provenance() when the running benchmark started
 
 
-def _recording_start(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def recording_start(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """`run` with the code's provenance taken before it starts: a commit landing during a long
     run must not be recorded as the code that ran."""
 
@@ -92,7 +62,7 @@ def _run_provenance() -> dict[str, object]:
 def provenance() -> dict[str, object]:
     """Which code ran and how: the git commit (None outside a checkout), whether the tree had
     uncommitted changes to tracked files, and the command line."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str | None:
         try:

@@ -10,7 +10,7 @@ float32 weights, with the experts implementation a loaded `Glm4MoeForCausalLM` w
 use (`hf_experts_implementation`: ``grouped_mm`` on a torch that has it). Every path
 gets the same input [T, H]; the paths are interleaved (one call each per round, the
 order reversed each round) and the median taken, so a noisy neighbour hits them alike.
-The command that prints and records it is `ops/bench_moe.py`.
+The command that prints and records it is `ops/bench/moe.py`.
 """
 
 from __future__ import annotations

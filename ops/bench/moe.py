@@ -8,7 +8,7 @@ hidden 1024, 8 layers (the first dense, intermediate 2048; `first_k_dense_replac
 8 groups with 4 kept, 8 query / 2 KV heads of 128, vocab 8192; `--quick` keeps the
 dimensions and has 2 layers. Float32 compute, FP32 KV, tokenizer-free (token ids).
 
-1. **Layer** (`ops.bench_moe_layer.moe_layer_ms`): one MoE layer of the same
+1. **Layer** (`ops.bench.moe_layer.moe_layer_ms`): one MoE layer of the same
    config, median ms per path (`grouped`, `loop`, `int4_loop`, `transformers`) at
    1, 8, 32 and 256 tokens, paths interleaved, 15 rounds (quick 3).
 2. **Decode**: two engines, ``fp32`` and ``int4`` (``prefill_weights =
@@ -16,7 +16,7 @@ dimensions and has 2 layers. Float32 compute, FP32 KV, tokenizer-free (token ids
    float32 in both). At each c (1, 8, 32) both get the same c requests of P random
    prompt tokens + O outputs (P 64, quick 32; O 32 at c <= 8, 16 above, quick 8),
    all at once, greedy, EOS ignored, stepped in turn with the first mover alternating
-   (`ops.bench_integrity.step_in_turn`); tok/s = c / median decode-step time
+   (`ops.bench.harness.loops.step_in_turn`); tok/s = c / median decode-step time
    (`DecodeLoop`: steps where every request already has a token).
 3. **Prefill**: one prompt of 512 tokens (quick 128) as a single step, per engine
    in turn, R = 3 times (quick 1) after an untimed warm-up; tok/s = tokens / median.
@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,15 +37,16 @@ from typing import Any
 
 import torch
 
-from ops.bench import provenance, write_report
-from ops.bench_engine import prefill_tok_s
-from ops.bench_integrity import DecodeLoop, step_in_turn
-from ops.bench_moe_layer import LAYER_PATHS, hf_experts_implementation, moe_layer_ms
+from ops.bench.harness.loops import DecodeLoop, prefill_tok_s, step_in_turn
+from ops.bench.harness.machine import load_average_text
+from ops.bench.harness.progress import log
+from ops.bench.harness.prompts import random_prompts
+from ops.bench.moe_layer import LAYER_PATHS, hf_experts_implementation, moe_layer_ms
+from ops.bench.report import provenance, write_report
 from ops.cluster import machine_info
 
-__all__ = ["add_arguments", "run", "model_config", "write_random_glm4_moe", "random_prompts", "prefill_tok_s",
-           "resident_mb",
-           "ratios_and_targets", "format_table", "FORMATS", "LAYER_TOKENS"]
+__all__ = ["add_arguments", "run", "model_config", "write_random_glm4_moe", "resident_mb", "ratios_and_targets",
+           "format_table", "FORMATS", "LAYER_TOKENS"]
 
 FORMATS = ("fp32", "int4")  # engine weight formats compared (int4: group 128)
 LAYER_TOKENS = (1, 8, 32, 256)
@@ -112,12 +111,6 @@ def resident_mb() -> dict[str, float]:
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     return {key: int(fields[f"Rss{key.capitalize()}"].split()[0]) / 1024 for key in ("anon", "file")
             if f"Rss{key.capitalize()}" in fields}
-
-
-def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
-    """`count` prompts of `length` token ids drawn uniformly from [3, vocab) (ids 0-2 are the specials)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
 
 
 def ratios_and_targets(layer_ms: dict[str, dict[str, float]], decode: dict[str, dict[str, float]],
@@ -206,10 +199,8 @@ def run(args: argparse.Namespace) -> int:
     quick = args.quick
     if args.threads:
         torch.set_num_threads(args.threads)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
-    with open("/proc/loadavg") as f:
-        load_before = f.read().split()[:3]
+    load_before = load_average_text()
     cfg_kwargs = model_config(args.hidden, args.layers or (2 if quick else 8), args.experts, args.top_k, args.inter,
                               args.vocab)
     layer_tokens = [int(t) for t in args.layer_tokens.split(",")]
@@ -254,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         loops = [DecodeLoop(e, fmt, prompts, c, c, _output_tokens(c, quick)) for fmt, e in engines.items()]
         step_in_turn(loops)
         for loop in loops:
-            decode[loop.kv][str(c)] = c / statistics.median(dt for dt, _ in loop.decode_steps)
+            decode[loop.kv][str(c)] = loop.median_tok_s()
         log(f"decode c={c}: " + ", ".join(f"{fmt} {decode[fmt][str(c)]:.1f}" for fmt in engines) + " tok/s")
     del loops  # they hold the engines
     timings["decode_s"] = time.perf_counter() - t
@@ -267,8 +258,7 @@ def run(args: argparse.Namespace) -> int:
     memory = {fmt: e.model.weight_memory()["total"] for fmt, e in engines.items()}
     del engines
     timings["total_s"] = time.perf_counter() - started
-    with open("/proc/loadavg") as f:
-        load_after = f.read().split()[:3]
+    load_after = load_average_text()
 
     ratios, targets = ratios_and_targets(layer_ms, decode)
     report = {

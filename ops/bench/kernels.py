@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ops.bench import write_report
+from ops.bench.report import write_report
 
 __all__ = ["add_arguments", "run", "main"]
 

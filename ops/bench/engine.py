@@ -33,24 +33,18 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
-from collections.abc import Sequence
-from typing import Any, TypeVar
 
 import torch
 
-from ops.bench import write_report
+from ops.bench.harness.progress import log
+from ops.bench.harness.prompts import TOPICS
+from ops.bench.harness.stats import percentile, rotated, spread
+from ops.bench.report import write_report
 
-__all__ = ["add_arguments", "run", "percentile", "rotated", "spread", "schedule", "systems_at", "ratios", "engine_targets",
-           "Result", "Timings", "bench_ours", "bench_hf", "prefill_tok_s", "TOPICS"]
-
-T = TypeVar("T")
-TOPICS = ["the sea", "a city at night", "learning to cook", "the history of maps", "a long train journey",
-          "why the sky is blue", "a friendly robot", "how bridges stand up", "autumn leaves", "the first computer",
-          "a mountain village", "sleep and dreams", "volcanoes", "a lost umbrella", "chess openings", "bees"]
+__all__ = ["add_arguments", "run", "schedule", "systems_at", "ratios", "engine_targets", "Result", "Timings",
+           "bench_ours", "bench_hf"]
 
 
 @dataclass
@@ -97,28 +91,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine")
     p.add_argument("--rounds", type=int, default=None, help="rounds of every system on every level (default 3; "
                    "quick 2), the order of the systems rotated each round")
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]); NaN for no values."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def rotated(items: Sequence[T], r: int) -> list[T]:
-    """`items` rotated left by `r`: round r of a Latin rotation (over len(items) rounds every item
-    takes every position once)."""
-    if not items:
-        return []
-    k = r % len(items)
-    return [*items[k:], *items[:k]]
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, min and max of repeated measurements."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def _make_workload(tokenizer, n: int, out_lo: int, out_hi: int, seed: int) -> list[tuple[list[int], int]]:
@@ -271,7 +243,6 @@ def run(args: argparse.Namespace) -> int:
     out_lo, out_hi = (16, 32) if args.quick else (64, 128)
     waves = 1 if args.quick else 2
     rounds = args.rounds or (2 if args.quick else 3)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
 
     machine = measure_machine(dtype)
@@ -364,21 +335,3 @@ def _print(args, machine, weight_bytes, bound_c1, bound_gemm, results, ratio_seq
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in targets.items())
           + f"; took {total_s:.0f} s")
 
-
-def prefill_tok_s(engines: dict[str, Any], prompt: list[int], repeats: int) -> dict[str, float]:
-    """Prefill tok/s per engine: `prompt` as one step (the engines' chunk must hold it), engines in
-    turn with the order reversed each round, one untimed warm-up round; tokens / median seconds."""
-    from backend.sampling_params import SamplingParams
-
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    order = list(engines)
-    for rep in range(-1, repeats):  # rep -1: warm-up (a first long step pays for its buffers)
-        for name in order:
-            engines[name].add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-            t0 = time.perf_counter()
-            while engines[name].has_work():
-                engines[name].step()
-            if rep >= 0:
-                times[name].append(time.perf_counter() - t0)
-        order.reverse()
-    return {name: len(prompt) / statistics.median(v) for name, v in times.items()}

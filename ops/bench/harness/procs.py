@@ -1,0 +1,107 @@
+"""The benchmarks' child processes, beyond starting them (`ops.cluster.child_process`, `Service`,
+`wait_http`): what CPU they used, stopping a whole process group, what their logs say, and
+waiting until workers have registered in Redis.
+
+CPU time comes from /proc/PID/stat (utime + stime, every thread), so it counts only the
+process's own work whatever else the shared machine runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+__all__ = ["process_cpu_s", "cpu_seconds", "descendants", "named_descendants", "stop_group", "log_lines",
+           "wait_registered"]
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads) so far; raises OSError when it is gone."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU seconds of these processes (those already gone count 0)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += process_cpu_s(pid)
+    return total
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def named_descendants(name: str, pid: int | None = None) -> list[int]:
+    """The processes below `pid` (default: this one) whose command name is `name` (e.g. "redis-server")."""
+    out = []
+    for p in descendants(os.getpid() if pid is None else pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{p}/comm").read_text().strip() == name:
+                out.append(p)
+    return out
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End whatever is left of `proc`'s process group (a benchmark and the workers, gateways and Redis it
+    started): SIGTERM, then SIGKILL after `grace_s`. Nothing to do when the group is already gone."""
+    deadline = time.monotonic() + grace_s
+    sig = signal.SIGTERM
+    while True:
+        try:
+            os.killpg(proc.pid, sig if sig else 0)
+        except ProcessLookupError:
+            break
+        proc.poll()  # reap the leader, or the group never empties
+        sig = None
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    proc.poll()
+
+
+def log_lines(logs: Path, matches: Callable[[str], bool]) -> dict[str, list[str]]:
+    """Per log in `logs` (``*.log``, by name without the suffix, every log listed): its lines that `matches`."""
+    return {path.stem: [line for line in path.read_text(errors="replace").splitlines() if matches(line)]
+            for path in sorted(logs.glob("*.log"))}
+
+
+def wait_registered(redis_url: str, model: str, worker_ids: list[str], timeout_s: float = 30.0) -> None:
+    """Wait until every worker of `worker_ids` has its registry record for `model` in Redis; raise
+    `BackendUnavailable` after `timeout_s`."""
+    import redis
+
+    from backend.errors import BackendUnavailable
+    from backend.registration import record_key
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=2)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if all(client.exists(record_key(model, i)) for i in worker_ids):
+                return
+            time.sleep(0.2)
+    finally:
+        client.close()
+    raise BackendUnavailable(f"workers {worker_ids} did not all register in {timeout_s:.0f} s")
