@@ -1,0 +1,423 @@
+"""End to end against llama.cpp: edgeserve and `llama-server` through the same OpenAI chat endpoint.
+
+The peer a CPU user would otherwise pick is llama.cpp's server, so this is measured
+the way a user meets both: `POST /v1/chat/completions` on loopback, the same
+closed-loop client, the same requests. Each format class pairs like with like:
+
+- ``fp32``: edgeserve float32 (`edgeserve up`, weights as pulled, float32) against
+  llama-server on the F32 GGUF (`ops.llamacpp.model_ggufs`: the same values);
+- ``int4``: edgeserve with INT4 g32 decode weights (``--decode-weights int4
+  --int4-group-size 32``; prompts still float32) against llama-server on the Q4_1
+  GGUF (which also covers prompt processing and keeps an 8-bit output layer).
+
+Not like for like either way: llama.cpp's KV cache is F16, ours float32.
+
+Processes: edgeserve is `edgeserve up` itself (Redis, a worker, the gateway; its own
+`EDGESERVE_HOME` in a temporary folder so its cluster record is not the user's, the
+model passed as the pulled folder), started once per format class; llama-server
+(`-t 2 -np c`, `c` slots of `--e2e-slot-context` tokens) is started per concurrency,
+since its slots are fixed at start. Both stay up while the other is measured, idle.
+
+Load: c users, each with its own HTTP connection, send non-streamed requests back to
+back until the pass's requests (c x `--e2e-requests` per user) are answered. Every
+request has its own prompt (~80 tokens with the chat template: a number unique to the
+run, the format, c and the pass first, so no prefix cache helps either side; both
+systems get the same prompts in a pass), ``max_tokens`` 95, temperature 0. Passes
+alternate which system goes first, and the systems never run at once. Output
+tokens/s = the responses' `usage.completion_tokens` summed / the pass's wall time.
+Neither side is told to ignore EOS (the gateway has no such option): both run the
+same model greedily on the same prompts, so they stop alike; the report gives each
+side's mean completion tokens, so a difference shows.
+
+In process: llama-server's own decode time per token (`timings.predicted_per_token_ms`
+of its responses, mean over the pass) beside edgeserve's worker's, measured after the
+passes at each c by c concurrent requests straight to the worker's `/v1/generate`
+(its finish event: (total_s - ttft_s) / (completion_tokens - 1)): both leave out the
+HTTP path and prompt processing.
+
+JSON (`write_report`): ``ratio_vs_llamacpp`` maps format -> c -> edgeserve tok/s over
+llama.cpp tok/s (means over passes); ``tok_s`` the same per system; ``passes`` each
+pass's row; ``spread`` per system, format and c: (max - min) / mean of the passes.
+Where llama.cpp cannot be built the comparator is skipped with the printed reason
+(``llamacpp.available`` false, ratios null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+__all__ = ["add_arguments", "run", "compare_end_to_end", "FORMATS", "make_prompts", "chat_body", "closed_loop",
+           "PassRow", "ratios", "spreads", "pass_order", "edgeserve_up_command"]
+
+MODEL = "smollm2-135m"
+SYSTEMS = ("edgeserve", "llamacpp")
+# format class -> (edgeserve's extra `up` flags, llama.cpp's GGUF key in `model_ggufs`)
+FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
+    "fp32": ((), "f32"),
+    "int4": (("--decode-weights", "int4", "--int4-group-size", "32"), "q4_1"),
+}
+
+Log = Callable[[str], None]
+
+_SUBJECTS = ("a lighthouse keeper", "a young baker", "an old clockmaker", "a travelling musician", "a retired pilot",
+             "a curious fox", "a ship's cook", "a village teacher", "a mountain guide", "a street painter")
+_EVENTS = ("finds a sealed letter", "loses a precious key", "meets a stranger at dawn", "hears a strange song",
+           "discovers a hidden door", "receives an unexpected gift", "gets caught in a storm", "wins a contest")
+_PLACES = ("a small harbour town", "a snowy valley", "a busy market", "an abandoned railway station",
+           "a desert oasis", "a quiet forest", "a floating city", "an island of windmills")
+_DETAILS = ("weather", "smells", "sounds", "colours", "people nearby", "food", "buildings", "animals", "light")
+
+
+def make_prompts(tag: str, n: int) -> list[str]:
+    """`n` user messages of ~50 tokens (~80 with SmolLM2's chat template), each opening with `tag` and
+    its index, so no two share more than the template's prefix; seeded by `tag`."""
+    rng = random.Random(tag)
+    out = []
+    for i in range(n):
+        a, b, c = rng.sample(_DETAILS, 3)
+        out.append(f"Story {tag}-{i}. Write a long story about {rng.choice(_SUBJECTS)} who "
+                   f"{rng.choice(_EVENTS)} in {rng.choice(_PLACES)}. Describe the {a}, the {b} and the {c}.")
+    return out
+
+
+def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
+    """The request both systems get: one user message, greedy, not streamed."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": False}
+
+
+@dataclass
+class PassRow:
+    """One system's pass at one format class and concurrency."""
+
+    system: str
+    fmt: str
+    concurrency: int
+    pass_index: int
+    position: int  # 0: this system went first in the pass
+    requests: int
+    errors: int
+    completion_tokens: int
+    wall_s: float
+    tok_s: float
+    mean_prompt_tokens: float
+    mean_completion_tokens: float
+    in_process_ms_per_token: float | None  # llama.cpp: its responses' timings (mean); edgeserve: None here
+    error_kinds: dict[str, int]
+
+
+class _Reply(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+    ms_per_token: float | None  # llama-server's `timings.predicted_per_token_ms`
+
+
+async def closed_loop(url: str, headers: dict[str, str], prompts: list[str], concurrency: int,
+                      max_tokens: int) -> tuple[list[_Reply], dict[str, int], float]:
+    """`concurrency` users (one connection each) take the next prompt until none is left; returns
+    (the replies, errors by kind, wall seconds)."""
+    import httpx
+
+    queue = list(reversed(prompts))
+    replies: list[_Reply] = []
+    errors: dict[str, int] = {}
+
+    async def user(client: httpx.AsyncClient) -> None:
+        while queue:
+            prompt = queue.pop()
+            try:
+                resp = await client.post(url, json=chat_body(prompt, max_tokens), headers=headers)
+            except httpx.HTTPError as exc:
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                continue
+            if resp.status_code != 200:
+                errors[f"HTTP {resp.status_code}"] = errors.get(f"HTTP {resp.status_code}", 0) + 1
+                continue
+            body = resp.json()
+            usage, timings = body["usage"], body.get("timings") or {}
+            replies.append(_Reply(usage["prompt_tokens"], usage["completion_tokens"],
+                                  timings.get("predicted_per_token_ms")))
+
+    clients = [httpx.AsyncClient(timeout=httpx.Timeout(600.0)) for _ in range(concurrency)]
+    try:
+        start = time.perf_counter()
+        await asyncio.gather(*(user(c) for c in clients))
+        wall = time.perf_counter() - start
+    finally:
+        for c in clients:
+            await c.aclose()
+    return replies, errors, wall
+
+
+def pass_row(system: str, fmt: str, c: int, index: int, position: int, replies: list[_Reply],
+             errors: dict[str, int], wall_s: float) -> PassRow:
+    tokens = sum(r.completion_tokens for r in replies)
+    per_token = [r.ms_per_token for r in replies if r.ms_per_token is not None]
+    mean = lambda xs: statistics.fmean(xs) if xs else float("nan")  # noqa: E731
+    return PassRow(system, fmt, c, index, position, len(replies), sum(errors.values()), tokens, wall_s,
+                   tokens / wall_s if wall_s > 0 else 0.0, mean([r.prompt_tokens for r in replies]),
+                   mean([r.completion_tokens for r in replies]), statistics.fmean(per_token) if per_token else None,
+                   errors)
+
+
+def pass_order(index: int, c_index: int) -> tuple[str, str]:
+    """Which system goes first: alternating by pass, and shifted by concurrency level."""
+    return SYSTEMS if (index + c_index) % 2 == 0 else SYSTEMS[::-1]
+
+
+def _mean_tok_s(rows: list[PassRow], system: str, fmt: str, c: int) -> float | None:
+    vals = [r.tok_s for r in rows if (r.system, r.fmt, r.concurrency) == (system, fmt, c)]
+    return statistics.fmean(vals) if vals else None
+
+
+def ratios(rows: list[PassRow]) -> dict[str, dict[int, float | None]]:
+    """format -> c -> edgeserve tok/s over llama.cpp tok/s (each the mean over its passes)."""
+    out: dict[str, dict[int, float | None]] = {}
+    for fmt, c in dict.fromkeys((r.fmt, r.concurrency) for r in rows):
+        ours, theirs = _mean_tok_s(rows, "edgeserve", fmt, c), _mean_tok_s(rows, "llamacpp", fmt, c)
+        out.setdefault(fmt, {})[c] = ours / theirs if ours is not None and theirs else None
+    return out
+
+
+def spreads(rows: list[PassRow]) -> dict[str, dict[str, dict[int, float]]]:
+    """system -> format -> c -> (max - min) / mean of the passes' tok/s."""
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for system, fmt, c in dict.fromkeys((r.system, r.fmt, r.concurrency) for r in rows):
+        vals = [r.tok_s for r in rows if (r.system, r.fmt, r.concurrency) == (system, fmt, c)]
+        mean = statistics.fmean(vals)
+        out.setdefault(system, {}).setdefault(fmt, {})[c] = (max(vals) - min(vals)) / mean if mean else float("nan")
+    return out
+
+
+# ---------------------------------------------------------------- edgeserve as `edgeserve up`
+
+class _Cluster(NamedTuple):
+    chat_url: str
+    headers: dict[str, str]  # the demo tenant's API token
+    worker_url: str
+    worker_token: str
+
+
+def edgeserve_up_command(model_dir: Path, port: int, worker_port: int, extra: tuple[str, ...]) -> list[str]:
+    return [sys.executable, "-m", "ops.cli", "up", "--model", str(model_dir), "--served-name", MODEL,
+            "--port", str(port), "--worker-port", str(worker_port), *extra]
+
+
+@contextlib.contextmanager
+def _edgeserve_up(model_dir: Path, extra: tuple[str, ...], logs: Path, timeout_s: float = 600.0):
+    """`edgeserve up` with its own home (the cluster record lands there), until the context exits."""
+    import httpx
+
+    from backend.worker_auth import TOKEN_ENV
+    from ops.cluster import log_tail
+    from ops.cluster_record import read_record
+    from ops.redis_server import free_port, stop_process
+
+    home = logs / f"home-{len(list(logs.glob('home-*')))}"
+    log_path = home.with_suffix(".log")
+    token = secrets.token_hex(16)
+    env = {**os.environ, "EDGESERVE_HOME": str(home), TOKEN_ENV: token}
+    env.pop("REDIS_URL", None)  # a fresh redis-server of its own
+    argv = edgeserve_up_command(model_dir, free_port(), free_port(), extra)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + timeout_s
+        record = None
+        while record is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"edgeserve up did not start ({proc.poll()=}); its log ends:\n{log_tail(log_path)}")
+            time.sleep(0.3)
+            record = read_record(home)
+            with contextlib.suppress(httpx.HTTPError):
+                if record is not None and httpx.get(f"{record.gateway_url}/healthz", timeout=2).status_code != 200:
+                    record = None
+        yield _Cluster(f"{record.gateway_url}/v1/chat/completions", {"authorization": f"Bearer {record.token}"},
+                       record.worker_urls[0], token)
+    finally:
+        stop_process(proc, timeout_s=60)
+
+
+async def _worker_ms_per_token(cluster: _Cluster, model_dir: Path, prompts: list[str], max_tokens: int) -> float:
+    """Mean in-worker decode ms/token of `prompts` sent at once to the worker's /v1/generate."""
+    import httpx
+    import msgspec
+
+    from backend.protocol import FinishEvent, GenerateRequest
+    from backend.sampling_params import SamplingParams
+    from backend.tokenizer import Tokenizer
+    from backend.worker_auth import auth_headers
+
+    tok = Tokenizer.from_model_dir(model_dir)
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> float | None:
+        ids = tok.encode_chat([{"role": "user", "content": prompt}])
+        req = GenerateRequest(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), model=MODEL)
+        resp = await client.post(f"{cluster.worker_url}/v1/generate", content=msgspec.json.encode(req),
+                                 headers=auth_headers(cluster.worker_token))
+        last = msgspec.json.decode(resp.content.strip().splitlines()[-1])
+        if last.get("event") != "finish":
+            return None
+        fin = msgspec.convert(last, FinishEvent)
+        n = fin.completion_tokens
+        return 1e3 * (fin.total_s - (fin.ttft_s or 0.0)) / (n - 1) if n > 1 else None
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        vals = [v for v in await asyncio.gather(*(one(client, p) for p in prompts)) if v is not None]
+    return statistics.fmean(vals) if vals else float("nan")
+
+
+# ---------------------------------------------------------------- the comparison
+
+def _levels(args: argparse.Namespace) -> list[int]:
+    if args.e2e_concurrency:
+        return [int(c) for c in args.e2e_concurrency.split(",")]
+    return [1, 8] if args.quick else [1, 8, 32]
+
+
+def _llamacpp(args: argparse.Namespace, log: Log) -> tuple[Any, dict[str, Path] | None, str]:
+    """(the build, its GGUFs, "ok") or (None, None, why it is skipped)."""
+    from ops.llamacpp import LlamaCppUnavailable, ensure_llamacpp, model_ggufs
+
+    if args.no_llamacpp:
+        return None, None, "skipped (--no-llamacpp)"
+    try:
+        build = ensure_llamacpp(args.llamacpp_version, log=log)
+        return build, model_ggufs(build, MODEL, log=log), "ok"
+    except LlamaCppUnavailable as exc:
+        return None, None, str(exc)
+
+
+def compare_end_to_end(args: argparse.Namespace, log: Log) -> dict[str, Any]:
+    """Run the comparison (module docstring) and return the report's fields; llama.cpp's absence is a
+    note in ``llamacpp``, not an error."""
+    from ops.llamacpp import llama_server
+    from ops.pull import resolve_model
+
+    levels, formats = _levels(args), args.e2e_formats.split(",")
+    per_user = args.e2e_requests or (2 if args.quick else 4)
+    passes = args.e2e_passes or 2
+    build, ggufs, note = _llamacpp(args, log)
+    if build is None:
+        log(f"llama.cpp comparator skipped: {note}")
+        return {"llamacpp": {"available": False, "note": note}, "ratio_vs_llamacpp": None, "tok_s": None,
+                "passes": []}
+    model_dir = resolve_model(MODEL)
+    run_id, load_start = secrets.token_hex(3), list(os.getloadavg())
+    rows: list[PassRow] = []
+    worker_ms: dict[str, dict[int, float]] = {}
+    servers: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory(prefix="edgeserve-bench-e2e-") as tmp:
+        logs = Path(tmp)
+        for fmt in formats:
+            extra, gguf_key = FORMATS[fmt]
+            log(f"[{fmt}] starting edgeserve up {' '.join(extra)}".rstrip())
+            with _edgeserve_up(model_dir, extra, logs) as cluster:
+                for ci, c in enumerate(levels):
+                    with llama_server(build, ggufs[gguf_key], c, args.e2e_slot_context,
+                                      logs / f"llama-{fmt}-c{c}.log", threads=args.llamacpp_threads) as server:
+                        servers[f"{fmt}_c{c}"] = server.argv
+                        targets = {"edgeserve": (cluster.chat_url, cluster.headers),
+                                   "llamacpp": (f"{server.url}/v1/chat/completions", {})}
+                        for system, (url, headers) in targets.items():  # warm-up, unmeasured
+                            asyncio.run(closed_loop(url, headers, make_prompts(f"{run_id}-warm-{fmt}-{c}", c), c,
+                                                    8))
+                        for p in range(passes):
+                            prompts = make_prompts(f"{run_id}-{fmt}-c{c}-p{p}", c * per_user)
+                            for pos, system in enumerate(pass_order(p, ci)):
+                                url, headers = targets[system]
+                                replies, errors, wall = asyncio.run(closed_loop(url, headers, prompts, c,
+                                                                                args.e2e_tokens))
+                                row = pass_row(system, fmt, c, p, pos, replies, errors, wall)
+                                rows.append(row)
+                                log(f"[{fmt}] c={c} pass {p + 1}/{passes} {system:<9} {row.tok_s:7.1f} tok/s "
+                                    f"({row.requests} requests, {row.mean_completion_tokens:.1f} tokens each, "
+                                    f"{wall:.1f} s){f' errors {errors}' if errors else ''}")
+                    worker_ms.setdefault(fmt, {})[c] = asyncio.run(_worker_ms_per_token(
+                        cluster, model_dir, make_prompts(f"{run_id}-probe-{fmt}-{c}", c), args.e2e_tokens))
+    llama_ms: dict[str, dict[int, float | None]] = {}
+    for fmt, c in dict.fromkeys((r.fmt, r.concurrency) for r in rows):
+        vals = [r.in_process_ms_per_token for r in rows if (r.system, r.fmt, r.concurrency) == ("llamacpp", fmt, c)
+                and r.in_process_ms_per_token is not None]
+        llama_ms.setdefault(fmt, {})[c] = statistics.fmean(vals) if vals else None
+    return {
+        "llamacpp": {"available": True, "note": note, "version": f"llama-cpp-python {build.version}",
+                     "ggufs": {k: str(v) for k, v in ggufs.items()}, "server_argv": servers},
+        "config": {"concurrency": levels, "formats": formats, "passes": passes, "requests_per_user": per_user,
+                   "max_tokens": args.e2e_tokens, "slot_context": args.e2e_slot_context,
+                   "llamacpp_threads": args.llamacpp_threads, "edgeserve_flags": {f: list(FORMATS[f][0])
+                                                                                 for f in formats},
+                   "load_average_start": load_start},
+        "ratio_vs_llamacpp": ratios(rows),
+        "tok_s": {fmt: {s: {c: _mean_tok_s(rows, s, fmt, c) for c in levels} for s in SYSTEMS} for fmt in formats},
+        "in_process_ms_per_token": {fmt: {"llamacpp": llama_ms.get(fmt, {}), "edgeserve_worker": worker_ms.get(fmt, {})}
+                                    for fmt in formats},
+        "spread": spreads(rows),
+        "passes": [asdict(r) for r in rows],
+    }
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    if not report.get("passes"):
+        print(f"llama.cpp comparator: {report['llamacpp']['note']}")
+        return
+    print(f"{'format':<7}{'c':>4}{'llama.cpp tok/s':>17}{'edgeserve tok/s':>17}{'ratio':>8}{'spread l/e':>13}"
+          f"{'tokens l/e':>13}{'in-proc ms/tok l/e':>21}")
+    sp = report["spread"]
+    for fmt, per_c in report["ratio_vs_llamacpp"].items():
+        for c, ratio in per_c.items():
+            tok = report["tok_s"][fmt]
+            mean_tokens = {s: statistics.fmean([r["mean_completion_tokens"] for r in report["passes"]
+                                                if (r["system"], r["fmt"], r["concurrency"]) == (s, fmt, c)])
+                           for s in SYSTEMS}
+            ms = report["in_process_ms_per_token"][fmt]
+            lms, ems = ms["llamacpp"].get(c), ms["edgeserve_worker"].get(c)
+            fmt_ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+            print(f"{fmt:<7}{c:>4}{tok['llamacpp'][c]:>17.1f}{tok['edgeserve'][c]:>17.1f}"
+                  f"{'-' if ratio is None else f'{ratio:.2f}x':>8}"
+                  f"{sp['llamacpp'][fmt][c]:>7.0%}/{sp['edgeserve'][fmt][c]:<5.0%}"
+                  f"{mean_tokens['llamacpp']:>7.1f}/{mean_tokens['edgeserve']:<5.1f}"
+                  f"{fmt_ms(lms):>14}/{fmt_ms(ems):<6}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--e2e-concurrency", default=None, help="comma-separated c (default 1,8,32; quick 1,8)")
+    p.add_argument("--e2e-formats", default="fp32,int4", help="format classes: fp32, int4 (default both)")
+    p.add_argument("--e2e-passes", type=int, default=None, help="passes per system and c (default 2)")
+    p.add_argument("--e2e-requests", type=int, default=None, help="requests per user per pass (default 4; quick 2)")
+    p.add_argument("--e2e-tokens", type=int, default=95, help="max_tokens of each request (default 95)")
+    p.add_argument("--e2e-slot-context", type=int, default=256, help="llama-server context per slot (default 256)")
+    p.add_argument("--llamacpp-threads", type=int, default=2, help="llama-server -t (default 2)")
+    p.add_argument("--llamacpp-version", default=None, help="llama-cpp-python sdist to build llama.cpp from")
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp comparator")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ops.bench import write_report
+    from ops.llamacpp import VERSION
+
+    args.llamacpp_version = args.llamacpp_version or VERSION
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    report = compare_end_to_end(args, log)
+    report = {"quick": args.quick, **report, "total_s": time.perf_counter() - started,
+              "load_average_end": list(os.getloadavg())}
+    print(f"\nend to end through /v1/chat/completions, edgeserve (`edgeserve up`) vs llama.cpp's llama-server"
+          f"{' (quick)' if args.quick else ''}; ratio = edgeserve / llama.cpp")
+    _print_table(report)
+    write_report(args.json_path, report)
+    return 0
