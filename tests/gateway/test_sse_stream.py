@@ -17,7 +17,7 @@ import redis
 
 from gateway import redis_keys as rk
 from gateway.app import create_gateway_app
-from ops.bench_gateway import per_token_standin_app
+from ops.bench.gateway.standin_per_token import per_token_standin_app
 from ops.standin_worker import HELLO_WORLD, token_text
 from tests.backend.servers import serve_in_thread
 from tests.gateway.conftest import MODEL, gateway_config, make_account, metered, wait_metered

@@ -15,7 +15,8 @@ from backend.sampling_params import SamplingParams
 from backend.tokenizer import Tokenizer
 from backend.worker_client import WorkerClient
 from tests.backend.servers import serve_in_thread
-from ops.bench_gateway import Row, compare
+from ops.bench.gateway.load import Row
+from ops.bench.gateway.report import compare
 from ops.standin_worker import HELLO_WORLD, create_standin_app, token_text
 
 

@@ -14,7 +14,9 @@ import pytest
 from backend.protocol import FinishEvent, GenerateRequest, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.worker_client import WorkerClient
-from ops.bench_gateway import Row, compare, per_token_standin_app
+from ops.bench.gateway.load import Row
+from ops.bench.gateway.report import compare
+from ops.bench.gateway.standin_per_token import per_token_standin_app
 from ops.standin_worker import token_text
 from tests.backend.servers import serve_in_thread
 

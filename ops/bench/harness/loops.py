@@ -47,7 +47,8 @@ class ClosedLoop:
     lands on both.
     """
 
-    def __init__(self, engine: Any, kv: str, prompts: list[list[int]], c: int, requests: int, output_tokens: int) -> None:
+    def __init__(self, engine: Any, kv: str, prompts: list[list[int]], c: int, requests: int,
+                 output_tokens: int) -> None:
         from backend.sampling_params import SamplingParams
 
         self.engine, self.kv, self.c, self.requests = engine, kv, c, requests

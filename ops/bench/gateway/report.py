@@ -1,0 +1,98 @@
+"""`edgeserve bench gateway`'s figures: latency added over the stand-in itself and requests/s against
+LiteLLM, per target and setting; against a baseline commit's gateway; the table and the plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ops.bench.gateway.load import Row
+from ops.bench.harness import plot
+
+__all__ = ["compare", "vs_baseline", "print_table", "plot_rows"]
+
+
+def compare(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per target and setting: latency added over direct (ms) and requests/s relative to litellm.
+
+    `added_p50_ms` = target p50 - direct p50 (positive: the proxy costs time); likewise p95, p99;
+    `added_p50_rounds_ms` is the same difference round by round (rounds of a setting run side by
+    side), as (min, max). `rps_ratio_vs_litellm` = target rps / litellm rps (> 1: faster than
+    LiteLLM). Entries are None where the other row is missing.
+    """
+    by = {(r.target, r.key): r for r in rows}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        direct, litellm = by.get(("direct", r.key)), by.get(("litellm", r.key))
+        entry: dict[str, Any] = {"added_p50_ms": None, "added_p95_ms": None, "added_p99_ms": None,
+                                 "added_p50_rounds_ms": None, "rps_ratio_vs_litellm": None}
+        if direct is not None and r.target != "direct":
+            entry["added_p50_ms"] = r.p50_ms - direct.p50_ms
+            entry["added_p99_ms"] = r.p99_ms - direct.p99_ms
+            if r.p95_ms is not None and direct.p95_ms is not None:
+                entry["added_p95_ms"] = r.p95_ms - direct.p95_ms
+            paired = [a - b for a, b in zip(r.p50_rounds_ms, direct.p50_rounds_ms)]
+            entry["added_p50_rounds_ms"] = (min(paired), max(paired)) if paired else None
+        if litellm is not None and litellm.rps > 0:
+            entry["rps_ratio_vs_litellm"] = r.rps / litellm.rps
+        out.setdefault(r.target, {})[r.key] = entry
+    return out
+
+
+def vs_baseline(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]], commit: str
+                 ) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per tenant kind and setting: added p50 and proxy CPU ms/request, this tree over the baseline's."""
+    by = {(r.target, r.key): r for r in rows}
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for kind in ("edgeserve", "edgeserve+quota"):
+        for key, entry in cmp.get(kind, {}).items():
+            old, new, base = cmp.get(f"{kind}@{commit}", {}).get(key), entry, by.get((f"{kind}@{commit}", key))
+            ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+            out.setdefault(kind, {})[key] = {
+                "added_p50_ratio": ratio(new["added_p50_ms"], old and old["added_p50_ms"]),
+                "cpu_ms_per_request_ratio": ratio(by[(kind, key)].proxy_cpu_ms_per_request,
+                                                  base and base.proxy_cpu_ms_per_request)}
+    return out
+
+
+def print_table(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]]) -> None:
+    width = max(10, *(len(r.target) + 2 for r in rows))
+    print(f"{'target':<{width}}{'c':>4} {'stream':<7}{'rps':>9}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}"
+          f"{'ttft p50':>10}{'added p50':>11}{'added p95':>11}{'added p99':>11}{'rps/litellm':>13}"
+          f"{'cpu ms/req':>12}{'errors':>8}")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        e = cmp[r.target][r.key]
+        cpu = None if r.proxy_cpu_ms_per_request is None else (
+            r.proxy_cpu_ms_per_request + (r.redis_cpu_ms_per_request or 0.0))
+        print(f"{r.target:<{width}}{r.concurrency:>4} {'yes' if r.stream else 'no':<7}{r.rps:>9.1f}"
+              f"{r.p50_ms:>9.2f}{fmt(r.p95_ms, '.2f'):>9}{r.p99_ms:>9.2f}{fmt(r.ttft_p50_ms, '.2f'):>10}"
+              f"{fmt(e['added_p50_ms'], '+.2f'):>11}{fmt(e['added_p95_ms'], '+.2f'):>11}"
+              f"{fmt(e['added_p99_ms'], '+.2f'):>11}{fmt(e['rps_ratio_vs_litellm'], '.2f'):>13}"
+              f"{fmt(cpu, '.2f'):>12}{r.errors:>8}")
+
+
+def plot_rows(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]], title: str, path: Path) -> bool:
+    plt = plot.pyplot()
+    if plt is None:
+        return False
+
+    keys = list(dict.fromkeys(r.key for r in rows))
+    targets = list(dict.fromkeys(r.target for r in rows))
+    palette = ("tab:gray", "tab:olive", "tab:blue", "tab:cyan", "tab:purple", "tab:pink", "tab:orange")
+    colours = dict(zip(targets, palette))
+    by = {(r.target, r.key): r for r in rows}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / len(targets)
+    for i, t in enumerate(targets):
+        xs = [k + (i - (len(targets) - 1) / 2) * width for k in range(len(keys))]
+        left.bar(xs, [by[(t, k)].rps if (t, k) in by else 0 for k in keys], width, label=t, color=colours.get(t))
+        if t != "direct":
+            right.bar(xs, [cmp[t].get(k, {}).get("added_p50_ms") or 0 for k in keys], width, label=t,
+                      color=colours.get(t))
+    for ax, ylabel in ((left, "requests/s"), (right, "added p50 latency vs direct (ms)")):
+        ax.set_xticks(range(len(keys)), keys, rotation=20)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend()
+    return plot.save(fig, title, path)
