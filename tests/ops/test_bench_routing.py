@@ -7,8 +7,11 @@ import math
 
 import pytest
 
-from ops import bench, bench_routing
-from ops.bench_routing import TurnResult, make_workload, summarize, turn_messages
+from ops import bench
+from ops.bench import routing as bench_routing
+from ops.bench.routing import fleet, measures
+from ops.bench.routing.measures import TurnResult, summarize
+from ops.bench.routing.workload import make_workload, turn_messages
 
 WORKERS = ["w1", "w2", "w3", "w4"]
 
@@ -53,8 +56,8 @@ def test_each_turn_extends_the_previous_one() -> None:
 
 def test_hit_rate_is_token_weighted_and_skips_errors() -> None:
     results = [_res("w1", 1000, 900), _res("w2", 100, 0), _res("w3", 500, 500, error="HTTP 503")]
-    assert bench_routing.hit_rate(results) == pytest.approx(900 / 1100)  # a mean of ratios would be 0.45
-    assert bench_routing.hit_rate([]) == 0.0
+    assert measures.hit_rate(results) == pytest.approx(900 / 1100)  # a mean of ratios would be 0.45
+    assert measures.hit_rate([]) == 0.0
 
 
 def test_ceiling_hit_rate_counts_whole_blocks_per_tenant() -> None:
@@ -63,15 +66,15 @@ def test_ceiling_hit_rate_counts_whole_blocks_per_tenant() -> None:
     # tenant 0: a (cold), then b (a's 2 blocks cached: 32); tenant 1 sends b: salted apart, cold;
     # tenant 0 sends a again: its 2 blocks are cached, but a worker keeps >= 1 token to compute: (40-1)//16 = 2
     prompts = [(0, a), (0, b), (1, b), (0, a)]
-    assert bench_routing.ceiling_hit_rate(prompts) == pytest.approx((32 + 0 + 32) / (40 + 60 + 60 + 40))
-    assert bench_routing.ceiling_hit_rate([(0, a[:32]), (0, a[:32])]) == pytest.approx(16 / 64)  # (32-1)//16 = 1
-    assert bench_routing.ceiling_hit_rate([]) == 0.0
+    assert measures.ceiling_hit_rate(prompts) == pytest.approx((32 + 0 + 32) / (40 + 60 + 60 + 40))
+    assert measures.ceiling_hit_rate([(0, a[:32]), (0, a[:32])]) == pytest.approx(16 / 64)  # (32-1)//16 = 1
+    assert measures.ceiling_hit_rate([]) == 0.0
 
 
 def test_max_over_mean_counts_idle_workers() -> None:
-    assert bench_routing.max_over_mean({"w1": 6, "w2": 2}, WORKERS) == pytest.approx(3.0)  # mean 2, not 4
-    assert bench_routing.max_over_mean({w: 5 for w in WORKERS}, WORKERS) == 1.0
-    assert bench_routing.max_over_mean({}, WORKERS) == 0.0
+    assert measures.max_over_mean({"w1": 6, "w2": 2}, WORKERS) == pytest.approx(3.0)  # mean 2, not 4
+    assert measures.max_over_mean({w: 5 for w in WORKERS}, WORKERS) == 1.0
+    assert measures.max_over_mean({}, WORKERS) == 0.0
 
 
 def test_summarize() -> None:
@@ -97,8 +100,8 @@ def test_same_worker_rate_follows_each_conversation() -> None:
                at(0, 1, 0, "w2"), at(0, 1, 1, "w1"),  # moved (tenant 0 conversation 0 was on w1: a different one)
                at(1, 0, 0, "w3"), at(1, 0, 1, "w3"),  # stayed
                at(2, 0, 0, "w4", error="HTTP 503"), at(2, 0, 1, "w4")]  # previous turn failed: not a stay
-    assert bench_routing.same_worker_rate(results) == pytest.approx(2 / 5)
-    assert bench_routing.same_worker_rate(results[:1]) == 0.0
+    assert measures.same_worker_rate(results) == pytest.approx(2 / 5)
+    assert measures.same_worker_rate(results[:1]) == 0.0
 
 
 def test_overlap_agreement_compares_the_route_reason_with_cached_tokens() -> None:
@@ -106,24 +109,24 @@ def test_overlap_agreement_compares_the_route_reason_with_cached_tokens() -> Non
     results = [_res("w1", 500, 432), _res("w1", 500, 0), _res("w2", 500, 448), _res("w3", 500, 0)]
     for r, n in zip(results, [27, 0, 27, None]):
         r.route = reason.format(n) if n is not None else "region local; policy round-robin"
-    assert bench_routing.overlap_agreement(results) == pytest.approx(2 / 3)  # 448 tokens = 28 blocks, not 27
-    assert math.isnan(bench_routing.overlap_agreement(results[3:]))
+    assert measures.overlap_agreement(results) == pytest.approx(2 / 3)  # 448 tokens = 28 blocks, not 27
+    assert math.isnan(measures.overlap_agreement(results[3:]))
 
 
-def _summary(policy: str, hit: float, ttft: float, balance: float) -> bench_routing.PolicySummary:
-    return bench_routing.PolicySummary(policy, 10, 0, 1.0, hit, ttft, 2 * ttft, ttft, 1.0, 16.0, {}, {}, balance,
+def _summary(policy: str, hit: float, ttft: float, balance: float) -> measures.PolicySummary:
+    return measures.PolicySummary(policy, 10, 0, 1.0, hit, ttft, 2 * ttft, ttft, 1.0, 16.0, {}, {}, balance,
                                        balance, {}, 0.5, 1.0)
 
 
 def test_targets() -> None:
     good = {"prefix": _summary("prefix", 0.8, 0.5, 1.2), "round-robin": _summary("round-robin", 0.4, 0.9, 1.0),
             "least-loaded": _summary("least-loaded", 0.3, 0.7, 1.0)}
-    assert [c["met"] for c in bench_routing.check_targets(good)] == [True, True, True]
+    assert [c["met"] for c in measures.check_targets(good)] == [True, True, True]
     bad = {**good, "prefix": _summary("prefix", 0.79, 0.7, 1.51)}  # just under 2x; ties a baseline; too uneven
-    checks = bench_routing.check_targets(bad)
+    checks = measures.check_targets(bad)
     assert [c["met"] for c in checks] == [False, False, False]
     assert checks[0]["threshold"] == pytest.approx(0.8) and checks[1]["threshold"] == 0.7
-    assert [c["met"] for c in bench_routing.check_targets({"prefix": good["prefix"]})] == [True]  # baselines absent
+    assert [c["met"] for c in measures.check_targets({"prefix": good["prefix"]})] == [True]  # baselines absent
 
 
 def test_registered_with_the_bench_command() -> None:
@@ -135,12 +138,12 @@ def test_registered_with_the_bench_command() -> None:
 
 
 def test_rounds_rotate_the_policy_order() -> None:
-    order = bench_routing.round_order(bench_routing.POLICIES, 3)
+    order = measures.round_order(bench_routing.POLICIES, 3)
     assert order == [["prefix", "round-robin", "least-loaded"], ["round-robin", "least-loaded", "prefix"],
                      ["least-loaded", "prefix", "round-robin"]]
     for position in range(3):  # every policy once in every position
         assert sorted(o[position] for o in order) == sorted(bench_routing.POLICIES)
-    assert bench_routing.round_order(["prefix", "round-robin"], 3) == [["prefix", "round-robin"],
+    assert measures.round_order(["prefix", "round-robin"], 3) == [["prefix", "round-robin"],
                                                                         ["round-robin", "prefix"],
                                                                         ["prefix", "round-robin"]]
 
@@ -152,14 +155,14 @@ def test_same_worker_rate_keeps_rounds_apart() -> None:
     # the same conversation in two rounds: round 0 stays on w1, round 1 on w2; pooled, neither round's
     # turn 1 may be compared with the other round's turn 0
     results = [at(0, 0, "w1"), at(0, 1, "w1"), at(1, 0, "w2"), at(1, 1, "w2")]
-    assert bench_routing.same_worker_rate(results) == 1.0
-    assert bench_routing.same_worker_rate([at(0, 0, "w1"), at(1, 1, "w1")]) == 0.0  # no previous turn in round 1
+    assert measures.same_worker_rate(results) == 1.0
+    assert measures.same_worker_rate([at(0, 0, "w1"), at(1, 1, "w1")]) == 0.0  # no previous turn in round 1
 
 
 def test_targets_by_round() -> None:
     good = {"prefix": _summary("prefix", 0.8, 0.5, 1.2), "round-robin": _summary("round-robin", 0.4, 0.9, 1.0)}
     slow = {"prefix": _summary("prefix", 0.8, 1.0, 1.2), "round-robin": _summary("round-robin", 0.4, 0.9, 1.0)}
-    held = bench_routing.targets_by_round([good, slow, good])
+    held = measures.targets_by_round([good, slow, good])
     assert held == {"hit rate prefix >= 2x round-robin": [True, True, True],
                     "TTFT p50 prefix < both baselines": [True, False, True],
                     "prefix: no worker > 1.5x mean load (requests)": [True, True, True]}
@@ -167,11 +170,11 @@ def test_targets_by_round() -> None:
 
 def test_refuses_to_start_workers_without_the_memory_they_need(monkeypatch) -> None:
     logged: list[str] = []
-    monkeypatch.setattr(bench_routing, "WORKER_RSS_GIB", 1e6)  # more than any machine has
+    monkeypatch.setattr(fleet, "WORKER_RSS_GIB", 1e6)  # more than any machine has
     with pytest.raises(SystemExit, match="--allow-low-memory"):
-        bench_routing._check_memory(False, logged.append)
-    bench_routing._check_memory(True, logged.append)
+        fleet.check_memory(False, logged.append)
+    fleet.check_memory(True, logged.append)
     assert len(logged) == 1 and "GiB of memory available" in logged[0]
-    monkeypatch.setattr(bench_routing, "WORKER_RSS_GIB", 0.0)
-    bench_routing._check_memory(False, logged.append)  # enough: nothing said
+    monkeypatch.setattr(fleet, "WORKER_RSS_GIB", 0.0)
+    fleet.check_memory(False, logged.append)  # enough: nothing said
     assert len(logged) == 1
