@@ -23,7 +23,7 @@ BENCHES: dict[str, str] = {
     "integrity": "ops.bench.integrity",
     "gateway": "ops.bench.gateway",
     "routing": "ops.bench.routing",
-    "pd": "ops.bench_pd",
+    "pd": "ops.bench.pd",
     "weights": "ops.bench.weights",
     "soak": "ops.bench_soak",
     "moe": "ops.bench.moe",

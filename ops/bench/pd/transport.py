@@ -26,14 +26,17 @@ Medians over the requests are reported; the ratio http / mooncake of transfer ms
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TRANSPORT_WORKERS", "transport_phase", "process_cpu_s"]
+from ops.bench.harness.procs import process_cpu_s
+from ops.bench.harness.prompts import random_ids
+from ops.bench.pd.client import RequestRecord, send, stats, wait_idle
+
+__all__ = ["TRANSPORT_WORKERS", "transport_phase"]
 
 TRANSPORT_WORKERS = {  # name -> (edgeserve serve flags, the prefill worker it points at)
     "prefill_fp8": ["--role", "prefill", "--threads", "1", "--kv-format", "fp8_e4m3", "--kv-cache-bytes", "128M"],
@@ -45,17 +48,10 @@ TRANSPORT_WORKERS = {  # name -> (edgeserve serve flags, the prefill worker it p
 TRANSPORTS = {"http": "decode_http", "mooncake": "decode_mooncake"}
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (all its threads) so far."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def transport_phase(urls: dict[str, str], pids: dict[str, int], lengths: tuple[int, ...], requests: int,
                           seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     """Both transports, interleaved request by request (see the module docstring)."""
     from backend.worker_client import WorkerClient
-    from ops.bench_pd import RequestRecord, random_ids, send, stats, wait_idle
 
     rng = random.Random(seed)
     clients = {t: WorkerClient(urls[w]) for t, w in TRANSPORTS.items()}
