@@ -48,15 +48,19 @@ then quantises the scaled weights on the scaled inputs.
 
 Linears an ignore list keeps dense are not quantised; the forward runs the dense weight the
 output holds for them. A compressed-tensors (`PackQuantizedWriter`) target is quantised on
-its symmetric grid and packed. `DenseWeights` reads a linear's float weight from the input
-as the quantiser streams it, and `in_layer_order` orders the written tensors layer by layer.
+its symmetric grid (or compressed-tensors' integer zero points) and packed.
 
-Calibration text (`calibration_ids`): Brown corpus genres A-H (press, religion, skills and
-hobbies, popular lore, belles-lettres, government documents) by default; `edgeserve bench
-weights` evaluates on genres J-R (learned writing, fiction, humour), so the two never share
-a document. Or any
-UTF-8 text file. The first N tokens are cut into sequences of L = min(2048, N, the model's
-context) tokens each (the last partial sequence is dropped).
+With ``dense_target`` each linear is fitted to the *dense* model's output instead of its own
+dense weight's: a second stream of hidden states runs the dense model alongside, and before
+GPTQ a linear reading x (the quantised model's input) whose dense model input is x_d is
+replaced by the weight V that best maps x to x_d Wᵀ (`ops.gptq.dense_target_map`, ridge-
+regularised towards W), so GPTQ on V with x's Hessian minimises ||x Qᵀ - x_d Wᵀ|| (the
+asymmetric calibration of GPTAQ, Li et al. 2025): each layer also corrects the drift the
+quantised layers before it caused. It costs a dense forward per layer and one [K, K] solve
+per input; inputs seen by a subset of tokens (routed experts) keep their own weight as target.
+
+Calibration text, the dense weights as the quantiser reads them (`DenseWeights`), and the layer
+order of the written tensors (`in_layer_order`) are in `ops/calibration_inputs.py`.
 """
 
 from __future__ import annotations
@@ -64,34 +68,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from backend.compressed_tensors import PackQuantizedWriter
+from backend.compressed_tensors_write import PackQuantizedWriter
 from backend.config import ModelConfig
 from backend.errors import WeightsError
 from backend.layers.norm import rms_norm
 from backend.moe_router import MoEConfig, route
 from backend.rope import rope_inv_freq
 from backend.weight_formats import Int4Format, StoredWeight
-from backend.weights import CheckpointReader
 from ops.awq import fake_quant, fold_into_norm, input_stats, search_scales
-from ops.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_quantize, prepare_hessian
-
-if TYPE_CHECKING:
-    from ops.quantize import QuantizePlan
+from ops.calibration_inputs import (CALIB_GENRES, DEFAULT_CALIB_TOKENS, EVAL_GENRES, DenseWeights,  # re-exported
+                                    calibration_ids, in_layer_order, layer_of)
+from ops.gptq import DEFAULT_DAMP, HessianAccumulator, dense_target_map, gptq_quantize, prepare_hessian
 
 __all__ = ["CALIB_GENRES", "EVAL_GENRES", "DEFAULT_CALIB_TOKENS", "CalibrationStats", "LayerCalibrator",
            "DenseWeights", "calibration_ids", "in_layer_order", "layer_of"]
 
-CALIB_GENRES = "abcdefgh"  # Brown genres for calibration
-EVAL_GENRES = "jklmnpr"  # Brown genres for evaluation (bench weights); disjoint from CALIB_GENRES
-DEFAULT_CALIB_TOKENS = 8192
-DEFAULT_SEQ_LEN = 2048
-_Step = tuple[str, Any]  # (input tensor or linear module, its output specs): a quantize plan step
 
 
 @dataclass
@@ -105,77 +100,6 @@ class CalibrationStats:
     rtn_experts: list[str] = field(default_factory=list)  # routed experts rounded to nearest (too few tokens)
     awq_alphas: list[float] = field(default_factory=list)  # AWQ's exponent per scaled input, in order
     seconds: float = 0.0  # spent in calibration and GPTQ
-
-
-def calibration_ids(model_dir: Path, cfg: ModelConfig, num_tokens: int, text_file: Path | None = None,
-                    seq_len: int = DEFAULT_SEQ_LEN) -> torch.Tensor:
-    """Calibration token ids [S, L] (int64) from `text_file` or Brown genres A-H, with the model's
-    tokenizer. Raises `WeightsError` when the text is too short or the model has no tokenizer."""
-    from backend.tokenizer import Tokenizer
-
-    if num_tokens < 1:
-        raise WeightsError(f"--calib-tokens must be positive, got {num_tokens}")
-    if not (Path(model_dir) / "tokenizer.json").is_file():
-        raise WeightsError(f"GPTQ calibrates on text, but {model_dir} has no tokenizer.json; use --method rtn",
-                           file=str(model_dir))
-    tok = Tokenizer.from_model_dir(model_dir)
-    if text_file is not None:
-        try:
-            text = Path(text_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise WeightsError(f"cannot read calibration file {text_file}: {exc}", file=str(text_file)) from exc
-        ids, source = tok.encode(text), str(text_file)
-    else:
-        from ops.brown_corpus import corpus_tokens, fetch_brown
-
-        ids, _ = corpus_tokens(tok.encode, num_tokens, fetch_brown(), CALIB_GENRES)
-        source = f"Brown genres {CALIB_GENRES.upper()}"
-    if len(ids) < num_tokens:
-        raise WeightsError(f"the calibration text ({source}) gives {len(ids)} tokens, fewer than the "
-                           f"--calib-tokens {num_tokens} asked for", file=str(text_file or ""))
-    if max(ids[:num_tokens]) >= cfg.vocab_size:
-        raise WeightsError(f"the tokenizer in {model_dir} gives id {max(ids)}, beyond the model's vocab_size "
-                           f"{cfg.vocab_size}")
-    length = min(seq_len, num_tokens, cfg.max_position_embeddings)
-    count = num_tokens // length
-    return torch.tensor(ids[:count * length], dtype=torch.int64).view(count, length)  # [S, L]
-
-
-class DenseWeights:
-    """A linear module's float weight [N, K] as the input stores it: dense, FP8 dequantised with its
-    block scales, or a slice of a fused experts tensor (read once for the run of its experts)."""
-
-    def __init__(self, reader: CheckpointReader, plan: QuantizePlan) -> None:
-        """`plan` is `ops.quantize.plan_quantize`'s: where fused experts live, the input format."""
-        self.reader, self.plan = reader, plan
-        self._fused_name, self._fused = "", torch.empty(0)
-
-    def __call__(self, module: str) -> torch.Tensor:
-        plan = self.plan
-        if module in plan.slices:
-            piece = plan.slices[module]
-            if piece.tensor != self._fused_name:
-                self._fused_name, self._fused = piece.tensor, self.reader.get(piece.tensor)  # [E, rows, K]
-            return self._fused[piece.expert, piece.start:piece.stop].contiguous()  # [rows, K]
-        if plan.source is None:
-            return self.reader.get(f"{module}.weight")
-        return plan.source.dequantize(plan.source.read(self.reader.get, module))
-
-
-def layer_of(name: str) -> int:
-    """The decoder layer a tensor or module belongs to (-1: none)."""
-    parts = name.split(".")
-    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
-
-
-def in_layer_order(steps: list[_Step], num_layers: int) -> list[_Step]:
-    """`steps` regrouped layer by layer (a stable sort): tensors of no layer first, then layer 0, 1, ...,
-    then the multi-token-prediction layers. Checkpoint order sorts `layers.10` before `layers.2`;
-    calibration walks the layers in order, so the writer does too."""
-    def key(step: _Step) -> int:
-        layer = layer_of(step[0])
-        return layer if layer < num_layers else num_layers + layer
-    return sorted(steps, key=key)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -203,14 +127,16 @@ class LayerCalibrator:
                  min_expert_tokens: int | None = None, kept: Callable[[str], bool] = lambda module: False,
                  served: Callable[[str], torch.Tensor] | None = None, damp: float = DEFAULT_DAMP,
                  static_groups: bool = False, clip: bool = True, awq: bool = False, gptq: bool = True,
-                 refit: bool = False) -> None:
+                 refit: bool = False, dense_target: bool = False) -> None:
         if cfg.index_topk and ids.shape[1] > cfg.index_topk:
             raise WeightsError(f"{cfg.architecture} attends to its indexer's top {cfg.index_topk} keys beyond "
                                f"{cfg.index_topk} tokens, which calibration does not run: calibrate on sequences "
                                f"of at most {cfg.index_topk} tokens (got {ids.shape[1]})")
         self.cfg, self.fmt, self.act_order, self.damp = cfg, fmt, act_order, damp
         self.static_groups, self.clip = static_groups, clip
-        self.awq, self.gptq, self.refit = awq, gptq, refit
+        self.awq, self.gptq, self.refit, self.dense_target = awq, gptq, refit, dense_target
+        self._capturing = False  # running the dense layer to record its linears' inputs (dense_target)
+        self._dense_inputs: dict[str, torch.Tensor] = {}  # first module of a group -> its dense inputs [T, K]
         self.tensors: dict[str, torch.Tensor] = {}  # dense tensors the last layer rewrote (AWQ-folded norms)
         self.get, self.weight, self.has = get, weight, has
         self.kept, self.served = kept, served or weight
@@ -223,6 +149,7 @@ class LayerCalibrator:
         self.stats = CalibrationStats(tokens=ids.numel(), sequences=ids.shape[0], seq_len=ids.shape[1])
         started = time.perf_counter()
         self.h = F.embedding(ids, get("model.embed_tokens.weight").float())  # [S, L, hidden]
+        self.h_dense = self.h  # the dense model's hidden states (dense_target)
         inv_freq, factor = rope_inv_freq(cfg)
         angles = torch.outer(torch.arange(ids.shape[1], dtype=torch.float32), inv_freq)  # [L, rot/2]
         self.cos, self.sin = factor * angles.cos(), factor * angles.sin()
@@ -238,15 +165,25 @@ class LayerCalibrator:
         order (a kept linear's dense weight)."""
         modules = list(modules)
         dense = dense or {}
+        tokens = x.numel() // x.shape[-1]
+        if self._capturing:  # the dense pass: record the inputs of a group that sees every token
+            if tokens == self.stats.tokens:
+                self._dense_inputs[modules[0]] = x.reshape(tokens, -1)
+            return [self.weight(m).float() for m in modules]
         todo = [m for m in modules if not self.kept(m)]
         deq = {m: self.served(m).float() for m in modules if self.kept(m)}
+        x_dense = self._dense_inputs.get(modules[0])
+        if todo and x_dense is not None and x_dense.shape[0] == tokens:
+            t = dense_target_map(x.reshape(tokens, -1), x_dense, self.damp)
+            dense = {**dense, **{m: (dense[m] if m in dense else self.weight(m)).float() @ t.t() for m in todo}}
         if todo and gptq and self.gptq:
             acc = HessianAccumulator(x.shape[-1])
             acc.add(x)
             prepared = prepare_hessian(acc.value(), self.act_order, self.damp)
             weights = [dense[m] if m in dense else self.weight(m) for m in todo]
             result = gptq_quantize(torch.cat(weights), prepared, self.fmt, symmetric=self.symmetric,
-                                   static_groups=self.static_groups, clip=self.clip, integer_zero=self.integer_zero, refit=self.refit)
+                                   static_groups=self.static_groups, clip=self.clip, integer_zero=self.integer_zero,
+                                   refit=self.refit)
             rows = [w.shape[0] for w in weights]
             for m, part, d in zip(todo, _split_rows(result.stored, rows), result.dequantized.split(rows)):
                 out[m] = self.fmt.pack(part, m) if self.packed else part
@@ -268,9 +205,26 @@ class LayerCalibrator:
         cfg, i = self.cfg, self.layer
         if i >= cfg.num_layers:
             raise IndexError(f"the model has {cfg.num_layers} layers")
-        p = f"model.layers.{i}."
         out: dict[str, StoredWeight] = {}
         self.tensors = {}
+        if self.dense_target:  # the dense layer on the dense stream first: each linear's dense inputs
+            self._dense_inputs, self._capturing = {}, True
+            quantised, self.h = self.h, self.h_dense
+            try:
+                self._layer({})
+            finally:
+                self._capturing = False
+            self.h_dense, self.h = self.h, quantised
+        self._layer(out)
+        self._dense_inputs = {}
+        self.layer += 1
+        self.stats.seconds += time.perf_counter() - started
+        return out
+
+    def _layer(self, out: dict[str, StoredWeight]) -> None:
+        """Layer `self.layer` on `self.h` (updated in place), its quantised linears into `out`."""
+        cfg, i = self.cfg, self.layer
+        p = f"model.layers.{i}."
         if cfg.is_mla:
             first = f"{p}self_attn.q_a_proj" if cfg.q_lora_rank else f"{p}self_attn.q_proj"
             # a DSA indexer reads the same norm's output: no AWQ fold into it there
@@ -287,9 +241,6 @@ class LayerCalibrator:
         flat = x.reshape(-1, x.shape[-1])  # [T, hidden]
         y = self._moe(p, flat, out) if cfg.is_moe_layer(i) else self._mlp(f"{p}mlp.", flat, out, dense=dense)
         self.h = self.h + y.view_as(self.h)
-        self.layer += 1
-        self.stats.seconds += time.perf_counter() - started
-        return out
 
     def _normed(self, norm: str, modules: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """rms_norm of the hidden states with weight `norm`, and (AWQ, every one of `modules` quantised)
@@ -297,7 +248,7 @@ class LayerCalibrator:
         weight divided by them goes to `self.tensors` and the returned input is computed with it."""
         cfg, w = self.cfg, self.get(norm)
         x = rms_norm(self.h, w.float(), cfg.rms_norm_eps)
-        if not self.awq or not modules or any(self.kept(m) for m in modules):
+        if self._capturing or not self.awq or not modules or any(self.kept(m) for m in modules):
             return x, {}
         weights = {m: self.weight(m).float() for m in modules}
         h, mean = input_stats(x)
@@ -384,7 +335,7 @@ class LayerCalibrator:
         the dense MLP's inner activations and folded into up_proj's rows."""
         gate, up, down = (f"{prefix}{n}_proj" for n in ("gate", "up", "down"))
         dense = dict(dense or {})
-        if self.awq and not any(self.kept(m) for m in (gate, up, down)):
+        if self.awq and not self._capturing and not any(self.kept(m) for m in (gate, up, down)):
             wg, wu = (dense[m] if m in dense else self.weight(m).float() for m in (gate, up))
             wd = self.weight(down).float()
             h, mean = input_stats(F.silu(x @ wg.t()) * (x @ wu.t()))
@@ -409,7 +360,7 @@ class LayerCalibrator:
             rows, slots = (ids == e).nonzero(as_tuple=True)
             name = f"{p}mlp.experts.{e}."
             gptq = rows.numel() >= max(self.min_expert_tokens, 1)
-            if not gptq:
+            if not gptq and not self._capturing:
                 self.stats.rtn_experts.append(name.rstrip("."))
             ye = self._mlp(name, x[rows], out, gptq)
             y.index_add_(0, rows, ye * weights[rows, slots].unsqueeze(1))

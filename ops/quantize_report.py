@@ -24,7 +24,7 @@ from backend.weight_formats import TensorSpec, WeightFormat
 from ops.calibration import CalibrationStats
 
 if TYPE_CHECKING:
-    from ops.quantize import QuantizePlan
+    from ops.quantize_steps import QuantizePlan
 
 __all__ = ["SizeReport", "per_gpu_bytes", "size_report", "peak_rss_bytes", "print_report"]
 
