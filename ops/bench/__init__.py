@@ -25,7 +25,7 @@ BENCHES: dict[str, str] = {
     "routing": "ops.bench.routing",
     "pd": "ops.bench.pd",
     "weights": "ops.bench.weights",
-    "soak": "ops.bench_soak",
+    "soak": "ops.bench.soak",
     "moe": "ops.bench.moe",
     "mla": "ops.bench.mla",
     "structured": "ops.bench.structured",

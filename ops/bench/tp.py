@@ -123,7 +123,8 @@ def measure_tp(model_dir: Path, tp: int, threads: int, outputs: int) -> dict[str
 
 
 def _table(results: dict[int, dict[str, Any]]) -> str:
-    lines = ["| TP | rank | bytes read | bytes held | step ms c=1 | step ms c=32 | collectives / step | bytes / step (c=1, c=32) |",
+    lines = ["| TP | rank | bytes read | bytes held | step ms c=1 | step ms c=32 | collectives / step "
+             "| bytes / step (c=1, c=32) |",
              "|---|---|---|---|---|---|---|---|"]
     for tp, r in results.items():
         calls = sum(r["collectives"][1]["calls"].values())

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ops.bench_soak import fault_schedule
-from ops.soak_checks import (
+from ops.bench.soak.checks import (
     REPORT_KEYS,
     Fault,
     RequestResult,
@@ -17,6 +16,7 @@ from ops.soak_checks import (
     leaked_pages,
     metered_vs_sent,
 )
+from ops.bench.soak.scenario import fault_schedule
 
 
 def _workers(code: int) -> bytes:

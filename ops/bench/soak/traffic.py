@@ -1,6 +1,6 @@
 """The soak test's clients: tenants' mixed traffic through the gateways, malformed requests, worker probes.
 
-Every request becomes one `RequestResult` (`ops.soak_checks`), filled in as the
+Every request becomes one `RequestResult` (`ops.bench.soak.checks`), filled in as the
 client saw it. A client stream is read as SSE: OpenAI chunks (``delta.content``,
 a final ``usage`` chunk as ``stream_options.include_usage`` asks, ``[DONE]``, or
 ``data: {"error": ...}``) and Workers events (``{"response": ...}``, a last one with
@@ -21,15 +21,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ops.soak_checks import RequestResult, classify_response, classify_stream_error
+from ops.bench.soak.checks import RequestResult, classify_response, classify_stream_error
 
 if TYPE_CHECKING:
     import httpx
 
 __all__ = ["RequestSpec", "Tenant", "send", "traffic_spec", "malformed_specs", "worker_generate",
-           "send_cut_body", "PROMPTS", "MODEL"]
+           "send_cut_body", "PROMPTS", "MODEL", "TENANTS"]
 
 MODEL = "smollm2-135m"
+# name -> (requests per minute, tokens per day, clients, leaves non-streamed requests)
+TENANTS: dict[str, tuple[int | None, int | None, int, bool]] = {
+    "steady": (None, None, 2, False),
+    "leaver": (None, None, 1, True),
+    "rpm-limited": (6, None, 1, False),
+    "token-limited": (None, 1500, 1, False),
+    "malformed": (None, None, 0, False),
+    "probe": (None, None, 0, False),
+}
 PROMPTS = ("Say hello to the world.", "Name three colours.", "What is two plus two?",
            "Write one sentence about the sea.", "List the days of the week.", "Why is the sky blue?",
            "Give me a word that rhymes with cat.", "Describe a tree in five words.")
@@ -94,7 +103,8 @@ def malformed_specs(tenant: Tenant, other: Tenant, gateway: str) -> list[Request
     auth = _auth(tenant.token)
     cases: list[tuple[str, str, str, dict[str, str], bytes]] = [
         ("invalid JSON", "openai", chat, auth, b'{"model": "smollm2-135m", "messages": ['),
-        ("wrong types", "openai", chat, auth, json.dumps({"model": MODEL, "messages": "hi", "max_tokens": "x"}).encode()),
+        ("wrong types", "openai", chat, auth,
+         json.dumps({"model": MODEL, "messages": "hi", "max_tokens": "x"}).encode()),
         ("1000-deep JSON in an unknown field", "openai", chat, auth,
          json.dumps(ok_chat).encode()[:-1] + b', "extra": ' + nested.encode() + b"}"),
         ("1000-deep JSON in tools", "openai", chat, auth,
