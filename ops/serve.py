@@ -77,10 +77,12 @@ def add_engine_args(p: argparse.ArgumentParser, listener: str = "the worker") ->
                    help="the name clients and the gateway use for the model (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help=f"address {listener} listens on")
     p.add_argument("--port", type=int, default=8100, help=f"port {listener} listens on")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="compute dtype (float32 is the fast one on CPUs without BF16 units)")
-    p.add_argument("--kv-format", default="fp32", choices=["fp32", "bf16", "fp8_e4m3"],
-                   help="how the KV cache stores keys and values (fp8_e4m3: a quarter of fp32's memory)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (auto: bfloat16 on CUDA and on CPUs with AMX BF16 tiles, float32 on other "
+                        "CPUs, where it is the fast one)")
+    p.add_argument("--kv-format", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"],
+                   help="how the KV cache stores keys and values (auto: the compute dtype's own, fp32 or bf16; "
+                        "fp8_e4m3: a quarter of fp32's memory)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model runs (cuda needs a CUDA build of PyTorch)")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default="512M",
@@ -231,12 +233,14 @@ def run_serve(args: argparse.Namespace) -> int:
     warning = check_bind(args.host, token, args.insecure_no_worker_token)  # before torch and the model load
     check_kv_store_args(args)
 
+    from backend.cpu_features import resolve_dtype, resolve_kv_format
     from backend.engine import EngineConfig, LLMEngine
     from ops.pull import resolve_model
 
     model_dir = resolve_model(args.model)
-    config = EngineConfig(dtype=args.dtype, kv_format=args.kv_format, kv_cache_bytes=args.kv_cache_bytes,
-                          page_size=args.page_size, max_model_len=args.max_model_len,
+    dtype = resolve_dtype(args.dtype, args.device)
+    config = EngineConfig(dtype=dtype, kv_format=resolve_kv_format(args.kv_format, dtype),
+                          kv_cache_bytes=args.kv_cache_bytes, page_size=args.page_size, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           prefill_chunk_size=args.prefill_chunk_size, max_waiting=args.max_waiting,
                           num_threads=args.threads, device=args.device,
@@ -319,7 +323,7 @@ def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token:
     where = f", registered in {redact(args.redis_url)}" if args.redis_url else ""
     print(f"edgeserve worker ({args.role}) serving {name} from {model_dir} on http://{args.host}:{args.port}"
           f"{where}\n"
-          f"  KV pool: {snap['pages_total']} pages x {snap['page_size']} tokens ({snap['kv_format']}, "
+          f"  compute {engine.config.dtype}; KV pool: {snap['pages_total']} pages x {snap['page_size']} tokens ({snap['kv_format']}, "
           f"{snap['kv_bytes_per_token']} B/token), context {snap['max_model_len']}", flush=True)
     if store_tier is not None:
         print(f"  KV store: Mooncake master {args.kv_store} (namespace {store_tier.namespace}, lends "

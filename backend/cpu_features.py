@@ -1,0 +1,72 @@
+"""What this CPU can do, and the compute dtype and KV format `auto` means on it.
+
+A worker's default compute dtype follows the host's vector units, not one machine's
+benchmark. The rule, from `edgeserve bench engine` / `bench weights` on the three
+hosts this project has measured (2 cores each, SmolLM2-135M):
+
+- **AMX (amx_bf16 + amx_tile)**, e.g. Intel Sapphire Rapids and later: oneDNN runs
+  bfloat16 GEMMs on the tile units. A 2048-cube GEMM ran at ~976 GFLOP/s in bfloat16
+  against ~182 in float32, and an engine step at 32 running requests took 0.55x the
+  float32 step's CPU time (same requests, measured in turn). The weights are half the
+  bytes, so the bandwidth-bound step at one request does not get slower. -> bfloat16.
+- **AVX-512 BF16 without AMX** (AMD EPYC Zen 4): the dot-product instruction is there,
+  but there float32 compute with INT4 decode weights was the measured fast path; no
+  bfloat16 engine run has beaten float32 on it yet. -> float32.
+- **No BF16 units** (older Xeons, most laptops): bfloat16 GEMMs are emulated, 51-64
+  GFLOP/s against 200-240 in float32. -> float32.
+- **CUDA**: bfloat16.
+
+SmolLM2's checkpoint is bfloat16, so bfloat16 weights hold it exactly; what bfloat16
+compute changes is the rounding of activations (RMSNorm and the softmax still run in
+float32, logits are returned in float32). The KV format `auto` stores pages in the
+compute dtype (bf16 pages under bfloat16: half of fp32's memory, no cast per step).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["cpu_flags", "has_amx_bf16", "auto_dtype", "auto_kv_format", "resolve_dtype", "resolve_kv_format"]
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def has_amx_bf16(flags: Iterable[str] | None = None) -> bool:
+    """Whether the CPU has AMX tiles with bfloat16 multiplies (and the kernel enabled them)."""
+    have = set(cpu_flags() if flags is None else flags)
+    return {"amx_bf16", "amx_tile"} <= have
+
+
+def auto_dtype(device: str = "cpu", flags: Iterable[str] | None = None) -> str:
+    """The compute dtype `--dtype auto` means on `device` (see the module docstring for why)."""
+    if device == "cuda":
+        return "bfloat16"
+    return "bfloat16" if has_amx_bf16(flags) else "float32"
+
+
+def auto_kv_format(dtype: str) -> str:
+    """The KV page format `--kv-format auto` means under compute dtype `dtype`: the dtype itself."""
+    return "bf16" if dtype == "bfloat16" else "fp32"
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """`dtype` unless it is 'auto', then this host's choice."""
+    return auto_dtype(device) if dtype == "auto" else dtype
+
+
+def resolve_kv_format(kv_format: str, dtype: str) -> str:
+    """`kv_format` unless it is 'auto', then the resolved compute dtype's own format."""
+    return auto_kv_format(dtype) if kv_format == "auto" else kv_format
