@@ -84,8 +84,9 @@ class Timings:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="compute dtype for every system (float32 is the faster CPU path here; see BENCHMARKS.md)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype for every system (auto: what `serve` picks on this host, "
+                        "backend/cpu_features.py)")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine")
@@ -230,12 +231,14 @@ def engine_targets(seq: dict[str, dict], bat: dict[str, dict], pct: dict[str, fl
 
 
 def run(args: argparse.Namespace) -> int:
+    from backend.cpu_features import resolve_dtype
     from backend.engine import DTYPES, EngineConfig, LLMEngine
     from backend.tokenizer import Tokenizer
     from ops.pull import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.dtype = resolve_dtype(args.dtype)
     dtype = DTYPES[args.dtype]
     model_dir = resolve_model(args.model)
     tok = Tokenizer.from_model_dir(model_dir)
