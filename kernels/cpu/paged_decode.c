@@ -45,13 +45,14 @@ static inline float as_float(uint32_t bits) {
 }
 
 /* one page row (HD values of one token and KV head) -> float, times mul (fp8: times 2^120 first) */
-static inline void load_row(const Args *a, const void *base, const int8_t *exps, int64_t row, float *dst,
-                            float *mul) {
-    const int HD = a->HD;
-    if (a->fmt == 0) {
+static inline __attribute__((always_inline)) void load_row(const Args *a, const void *base, const int8_t *exps,
+                                                           int64_t row, float *dst, float *mul, const int HD,
+                                                           const int fmt) {
+    (void)a;
+    if (fmt == 0) {
         memcpy(dst, (const float *)base + row * HD, HD * sizeof(float));
         *mul = 1.0f;
-    } else if (a->fmt == 1) {
+    } else if (fmt == 1) {
         const uint16_t *src = (const uint16_t *)base + row * HD;
         for (int i = 0; i < HD; i++) dst[i] = as_float((uint32_t)src[i] << 16);
         *mul = 1.0f;
@@ -66,8 +67,11 @@ static inline void load_row(const Args *a, const void *base, const int8_t *exps,
     }
 }
 
-static void attend(const Args *a, int d, int h) {
-    const int G = a->G, HD = a->HD, S = a->S, KVH = a->KVH;
+/* HD and fmt are arguments so that `attend_*` below get copies specialised for the common head sizes and
+ * formats: with them known at compile time the HD loops are whole vectors with no remainder. */
+static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d, int h, const int HD,
+                                                            const int fmt) {
+    const int G = a->G, S = a->S, KVH = a->KVH;
     const int len = a->lens[d];
     const float *q = a->q + ((int64_t)d * KVH + h) * G * HD;
     float *out = a->out + ((int64_t)d * KVH + h) * G * HD;
@@ -88,7 +92,7 @@ static void attend(const Args *a, int d, int h) {
             const int64_t page = a->table[(int64_t)d * a->MAXP + t / S];
             const int64_t r = (page * S + t % S) * KVH + h;
             float mul;
-            load_row(a, a->k, a->ke, r, row, &mul);
+            load_row(a, a->k, a->ke, r, row, &mul, HD, fmt);
             for (int g = 0; g < G; g++) {
                 const float *qg = q + g * HD;
                 float dot = 0.0f;
@@ -112,7 +116,7 @@ static void attend(const Args *a, int d, int h) {
             const int t = t0 + j;
             const int64_t page = a->table[(int64_t)d * a->MAXP + t / S];
             const int64_t r = (page * S + t % S) * KVH + h;
-            load_row(a, a->v, a->ve, r, row, &vmul[j]);
+            load_row(a, a->v, a->ve, r, row, &vmul[j], HD, fmt);
             for (int g = 0; g < G; g++) {
                 const float p = s[g][j] * vmul[j];
                 for (int i = 0; i < HD; i++) acc[g][i] += p * row[i];
@@ -125,8 +129,15 @@ static void attend(const Args *a, int d, int h) {
     }
 }
 
+#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int d, int h) { attend_hd(a, d, h, hd, f); }
+SPECIALISE(64, 0) SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(128, 0) SPECIALISE(128, 1) SPECIALISE(128, 2)
+static void attend_any(const Args *a, int d, int h) { attend_hd(a, d, h, a->HD, a->fmt); }
+
 static void *run(void *p) {
     const Args *a = (const Args *)p;
+    void (*attend)(const Args *, int, int) = attend_any;
+    if (a->HD == 64) attend = a->fmt == 0 ? attend_64_0 : a->fmt == 1 ? attend_64_1 : attend_64_2;
+    if (a->HD == 128) attend = a->fmt == 0 ? attend_128_0 : a->fmt == 1 ? attend_128_1 : attend_128_2;
     for (int w = a->begin; w < a->end; w++) attend(a, w / a->KVH, w % a->KVH);
     return NULL;
 }

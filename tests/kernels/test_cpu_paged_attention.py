@@ -33,10 +33,13 @@ def test_matches_reference(fmt: str, group: int, threads: int, seed: int) -> Non
     assert_close_in_mag(out, ref, mag, 1e-5, seed)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("head_dim", [32, 128, 96])
-def test_other_head_dims(head_dim: int, seed: int) -> None:
+def test_other_head_dims(head_dim: int, fmt: str, seed: int) -> None:
+    """128 runs the kernel's copy specialised for it (64 is the test above); 32 and 96 the generic one."""
     num_pages, page_table = random_layout([3, 40, 77])
-    paged = build_paged(random_sequences([3, 40, 77], 1, head_dim), 1, head_dim, FP8, num_pages, page_table, "cpu")
+    paged = build_paged(random_sequences([3, 40, 77], 1, head_dim), 1, head_dim, FORMATS[fmt], num_pages, page_table,
+                        "cpu")
     q = torch.randn(3, 5, head_dim)
     out = paged_decode_attention_cpu(q, *paged, 0.1)
     assert_close_in_mag(out, paged_decode_attention_ref(q, *paged, 0.1),
