@@ -18,6 +18,7 @@ __all__ = ["register", "BENCHES", "write_report", "provenance"]
 # bench name -> module with `add_arguments(parser)` and `run(args) -> int`
 BENCHES: dict[str, str] = {
     "engine": "ops.bench.engine",
+    "token-profile": "ops.bench.token_profile",
     "kv-capacity": "ops.bench.kv",
     "kernels": "ops.bench.kernels",
     "integrity": "ops.bench.integrity",

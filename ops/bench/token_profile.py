@@ -1,0 +1,171 @@
+"""Where one decode token's time goes inside the engine, at concurrency c (default 1).
+
+One engine in process (the worker's own code, `serve`'s defaults: `--dtype auto` and
+its KV format, or the given ones) decodes c requests of ~80 prompt tokens; after a
+warm-up, every decode step of a measured window is timed (wall clock) and profiled,
+and the step's time is split into:
+
+- ``linear``: the GEMMs of the linear layers and the LM head (`aten::mm`, `addmm`,
+  MKL's packed `_mkl_linear`, the INT4 `_weight_int4pack_mm_for_cpu`), self time from
+  `torch.profiler`;
+- ``attention``: the paged decode attention call (the C kernel is a ctypes call the
+  profiler cannot see, so the bench wraps `backend.attention.paged_decode_attention_cpu`
+  with a timer; its torch fallback, when it runs, is in ``other_ops``);
+- ``other_ops``: every other torch op's self time (norms, RoPE, SiLU, residual adds,
+  KV stores, embedding, argmax, casts);
+- ``python``: the rest of the step's wall time: the scheduler, input preparation,
+  sampling bookkeeping, op dispatch from Python.
+
+``bound_ms`` is the time the step would take if it only streamed the weights once at
+the read bandwidth measured in the same run (a large tensor sum): at c = 1 the linear
+share against it says how close the GEMVs run to the memory system. The figures are
+the profiled window's sums over its steps divided by the step count, so they add up
+to ``step_ms``; a profiled step is slower than a plain one by the profiler's own cost,
+reported as ``profiler_overhead`` (plain-step wall time vs profiled).
+
+End to end (gateway, worker HTTP, client) is `edgeserve bench e2e`'s business: its
+in-process column is the worker's per-token time to set against this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from ops.bench.harness.progress import log
+from ops.bench.report import write_report
+
+__all__ = ["add_arguments", "run", "categorise"]
+
+LINEAR_OPS = ("aten::mm", "aten::addmm", "mkl::_mkl_linear", "aten::_weight_int4pack_mm_for_cpu", "aten::bmm")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-format", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"])
+    p.add_argument("--decode-weights", default=None, choices=["fp32", "bf16", "fp8", "int4"])
+    p.add_argument("--int4-group-size", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, as serve)")
+    p.add_argument("--steps", type=int, default=None, help="decode steps measured (default 48; quick 16)")
+
+
+def categorise(self_us: dict[str, float], attention_us: float, wall_us: float) -> dict[str, float]:
+    """Split `wall_us` into linear / attention / other_ops / python from per-op self times (µs)."""
+    linear = sum(v for k, v in self_us.items() if k in LINEAR_OPS)
+    other = sum(v for k, v in self_us.items() if k not in LINEAR_OPS)
+    python = max(0.0, wall_us - linear - other - attention_us)
+    return {"linear": linear, "attention": attention_us, "other_ops": other, "python": python}
+
+
+class _AttentionTimer:
+    """Wraps the CPU decode-attention entry point the model calls, summing its wall time."""
+
+    def __init__(self) -> None:
+        import backend.attention as attn
+
+        self.module, self.inner, self.total_s = attn, attn.paged_decode_attention_cpu, 0.0
+
+    def __enter__(self) -> _AttentionTimer:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return self.inner(*args, **kwargs)
+            finally:
+                self.total_s += time.perf_counter() - t
+
+        self.module.paged_decode_attention_cpu = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.module.paged_decode_attention_cpu = self.inner
+
+
+def _requests(engine: Any, c: int, n: int, seed: int) -> None:
+    from backend.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(c):
+        prompt = torch.randint(200, 40000, (80,), generator=g).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+
+
+def _decode_steps(engine: Any, steps: int) -> float:
+    """Run `steps` steps (prefill first if pending); wall seconds of the decode steps only."""
+    total = 0.0
+    done = 0
+    phases = engine.model.steps_by_phase
+    while done < steps and engine.has_work():
+        before = phases["decode"]
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        if phases["decode"] > before:
+            total += dt
+            done += 1
+    return total
+
+
+def run(args: argparse.Namespace) -> int:
+    from backend.cpu_features import cpu_flags, resolve_dtype, resolve_kv_format
+    from backend.engine import EngineConfig, LLMEngine
+    from ops.bench.engine import measure_machine
+    from ops.pull import resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    steps = args.steps or (16 if args.quick else 48)
+    dtype = resolve_dtype(args.dtype)
+    kv = resolve_kv_format(args.kv_format, dtype)
+    c = args.concurrency
+    engine = LLMEngine.from_pretrained(resolve_model(args.model), EngineConfig(
+        dtype=dtype, kv_format=kv, kv_cache_bytes=1 << 29, max_num_seqs=max(c, 1),
+        decode_weights=args.decode_weights, int4_group_size=args.int4_group_size))
+    machine = measure_machine(engine.model.dtype)
+    decode_bytes = engine.model.weight_bytes
+    log(f"token-profile: {dtype}, kv {kv}, decode weights {args.decode_weights or 'as stored'} "
+        f"({decode_bytes / 1e6:.0f} MB per step), c={c}, {torch.get_num_threads()} threads")
+
+    _requests(engine, c, 3 * steps + 8, seed=1)
+    _decode_steps(engine, 4)  # prefill + warm-up
+    plain_s = _decode_steps(engine, steps)
+    from torch.profiler import ProfilerActivity, profile
+
+    with _AttentionTimer() as timer, profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled_s = _decode_steps(engine, steps)
+    self_us: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        self_us[e.key] += e.self_cpu_time_total
+    split = categorise(self_us, timer.total_s * 1e6, profiled_s * 1e6)
+    per_step = {k: v / steps / 1e3 for k, v in split.items()}  # ms
+    step_ms = profiled_s / steps * 1e3
+    bound_ms = decode_bytes / (machine["read_gb_s"] * 1e9) * 1e3
+    top = sorted(((v, k) for k, v in self_us.items()), reverse=True)[:12]
+    report = {
+        "model": args.model, "dtype": dtype, "kv_format": kv, "decode_weights": args.decode_weights,
+        "concurrency": c, "threads": torch.get_num_threads(), "steps": steps, "quick": args.quick,
+        "cpu_flags_bf16": sorted(f for f in cpu_flags() if "bf16" in f or f.startswith("amx")),
+        "machine": machine, "decode_weight_bytes": decode_bytes,
+        "step_ms": step_ms, "plain_step_ms": plain_s / steps * 1e3, "profiler_overhead": profiled_s / plain_s,
+        "per_step_ms": per_step, "share": {k: v / step_ms for k, v in per_step.items()},
+        "bound_ms": bound_ms, "linear_vs_bound": per_step["linear"] / bound_ms,
+        "top_ops_ms_per_step": {k: v / steps / 1e3 for v, k in top},
+    }
+    report["headline"] = {"step_ms": round(step_ms, 2), **{f"{k}_share": round(v, 3) for k, v in
+                                                             report["share"].items()},
+                          "linear_vs_bound": round(report["linear_vs_bound"], 2)}
+    print(f"\nedgeserve bench token-profile  {dtype}, kv {kv}, decode weights {args.decode_weights or 'as stored'}, "
+          f"c={c}, {torch.get_num_threads()} threads; {steps} steps")
+    print(f"step {step_ms:.2f} ms profiled ({report['plain_step_ms']:.2f} ms plain); weights read once at "
+          f"{machine['read_gb_s']:.1f} GB/s: {bound_ms:.2f} ms")
+    for k, v in per_step.items():
+        print(f"  {k:<10} {v:8.2f} ms  {100 * v / step_ms:5.1f}%")
+    print("top ops (self ms per step): " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                     list(report["top_ops_ms_per_step"].items())[:6]))
+    write_report(args.json_path, report)
+    return 0

@@ -1,0 +1,41 @@
+"""`edgeserve bench token-profile`: the split adds up, and a real run on a tiny model fills every part."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ops.bench.token_profile import categorise
+
+
+def test_categorise_splits_the_wall_time_and_keeps_the_rest_as_python() -> None:
+    self_us = {"aten::mm": 600.0, "mkl::_mkl_linear": 100.0, "aten::rms_norm": 50.0, "aten::add_": 25.0}
+    split = categorise(self_us, attention_us=80.0, wall_us=1000.0)
+    assert split == {"linear": 700.0, "attention": 80.0, "other_ops": 75.0, "python": 145.0}
+    assert categorise(self_us, 0.0, 500.0)["python"] == 0.0  # profiled ops past the wall time: no negative rest
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp8_e4m3"])
+def test_a_run_on_a_tiny_model_accounts_for_the_step(tiny_chat_dir: Path, tmp_path: Path, kv: str) -> None:
+    import argparse
+
+    from ops.bench import token_profile
+
+    out = tmp_path / "tp.json"
+    p = argparse.ArgumentParser()
+    token_profile.add_arguments(p)
+    args = p.parse_args(["--model", str(tiny_chat_dir), "--dtype", "float32", "--kv-format", kv, "--steps", "4",
+                         "--concurrency", "2", "--threads", "1"])
+    args.quick, args.json_path = True, str(out)
+    assert token_profile.run(args) == 0
+    report = json.loads(out.read_text())
+    parts = report["per_step_ms"]
+    assert parts["linear"] > 0 and parts["other_ops"] > 0  # the GEMMs and the elementwise ops were seen
+    from kernels.cpu_paged_attention import available
+
+    assert (parts["attention"] > 0) == available()  # the C kernel's calls were timed when it runs
+    assert sum(parts.values()) == pytest.approx(report["step_ms"], rel=1e-6)
+    assert report["steps"] == 4 and report["concurrency"] == 2 and report["kv_format"] == kv
+    assert report["provenance"]["commit"]
