@@ -55,13 +55,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 __all__ = ["add_arguments", "run", "compare_end_to_end", "FORMATS", "make_prompts", "chat_body", "closed_loop",
-           "PassRow", "ratios", "spreads", "pass_order", "edgeserve_up_command"]
+           "PassRow", "ratios", "spreads", "pass_order", "edgeserve_up_command", "omp_wait_policy"]
 
 MODEL = "smollm2-135m"
 SYSTEMS = ("edgeserve", "llamacpp")
@@ -179,6 +179,17 @@ def pass_order(index: int, c_index: int) -> tuple[str, str]:
     return SYSTEMS if (index + c_index) % 2 == 0 else SYSTEMS[::-1]
 
 
+def omp_wait_policy(choice: str, load_average: float, cpus: int) -> str:
+    """"default" or "passive" for llama-server's OpenMP threads. Its build (OpenMP) spins at every
+    barrier; when other processes hold the cores, a spinning thread burns its time slice while its
+    partner waits to run, and decode took 1,000-1,800 ms/token instead of 16-32 (measured here, load
+    ~3 on 2 CPUs). So "auto" picks passive waiting on a busy machine and libgomp's default on an idle
+    one, where spinning is the faster."""
+    if choice != "auto":
+        return choice
+    return "passive" if load_average > 0.5 * cpus else "default"
+
+
 def _mean_tok_s(rows: list[PassRow], system: str, fmt: str, c: int) -> float | None:
     vals = [r.tok_s for r in rows if (r.system, r.fmt, r.concurrency) == (system, fmt, c)]
     return statistics.fmean(vals) if vals else None
@@ -218,7 +229,8 @@ def edgeserve_up_command(model_dir: Path, port: int, worker_port: int, extra: tu
 
 
 @contextlib.contextmanager
-def _edgeserve_up(model_dir: Path, extra: tuple[str, ...], logs: Path, timeout_s: float = 600.0):
+def _edgeserve_up(model_dir: Path, extra: tuple[str, ...], logs: Path, timeout_s: float = 600.0
+                  ) -> Iterator[_Cluster]:
     """`edgeserve up` with its own home (the cluster record lands there), until the context exits."""
     import httpx
 
@@ -318,6 +330,9 @@ def compare_end_to_end(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 "passes": []}
     model_dir = resolve_model(MODEL)
     run_id, load_start = secrets.token_hex(3), list(os.getloadavg())
+    omp_wait = omp_wait_policy(args.llamacpp_omp_wait, load_start[0], len(os.sched_getaffinity(0)))
+    omp_env = {"OMP_WAIT_POLICY": "PASSIVE"} if omp_wait == "passive" else {}
+    log(f"llama-server OpenMP wait policy: {omp_wait} (load average {load_start[0]:.1f})")
     rows: list[PassRow] = []
     worker_ms: dict[str, dict[int, float]] = {}
     servers: dict[str, list[str]] = {}
@@ -329,7 +344,8 @@ def compare_end_to_end(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             with _edgeserve_up(model_dir, extra, logs) as cluster:
                 for ci, c in enumerate(levels):
                     with llama_server(build, ggufs[gguf_key], c, args.e2e_slot_context,
-                                      logs / f"llama-{fmt}-c{c}.log", threads=args.llamacpp_threads) as server:
+                                      logs / f"llama-{fmt}-c{c}.log", threads=args.llamacpp_threads, log=log,
+                                      env=omp_env) as server:
                         servers[f"{fmt}_c{c}"] = server.argv
                         targets = {"edgeserve": (cluster.chat_url, cluster.headers),
                                    "llamacpp": (f"{server.url}/v1/chat/completions", {})}
@@ -359,8 +375,8 @@ def compare_end_to_end(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                      "ggufs": {k: str(v) for k, v in ggufs.items()}, "server_argv": servers},
         "config": {"concurrency": levels, "formats": formats, "passes": passes, "requests_per_user": per_user,
                    "max_tokens": args.e2e_tokens, "slot_context": args.e2e_slot_context,
-                   "llamacpp_threads": args.llamacpp_threads, "edgeserve_flags": {f: list(FORMATS[f][0])
-                                                                                 for f in formats},
+                   "llamacpp_threads": args.llamacpp_threads, "llamacpp_omp_wait": omp_wait,
+                   "edgeserve_flags": {f: list(FORMATS[f][0]) for f in formats},
                    "load_average_start": load_start},
         "ratio_vs_llamacpp": ratios(rows),
         "tok_s": {fmt: {s: {c: _mean_tok_s(rows, s, fmt, c) for c in levels} for s in SYSTEMS} for fmt in formats},
@@ -402,6 +418,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-tokens", type=int, default=95, help="max_tokens of each request (default 95)")
     p.add_argument("--e2e-slot-context", type=int, default=256, help="llama-server context per slot (default 256)")
     p.add_argument("--llamacpp-threads", type=int, default=2, help="llama-server -t (default 2)")
+    p.add_argument("--llamacpp-omp-wait", default="auto", choices=["auto", "default", "passive"],
+                   help="llama-server's OpenMP threads: libgomp's spinning default, or OMP_WAIT_POLICY=PASSIVE "
+                        "(auto: passive when the load average is above half the CPUs)")
     p.add_argument("--llamacpp-version", default=None, help="llama-cpp-python sdist to build llama.cpp from")
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp comparator")
 

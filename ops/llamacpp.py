@@ -209,6 +209,7 @@ def ensure_llamacpp(version: str = VERSION, home: Path | None = None, jobs: int 
             shutil.rmtree(tmp / "build")
             shutil.rmtree(tmp / "sdist", ignore_errors=True)
             (tmp / COMPLETE_MARKER).write_text(f"llama-cpp-python {version}\n")
+            tmp.chmod(0o755)  # mkdtemp made it private; the build is for every user of this home
             tmp.rename(dest)
             log(f"llama.cpp: built {', '.join(TARGETS)} into {dest / 'bin'} in {time.monotonic() - started:.0f} s")
         finally:
@@ -288,35 +289,65 @@ def _kill_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
     proc.wait()
 
 
-@contextlib.contextmanager
-def llama_server(build: LlamaCppBuild, gguf: Path, slots: int, ctx_per_slot: int, log_path: Path,
-                 threads: int = 2, timeout_s: float = 120.0) -> Iterator[LlamaServer]:
-    """Run llama-server (`server_command`) until the context exits; ready (`/health` 200) when yielded.
-    Raises `LlamaCppUnavailable` with its log's tail when it exits or is not ready within `timeout_s`."""
+def _start(argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None) -> subprocess.Popen:
+    """Start `argv` in its own process group and wait for its `/health`; on failure the group is killed
+    and `LlamaCppUnavailable` raised, with the exit status (`.returncode`) and the log's tail."""
     import httpx
 
     from ops.cluster import log_tail
+
+    url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc
+        time.sleep(0.2)
+    status = proc.poll()  # None: still running, not ready in time
+    _kill_group(proc)
+    state = f"exited with status {status}" if status is not None else f"not ready in {timeout_s:.0f} s"
+    message = f"llama-server {state}; its log ends:\n{log_tail(log_path)}"
+    raise _Crashed(message, -status) if status is not None and status < 0 else LlamaCppUnavailable(message)
+
+
+class _Crashed(LlamaCppUnavailable):
+    """llama-server was killed by signal `signum` while starting."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def llama_server(build: LlamaCppBuild, gguf: Path, slots: int, ctx_per_slot: int, log_path: Path,
+                 threads: int = 2, timeout_s: float = 120.0, log: Log = _stderr,
+                 env: dict[str, str] | None = None) -> Iterator[LlamaServer]:
+    """Run llama-server (`server_command`, environment ours + `env`) until the context exits; ready
+    (`/health` 200) when yielded.
+
+    Killed by a signal while loading (its warm-up runs the kernels once), it is started again with
+    `--no-repack`, which leaves out the repacked and AMX weight buffers: on a host whose CPU reports AMX
+    but whose hypervisor faults on tile instructions (seen on a Firecracker VM: SIGSEGV in
+    `ggml_backend_amx_mul_mat`), that is the build's fastest path that runs; `LlamaServer.argv` says
+    which ran. Raises `LlamaCppUnavailable` with its log's tail when it cannot start."""
     from ops.redis_server import free_port
 
-    port = free_port()
-    argv = server_command(build.server, gguf, port, slots, ctx_per_slot, threads,
+    argv = server_command(build.server, gguf, free_port(), slots, ctx_per_slot, threads,
                           no_webui=_has_flag(build.server, "--no-webui"))
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise LlamaCppUnavailable(f"llama-server exited with status {proc.returncode}; its log ends:\n"
-                                          f"{log_tail(log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise LlamaCppUnavailable(f"llama-server not ready in {timeout_s:.0f} s; its log ends:\n"
-                                          f"{log_tail(log_path)}")
-            time.sleep(0.2)
-        yield LlamaServer(url, proc.pid, argv)
+        proc = _start(argv, log_path, timeout_s, env)
+    except _Crashed as exc:
+        if not _has_flag(build.server, "--no-repack"):
+            raise
+        log(f"llama-server died with signal {exc.signum} while loading {gguf.name} (its repacked/AMX kernels on "
+            "this host); starting it again with --no-repack")
+        argv = [*argv, "--no-repack"]
+        proc = _start(argv, log_path, timeout_s, env)
+    try:
+        yield LlamaServer(f"http://127.0.0.1:{argv[argv.index('--port') + 1]}", proc.pid, argv)
     finally:
         _kill_group(proc)

@@ -113,3 +113,10 @@ def test_run_without_llamacpp_writes_a_report_that_says_so(tmp_path: Path) -> No
     assert report["llamacpp"] == {"available": False, "note": "skipped (--no-llamacpp)"}
     assert report["ratio_vs_llamacpp"] is None and report["passes"] == []
     assert "provenance" in report and "machine" in report
+
+
+def test_omp_wait_policy_is_passive_only_on_a_busy_machine_unless_chosen() -> None:
+    assert bench_e2e.omp_wait_policy("auto", 3.0, 2) == "passive"
+    assert bench_e2e.omp_wait_policy("auto", 0.4, 2) == "default"
+    assert bench_e2e.omp_wait_policy("default", 9.0, 2) == "default"
+    assert bench_e2e.omp_wait_policy("passive", 0.0, 2) == "passive"

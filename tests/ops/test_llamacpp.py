@@ -203,8 +203,9 @@ def test_real_llama_server_answers_and_its_group_is_killed(tmp_path: Path, smoll
     if build is None:
         pytest.skip(f"llama-server is not built here (ops.llamacpp.ensure_llamacpp builds it into "
                     f"{llamacpp.build_root() / llamacpp.VERSION}, ~15 min); not built by tests")
+    # passive OpenMP waiting: on a machine shared with other tests, spinning threads made decode ~1 s/token
     with llamacpp.llama_server(build, gguf_path("smollm2-135m"), slots=2, ctx_per_slot=256,
-                               log_path=tmp_path / "llama.log") as server:
+                               log_path=tmp_path / "llama.log", env={"OMP_WAIT_POLICY": "PASSIVE"}) as server:
         pid = server.pid
         replies, errors, wall = asyncio.run(closed_loop(f"{server.url}/v1/chat/completions", {},
                                                         make_prompts("t", 3), 2, 12))
@@ -214,3 +215,39 @@ def test_real_llama_server_answers_and_its_group_is_killed(tmp_path: Path, smoll
     time.sleep(0.1)
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # the whole group is gone
+
+
+_FAKE_SERVER = """#!/bin/sh
+# llama-server stand-in: lists its flags; crashes like an AMX fault unless --no-repack; else answers /health
+case "$*" in *--help*) echo "--no-webui  --no-repack"; exit 0;; esac
+echo "$*" >> "$(dirname "$0")/starts"
+case "$*" in *--no-repack*) ;; *) kill -SEGV $$;; esac
+port=$(echo "$*" | sed 's/.*--port \\([0-9]*\\).*/\\1/')
+exec "{python}" -c "
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')
+http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()
+" "$port"
+"""
+
+
+def test_a_server_crashing_at_load_is_started_again_without_repacking(tmp_path: Path) -> None:
+    import sys
+
+    import httpx
+
+    root = tmp_path / "build"
+    (root / "bin").mkdir(parents=True)
+    _script(root / "bin" / "llama-server", _FAKE_SERVER.replace("#!/bin/sh\n", "").replace("{python}", sys.executable))
+    lines: list[str] = []
+    with llamacpp.llama_server(LlamaCppBuild(VERSION, root), tmp_path / "m.gguf", 2, 128, tmp_path / "l.log",
+                               log=lines.append) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert server.argv[-2:] == ["--no-webui", "--no-repack"]
+    starts = (root / "bin" / "starts").read_text().splitlines()
+    assert len(starts) == 2 and "--no-repack" not in starts[0]
+    assert "signal 11" in lines[0]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.pid, 0)
