@@ -17,6 +17,9 @@ Processes: edgeserve is `edgeserve up` itself (Redis, a worker, the gateway; its
 model passed as the pulled folder), started once per format class; llama-server
 (`-t 2 -np c`, `c` slots of `--e2e-slot-context` tokens) is started per concurrency,
 since its slots are fixed at start. Both stay up while the other is measured, idle.
+llama.cpp's OpenMP threads spin at every barrier, which on a machine other work keeps
+busy made its decode ~50x slower; `omp_wait_policy` then runs it with
+``OMP_WAIT_POLICY=PASSIVE`` (the report says which).
 
 Load: c users, each with its own HTTP connection, send non-streamed requests back to
 back until the pass's requests (c x `--e2e-requests` per user) are answered. Every

@@ -30,7 +30,9 @@ name and renamed).
 
 `llama_server` runs `llama-server -m GGUF -t THREADS -np SLOTS -c SLOTS*CTX` on a free
 loopback port, without its web UI where the build has the flag, in its own process
-group; it waits for `/health` and kills the whole group on exit.
+group; it waits for `/health` and kills the whole group on exit. A server killed by a signal while
+loading is started once more with `--no-repack` (no AMX or repacked weight buffers): some VMs report
+AMX but fault on its tile instructions.
 """
 
 from __future__ import annotations
@@ -289,6 +291,18 @@ def _kill_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
     proc.wait()
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _own_group_dying_with_parent() -> None:
+    """In the child before exec: its own process group (a terminal's Ctrl-C reaches only us, and we stop it
+    in order), and SIGTERM when we die without stopping it (killed, not unwound)."""
+    import ctypes
+
+    os.setpgid(0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _start(argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None) -> subprocess.Popen:
     """Start `argv` in its own process group and wait for its `/health`; on failure the group is killed
     and `LlamaCppUnavailable` raised, with the exit status (`.returncode`) and the log's tail."""
@@ -298,8 +312,8 @@ def _start(argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str
 
     url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                preexec_fn=_own_group_dying_with_parent)
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):

@@ -251,3 +251,35 @@ def test_a_server_crashing_at_load_is_started_again_without_repacking(tmp_path: 
     assert "signal 11" in lines[0]
     with pytest.raises(ProcessLookupError):
         os.killpg(server.pid, 0)
+
+
+def test_the_server_dies_with_a_killed_parent(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = tmp_path / "build"
+    (root / "bin").mkdir(parents=True)
+    _script(root / "bin" / "llama-server", _FAKE_SERVER.replace("#!/bin/sh\n", "").replace("{python}", sys.executable))
+    code = (f"from pathlib import Path; from ops import llamacpp\n"
+            f"b = llamacpp.LlamaCppBuild('x', Path({str(root)!r}))\n"
+            f"with llamacpp.llama_server(b, Path('m'), 1, 64, Path({str(tmp_path / 'l.log')!r}), log=print) as s:\n"
+            f"    print(s.pid, flush=True); import time; time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = 0
+    for line in parent.stdout:
+        if line.strip().isdigit():
+            pid = int(line)
+            break
+    parent.kill()  # SIGKILL: no finally runs in the parent
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(pid, 9)
+        pytest.fail("llama-server outlived its parent")
