@@ -19,6 +19,7 @@ __all__ = ["register", "BENCHES", "write_report", "provenance"]
 BENCHES: dict[str, str] = {
     "engine": "ops.bench.engine",
     "token-profile": "ops.bench.token_profile",
+    "e2e": "ops.bench.e2e",
     "kv-capacity": "ops.bench.kv",
     "kernels": "ops.bench.kernels",
     "integrity": "ops.bench.integrity",

@@ -43,6 +43,7 @@ HEADLINE_KEYS: dict[str, list[str]] = {
     "pd": ["ttft_p50_s"],
     "soak": ["total_s"],
 }
+PART_OF = {"e2e": "engine"}  # benchmarks another one already runs (bench engine ends with bench e2e)
 MAX_FIGURES = 8  # per benchmark in the table (the JSON keeps them all)
 
 
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     from ops.bench.report import provenance, write_report
 
     try:
-        names = selected([n for n in BENCHES if n != "all"], args.only, args.skip)
+        names = selected([n for n in BENCHES if n not in ("all", *PART_OF)], args.only, args.skip)
     except ValueError as exc:
         raise SystemExit(f"edgeserve bench all: {exc}") from exc
     summary_path = Path(args.json_path)

@@ -25,6 +25,12 @@ per request. The machine's bounds are measured in the same run: read bandwidth
 (a large tensor reduction) and the GEMM rate in the compute dtype, giving
 %-of-bound = throughput / (bandwidth / weight bytes per token) at c=1 and
 throughput / (GEMM rate / 2 * params FLOPs per token) at the top level.
+End to end: unless ``--no-llamacpp``, the run ends with `edgeserve bench e2e` (edgeserve
+as `edgeserve up` against llama.cpp's `llama-server` through each OpenAI chat endpoint, per
+format class: fp32, bf16, int4; see `ops/bench/e2e.py`), once the in-process engine is
+freed; the report gains ``end_to_end`` and ``ratio_vs_llamacpp`` (format -> c -> edgeserve
+tok/s over llama.cpp's).
+
 Targets (the issue's, this CPU): c=1 >= 1.5x and c=32 >= 10x `transformers` one at
 a time, c=32 >= 1.5x its static batches, c=32 at >= 35% of the GEMM bound.
 """
@@ -92,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine")
     p.add_argument("--rounds", type=int, default=None, help="rounds of every system on every level (default 3; "
                    "quick 2), the order of the systems rotated each round")
+    from ops.bench import e2e
+
+    e2e.add_arguments(p)  # then end to end against llama.cpp's server (`bench e2e`), unless --no-llamacpp
 
 
 def _make_workload(tokenizer, n: int, out_lo: int, out_hi: int, seed: int) -> list[tuple[list[int], int]]:
@@ -313,6 +322,11 @@ def run(args: argparse.Namespace) -> int:
         "ratio_spread": {"hf_sequential": ratio_seq, "hf_batched": ratio_bat},
         "pct_of_bound": pct, "targets": targets, "total_s": total_s,
     }
+    if not args.no_llamacpp:  # end to end through each OpenAI endpoint (`bench e2e`), after the engine is freed
+        from ops.bench.e2e import end_to_end
+
+        report["end_to_end"] = end_to_end(args)
+        report["ratio_vs_llamacpp"] = report["end_to_end"]["ratio_vs_llamacpp"]
     write_report(args.json_path, report)
     return 0
 

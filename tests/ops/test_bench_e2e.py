@@ -1,4 +1,4 @@
-"""`ops.bench_e2e`: prompts, the closed-loop client against the real stand-in worker, the ratio and
+"""`ops.bench.e2e`: prompts, the closed-loop client against the real stand-in worker, the ratio and
 spread maths, the pass order, and the report when llama.cpp is skipped."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ops import bench_e2e
-from ops.bench_e2e import PassRow
+from ops.bench import e2e as bench_e2e
+from ops.bench.e2e import PassRow
 
 
 @pytest.fixture(scope="module")
@@ -89,17 +89,21 @@ def test_pass_order_alternates_and_each_system_goes_first_equally() -> None:
     assert set(bench_e2e.pass_order(0, 1)) == {"edgeserve", "llamacpp"}
 
 
-def test_up_command_selects_int4_g32_decode_weights() -> None:
+def test_up_command_selects_each_format_class() -> None:
     argv = bench_e2e.edgeserve_up_command(Path("/m"), 9000, 9001, bench_e2e.FORMATS["int4"][0])
     assert argv[1:4] == ["-m", "ops.cli", "up"]
     tail = " ".join(argv[4:])
     assert "--model /m --served-name smollm2-135m --port 9000 --worker-port 9001" in tail
     assert tail.endswith("--decode-weights int4 --int4-group-size 32")
-    assert bench_e2e.FORMATS["fp32"] == ((), "f32") and bench_e2e.FORMATS["int4"][1] == "q4_1"
-    # the flags `up` is given exist there
+    # fp32 and bf16 pin the compute dtype and KV format (`up`'s default follows the host: it must not decide)
+    assert bench_e2e.FORMATS["fp32"] == (("--dtype", "float32", "--kv-format", "fp32"), "f32")
+    assert bench_e2e.FORMATS["bf16"] == (("--dtype", "bfloat16", "--kv-format", "bf16"), "bf16")
+    assert bench_e2e.FORMATS["int4"][1] == "q4_1"
+    # the flags `up` is given exist there, with those values
     help_text = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--help"], capture_output=True, text=True,
                                check=True).stdout
-    assert "--decode-weights" in help_text and "--int4-group-size" in help_text
+    for flag in ("--decode-weights", "--int4-group-size", "--dtype", "--kv-format", "bfloat16", "fp32", "bf16"):
+        assert flag in help_text
 
 
 def test_run_without_llamacpp_writes_a_report_that_says_so(tmp_path: Path) -> None:

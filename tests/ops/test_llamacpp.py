@@ -1,4 +1,4 @@
-"""`ops.llamacpp`: the build's command lines, cache, marker and lock, its typed errors, the F32 GGUF, the server.
+"""`ops.bench.llamacpp`: the build's command lines, cache, marker and lock, its typed errors, the F32 GGUF, the server.
 
 The build tests run the real `ensure_llamacpp` against a small source distribution made
 here and a stand-in `cmake` put first on PATH (a shell script: one that fails, one that
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ops import llamacpp
-from ops.llamacpp import COMPLETE_MARKER, LlamaCppBuild, LlamaCppUnavailable
+from ops.bench import llamacpp
+from ops.bench.llamacpp import COMPLETE_MARKER, LlamaCppBuild, LlamaCppUnavailable
 
 VERSION = "9.9.9"
 
@@ -196,12 +196,12 @@ def test_failing_quantize_leaves_no_f32(tmp_path: Path) -> None:
 def test_real_llama_server_answers_and_its_group_is_killed(tmp_path: Path, smollm2_dir: Path) -> None:
     import asyncio
 
-    from ops.bench_e2e import closed_loop, make_prompts
+    from ops.bench.e2e import closed_loop, make_prompts
     from ops.pull import gguf_path
 
     build = llamacpp.installed_build()
     if build is None:
-        pytest.skip(f"llama-server is not built here (ops.llamacpp.ensure_llamacpp builds it into "
+        pytest.skip(f"llama-server is not built here (ops.bench.llamacpp.ensure_llamacpp builds it into "
                     f"{llamacpp.build_root() / llamacpp.VERSION}, ~15 min); not built by tests")
     # passive OpenMP waiting: on a machine shared with other tests, spinning threads made decode ~1 s/token
     with llamacpp.llama_server(build, gguf_path("smollm2-135m"), slots=2, ctx_per_slot=256,
@@ -260,7 +260,7 @@ def test_the_server_dies_with_a_killed_parent(tmp_path: Path) -> None:
     root = tmp_path / "build"
     (root / "bin").mkdir(parents=True)
     _script(root / "bin" / "llama-server", _FAKE_SERVER.replace("#!/bin/sh\n", "").replace("{python}", sys.executable))
-    code = (f"from pathlib import Path; from ops import llamacpp\n"
+    code = (f"from pathlib import Path; from ops.bench import llamacpp\n"
             f"b = llamacpp.LlamaCppBuild('x', Path({str(root)!r}))\n"
             f"with llamacpp.llama_server(b, Path('m'), 1, 64, Path({str(tmp_path / 'l.log')!r}), log=print) as s:\n"
             f"    print(s.pid, flush=True); import time; time.sleep(60)\n")

@@ -4,13 +4,15 @@ The peer a CPU user would otherwise pick is llama.cpp's server, so this is measu
 the way a user meets both: `POST /v1/chat/completions` on loopback, the same
 closed-loop client, the same requests. Each format class pairs like with like:
 
-- ``fp32``: edgeserve float32 (`edgeserve up`, weights as pulled, float32) against
-  llama-server on the F32 GGUF (`ops.llamacpp.model_ggufs`: the same values);
+- ``fp32``: edgeserve in float32 with fp32 KV (``--dtype float32 --kv-format fp32``)
+  against llama-server on the F32 GGUF (`ops.bench.llamacpp.model_ggufs`);
+- ``bf16``: edgeserve in bfloat16 with bf16 KV (what ``--dtype auto`` picks on CPUs with
+  AMX) against llama-server on the BF16 GGUF (the same numbers as our weights);
 - ``int4``: edgeserve with INT4 g32 decode weights (``--decode-weights int4
-  --int4-group-size 32``; prompts still float32) against llama-server on the Q4_1
-  GGUF (which also covers prompt processing and keeps an 8-bit output layer).
+  --int4-group-size 32``; prompts in the host's default dtype) against llama-server on
+  the Q4_1 GGUF (which also covers prompt processing and keeps an 8-bit output layer).
 
-Not like for like either way: llama.cpp's KV cache is F16, ours float32.
+Not like for like in the KV cache: llama.cpp's is F16, ours is the compute dtype's.
 
 Processes: edgeserve is `edgeserve up` itself (Redis, a worker, the gateway; its own
 `EDGESERVE_HOME` in a temporary folder so its cluster record is not the user's, the
@@ -51,7 +53,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import random
 import secrets
 import statistics
 import subprocess
@@ -59,127 +60,25 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["add_arguments", "run", "compare_end_to_end", "FORMATS", "make_prompts", "chat_body", "closed_loop",
-           "PassRow", "ratios", "spreads", "pass_order", "edgeserve_up_command", "omp_wait_policy"]
+from ops.bench.e2e_load import (MODEL, SYSTEMS, PassRow, chat_body, closed_loop, make_prompts, mean_tok_s,
+                                pass_order, pass_row, ratios, spreads)
 
-MODEL = "smollm2-135m"
-SYSTEMS = ("edgeserve", "llamacpp")
+__all__ = ["add_arguments", "run", "compare_end_to_end", "FORMATS", "make_prompts", "chat_body", "closed_loop",
+           "PassRow", "ratios", "spreads", "pass_order", "edgeserve_up_command", "omp_wait_policy", "end_to_end",
+           "print_table"]
+
 # format class -> (edgeserve's extra `up` flags, llama.cpp's GGUF key in `model_ggufs`)
 FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
-    "fp32": ((), "f32"),
+    "fp32": (("--dtype", "float32", "--kv-format", "fp32"), "f32"),
+    "bf16": (("--dtype", "bfloat16", "--kv-format", "bf16"), "bf16"),
     "int4": (("--decode-weights", "int4", "--int4-group-size", "32"), "q4_1"),
 }
 
 Log = Callable[[str], None]
-
-_SUBJECTS = ("a lighthouse keeper", "a young baker", "an old clockmaker", "a travelling musician", "a retired pilot",
-             "a curious fox", "a ship's cook", "a village teacher", "a mountain guide", "a street painter")
-_EVENTS = ("finds a sealed letter", "loses a precious key", "meets a stranger at dawn", "hears a strange song",
-           "discovers a hidden door", "receives an unexpected gift", "gets caught in a storm", "wins a contest")
-_PLACES = ("a small harbour town", "a snowy valley", "a busy market", "an abandoned railway station",
-           "a desert oasis", "a quiet forest", "a floating city", "an island of windmills")
-_DETAILS = ("weather", "smells", "sounds", "colours", "people nearby", "food", "buildings", "animals", "light")
-
-
-def make_prompts(tag: str, n: int) -> list[str]:
-    """`n` user messages of ~50 tokens (~80 with SmolLM2's chat template), each opening with `tag` and
-    its index, so no two share more than the template's prefix; seeded by `tag`."""
-    rng = random.Random(tag)
-    out = []
-    for i in range(n):
-        a, b, c = rng.sample(_DETAILS, 3)
-        out.append(f"Story {tag}-{i}. Write a long story about {rng.choice(_SUBJECTS)} who "
-                   f"{rng.choice(_EVENTS)} in {rng.choice(_PLACES)}. Describe the {a}, the {b} and the {c}.")
-    return out
-
-
-def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
-    """The request both systems get: one user message, greedy, not streamed."""
-    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": False}
-
-
-@dataclass
-class PassRow:
-    """One system's pass at one format class and concurrency."""
-
-    system: str
-    fmt: str
-    concurrency: int
-    pass_index: int
-    position: int  # 0: this system went first in the pass
-    requests: int
-    errors: int
-    completion_tokens: int
-    wall_s: float
-    tok_s: float
-    mean_prompt_tokens: float
-    mean_completion_tokens: float
-    in_process_ms_per_token: float | None  # llama.cpp: its responses' timings (mean); edgeserve: None here
-    error_kinds: dict[str, int]
-
-
-class _Reply(NamedTuple):
-    prompt_tokens: int
-    completion_tokens: int
-    ms_per_token: float | None  # llama-server's `timings.predicted_per_token_ms`
-
-
-async def closed_loop(url: str, headers: dict[str, str], prompts: list[str], concurrency: int,
-                      max_tokens: int) -> tuple[list[_Reply], dict[str, int], float]:
-    """`concurrency` users (one connection each) take the next prompt until none is left; returns
-    (the replies, errors by kind, wall seconds)."""
-    import httpx
-
-    queue = list(reversed(prompts))
-    replies: list[_Reply] = []
-    errors: dict[str, int] = {}
-
-    async def user(client: httpx.AsyncClient) -> None:
-        while queue:
-            prompt = queue.pop()
-            try:
-                resp = await client.post(url, json=chat_body(prompt, max_tokens), headers=headers)
-            except httpx.HTTPError as exc:
-                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-                continue
-            if resp.status_code != 200:
-                errors[f"HTTP {resp.status_code}"] = errors.get(f"HTTP {resp.status_code}", 0) + 1
-                continue
-            body = resp.json()
-            usage, timings = body["usage"], body.get("timings") or {}
-            replies.append(_Reply(usage["prompt_tokens"], usage["completion_tokens"],
-                                  timings.get("predicted_per_token_ms")))
-
-    clients = [httpx.AsyncClient(timeout=httpx.Timeout(600.0)) for _ in range(concurrency)]
-    try:
-        start = time.perf_counter()
-        await asyncio.gather(*(user(c) for c in clients))
-        wall = time.perf_counter() - start
-    finally:
-        for c in clients:
-            await c.aclose()
-    return replies, errors, wall
-
-
-def pass_row(system: str, fmt: str, c: int, index: int, position: int, replies: list[_Reply],
-             errors: dict[str, int], wall_s: float) -> PassRow:
-    tokens = sum(r.completion_tokens for r in replies)
-    per_token = [r.ms_per_token for r in replies if r.ms_per_token is not None]
-    mean = lambda xs: statistics.fmean(xs) if xs else float("nan")  # noqa: E731
-    return PassRow(system, fmt, c, index, position, len(replies), sum(errors.values()), tokens, wall_s,
-                   tokens / wall_s if wall_s > 0 else 0.0, mean([r.prompt_tokens for r in replies]),
-                   mean([r.completion_tokens for r in replies]), statistics.fmean(per_token) if per_token else None,
-                   errors)
-
-
-def pass_order(index: int, c_index: int) -> tuple[str, str]:
-    """Which system goes first: alternating by pass, and shifted by concurrency level."""
-    return SYSTEMS if (index + c_index) % 2 == 0 else SYSTEMS[::-1]
 
 
 def omp_wait_policy(choice: str, load_average: float, cpus: int) -> str:
@@ -192,29 +91,6 @@ def omp_wait_policy(choice: str, load_average: float, cpus: int) -> str:
         return choice
     return "passive" if load_average > 0.5 * cpus else "default"
 
-
-def _mean_tok_s(rows: list[PassRow], system: str, fmt: str, c: int) -> float | None:
-    vals = [r.tok_s for r in rows if (r.system, r.fmt, r.concurrency) == (system, fmt, c)]
-    return statistics.fmean(vals) if vals else None
-
-
-def ratios(rows: list[PassRow]) -> dict[str, dict[int, float | None]]:
-    """format -> c -> edgeserve tok/s over llama.cpp tok/s (each the mean over its passes)."""
-    out: dict[str, dict[int, float | None]] = {}
-    for fmt, c in dict.fromkeys((r.fmt, r.concurrency) for r in rows):
-        ours, theirs = _mean_tok_s(rows, "edgeserve", fmt, c), _mean_tok_s(rows, "llamacpp", fmt, c)
-        out.setdefault(fmt, {})[c] = ours / theirs if ours is not None and theirs else None
-    return out
-
-
-def spreads(rows: list[PassRow]) -> dict[str, dict[str, dict[int, float]]]:
-    """system -> format -> c -> (max - min) / mean of the passes' tok/s."""
-    out: dict[str, dict[str, dict[int, float]]] = {}
-    for system, fmt, c in dict.fromkeys((r.system, r.fmt, r.concurrency) for r in rows):
-        vals = [r.tok_s for r in rows if (r.system, r.fmt, r.concurrency) == (system, fmt, c)]
-        mean = statistics.fmean(vals)
-        out.setdefault(system, {}).setdefault(fmt, {})[c] = (max(vals) - min(vals)) / mean if mean else float("nan")
-    return out
 
 
 # ---------------------------------------------------------------- edgeserve as `edgeserve up`
@@ -306,7 +182,7 @@ def _levels(args: argparse.Namespace) -> list[int]:
 
 def _llamacpp(args: argparse.Namespace, log: Log) -> tuple[Any, dict[str, Path] | None, str]:
     """(the build, its GGUFs, "ok") or (None, None, why it is skipped)."""
-    from ops.llamacpp import LlamaCppUnavailable, ensure_llamacpp, model_ggufs
+    from ops.bench.llamacpp import LlamaCppUnavailable, ensure_llamacpp, model_ggufs
 
     if args.no_llamacpp:
         return None, None, "skipped (--no-llamacpp)"
@@ -320,7 +196,7 @@ def _llamacpp(args: argparse.Namespace, log: Log) -> tuple[Any, dict[str, Path] 
 def compare_end_to_end(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     """Run the comparison (module docstring) and return the report's fields; llama.cpp's absence is a
     note in ``llamacpp``, not an error."""
-    from ops.llamacpp import llama_server
+    from ops.bench.llamacpp import llama_server
     from ops.pull import resolve_model
 
     levels, formats = _levels(args), args.e2e_formats.split(",")
@@ -382,7 +258,7 @@ def compare_end_to_end(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                    "edgeserve_flags": {f: list(FORMATS[f][0]) for f in formats},
                    "load_average_start": load_start},
         "ratio_vs_llamacpp": ratios(rows),
-        "tok_s": {fmt: {s: {c: _mean_tok_s(rows, s, fmt, c) for c in levels} for s in SYSTEMS} for fmt in formats},
+        "tok_s": {fmt: {s: {c: mean_tok_s(rows, s, fmt, c) for c in levels} for s in SYSTEMS} for fmt in formats},
         "in_process_ms_per_token": {fmt: {"llamacpp": llama_ms.get(fmt, {}), "edgeserve_worker": worker_ms.get(fmt, {})}
                                     for fmt in formats},
         "spread": spreads(rows),
@@ -390,7 +266,7 @@ def compare_end_to_end(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     }
 
 
-def _print_table(report: dict[str, Any]) -> None:
+def print_table(report: dict[str, Any]) -> None:
     if not report.get("passes"):
         print(f"llama.cpp comparator: {report['llamacpp']['note']}")
         return
@@ -415,7 +291,7 @@ def _print_table(report: dict[str, Any]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-concurrency", default=None, help="comma-separated c (default 1,8,32; quick 1,8)")
-    p.add_argument("--e2e-formats", default="fp32,int4", help="format classes: fp32, int4 (default both)")
+    p.add_argument("--e2e-formats", default="fp32,bf16,int4", help="format classes: fp32, bf16, int4 (default all)")
     p.add_argument("--e2e-passes", type=int, default=None, help="passes per system and c (default 2)")
     p.add_argument("--e2e-requests", type=int, default=None, help="requests per user per pass (default 4; quick 2)")
     p.add_argument("--e2e-tokens", type=int, default=95, help="max_tokens of each request (default 95)")
@@ -428,18 +304,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp comparator")
 
 
-def run(args: argparse.Namespace) -> int:
-    from ops.bench import write_report
-    from ops.llamacpp import VERSION
+def end_to_end(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the comparison, print its table and return the report's fields (also `bench engine`'s
+    ``end_to_end`` section)."""
+    from ops.bench.harness.progress import log
+    from ops.bench.llamacpp import VERSION
 
     args.llamacpp_version = args.llamacpp_version or VERSION
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.perf_counter()
     report = compare_end_to_end(args, log)
     report = {"quick": args.quick, **report, "total_s": time.perf_counter() - started,
               "load_average_end": list(os.getloadavg())}
     print(f"\nend to end through /v1/chat/completions, edgeserve (`edgeserve up`) vs llama.cpp's llama-server"
           f"{' (quick)' if args.quick else ''}; ratio = edgeserve / llama.cpp")
-    _print_table(report)
+    print_table(report)
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    from ops.bench import write_report
+
+    report = end_to_end(args)
     write_report(args.json_path, report)
     return 0

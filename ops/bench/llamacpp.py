@@ -1,7 +1,7 @@
 """llama.cpp's `llama-server` as a comparator: built once from source, its GGUF files, started and stopped.
 
 llama.cpp is the server a CPU user would otherwise pick, so the end-to-end benchmark
-(`ops.bench_e2e`) measures edgeserve against it through the same OpenAI endpoint.
+(`ops.bench.e2e`) measures edgeserve against it through the same OpenAI endpoint.
 There is no prebuilt binary we may fetch (the registries we reach are PyPI, npm and
 Debian), so it is compiled here from the source distribution of `llama-cpp-python`
 (pinned `VERSION`), whose `vendor/llama.cpp/` is the whole of llama.cpp:
@@ -23,10 +23,10 @@ Where the build cannot run (no cmake or C++ compiler, pip refused, a compile err
 `LlamaCppUnavailable` says why; callers print it and skip the comparator.
 
 GGUF files (`model_ggufs`): Q4_1 is the file `edgeserve pull` keeps for SmolLM2-135M
-(Q4_1 blocks, an 8-bit token embedding); F32 is `llama-quantize --allow-requantize
-<q4_1> <f32> F32`, the same values our float weights hold (ours are dequantised from
-that file too), made once into `<home>/llamacpp/models/` (written under a temporary
-name and renamed).
+(Q4_1 blocks, an 8-bit token embedding); F32 and BF16 are `llama-quantize --allow-requantize
+<q4_1> <out> F32|BF16`: the file's dequantised values, and the same rounded to nearest-even
+BF16 as `edgeserve pull` rounds ours (so the BF16 file holds our weights' numbers), made once
+into `<home>/llamacpp/models/` (written under a temporary name and renamed).
 
 `llama_server` runs `llama-server -m GGUF -t THREADS -np SLOTS -c SLOTS*CTX` on a free
 loopback port, without its web UI where the build has the flag, in its own process
@@ -223,26 +223,29 @@ def ensure_llamacpp(version: str = VERSION, home: Path | None = None, jobs: int 
 
 def model_ggufs(build: LlamaCppBuild, model: str = "smollm2-135m", home: Path | None = None,
                 log: Log = _stderr) -> dict[str, Path]:
-    """{"q4_1": the pulled GGUF, "f32": its F32 requantisation (made once, cached)} for `model`."""
+    """{"q4_1": the pulled GGUF, "f32" / "bf16": its F32 and BF16 requantisations (made once, cached)} for
+    `model`. F32 holds the Q4_1 blocks' dequantised values; BF16 rounds them to nearest-even, as `edgeserve
+    pull` does for our weights, so the BF16 file and our weights hold the same numbers."""
     from ops.pull import gguf_path, resolve_model
 
     resolve_model(model, home=home)  # pulled once (the GGUF is kept beside the converted folder)
     q4 = gguf_path(model, home=home)
     if not q4.is_file():
         raise LlamaCppUnavailable(f"{q4} is missing: pull {model} again (`edgeserve pull {model}`)")
-    return {"q4_1": q4, "f32": f32_gguf(build, q4, build_root(home) / "models", log)}
+    models = build_root(home) / "models"
+    return {"q4_1": q4, "f32": f32_gguf(build, q4, models, log), "bf16": f32_gguf(build, q4, models, log, "BF16")}
 
 
-def f32_gguf(build: LlamaCppBuild, q4: Path, dest_dir: Path, log: Log = _stderr) -> Path:
-    """`dest_dir/<name>.F32.gguf`: `q4` requantised to F32 by llama-quantize, made once (under a temporary
-    name, renamed when complete)."""
-    f32 = dest_dir / f"{q4.name.removesuffix('.gguf').removesuffix('.Q4_1')}.F32.gguf"
+def f32_gguf(build: LlamaCppBuild, q4: Path, dest_dir: Path, log: Log = _stderr, ftype: str = "F32") -> Path:
+    """`dest_dir/<name>.<ftype>.gguf`: `q4` requantised to `ftype` (F32, or BF16) by llama-quantize, made once
+    (under a temporary name, renamed when complete)."""
+    f32 = dest_dir / f"{q4.name.removesuffix('.gguf').removesuffix('.Q4_1')}.{ftype}.gguf"
     if not f32.is_file():
         with _locked(f32.parent / f".{f32.name}.lock"):
             if not f32.is_file():
                 tmp = f32.with_name(f".{f32.name}.tmp-{os.getpid()}")
                 try:
-                    _run_step([str(build.quantize), "--allow-requantize", str(q4), str(tmp), "F32"],
+                    _run_step([str(build.quantize), "--allow-requantize", str(q4), str(tmp), ftype],
                               f"make {f32.name}", log)
                     tmp.rename(f32)
                 finally:
