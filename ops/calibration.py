@@ -1,4 +1,6 @@
-"""Layer-by-layer GPTQ calibration of a decoder (Llama, Qwen2, Glm4Moe; MLA: DeepSeek-V3, Kimi K2.x, GLM-5), bounded in memory.
+"""Layer-by-layer GPTQ calibration of a decoder, bounded in memory.
+
+Architectures: Llama, Qwen2, Glm4Moe; MLA: DeepSeek-V3, Kimi K2.x, GLM-5.
 
 What GPTQ needs of a linear is its inputs on representative text (`ops/gptq.py`). A whole
 model's activations would not fit for the large MoE checkpoints, so the model is walked
@@ -50,15 +52,6 @@ Linears an ignore list keeps dense are not quantised; the forward runs the dense
 output holds for them. A compressed-tensors (`PackQuantizedWriter`) target is quantised on
 its symmetric grid (or compressed-tensors' integer zero points) and packed.
 
-With ``dense_target`` each linear is fitted to the *dense* model's output instead of its own
-dense weight's: a second stream of hidden states runs the dense model alongside, and before
-GPTQ a linear reading x (the quantised model's input) whose dense model input is x_d is
-replaced by the weight V that best maps x to x_d Wᵀ (`ops.gptq.dense_target_map`, ridge-
-regularised towards W), so GPTQ on V with x's Hessian minimises ||x Qᵀ - x_d Wᵀ|| (the
-asymmetric calibration of GPTAQ, Li et al. 2025): each layer also corrects the drift the
-quantised layers before it caused. It costs a dense forward per layer and one [K, K] solve
-per input; inputs seen by a subset of tokens (routed experts) keep their own weight as target.
-
 Calibration text, the dense weights as the quantiser reads them (`DenseWeights`), and the layer
 order of the written tensors (`in_layer_order`) are in `ops/calibration_inputs.py`.
 """
@@ -82,7 +75,7 @@ from backend.weight_formats import Int4Format, StoredWeight
 from ops.awq import fake_quant, fold_into_norm, input_stats, search_scales
 from ops.calibration_inputs import (CALIB_GENRES, DEFAULT_CALIB_TOKENS, EVAL_GENRES, DenseWeights,  # re-exported
                                     calibration_ids, in_layer_order, layer_of)
-from ops.gptq import DEFAULT_DAMP, HessianAccumulator, dense_target_map, gptq_quantize, prepare_hessian
+from ops.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_quantize, prepare_hessian
 
 __all__ = ["CALIB_GENRES", "EVAL_GENRES", "DEFAULT_CALIB_TOKENS", "CalibrationStats", "LayerCalibrator",
            "DenseWeights", "calibration_ids", "in_layer_order", "layer_of"]
@@ -127,16 +120,14 @@ class LayerCalibrator:
                  min_expert_tokens: int | None = None, kept: Callable[[str], bool] = lambda module: False,
                  served: Callable[[str], torch.Tensor] | None = None, damp: float = DEFAULT_DAMP,
                  static_groups: bool = False, clip: bool = True, awq: bool = False, gptq: bool = True,
-                 refit: bool = False, dense_target: bool = False) -> None:
+                 refit: bool = False) -> None:
         if cfg.index_topk and ids.shape[1] > cfg.index_topk:
             raise WeightsError(f"{cfg.architecture} attends to its indexer's top {cfg.index_topk} keys beyond "
                                f"{cfg.index_topk} tokens, which calibration does not run: calibrate on sequences "
                                f"of at most {cfg.index_topk} tokens (got {ids.shape[1]})")
         self.cfg, self.fmt, self.act_order, self.damp = cfg, fmt, act_order, damp
         self.static_groups, self.clip = static_groups, clip
-        self.awq, self.gptq, self.refit, self.dense_target = awq, gptq, refit, dense_target
-        self._capturing = False  # running the dense layer to record its linears' inputs (dense_target)
-        self._dense_inputs: dict[str, torch.Tensor] = {}  # first module of a group -> its dense inputs [T, K]
+        self.awq, self.gptq, self.refit = awq, gptq, refit
         self.tensors: dict[str, torch.Tensor] = {}  # dense tensors the last layer rewrote (AWQ-folded norms)
         self.get, self.weight, self.has = get, weight, has
         self.kept, self.served = kept, served or weight
@@ -149,7 +140,6 @@ class LayerCalibrator:
         self.stats = CalibrationStats(tokens=ids.numel(), sequences=ids.shape[0], seq_len=ids.shape[1])
         started = time.perf_counter()
         self.h = F.embedding(ids, get("model.embed_tokens.weight").float())  # [S, L, hidden]
-        self.h_dense = self.h  # the dense model's hidden states (dense_target)
         inv_freq, factor = rope_inv_freq(cfg)
         angles = torch.outer(torch.arange(ids.shape[1], dtype=torch.float32), inv_freq)  # [L, rot/2]
         self.cos, self.sin = factor * angles.cos(), factor * angles.sin()
@@ -165,17 +155,8 @@ class LayerCalibrator:
         order (a kept linear's dense weight)."""
         modules = list(modules)
         dense = dense or {}
-        tokens = x.numel() // x.shape[-1]
-        if self._capturing:  # the dense pass: record the inputs of a group that sees every token
-            if tokens == self.stats.tokens:
-                self._dense_inputs[modules[0]] = x.reshape(tokens, -1)
-            return [self.weight(m).float() for m in modules]
         todo = [m for m in modules if not self.kept(m)]
         deq = {m: self.served(m).float() for m in modules if self.kept(m)}
-        x_dense = self._dense_inputs.get(modules[0])
-        if todo and x_dense is not None and x_dense.shape[0] == tokens:
-            t = dense_target_map(x.reshape(tokens, -1), x_dense, self.damp)
-            dense = {**dense, **{m: (dense[m] if m in dense else self.weight(m)).float() @ t.t() for m in todo}}
         if todo and gptq and self.gptq:
             acc = HessianAccumulator(x.shape[-1])
             acc.add(x)
@@ -205,26 +186,9 @@ class LayerCalibrator:
         cfg, i = self.cfg, self.layer
         if i >= cfg.num_layers:
             raise IndexError(f"the model has {cfg.num_layers} layers")
+        p = f"model.layers.{i}."
         out: dict[str, StoredWeight] = {}
         self.tensors = {}
-        if self.dense_target:  # the dense layer on the dense stream first: each linear's dense inputs
-            self._dense_inputs, self._capturing = {}, True
-            quantised, self.h = self.h, self.h_dense
-            try:
-                self._layer({})
-            finally:
-                self._capturing = False
-            self.h_dense, self.h = self.h, quantised
-        self._layer(out)
-        self._dense_inputs = {}
-        self.layer += 1
-        self.stats.seconds += time.perf_counter() - started
-        return out
-
-    def _layer(self, out: dict[str, StoredWeight]) -> None:
-        """Layer `self.layer` on `self.h` (updated in place), its quantised linears into `out`."""
-        cfg, i = self.cfg, self.layer
-        p = f"model.layers.{i}."
         if cfg.is_mla:
             first = f"{p}self_attn.q_a_proj" if cfg.q_lora_rank else f"{p}self_attn.q_proj"
             # a DSA indexer reads the same norm's output: no AWQ fold into it there
@@ -241,6 +205,9 @@ class LayerCalibrator:
         flat = x.reshape(-1, x.shape[-1])  # [T, hidden]
         y = self._moe(p, flat, out) if cfg.is_moe_layer(i) else self._mlp(f"{p}mlp.", flat, out, dense=dense)
         self.h = self.h + y.view_as(self.h)
+        self.layer += 1
+        self.stats.seconds += time.perf_counter() - started
+        return out
 
     def _normed(self, norm: str, modules: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """rms_norm of the hidden states with weight `norm`, and (AWQ, every one of `modules` quantised)
@@ -248,7 +215,7 @@ class LayerCalibrator:
         weight divided by them goes to `self.tensors` and the returned input is computed with it."""
         cfg, w = self.cfg, self.get(norm)
         x = rms_norm(self.h, w.float(), cfg.rms_norm_eps)
-        if self._capturing or not self.awq or not modules or any(self.kept(m) for m in modules):
+        if not self.awq or not modules or any(self.kept(m) for m in modules):
             return x, {}
         weights = {m: self.weight(m).float() for m in modules}
         h, mean = input_stats(x)
@@ -335,7 +302,7 @@ class LayerCalibrator:
         the dense MLP's inner activations and folded into up_proj's rows."""
         gate, up, down = (f"{prefix}{n}_proj" for n in ("gate", "up", "down"))
         dense = dict(dense or {})
-        if self.awq and not self._capturing and not any(self.kept(m) for m in (gate, up, down)):
+        if self.awq and not any(self.kept(m) for m in (gate, up, down)):
             wg, wu = (dense[m] if m in dense else self.weight(m).float() for m in (gate, up))
             wd = self.weight(down).float()
             h, mean = input_stats(F.silu(x @ wg.t()) * (x @ wu.t()))
@@ -360,7 +327,7 @@ class LayerCalibrator:
             rows, slots = (ids == e).nonzero(as_tuple=True)
             name = f"{p}mlp.experts.{e}."
             gptq = rows.numel() >= max(self.min_expert_tokens, 1)
-            if not gptq and not self._capturing:
+            if not gptq:
                 self.stats.rtn_experts.append(name.rstrip("."))
             ye = self._mlp(name, x[rows], out, gptq)
             y.index_add_(0, rows, ye * weights[rows, slots].unsqueeze(1))

@@ -82,7 +82,6 @@ from backend.errors import WeightsError
 from backend.weight_formats import Int4Format, StoredWeight
 
 __all__ = ["HessianAccumulator", "PreparedHessian", "GptqResult", "prepare_hessian", "gptq_quantize",
-           "dense_target_map",
            "int4_group_params", "symmetric_group_params", "integer_zero_group_params", "DEFAULT_DAMP",
            "DEFAULT_BLOCK"]
 
@@ -146,18 +145,6 @@ def prepare_hessian(h: torch.Tensor, act_order: bool = False, damp: float = DEFA
                 return PreparedHessian(u.float(), perm, dead, diag_cols, h_cols)
     raise WeightsError(f"GPTQ: the calibration Hessian ({k} columns) is not positive definite even with "
                        f"{100 * damp * 1000:g}% dampening; use more calibration tokens or --method rtn")
-
-
-def dense_target_map(x: torch.Tensor, x_dense: torch.Tensor, damp: float = DEFAULT_DAMP) -> torch.Tensor:
-    """T [K, K] (float32) such that W Tᵀ is the weight whose outputs on the quantised model's inputs x [n, K]
-    best match the dense model's, x_dense [n, K] (the same tokens) through W: W Tᵀ minimises
-    ||x Vᵀ - x_dense Wᵀ||² + λ ||V - W||² over V, so T = (xᵀx + λI)⁻¹ (xᵀx_dense + λI), λ = damp
-    mean(diag xᵀx). T = I when x = x_dense (module docstring: dense target)."""
-    x, x_dense = x.double(), x_dense.double()
-    h = x.t() @ x  # [K, K]
-    lam = damp * float(torch.diagonal(h).mean()) or 1.0
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
-    return torch.linalg.solve(h + lam * eye, x.t() @ x_dense + lam * eye).float()
 
 
 def int4_group_params(w: torch.Tensor, shrink: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,13 +27,14 @@ activation order and a clip search of each group's range (`--no-act-order`, `--n
 measured worse on SmolLM2, `BENCHMARKS.md`). `--awq` scales the inputs AWQ-style first
 (`ops/awq.py`: scales searched per input, folded into the norms and up_proj's rows) and
 `--refit` re-fits the group scales to the codes: neither measured better on SmolLM2's 20k
-held-out tokens, so both are off. ``awq`` is the AWQ scaling followed by round to nearest. All write the same tensors, dtypes, shapes and
-order: the checkpoints differ only in values (AWQ rewrites norm weights, in their dtype).
+held-out tokens, so both are off. ``awq`` is the AWQ scaling followed by round to nearest.
+All write the same tensors, dtypes, shapes and order: the checkpoints differ only in values
+(AWQ rewrites norm weights, in their dtype).
 `--zero-points` writes compressed-tensors' asymmetric grid (``symmetric: false``, an
 integer zero point per group, ``weight_zero_point``) instead of the symmetric one.
 
-Streaming: the output header is planned from the input headers alone (`ops/quantize_steps.py`; a format's
-tensors have known dtypes and shapes), then the tensors are written layer by layer
+Streaming: the output header is planned from the input headers alone (`ops/quantize_steps.py`;
+a format's tensors have known dtypes and shapes), then the tensors are written layer by layer
 (tensors of no layer first), each input tensor read, converted and written before
 the next, so peak memory is one tensor and its outputs; with gptq, one layer's dense
 weights and the calibration hidden states [tokens, hidden] (float32) besides.
@@ -85,7 +86,6 @@ __all__ = ["register", "QuantizePlan", "ExpertSlice", "plan_quantize", "quantize
 METHODS = ("rtn", "gptq", "awq")  # awq: AWQ input scales, then round to nearest (gptq scales first by default)
 GPTQ_AWQ = False  # --awq: GPTQ on AWQ-scaled weights (no better on SmolLM2 over 20,460 tokens, BENCHMARKS.md)
 GPTQ_REFIT = False  # --refit: least-squares refit of each row's group scales after GPTQ
-GPTQ_DENSE_TARGET = False  # --dense-target: each linear fitted to the dense model's outputs
 OUTPUT_FORMATS = ("compressed-tensors", "edgeserve")  # INT4 layouts --output-format writes
 
 DEFAULT_SHARD_BYTES = 4 * 2**30
@@ -153,7 +153,7 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
                         calib_file: Path | None = None, calib_ids: torch.Tensor | None = None,
                         act_order: bool = True, ignore: Sequence[str] = (), damp: float = DEFAULT_DAMP,
                         static_groups: bool = False, clip: bool = True, awq: bool = GPTQ_AWQ,
-                        refit: bool = GPTQ_REFIT, dense_target: bool = GPTQ_DENSE_TARGET) -> SizeReport:
+                        refit: bool = GPTQ_REFIT) -> SizeReport:
     """Write `dst` (which must not exist) from `src` with its linear layers in `target`; atomic.
 
     method: "rtn" rounds each weight to nearest; "gptq" (INT4 only) calibrates layer by layer on
@@ -189,7 +189,7 @@ def quantize_checkpoint(src: Path, dst: Path, target: WeightFormat, *, shard_byt
         calibrator = LayerCalibrator(cfg, ids, target, reader.get, weights, reader.__contains__, act_order,
                                      kept=plan.kept.__contains__, served=served, damp=damp,
                                      static_groups=static_groups, clip=clip, awq=awq or method == "awq",
-                                     gptq=method == "gptq", refit=refit, dense_target=dense_target)
+                                     gptq=method == "gptq", refit=refit)
     prefix = cfg.checkpoint_prefix  # written back under the prefix the config.json implies
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))

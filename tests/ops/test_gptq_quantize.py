@@ -55,25 +55,23 @@ def test_calibration_and_evaluation_genres_are_disjoint(smollm2_dir: Path) -> No
     assert {d[1] for d in held_docs} <= set(EVAL_GENRES) and not set(docs) & set(held_docs)
 
 
-@pytest.mark.parametrize("act_order,awq,dense_target", [(False, False, False), (True, False, False),
-                                                       (True, True, False), (True, False, True)])
+@pytest.mark.parametrize("act_order,awq", [(False, False), (True, False), (True, True)])
 def test_calibrator_forward_is_the_runtime_forward(tiny_moe_tok: Path, tmp_path: Path, act_order: bool,
-                                                   awq: bool, dense_target: bool) -> None:
+                                                   awq: bool) -> None:
     """Walking every layer, the calibrator's hidden states (through the quantised layers) give the
     logits that our engine computes from the written checkpoint's dequantised weights, and the
     stored weights are the calibrator's. Covers q/k norm, biases, partial RoPE, routing, shared experts,
-    and AWQ's scales folded into the norms (written) and into up_proj's rows. With the dense target,
-    the second stream of hidden states is the dense model's: its logits are the source checkpoint's."""
+    and AWQ's scales folded into the norms (written) and into up_proj's rows."""
     ids = torch.randint(3, 49000, (2, 48))
     fmt = weight_format("int4", 32)
     out = tmp_path / "q"
     report = quantize.quantize_checkpoint(tiny_moe_tok, out, fmt, method="gptq", calib_ids=ids, act_order=act_order,
-                                          progress=False, awq=awq, dense_target=dense_target)
+                                          progress=False, awq=awq)
     cfg = load_config(tiny_moe_tok)
     reader = CheckpointReader(tiny_moe_tok)
     plan = quantize.plan_quantize(reader, cfg, fmt)
     cal = LayerCalibrator(cfg, ids, fmt, reader.get, quantize.DenseWeights(reader, plan), reader.__contains__,
-                          act_order, awq=awq, dense_target=dense_target)
+                          act_order, awq=awq)
     written = CheckpointReader(out)
     folded = []
     for _ in range(cfg.num_layers):
@@ -90,12 +88,6 @@ def test_calibrator_forward_is_the_runtime_forward(tiny_moe_tok: Path, tmp_path:
     ours = h @ reader.get("lm_head.weight").float().t()
     runtime = _prefill_logits(_engine(out, prefill_weights="fp32", decode_weights="fp32"), ids[1].tolist())
     torch.testing.assert_close(ours, runtime, rtol=1e-4, atol=1e-4 * runtime.abs().max().item())
-    if dense_target:
-        h = rms_norm(cal.h_dense[1], reader.get("model.norm.weight").float(), cfg.rms_norm_eps)
-        dense = _prefill_logits(_engine(tiny_moe_tok), ids[1].tolist())
-        torch.testing.assert_close(h @ reader.get("lm_head.weight").float().t(), dense, rtol=1e-4,
-                                   atol=1e-4 * dense.abs().max().item())
-        assert not torch.allclose(ours, dense, rtol=1e-2, atol=1e-2 * dense.abs().max().item())
 
 
 def test_gptq_and_rtn_checkpoints_differ_only_in_values_and_gptq_is_closer(tiny_chat_dir: Path,
@@ -170,10 +162,12 @@ def test_cli_output_format_compressed_tensors_for_gptq_and_rtn(tiny_chat_dir: Pa
     module = "model.layers.1.mlp.down_proj"  # rtn is the writer's own rounding
     want = PackQuantizedWriter(32).quantize(CheckpointReader(tiny_chat_dir).get(f"{module}.weight"))
     assert all(torch.equal(a.get(f"{module}.{s}"), t) for s, t in want.tensors.items())
-    ids = list(range(100, 300, 3))
-    dense = _prefill_logits(_engine(tiny_chat_dir), ids)
-    err = {m: (_prefill_logits(_engine(tmp_path / m), ids) - dense).norm().item() for m in ("rtn", "gptq")}
-    assert err["gptq"] < err["rtn"], err
+    from backend.tokenizer import Tokenizer
+
+    held, _ = corpus_tokens(Tokenizer.from_model_dir(tiny_chat_dir).encode, 200, fetch_brown(), EVAL_GENRES)
+    dense = _prefill_logits(_engine(tiny_chat_dir), held[:200])  # held-out text: an id ramp is not what GPTQ fits
+    err = {m: (_prefill_logits(_engine(tmp_path / m), held[:200]) - dense).norm().item() for m in ("rtn", "gptq")}
+    assert err["gptq"] < 0.95 * err["rtn"], err
 
 
 def test_plan_flag_prints_the_size_plan(capsys: pytest.CaptureFixture[str], tiny_chat_dir: Path) -> None:
