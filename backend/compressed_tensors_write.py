@@ -1,10 +1,8 @@
 """Writing compressed-tensors ``pack-quantized`` INT4 checkpoints, the layout vLLM and SGLang load.
 
-The layout and how it is read are in `backend/compressed_tensors.py`.
-
-**Writing** (`PackQuantizedWriter`, `symmetric_int4`, `pack_quantized_tensors`,
-`quantization_config`): the same layout, so vLLM and SGLang load what
-`edgeserve quantize` writes, as they load Kimi's release. The grid is symmetric,
+The layout and how it is read are in `backend/compressed_tensors.py`. `PackQuantizedWriter`,
+`symmetric_int4`, `pack_quantized_tensors` and `quantization_config` write the same layout, so
+vLLM and SGLang load what `edgeserve quantize` writes, as they load Kimi's release. The grid is symmetric,
 which our `Int4Format` grid is not (it stores a zero point per group, the value of
 code 8): a pack-quantized checkpoint has no zero point, so `pack_quantized_tensors`
 takes an INT4 weight whose zeros are all 0 and refuses any other. `symmetric_int4`
@@ -25,7 +23,11 @@ scales for a float32 model); the codes are taken against the rounded scale, so t
 absorb its rounding. Against our asymmetric grid (s = (hi - lo) / 15 plus a zero
 point) the symmetric step is up to 2x coarser on a group whose values are all of one
 sign, and the same on a centred one; the zero point is what the asymmetric format
-buys, and what a pack-quantized reader cannot take.
+buys, and what a symmetric pack-quantized reader cannot take. With zero points
+(``symmetric: false``, `asymmetric_int4`, `integer_zero_params`) the group's range is widened
+to hold 0, scale = bfloat16((hi - lo) / 15) and an integer zp = clamp(round(-8 - lo / scale),
+-8, 7) is stored per group in ``weight_zero_point`` (`pack_zero_points`); our layout holds it
+as zeros = bfloat16(-zp * scale).
 
 `weight_packed` is int32 [N, K/8] (K is a multiple of g, so of 8: nothing is padded),
 `weight_scale` bfloat16 [N, K/g], and `weight_shape` int64 [2], the dtype the package
