@@ -26,6 +26,11 @@ copies). Results equal `F.linear` up to GEMM summation order.
 Each bucket costs one extra copy of the weight in memory (for SmolLM2-135M in
 float32: ~0.54 GB per bucket). Buckets are used only for float32 weights on a
 CPU build with MKL; everything else uses the plain GEMM.
+
+Bfloat16 weights on a CPU with AVX512-BF16: calls of at most `cpu_gemv.MAX_ROWS` rows (a
+decode step's few requests) run the C GEMV of `kernels/cpu_gemv.py`, which reads the weight
+at close to the memory's rate where torch's bfloat16 GEMM reached about half of it; same
+products, float32 sums in another order, rounded to bfloat16 as torch's result is.
 """
 
 from __future__ import annotations
@@ -49,6 +54,20 @@ class LinearOp(Protocol):
     nbytes: int  # bytes of weight data held (MKL packs excluded)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+_GEMV_MAX_ROWS = 4  # kernels.cpu_gemv.MAX_ROWS (not imported here: the C build runs on first use only)
+
+
+def _bf16_gemv_available() -> bool:
+    """Whether the AVX512-BF16 decode GEMV is built for this CPU (`EDGESERVE_BF16_GEMV=0` turns it off)."""
+    import os
+
+    if os.environ.get("EDGESERVE_BF16_GEMV", "1") == "0":
+        return False
+    from kernels.cpu_gemv import available
+
+    return available()
 
 
 def mkl_packing_available() -> bool:
@@ -91,6 +110,8 @@ class Linear:
             and mkl_packing_available()
         self.buckets = tuple(sorted(buckets)) if use else ()
         self.packs = {b: torch.ops.mkl._mkl_reorder_linear_weight(weight, b) for b in self.buckets}
+        self.gemv = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous() \
+            and _bf16_gemv_available()
 
     @property
     def out_features(self) -> int:
@@ -118,6 +139,11 @@ class Linear:
         if x.dtype != self.weight.dtype:  # e.g. bf16 weights under float32 compute
             return self(x.to(self.weight.dtype)).to(x.dtype)
         rows = x.shape[0]
+        if self.gemv and rows <= _GEMV_MAX_ROWS:
+            from kernels.cpu_gemv import gemv_bf16
+
+            y = gemv_bf16(x, self.weight)
+            return y if self.bias is None else y.add_(self.bias)
         if not self.buckets or rows <= _UNPACKED_MAX_ROWS or rows >= _UNPACKED_MIN_ROWS:
             return self._dense(x)
         plan = _plan(rows, self.buckets)

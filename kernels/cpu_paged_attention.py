@@ -16,13 +16,11 @@ dequantised values are bit-identical to `kernels.kv_store.dequantize_fp8_ref`, a
 result differs from the gather + SDPA reference only by summation order (tests compare
 within 1e-5 relative on fresh random inputs).
 
-Build: `gcc -O3 -march=native` (vector units of the host it runs on: CPU defaults follow
-the machine, not one host's results) plus the reassociation flags that let the compiler
-vectorise float sums (`-fassociative-math -fno-signed-zeros -fno-trapping-math`, not
-`-ffast-math`: no flush-to-zero). The shared object is cached under
-`$EDGESERVE_HOME/kernels/` keyed by the source, flags, compiler and CPU flags, so a
-source change or another host rebuilds it. Without a C compiler (or when the build
-fails) `available()` is False, the reason is logged once, and the torch path runs.
+Build (`kernels/cpu_build.py`): `gcc -O3 -march=native` plus the reassociation flags that
+let the compiler vectorise float sums (`-fassociative-math -fno-signed-zeros
+-fno-trapping-math`, not `-ffast-math`: no flush-to-zero), cached per source, flags,
+compiler and CPU. Without a C compiler (or when the build fails) `available()` is False,
+the reason is logged once, and the torch path runs.
 Threads: pthreads over (sequence, KV head) pairs, `torch.get_num_threads()` of them
 when the step's context is large enough to pay for starting them.
 """
@@ -30,76 +28,29 @@ when the step's context is large enough to pay for starting them.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import threading
-from pathlib import Path
 
 import torch
 
+from kernels.cpu_build import CKernel
+
 __all__ = ["available", "paged_decode_attention_cpu", "build_error"]
 
-log = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-          "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _THREADED_ROWS = 4096  # (sequence, KV head, token) rows below which one thread does the whole step
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
 
 
-def _cache_dir() -> Path:
-    home = os.environ.get("EDGESERVE_HOME")
-    return (Path(home).expanduser() if home else Path.home() / ".cache" / "edgeserve") / "kernels"
-
-
-def _cpu_key() -> str:
-    try:
-        return next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return os.uname().machine
-
-
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise OSError("no C compiler (gcc or cc) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, version, _cpu_key()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_decode-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        res = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True,
-                             check=False)
-        if res.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise OSError(f"{cc} failed: {res.stderr.strip()[:500]}")
-        os.replace(tmp, out)  # atomic: concurrent builders each write their own file
-    lib = ctypes.CDLL(str(out))
-    p = ctypes.c_void_p
-    i = ctypes.c_int
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
     lib.paged_decode.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]
     lib.paged_decode.restype = ctypes.c_int
-    return lib
+
+
+_KERNEL = CKernel("paged_decode.c", ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+                                     "-fno-math-errno"), _declare, "decode attention gathers pages instead")
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _error
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except OSError as exc:
-                _error = str(exc)
-                log.warning("CPU paged decode kernel unavailable (%s); decode attention gathers pages instead", exc)
-        return _lib
+    return _KERNEL.load()
 
 
 def available() -> bool:
@@ -110,7 +61,7 @@ def available() -> bool:
 def build_error() -> str | None:
     """Why the kernel is unavailable, or None."""
     _load()
-    return _error
+    return _KERNEL.error
 
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

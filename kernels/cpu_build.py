@@ -1,0 +1,85 @@
+"""Build a C kernel from `kernels/cpu/` for this host on first use, and load it with ctypes.
+
+`gcc -O3 -march=native` (the vector units of the host it runs on: CPU defaults follow the
+machine, not one host's results) plus each kernel's own flags. The shared object is cached
+under `$EDGESERVE_HOME/kernels/` keyed by the source, flags, compiler and CPU flags, so a
+source change or another host rebuilds it; it is written under a temporary name and renamed,
+so concurrent builders never load a half-written file. Without a C compiler, or when the
+build fails (e.g. a kernel that needs an instruction set this CPU lacks), `load()` returns
+None, the reason is logged once and kept in `error`, and callers take their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["CKernel", "BASE_FLAGS"]
+
+log = logging.getLogger(__name__)
+
+BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
+
+
+def _cache_dir() -> Path:
+    home = os.environ.get("EDGESERVE_HOME")
+    return (Path(home).expanduser() if home else Path.home() / ".cache" / "edgeserve") / "kernels"
+
+
+def _cpu_key() -> str:
+    try:
+        return next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return os.uname().machine
+
+
+class CKernel:
+    """One C source in `kernels/cpu/`, built once per host and loaded lazily (thread-safe)."""
+
+    def __init__(self, source: str, flags: tuple[str, ...], declare: Callable[[ctypes.CDLL], None],
+                 fallback: str) -> None:
+        self.source = Path(__file__).with_name("cpu") / source
+        self.flags = (*BASE_FLAGS, *flags)
+        self.declare = declare  # sets argtypes/restype of the functions the caller uses
+        self.fallback = fallback  # what runs instead, for the one log line
+        self.error: str | None = None
+        self._lib: ctypes.CDLL | None = None
+        self._lock = threading.Lock()
+
+    def _build(self) -> ctypes.CDLL:
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        if cc is None:
+            raise OSError("no C compiler (gcc or cc) on PATH")
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+        key = hashlib.sha256("\0".join([self.source.read_text(), *self.flags, version, _cpu_key()]).encode())
+        out = _cache_dir() / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_suffix(f".{os.getpid()}.tmp")
+            res = subprocess.run([cc, *self.flags, str(self.source), "-o", str(tmp), "-lm"], capture_output=True,
+                                 text=True, check=False)
+            if res.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                raise OSError(f"{cc} failed: {res.stderr.strip()[:500]}")
+            os.replace(tmp, out)  # atomic: concurrent builders each write their own file
+        lib = ctypes.CDLL(str(out))
+        self.declare(lib)
+        return lib
+
+    def load(self) -> ctypes.CDLL | None:
+        """The loaded library (built on the first call), or None where it cannot be built."""
+        with self._lock:
+            if self._lib is None and self.error is None:
+                try:
+                    self._lib = self._build()
+                except OSError as exc:
+                    self.error = str(exc)
+                    log.warning("CPU kernel %s unavailable (%s); %s", self.source.name, exc, self.fallback)
+            return self._lib

@@ -1,0 +1,54 @@
+"""The AVX512-BF16 decode GEMV (kernels/cpu/gemv_bf16.c) against a float64 reference, on fresh random
+inputs: K and N that are not multiples of the kernel's 32 columns and 4 rows, 1-4 rows, 1-3 threads;
+and `Linear` taking it for bfloat16 weights at decode row counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.linear import Linear
+from kernels.cpu_gemv import MAX_ROWS, available, build_error, gemv_bf16
+from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.skipif(not available(), reason=f"bf16 GEMV not built for this CPU: {build_error()}")
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, seed: int) -> None:
+    """Within bfloat16's rounding of the result (half an ulp) plus float32 sums' order (tiny)."""
+    ref = x.double() @ w.double().t()
+    bound = ref.abs() * 2.0 ** -8 + 1e-5 * (x.double().abs() @ w.double().abs().t())
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    bad = (y.double() - ref).abs() > bound
+    assert not bad.any(), f"seed {seed}: {int(bad.sum())} of {bad.numel()} outside bfloat16 rounding"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (2, 577, 1539), (3, 31, 7), (4, 1536, 576), (1, 64, 1), (4, 96, 6)])
+def test_matches_reference(m: int, k: int, n: int, threads: int, seed: int) -> None:
+    x = torch.randn(m, k).bfloat16()
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    _check(gemv_bf16(x, w, threads), x, w, seed)
+
+
+def test_reads_only_its_rows(seed: int) -> None:
+    """A weight that is a row slice of a larger buffer: the rows around it (NaN) are never read."""
+    big = torch.full((10, 64), float("nan"), dtype=torch.bfloat16)
+    big[3:8] = torch.randn(5, 64).bfloat16()
+    x = torch.randn(2, 64).bfloat16()
+    _check(gemv_bf16(x, big[3:8], 2), x, big[3:8], seed)
+
+
+def test_linear_takes_it_at_decode_row_counts(seed: int) -> None:
+    w = (torch.randn(96, 80) * 0.05).bfloat16()
+    bias = torch.randn(96).bfloat16()
+    lin = Linear(w, bias)
+    assert lin.gemv
+    for rows in (1, MAX_ROWS, MAX_ROWS + 1):  # the last one is torch's GEMM
+        x = torch.randn(rows, 80).bfloat16()
+        y = lin(x)
+        ref = F.linear(x.double(), w.double(), bias.double())
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-2)
+    assert not Linear(w.float()).gemv and not Linear(w.t().contiguous().t()).gemv  # float32, a strided view
