@@ -4,7 +4,7 @@
 `vdpbf16ps` (exact bfloat16 products, float32 sums), reading the weights once at close to
 the memory's rate. It is used for the few rows of a decode step (`MAX_ROWS`), where a GEMV is
 bound by reading the weights and torch's bfloat16 GEMM ran at about half that rate (measured
-in `tests/kernels/test_cpu_gemv.py`'s sibling benchmark: `edgeserve bench token-profile`).
+with `edgeserve bench token-profile`).
 The result is rounded to bfloat16, as torch's bfloat16 GEMM returns it; it differs from
 torch's only in summation order.
 
