@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -38,6 +37,8 @@ import sys
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+from ops.parent_death import own_group_dying_with_parent
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -50,7 +51,6 @@ DEMO_TENANT = "demo"
 # `edgeserve up --help` imports no gateway code
 TOOL_PARSER_CHOICES = ("hermes", "glm45", "kimi_k2")
 REASONING_PARSER_CHOICES = ("deepseek_r1", "qwen3", "glm45", "kimi_k2", "none")
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 DESCRIPTION = """\
 Run Redis, a worker and the gateway on this machine until Ctrl-C. The banner shows an
@@ -177,15 +177,9 @@ def _redis(url: str | None) -> Iterator[str]:
         yield redis_url
 
 
-def _own_group_dying_with_parent() -> None:
-    """In the child before exec: its own process group (no terminal Ctrl-C), SIGTERM when `up` dies."""
-    os.setpgid(0, 0)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 @contextlib.contextmanager
 def _child(argv: list[str], env: dict[str, str], stop_timeout_s: float) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(argv, stdout=None, stderr=None, env=env, preexec_fn=_own_group_dying_with_parent)
+    proc = subprocess.Popen(argv, stdout=None, stderr=None, env=env, preexec_fn=own_group_dying_with_parent)
     try:
         yield proc
     finally:

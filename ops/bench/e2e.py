@@ -66,6 +66,7 @@ from typing import Any, NamedTuple
 
 from ops.bench.e2e_load import (MODEL, SYSTEMS, PassRow, chat_body, closed_loop, make_prompts, mean_tok_s,
                                 pass_order, pass_row, ratios, spreads)
+from ops.parent_death import own_group_dying_with_parent
 
 __all__ = ["add_arguments", "run", "compare_end_to_end", "FORMATS", "make_prompts", "chat_body", "closed_loop",
            "PassRow", "ratios", "spreads", "pass_order", "edgeserve_up_command", "omp_wait_policy", "end_to_end",
@@ -125,7 +126,8 @@ def _edgeserve_up(model_dir: Path, extra: tuple[str, ...], logs: Path, timeout_s
     env.pop("REDIS_URL", None)  # a fresh redis-server of its own
     argv = edgeserve_up_command(model_dir, free_port(), free_port(), extra)
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=own_group_dying_with_parent)
     try:
         deadline = time.monotonic() + timeout_s
         record = None

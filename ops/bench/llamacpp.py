@@ -51,6 +51,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from ops.parent_death import own_group_dying_with_parent
+
 __all__ = ["VERSION", "COMPLETE_MARKER", "LlamaCppUnavailable", "LlamaCppBuild", "build_root", "installed_build",
            "ensure_llamacpp", "download_command", "configure_command", "build_command", "model_ggufs", "f32_gguf",
            "server_command", "LlamaServer", "llama_server"]
@@ -294,18 +296,6 @@ def _kill_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
     proc.wait()
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _own_group_dying_with_parent() -> None:
-    """In the child before exec: its own process group (a terminal's Ctrl-C reaches only us, and we stop it
-    in order), and SIGTERM when we die without stopping it (killed, not unwound)."""
-    import ctypes
-
-    os.setpgid(0, 0)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _start(argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None) -> subprocess.Popen:
     """Start `argv` in its own process group and wait for its `/health`; on failure the group is killed
     and `LlamaCppUnavailable` raised, with the exit status (`.returncode`) and the log's tail."""
@@ -316,7 +306,7 @@ def _start(argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str
     url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                preexec_fn=_own_group_dying_with_parent)
+                                preexec_fn=own_group_dying_with_parent)
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
