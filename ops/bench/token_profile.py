@@ -8,9 +8,11 @@ and the step's time is split into:
 - ``linear``: the GEMMs of the linear layers and the LM head (`aten::mm`, `addmm`,
   MKL's packed `_mkl_linear`, the INT4 `_weight_int4pack_mm_for_cpu`), self time from
   `torch.profiler`;
-- ``attention``: the paged decode attention call (the C kernel is a ctypes call the
-  profiler cannot see, so the bench wraps `backend.attention.paged_decode_attention_cpu`
-  with a timer; its torch fallback, when it runs, is in ``other_ops``);
+  plus the AVX512-BF16 decode GEMV (`kernels.cpu_gemv.gemv_bf16`, a ctypes call the
+  profiler cannot see, timed by wrapping it; ``gemv`` in the JSON is that part alone);
+- ``attention``: the paged decode attention call (also a ctypes call, so the bench wraps
+  `backend.attention.paged_decode_attention_cpu` with a timer; its torch fallback, when it
+  runs, is in ``other_ops``);
 - ``other_ops``: every other torch op's self time (norms, RoPE, SiLU, residual adds,
   KV stores, embedding, argmax, casts);
 - ``python``: the rest of the step's wall time: the scheduler, input preparation,
@@ -55,23 +57,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="decode steps measured (default 48; quick 16)")
 
 
-def categorise(self_us: dict[str, float], attention_us: float, wall_us: float) -> dict[str, float]:
-    """Split `wall_us` into linear / attention / other_ops / python from per-op self times (µs)."""
-    linear = sum(v for k, v in self_us.items() if k in LINEAR_OPS)
+def categorise(self_us: dict[str, float], attention_us: float, wall_us: float, gemv_us: float = 0.0
+               ) -> dict[str, float]:
+    """Split `wall_us` into linear / attention / other_ops / python from per-op self times (µs) and the
+    wall times of the two C kernels the profiler cannot see (attention, the bf16 GEMV: linear)."""
+    linear = gemv_us + sum(v for k, v in self_us.items() if k in LINEAR_OPS)
     other = sum(v for k, v in self_us.items() if k not in LINEAR_OPS)
     python = max(0.0, wall_us - linear - other - attention_us)
     return {"linear": linear, "attention": attention_us, "other_ops": other, "python": python}
 
 
-class _AttentionTimer:
-    """Wraps the CPU decode-attention entry point the model calls, summing its wall time."""
+class _CallTimer:
+    """Wraps `module.name` (a function the model looks up on its module at each call), summing its wall time."""
 
-    def __init__(self) -> None:
-        import backend.attention as attn
+    def __init__(self, module: Any, name: str) -> None:
+        self.module, self.name, self.inner, self.total_s = module, name, getattr(module, name), 0.0
 
-        self.module, self.inner, self.total_s = attn, attn.paged_decode_attention_cpu, 0.0
-
-    def __enter__(self) -> _AttentionTimer:
+    def __enter__(self) -> _CallTimer:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
             try:
@@ -79,11 +81,11 @@ class _AttentionTimer:
             finally:
                 self.total_s += time.perf_counter() - t
 
-        self.module.paged_decode_attention_cpu = timed
+        setattr(self.module, self.name, timed)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.module.paged_decode_attention_cpu = self.inner
+        setattr(self.module, self.name, self.inner)
 
 
 def _requests(engine: Any, c: int, n: int, seed: int) -> None:
@@ -136,12 +138,16 @@ def run(args: argparse.Namespace) -> int:
     plain_s = _decode_steps(engine, steps)
     from torch.profiler import ProfilerActivity, profile
 
-    with _AttentionTimer() as timer, profile(activities=[ProfilerActivity.CPU]) as prof:
+    import backend.attention
+    import kernels.cpu_gemv
+
+    with _CallTimer(backend.attention, "paged_decode_attention_cpu") as attention, \
+            _CallTimer(kernels.cpu_gemv, "gemv_bf16") as gemv, profile(activities=[ProfilerActivity.CPU]) as prof:
         profiled_s = _decode_steps(engine, steps)
     self_us: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
         self_us[e.key] += e.self_cpu_time_total
-    split = categorise(self_us, timer.total_s * 1e6, profiled_s * 1e6)
+    split = categorise(self_us, attention.total_s * 1e6, profiled_s * 1e6, gemv.total_s * 1e6)
     per_step = {k: v / steps / 1e3 for k, v in split.items()}  # ms
     step_ms = profiled_s / steps * 1e3
     bound_ms = decode_bytes / (machine["read_gb_s"] * 1e9) * 1e3
@@ -154,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         "step_ms": step_ms, "plain_step_ms": plain_s / steps * 1e3, "profiler_overhead": profiled_s / plain_s,
         "per_step_ms": per_step, "share": {k: v / step_ms for k, v in per_step.items()},
         "bound_ms": bound_ms, "linear_vs_bound": per_step["linear"] / bound_ms,
+        "gemv_ms": gemv.total_s / steps * 1e3,
         "top_ops_ms_per_step": {k: v / steps / 1e3 for v, k in top},
     }
     report["headline"] = {"step_ms": round(step_ms, 2), **{f"{k}_share": round(v, 3) for k, v in

@@ -15,10 +15,12 @@ def test_categorise_splits_the_wall_time_and_keeps_the_rest_as_python() -> None:
     split = categorise(self_us, attention_us=80.0, wall_us=1000.0)
     assert split == {"linear": 700.0, "attention": 80.0, "other_ops": 75.0, "python": 145.0}
     assert categorise(self_us, 0.0, 500.0)["python"] == 0.0  # profiled ops past the wall time: no negative rest
+    with_gemv = categorise(self_us, attention_us=80.0, wall_us=1000.0, gemv_us=90.0)  # the C GEMV is linear time
+    assert with_gemv["linear"] == 790.0 and with_gemv["python"] == 55.0
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp8_e4m3"])
-def test_a_run_on_a_tiny_model_accounts_for_the_step(tiny_chat_dir: Path, tmp_path: Path, kv: str) -> None:
+@pytest.mark.parametrize("dtype,kv", [("float32", "fp32"), ("float32", "fp8_e4m3"), ("bfloat16", "bf16")])
+def test_a_run_on_a_tiny_model_accounts_for_the_step(tiny_chat_dir: Path, tmp_path: Path, dtype: str, kv: str) -> None:
     import argparse
 
     from ops.bench import token_profile
@@ -26,7 +28,7 @@ def test_a_run_on_a_tiny_model_accounts_for_the_step(tiny_chat_dir: Path, tmp_pa
     out = tmp_path / "tp.json"
     p = argparse.ArgumentParser()
     token_profile.add_arguments(p)
-    args = p.parse_args(["--model", str(tiny_chat_dir), "--dtype", "float32", "--kv-format", kv, "--steps", "4",
+    args = p.parse_args(["--model", str(tiny_chat_dir), "--dtype", dtype, "--kv-format", kv, "--steps", "4",
                          "--concurrency", "2", "--threads", "1"])
     args.quick, args.json_path = True, str(out)
     assert token_profile.run(args) == 0
@@ -36,6 +38,12 @@ def test_a_run_on_a_tiny_model_accounts_for_the_step(tiny_chat_dir: Path, tmp_pa
     from kernels.cpu_paged_attention import available
 
     assert (parts["attention"] > 0) == available()  # the C kernel's calls were timed when it runs
+    from backend.linear import _bf16_gemv_available
+
+    gemv_runs = dtype == "bfloat16" and _bf16_gemv_available()
+    assert (report["gemv_ms"] > 0) == gemv_runs  # the bf16 GEMV's calls were timed, as linear time
+    if gemv_runs:
+        assert parts["linear"] >= report["gemv_ms"]
     assert sum(parts.values()) == pytest.approx(report["step_ms"], rel=1e-6)
     assert report["steps"] == 4 and report["concurrency"] == 2 and report["kv_format"] == kv
     assert report["provenance"]["commit"]
