@@ -78,8 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser, listener: str = "the worker") ->
     p.add_argument("--host", default="127.0.0.1", help=f"address {listener} listens on")
     p.add_argument("--port", type=int, default=8100, help=f"port {listener} listens on")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="compute dtype (auto: bfloat16 on CUDA and on CPUs with AMX BF16 tiles, float32 on other "
-                        "CPUs, where it is the fast one)")
+                   help="compute dtype (auto: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, float32 on "
+                        "other CPUs, where it is the fast one)")
     p.add_argument("--kv-format", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"],
                    help="how the KV cache stores keys and values (auto: the compute dtype's own, fp32 or bf16; "
                         "fp8_e4m3: a quarter of fp32's memory)")

@@ -2,7 +2,8 @@
 
 import pytest
 
-from backend.cpu_features import auto_dtype, auto_kv_format, cpu_flags, has_amx_bf16, resolve_dtype, resolve_kv_format
+from backend.cpu_features import (auto_dtype, auto_kv_format, cpu_flags, has_amx_bf16, has_avx512_bf16, resolve_dtype,
+                                  resolve_kv_format)
 from ops.serve import add_engine_args
 
 SAPPHIRE_RAPIDS = {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}
@@ -10,8 +11,9 @@ ZEN4 = {"avx512f", "avx512_bf16", "avx2"}
 SKYLAKE = {"avx512f", "avx2", "fma"}
 
 
-@pytest.mark.parametrize("flags,expected", [(SAPPHIRE_RAPIDS, "bfloat16"), (ZEN4, "float32"), (SKYLAKE, "float32"),
-                                            ({"amx_bf16"}, "float32"), (set(), "float32")])
+@pytest.mark.parametrize("flags,expected", [(SAPPHIRE_RAPIDS, "bfloat16"), (ZEN4, "bfloat16"), (SKYLAKE, "float32"),
+                                            ({"amx_bf16"}, "float32"), ({"avx512_bf16"}, "bfloat16"),
+                                            (set(), "float32")])
 def test_auto_dtype_follows_the_cpu_flags(flags, expected):
     assert auto_dtype("cpu", flags) == expected
     assert auto_dtype("cuda", flags) == "bfloat16"  # the GPU's choice, whatever the host CPU
@@ -25,7 +27,8 @@ def test_auto_kv_format_is_the_compute_dtype_own():
 
 def test_resolve_reads_this_host():
     assert has_amx_bf16() == ({"amx_bf16", "amx_tile"} <= cpu_flags())
-    assert resolve_dtype("auto") == ("bfloat16" if has_amx_bf16() else "float32")
+    assert has_avx512_bf16() == ("avx512_bf16" in cpu_flags())
+    assert resolve_dtype("auto") == ("bfloat16" if has_amx_bf16() or has_avx512_bf16() else "float32")
     assert resolve_dtype("float32") == "float32" and resolve_dtype("auto", "cuda") == "bfloat16"
 
 

@@ -130,7 +130,7 @@ def test_up_serves_records_itself_and_ctrl_c_stops_every_child_quietly(tiny_chat
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         reader.join(timeout=60)
-        assert "data: [DONE]" in streamed and not any('"error"' in line for line in streamed)
+        assert "data: [DONE]" in streamed and not any('"error"' in line for line in streamed), streamed[-3:]
         assert proc.wait(timeout=60) == 0
         after = proc.stdout.read()
         assert after.rstrip().endswith("stopped gateway, worker and redis")
