@@ -56,7 +56,7 @@ class LinearOp(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-_GEMV_MAX_ROWS = 16  # kernels.cpu_gemv.MAX_ROWS (not imported here: the C build runs on first use only)
+_GEMV_MAX_ROWS = 6  # kernels.cpu_gemv.MAX_ROWS (not imported here: the C build runs on first use only)
 
 
 def _bf16_gemv_available() -> bool:

@@ -8,9 +8,12 @@ with `edgeserve bench token-profile`).
 The result is rounded to bfloat16, as torch's bfloat16 GEMM returns it; it differs from
 torch's only in summation order.
 
-Threads: `torch.get_num_threads()`, in an OpenMP region on torch's own worker pool (the C file
-says how and what it measured: on a 2-core VM two threads beat one at every SmolLM2 layer size,
-where a pthread per call had lost at every size). The build needs AVX512-BF16 and OpenMP:
+Threads: `torch.get_num_threads()` pthreads over the N rows when the weight is large enough
+(`_THREADED_BYTES`, 16 MB: in practice the LM head) to pay for starting them; one otherwise.
+Measured on a 2-core AMD EPYC VM, one call per weight, 1 vs 2 threads: 1.1 MB 80 vs 128 us,
+3.5 MB 184 vs 236 us, 56.6 MB 2.99 vs 2.11 ms (2 threads only win once torch's OpenMP workers
+have stopped spinning; they spin for a while after each parallel torch op and then share the
+cores with ours, when the 56.6 MB call took 7.98 ms). The build needs AVX512-BF16:
 elsewhere it fails, `available()` is False and `Linear` keeps torch's GEMM.
 """
 
@@ -24,10 +27,10 @@ from kernels.cpu_build import CKernel
 
 __all__ = ["available", "build_error", "gemv_bf16", "MAX_ROWS"]
 
-# x rows (decode tokens) up to which Linear runs the kernel: over SmolLM2's linears (2-core Zen 4,
-# 2 threads) it took 0.29x torch's bfloat16 GEMM's time at 1 row, 0.41x at 4, 0.68x at 8 and 0.79x
-# at 16 (x rows in chunks of 8: the weights are read twice there)
-MAX_ROWS = 16
+# x rows (decode tokens) up to which Linear runs the kernel: over SmolLM2's linears (2-core Zen 4) it took
+# 0.55x torch's bfloat16 GEMM's time at 1 row, 0.80x at 4, 0.77x at 6 and 1.13x at 8
+MAX_ROWS = 6
+_THREADED_BYTES = 16 << 20  # weights below this run on the calling thread alone (see above)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -36,7 +39,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemv_bf16.restype = None
 
 
-_KERNEL = CKernel("gemv_bf16.c", ("-fopenmp",), _declare, "bfloat16 decode GEMVs run torch's GEMM")
+_KERNEL = CKernel("gemv_bf16.c", (), _declare, "bfloat16 decode GEMVs run torch's GEMM")
 
 
 def available() -> bool:
@@ -59,6 +62,6 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None)
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     if threads is None:
-        threads = torch.get_num_threads()
+        threads = torch.get_num_threads() if n * k * 2 >= _THREADED_BYTES else 1
     lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads)
     return y.to(torch.bfloat16)

@@ -9,16 +9,11 @@
  * summation order (and the pairwise grouping of the instruction). Weight rows are read one after the
  * other (`rows_m`); the K tail is a masked load (zeros).
  *
- * Threads: the N rows are split into `threads` contiguous ranges (multiples of 4 rows) in an OpenMP
- * parallel region. Built with -fopenmp, this library needs `libgomp.so.1`, which resolves to the copy
- * torch has already loaded (torch/lib/libgomp.so.1, the same soname), so the region runs on torch's own
- * worker threads: no thread is started per call, and none competes with torch's pool for the cores.
- * With a pthread per call instead, 2 threads lost to 1 at every SmolLM2 layer size on a 2-core VM
- * (torch's workers spin for a while after each parallel op); on torch's pool they win at every size:
- * 1.1 MB 67 -> 47 us, 3.5 MB 237 -> 161 us, 56.6 MB 2.80 -> 1.44 ms.
+ * Threads: the N rows are split into `threads` contiguous ranges (multiples of 4 rows), one pthread
+ * each besides the caller; the caller decides when a call is large enough to pay for starting them.
  */
 #include <immintrin.h>
-#include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 
 #ifndef __AVX512BF16__
@@ -91,19 +86,29 @@ static void rows(const Args *a) { /* x rows in chunks of at most 8, each chunk a
     }
 }
 
+static void *run(void *p) {
+    rows((const Args *)p);
+    return NULL;
+}
+
 void gemv_bf16(const uint16_t *x, const uint16_t *w, float *y, int M, int N, int K, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > 16) threads = 16;
     const int blocks = (N + 3) / 4;
     if (threads > blocks) threads = blocks;
-    if (threads <= 1) {
-        const Args a = {x, w, y, M, N, K, 0, N};
-        rows(&a);
-        return;
+    Args args[16];
+    pthread_t tid[16];
+    for (int i = 0; i < threads; i++) {
+        const int b0 = blocks * i / threads, b1 = blocks * (i + 1) / threads;
+        const int n1 = 4 * b1 < N ? 4 * b1 : N;
+        args[i] = (Args){x, w, y, M, N, K, 4 * b0, n1};
     }
-#pragma omp parallel num_threads(threads)
-    {
-        const int i = omp_get_thread_num(), t = omp_get_num_threads();
-        const int b0 = blocks * i / t, b1 = blocks * (i + 1) / t;
-        const Args a = {x, w, y, M, N, K, 4 * b0, 4 * b1 < N ? 4 * b1 : N};
-        rows(&a);
+    int started = 0;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&tid[i], NULL, run, &args[i]) != 0) break;
+        started = i;
     }
+    for (int i = started + 1; i < threads; i++) rows(&args[i]); /* threads that could not start */
+    rows(&args[0]);
+    for (int i = 1; i <= started; i++) pthread_join(tid[i], NULL);
 }

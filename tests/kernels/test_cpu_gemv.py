@@ -1,5 +1,5 @@
 """The AVX512-BF16 decode GEMV (kernels/cpu/gemv_bf16.c) against a float64 reference, on fresh random
-inputs: K and N that are not multiples of the kernel's 32 columns or 4-row thread split, 1-16 rows (past one
+inputs: K and N that are not multiples of the kernel's 32 columns or 4-row thread split, 1-11 rows (past one
 8-row chunk), 1-3 threads;
 and `Linear` taking it for bfloat16 weights at decode row counts."""
 
@@ -27,7 +27,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, seed: int) -> None
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (2, 577, 1539), (3, 31, 7), (4, 1536, 576), (1, 64, 1), (4, 96, 6),
-                                   (5, 100, 13), (6, 576, 33), (7, 65, 9), (8, 1536, 17), (11, 130, 10), (16, 577, 23)])
+                                   (5, 100, 13), (6, 576, 33), (7, 65, 9), (8, 1536, 17), (11, 130, 10)])
 def test_matches_reference(m: int, k: int, n: int, threads: int, seed: int) -> None:
     x = torch.randn(m, k).bfloat16()
     w = (torch.randn(n, k) * 0.05).bfloat16()
