@@ -55,7 +55,8 @@ def build_error() -> str | None:
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None) -> torch.Tensor:
     """x [M, K] . weight [N, K]^T -> [M, N] bfloat16, for contiguous bfloat16 CPU tensors and
-    any M (x rows in chunks of 8; `Linear` calls it up to MAX_ROWS; `available()` first)."""
+    any M (x rows in chunks of 6, one pass over the weights each; `Linear` calls it up to MAX_ROWS;
+    `available()` first)."""
     lib = _KERNEL.load()
     m, k = x.shape
     n = weight.shape[0]

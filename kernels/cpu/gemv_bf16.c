@@ -26,6 +26,8 @@ typedef struct {
     int M, N, K, n0, n1;
 } Args;
 
+#define CHUNK 6 /* x rows per pass over the weights (cpu_gemv.MAX_ROWS: past it Linear keeps torch's GEMM) */
+
 /* One weight row at a time, in memory order: the hardware prefetchers see one long stream (four
  * rows read side by side were four short ones, and ran at half the rate: 9.9 against 18.5 GB/s on one
  * core over SmolLM2's linears). Each 32-column weight vector is loaded once and multiplied with every
@@ -37,7 +39,7 @@ static inline __attribute__((always_inline)) void rows_m(const Args *a, const in
     const uint16_t *x = a->x;
     for (int n = a->n0; n < a->n1; n++) {
         const uint16_t *wr = a->w + (int64_t)n * K;
-        __m512 a0[8], a1[8]; /* M <= 8: 16 accumulators and the two weight vectors fit the 32 zmm registers */
+        __m512 a0[CHUNK], a1[CHUNK]; /* M <= CHUNK: 12 accumulators and 2 weight vectors in registers */
         for (int m = 0; m < M; m++) {
             a0[m] = _mm512_setzero_ps();
             a1[m] = _mm512_setzero_ps();
@@ -67,21 +69,19 @@ static inline __attribute__((always_inline)) void rows_m(const Args *a, const in
     }
 }
 
-static void rows(const Args *a) { /* x rows in chunks of at most 8, each chunk a specialisation */
-    for (int m0 = 0; m0 < a->M; m0 += 8) {
+static void rows(const Args *a) { /* x rows in chunks of at most CHUNK, each chunk a specialisation */
+    for (int m0 = 0; m0 < a->M; m0 += CHUNK) {
         Args b = *a;
         b.x = a->x + (int64_t)m0 * a->K;
         b.y = a->y + (int64_t)m0 * a->N;
-        b.M = a->M - m0 < 8 ? a->M - m0 : 8;
+        b.M = a->M - m0 < CHUNK ? a->M - m0 : CHUNK;
         switch (b.M) {
         case 1: rows_m(&b, 1); break;
         case 2: rows_m(&b, 2); break;
         case 3: rows_m(&b, 3); break;
         case 4: rows_m(&b, 4); break;
         case 5: rows_m(&b, 5); break;
-        case 6: rows_m(&b, 6); break;
-        case 7: rows_m(&b, 7); break;
-        default: rows_m(&b, 8); break;
+        default: rows_m(&b, 6); break;
         }
     }
 }

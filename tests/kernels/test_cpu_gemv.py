@@ -1,6 +1,6 @@
 """The AVX512-BF16 decode GEMV (kernels/cpu/gemv_bf16.c) against a float64 reference, on fresh random
 inputs: K and N that are not multiples of the kernel's 32 columns or 4-row thread split, 1-11 rows (past one
-8-row chunk), 1-3 threads;
+6-row chunk), 1-3 threads;
 and `Linear` taking it for bfloat16 weights at decode row counts."""
 
 from __future__ import annotations
