@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.gateway.conftest import MODEL, Gateway, gateway, metered, wait_metered, worker  # noqa: F401 - fixtures
+import pytest
+
+from tests.gateway.conftest import MODEL, Gateway, Worker, gateway, metered, wait_metered, worker  # noqa: F401 - fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,8 +46,15 @@ def test_one_message_ends_with_a_newline(gateway: Gateway, tmp_path: Path) -> No
     assert proc.returncode == 0 and out.endswith("\n") and out.count("\n") == 1, (out, err)
 
 
-def test_ctrl_c_stops_the_reply_not_the_session(gateway: Gateway, redis_url: str,  # noqa: F811
-                                                tmp_path: Path) -> None:
+def test_ctrl_c_stops_the_reply_not_the_session(gateway: Gateway, worker: Worker, redis_url: str,  # noqa: F811
+                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    step = worker.engine.step
+
+    def slow_step():  # 400 tokens of the tiny model take under a second: too close to the signal on a busy machine
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(worker.engine, "step", slow_step)
     proc = _chat(gateway, tmp_path, "--max-tokens", "400")
     try:
         proc.stdin.write("Tell me a very long story\n")
