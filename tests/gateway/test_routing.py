@@ -135,6 +135,32 @@ def test_prefix_overlap_wins_until_the_load_outweighs_it(redis_url: str) -> None
     asyncio.run(go())
 
 
+def test_a_sole_worker_is_chosen_without_asking_the_prefix_index(redis_url: str) -> None:
+    """One candidate wins whatever it caches, so the Redis lookup is skipped; a second one brings it back."""
+    async def go() -> None:
+        rt, r = router(redis_url)
+        asked: list[int] = []
+        lookup = rt.index.overlap_tiers
+
+        async def counted(model: str, hashes: list[bytes]):
+            asked.append(len(hashes))
+            return await lookup(model, hashes)
+
+        rt.index.overlap_tiers = counted
+        await register(redis_url, rec("a"), rec("far", region="ap"))
+        await holds(redis_url, "a", "tenant-1", PROMPT, 4)
+        d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "r1")
+        assert d.candidates[0].worker.id == "a" and d.candidates[1].worker.id == "far"  # fallback: next region
+        assert asked == [] and d.overlap_blocks == 0 and "only candidate" in d.reason
+        rt.done("r1")
+        await register(redis_url, rec("b"))
+        d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "r2")
+        assert asked == [5] and d.candidates[0].worker.id == "a" and d.overlap_blocks == 4
+        await r.aclose()
+
+    asyncio.run(go())
+
+
 def test_tenants_never_see_each_others_blocks(redis_url: str) -> None:
     async def go() -> None:
         rt, r = router(redis_url)
@@ -214,7 +240,7 @@ def test_a_warm_worker_whose_pages_hold_evictable_cache_is_not_saturated(redis_u
         await register(redis_url, rec("eu1", "eu", pages_free=1, pages_evictable=90), rec("us1", "us"))
         await holds(redis_url, "eu1", "t", PROMPT, 4)
         d = await rt.route("m", "t", PROMPT, 8, "eu", "r1")
-        assert d.candidates[0].worker.id == "eu1" and d.overlap_blocks == 4
+        assert d.candidates[0].worker.id == "eu1" and d.candidates[1].worker.id == "us1"
         await register(redis_url, rec("eu1", "eu", pages_free=1, pages_evictable=2))  # really full now
         assert (await rt.route("m", "t", PROMPT, 8, "eu", "r2")).candidates[0].worker.id == "us1"
         await r.aclose()
