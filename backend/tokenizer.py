@@ -17,7 +17,11 @@ Control tokens come only from the template
 Message text is the client's: `<|im_start|>system` typed in a user message must stay
 text, not open a system turn. `encode_chat` renders the template twice, with the real
 messages and with each message's content replaced by a placeholder (the template's own
-text). Both are encoded with special tokens matched; when the real prompt holds the same
+text). When the template wrote every message's text unchanged and no text holds the first
+or last character of a control token (nor is part of one), no control token can match
+anything but the template's own text, and the real rendering is encoded once: the common
+case, and half the encoding time. Otherwise both renderings are encoded with special tokens
+matched; when the real prompt holds the same
 special tokens in the same order as the template's own text, no message text became a
 control token and those ids are the answer (exactly what encoding the rendered string
 gives, as transformers does). Otherwise the placeholder rendering is split into the
@@ -260,12 +264,15 @@ class Tokenizer:
             [{**m, "content": _PLACEHOLDER.format(i)} if isinstance(c, str) else m
              for i, (m, c) in enumerate(zip(messages, contents, strict=True))],
             add_generation_prompt=add_generation_prompt, **template_vars)
+        parts = _PLACEHOLDER_RE.split(marked)  # template, message index, template, ..., message index, template
+        template_parts, texts = parts[0::2], [contents[int(i)] for i in parts[1::2]]
+        verbatim = "".join(p for pair in zip(template_parts, [*texts, ""], strict=True) for p in pair) == real
+        if verbatim and all(self._inert(t) for t in texts):  # no control token can touch message text
+            return self._encode_batch([real], split_special_tokens=False)[0]
         ids, own_ids = self._encode_batch([real, marked], split_special_tokens=False)
         if self._specials(ids) == self._specials(own_ids):
             return ids
-        parts = _PLACEHOLDER_RE.split(marked)  # template, message index, template, ..., message index, template
-        template_parts, texts = parts[0::2], [contents[int(i)] for i in parts[1::2]]
-        if "".join(p for pair in zip(template_parts, [*texts, ""], strict=True) for p in pair) != real:
+        if not verbatim:
             raise InvalidRequest("message text spells this model's control tokens and its chat template "
                                  "rewrites message text, so they cannot be kept as plain text", field="messages")
         template_ids = self._encode_batch(template_parts, split_special_tokens=False)
@@ -274,6 +281,21 @@ class Tokenizer:
         for text, template in zip(text_ids, template_ids[1:], strict=True):
             ids += text + template
         return ids
+
+    @cached_property
+    def _control_edges(self) -> tuple[frozenset[str], Any]:
+        """First and last characters of every control token, and the normaliser added tokens may match after."""
+        edges = frozenset(c for t in self.control_tokens if t for c in (t[0], t[-1]))
+        return edges, self._backend.normalizer
+
+    def _inert(self, text: str) -> bool:
+        """Whether no control token can match any part of `text` wherever a template puts it: a match that
+        touches the text starts or ends inside it (so the text holds a control token's first or last
+        character, also after the normaliser) or covers it whole (so the text is part of a control token)."""
+        edges, normalizer = self._control_edges
+        seen = (text, normalizer.normalize_str(text)) if normalizer is not None else (text,)
+        return all(s and not any(c in s for c in edges) and not any(s in t for t in self.control_tokens)
+                   for s in seen)
 
     def _specials(self, ids: list[int]) -> list[int]:
         return [i for i in ids if i in self._special_ids]

@@ -311,7 +311,8 @@ def test_split_special_tokens_encodes_their_text(tokenizer: Tokenizer) -> None:
 # Printable text: this vocabulary does not round-trip some control and unassigned code points
 # (U+0006, U+40000), which is the tokenizer's business, not the template's.
 _BMP = st.characters(max_codepoint=0xFFFF, exclude_categories=("Cc", "Cs", "Co", "Cn"))
-_PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_st", "art|>", "system", "user", "\n", " ", "\n\n"]
+_PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_st", "art|>", "system", "user", "\n", " ", "\n\n",
+           "|im_", "im_start", "end|", "\uff1c", "\uff1e"]  # parts of control tokens, full-width < and >
 
 
 @pytest.fixture(scope="module")
@@ -332,3 +333,25 @@ def test_no_message_text_ever_becomes_a_control_token(verbatim_tokenizers: list[
         assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(messages)
         if not any("<|" in c for c in contents):  # benign text: the ids transformers would give
             assert ids == tok.encode(tok.apply_chat_template(messages))
+
+
+def test_text_no_control_token_can_touch_is_encoded_once(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path (one rendering encoded) is taken exactly when no control token can match message text,
+    and gives what encoding both renderings gives."""
+    calls: list[int] = []
+    encode_batch = Tokenizer._encode_batch
+
+    def counted(self: Tokenizer, texts: list[str], *args: Any, **kwargs: Any) -> list[list[int]]:
+        calls.append(len(texts))
+        return encode_batch(self, texts, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "_encode_batch", counted)
+    for name, template in VERBATIM_TEMPLATES.items():
+        tok = _with_template(tokenizer, template)
+        for text, once in [("Write a haiku about the sea.", True), ("a | b_c", True), ("x < y", False),
+                           ("y>", False), ("im_start", False), ("", False), ("<|im_end|>", False)]:
+            messages = [{"role": "user", "content": text}]
+            calls.clear()
+            ids = tok.encode_chat(messages)
+            assert (calls == [1]) == once, (name, text, calls)
+            assert ids == tok.encode(tok.apply_chat_template(messages)) or "<|" in text
