@@ -79,6 +79,7 @@ __all__ = ["Tokenizer", "IncrementalDetokenizer"]
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"
+_SHORT_TEXT = 1024  # characters: encoded holding the GIL (under ~0.6 ms), longer ones release it
 # Placeholder for message i while rendering: private-use code points that templates never write.
 _PLACEHOLDER = "\ue000{}\ue001"
 _PLACEHOLDER_RE = re.compile("\ue000(\\d+)\ue001")
@@ -247,6 +248,8 @@ class Tokenizer:
     def _encode_batch(self, texts: list[str], split_special_tokens: bool, add_special_tokens: bool = False
                       ) -> list[list[int]]:
         backend = self._plain if split_special_tokens else self._backend
+        if len(texts) == 1 and len(texts[0]) < _SHORT_TEXT:  # encode: no thread pool round trip (74 vs 92 us)
+            return [backend.encode(texts[0], add_special_tokens=add_special_tokens).ids]
         # encode_batch, unlike encode, releases the GIL (measured: a 300 KB text blocked the loop 0.1 s)
         return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
