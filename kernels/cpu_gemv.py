@@ -5,16 +5,17 @@
 the memory's rate. It is used for the few rows of a decode step (`MAX_ROWS`), where a GEMV is
 bound by reading the weights and torch's bfloat16 GEMM ran at about half that rate (measured
 with `edgeserve bench token-profile`).
-The result is rounded to bfloat16, as torch's bfloat16 GEMM returns it; it differs from
-torch's only in summation order.
+The result is rounded to bfloat16 in C (to nearest, ties to even), as torch's bfloat16 GEMM returns
+it; it differs from torch's only in summation order.
 
-Threads: `torch.get_num_threads()` pthreads over the N rows when the weight is large enough
-(`_THREADED_BYTES`, 16 MB: in practice the LM head) to pay for starting them; one otherwise.
-Measured on a 2-core AMD EPYC VM, one call per weight, 1 vs 2 threads: 1.1 MB 80 vs 128 us,
-3.5 MB 184 vs 236 us, 56.6 MB 2.99 vs 2.11 ms (2 threads only win once torch's OpenMP workers
-have stopped spinning; they spin for a while after each parallel torch op and then share the
-cores with ours, when the 56.6 MB call took 7.98 ms). The build needs AVX512-BF16:
-elsewhere it fails, `available()` is False and `Linear` keeps torch's GEMM.
+Threads: `cpu_threads.kernel_threads()` (the caller and a pool of helpers kept between calls) for
+weights of at least `_THREADED_BYTES`; the rows are cut into chunks of about `_CHUNK_BYTES` of
+weights that the threads claim one at a time, so a helper that is asleep or preempted costs at
+most one chunk (the C file's header). A thread per call (before) lost to one thread at every
+layer size on a 2-core VM (starting it took longer than its share); a static OpenMP split won in
+process and lost end to end, waiting on a worker the OS had given to another process.
+The build needs AVX512-BF16: elsewhere it fails, `available()` is False and `Linear` keeps
+torch's GEMM.
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
+from kernels.cpu_threads import kernel_threads
 
 __all__ = ["available", "build_error", "gemv_bf16", "MAX_ROWS"]
 
 # x rows (decode tokens) up to which Linear runs the kernel: over SmolLM2's linears (2-core Zen 4) it took
 # 0.55x torch's bfloat16 GEMM's time at 1 row, 0.80x at 4, 0.77x at 6 and 1.13x at 8
 MAX_ROWS = 6
-_THREADED_BYTES = 16 << 20  # weights below this run on the calling thread alone (see above)
+_THREADED_BYTES = 256 << 10  # weights below this run on the calling thread alone (too short to share)
+_CHUNK_BYTES = 128 << 10  # of weights per chunk the threads claim (a few per thread at SmolLM2's sizes)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.gemv_bf16.argtypes = [p, p, p, i, i, i, i]
+    lib.gemv_bf16.argtypes = [p, p, p, i, i, i, i, i]
     lib.gemv_bf16.restype = None
 
 
@@ -61,8 +64,10 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None)
     m, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    nbytes = n * k * 2
     if threads is None:
-        threads = torch.get_num_threads() if n * k * 2 >= _THREADED_BYTES else 1
-    lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads)
-    return y.to(torch.bfloat16)
+        threads = kernel_threads() if nbytes >= _THREADED_BYTES else 1
+    chunks = max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1
+    lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads, chunks)
+    return y

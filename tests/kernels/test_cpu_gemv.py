@@ -54,3 +54,32 @@ def test_linear_takes_it_at_decode_row_counts(seed: int) -> None:
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-2)
     assert not Linear(w.float()).gemv and not Linear(w.t().contiguous().t()).gemv  # float32, a strided view
+
+
+def test_pool_under_back_to_back_calls_and_two_callers(seed: int) -> None:
+    """The helper pool: many chunks per call, calls back to back (helpers spinning) and after a pause (helpers
+    asleep), and two Python threads calling at once (one gets the pool, the other runs alone): every result right."""
+    import threading
+    import time
+
+    shapes = [(1, 576, 1536), (3, 1536, 576), (6, 576, 577)]  # 1.7 MB, 1.7 MB, 0.6 MB: 13, 13, 5 chunks
+    inputs = [((torch.randn(m, k)).bfloat16(), (torch.randn(n, k) * 0.05).bfloat16()) for m, k, n in shapes]
+    errors: list[str] = []
+
+    def caller(rounds: int) -> None:
+        for r in range(rounds):
+            for x, w in inputs:
+                try:
+                    _check(gemv_bf16(x, w, 2), x, w, seed)
+                except AssertionError as exc:
+                    errors.append(str(exc))
+            if r % 10 == 9:
+                time.sleep(0.002)  # past the helpers' spin: they sleep and are woken by the next call
+
+    threads = [threading.Thread(target=caller, args=(40,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    caller(20)
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
