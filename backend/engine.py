@@ -38,6 +38,7 @@ dropped and counted in `kv_events_dropped`, so a publisher can tell its index is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -66,6 +67,8 @@ from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from backend.sequence import Sequence, SequenceStatus
 from backend.stop_checker import StopChecker
+from kernels import cpu_gemv
+from kernels.cpu_threads import torch_single_threaded
 
 __all__ = ["EngineConfig", "StepOutput", "TokenScores", "LLMEngine", "PUBLISH_INTERVAL_S"]
 
@@ -382,9 +385,10 @@ class LLMEngine:
                 self.stats["integrity_check_s"] += time.perf_counter() - t0
                 outputs += failed
             if not batch.empty:
-                logits = self.runner.run(batch)
-                self.stats["steps"] += 1
-                outputs += self.postprocess(batch, logits)
+                with self._threads_for(batch):
+                    logits = self.runner.run(batch)
+                    self.stats["steps"] += 1
+                    outputs += self.postprocess(batch, logits)
         except Exception as exc:  # fail this step's requests, keep the engine serving
             log.exception("engine step failed")
             self.failed_steps_in_row += 1
@@ -392,6 +396,14 @@ class LLMEngine:
             return outputs + self._fail(batch, err)
         self.failed_steps_in_row = 0
         return outputs
+
+    def _threads_for(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager[None]:
+        """torch at one thread for a step whose every linear runs the C GEMV (its helpers take the other cores;
+        `kernels/cpu_threads.py` says why and what it measured), torch's pool as it is otherwise."""
+        tokens = len(batch.decode) + sum(n for _, n in batch.prefill)
+        if self.runner.gemv_decode and tokens <= cpu_gemv.MAX_ROWS:
+            return torch_single_threaded()
+        return contextlib.nullcontext()
 
     def _start_activated(self) -> list[StepOutput]:
         """Emit the first token of requests whose KV arrived; finish those it already ends."""

@@ -26,6 +26,10 @@ class ModelRunner:
         self.cache = cache
         self.page_size = cache.page_size
         self.device = model.embed.device
+        # every linear of every phase runs the C GEMV at a few rows (bfloat16 on AVX512-BF16): the engine
+        # then hands such steps' threads to the C kernels (kernels/cpu_threads.py)
+        linears = [lin for layers in model.phase_layers.values() for layer in layers for lin in layer.linears()]
+        self.gemv_decode = all(getattr(lin, "gemv", False) for lin in [*linears, model.lm_head])
 
     def _slot(self, page_ids: list[int], position: int) -> int:
         return page_ids[position // self.page_size] * self.page_size + position % self.page_size

@@ -21,7 +21,7 @@ let the compiler vectorise float sums (`-fassociative-math -fno-signed-zeros
 -fno-trapping-math`, not `-ffast-math`: no flush-to-zero), cached per source, flags,
 compiler and CPU. Without a C compiler (or when the build fails) `available()` is False,
 the reason is logged once, and the torch path runs.
-Threads: pthreads over (sequence, KV head) pairs, `torch.get_num_threads()` of them
+Threads: pthreads over (sequence, KV head) pairs, `cpu_threads.kernel_threads()` of them
 when the step's context is large enough to pay for starting them.
 """
 
@@ -32,6 +32,7 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
+from kernels.cpu_threads import kernel_threads
 
 __all__ = ["available", "paged_decode_attention_cpu", "build_error"]
 
@@ -86,7 +87,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     out = torch.empty(d, heads, hd, dtype=torch.float32)
     if threads is None:
-        threads = torch.get_num_threads() if int(lens.sum()) * kv_heads >= _THREADED_ROWS else 1
+        threads = kernel_threads() if int(lens.sum()) * kv_heads >= _THREADED_ROWS else 1
     rc = lib.paged_decode(qf.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
                           k_scale.data_ptr() if fmt == 2 else None, v_scale.data_ptr() if fmt == 2 else None,
                           table.data_ptr(), lens.data_ptr(), out.data_ptr(), d, kv_heads, group, hd, page_size,
