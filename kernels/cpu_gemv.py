@@ -9,9 +9,11 @@ The result is rounded to bfloat16 in C (to nearest, ties to even), as torch's bf
 it; it differs from torch's only in summation order.
 
 Threads: `cpu_threads.kernel_threads()` (the caller and a pool of helpers kept between calls) for
-weights of at least `_THREADED_BYTES`; the rows are cut into chunks of about `_CHUNK_BYTES` of
-weights that the threads claim one at a time, so a helper that is asleep or preempted costs at
-most one chunk (the C file's header). A thread per call (before) lost to one thread at every
+weights of at least `_THREADED_BYTES` in a step that handed torch's threads over
+(`cpu_threads.torch_single_threaded`), of at least `_SHARED_THREADED_BYTES` (in practice the LM
+head) in one where torch's OpenMP workers may be spinning on the other cores. The rows are cut
+into chunks of about `_CHUNK_BYTES` of weights that the threads claim one at a time, so a helper
+that is asleep or preempted costs at most one chunk (the C file's header). A thread per call (before) lost to one thread at every
 layer size on a 2-core VM (starting it took longer than its share); a static OpenMP split won in
 process and lost end to end, waiting on a worker the OS had given to another process.
 The build needs AVX512-BF16: elsewhere it fails, `available()` is False and `Linear` keeps
@@ -25,7 +27,7 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
-from kernels.cpu_threads import kernel_threads
+from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["available", "build_error", "gemv_bf16", "MAX_ROWS"]
 
@@ -33,6 +35,7 @@ __all__ = ["available", "build_error", "gemv_bf16", "MAX_ROWS"]
 # 0.55x torch's bfloat16 GEMM's time at 1 row, 0.80x at 4, 0.77x at 6 and 1.13x at 8
 MAX_ROWS = 6
 _THREADED_BYTES = 256 << 10  # weights below this run on the calling thread alone (too short to share)
+_SHARED_THREADED_BYTES = 16 << 20  # the same while torch's OpenMP workers may spin (outside a handover)
 _CHUNK_BYTES = 128 << 10  # of weights per chunk the threads claim (a few per thread at SmolLM2's sizes)
 
 
@@ -67,7 +70,8 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None)
     y = torch.empty(m, n, dtype=torch.bfloat16)
     nbytes = n * k * 2
     if threads is None:
-        threads = kernel_threads() if nbytes >= _THREADED_BYTES else 1
+        floor = _THREADED_BYTES if kernels_own_threads() else _SHARED_THREADED_BYTES
+        threads = kernel_threads() if nbytes >= floor else 1
     chunks = max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1
     lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads, chunks)
     return y

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["kernel_threads", "torch_single_threaded"]
+__all__ = ["kernel_threads", "kernels_own_threads", "torch_single_threaded"]
 
 _state = threading.local()
 
@@ -28,6 +28,12 @@ _state = threading.local()
 def kernel_threads() -> int:
     """Threads a C kernel may use now: torch's count, or the count torch had before `torch_single_threaded`."""
     return getattr(_state, "threads", None) or torch.get_num_threads()
+
+
+def kernels_own_threads() -> bool:
+    """Whether this thread is inside `torch_single_threaded`: no OpenMP worker of torch's is spinning on the
+    other cores, so a C kernel's helpers have them to themselves."""
+    return getattr(_state, "threads", None) is not None
 
 
 @contextlib.contextmanager

@@ -61,3 +61,12 @@ def test_the_engine_hands_over_only_steps_whose_linears_all_run_the_gemv(tiny_ch
         small = handed_over and tokens <= cpu_gemv.MAX_ROWS
         assert (torch_threads, kernels) == ((1, 2) if small else (2, 2)), (tokens, torch_threads, kernels)
     assert torch.get_num_threads() == 2
+
+
+def test_only_a_handover_gives_the_kernels_the_other_cores(two_threads) -> None:
+    from kernels.cpu_threads import kernels_own_threads
+
+    assert not kernels_own_threads()
+    with torch_single_threaded():
+        assert kernels_own_threads()
+    assert not kernels_own_threads()
