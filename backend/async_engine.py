@@ -37,8 +37,9 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
+
+import torch
 
 from backend.engine import LLMEngine, StepOutput
 from backend.errors import EdgeServeError, EngineStopped, InvalidRequest
@@ -72,9 +73,12 @@ def _finish_event(seq: Sequence) -> FinishEvent:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, store_tier: KVStoreTier | None = None) -> None:
-        """`store_tier`: a `KVStoreTier` attached to `engine`, fetched from before admission."""
+    def __init__(self, engine: LLMEngine, store_tier: KVStoreTier | None = None, threads: int | None = None) -> None:
+        """`store_tier`: a `KVStoreTier` attached to `engine`, fetched from before admission. `threads`: torch's
+        thread count on the engine thread, set there when it starts (the thread then owns torch's OpenMP pool;
+        `kernels.cpu_threads.yield_openmp_to_engine_thread`); None leaves it as it is."""
         self.engine = engine
+        self._threads = threads
         self.store_tier = store_tier
         self._subs: dict[str, _Subscriber] = {}
         self._pending: list[StoreFetch] = []  # requests waiting for their store fetch (guarded by _lock)
@@ -129,6 +133,8 @@ class AsyncEngine:
 
     # -- engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)
         try:
             while not self._stop.is_set():
                 self.engine.scheduler.wait_for_work(timeout=self._wait_timeout())

@@ -10,6 +10,17 @@ A passive policy for the whole process cost the c = 32 step 10-60% (157-181 agai
 its GEMMs wake sleeping workers hundreds of times a step), so instead torch runs at one thread
 for exactly the steps whose linears all take the GEMV, and the C kernels keep the thread count
 torch had (`kernel_threads`). Larger steps keep torch's pool as it was.
+
+One thread of a process owns torch's OpenMP pool. libgomp gives every thread that starts a
+parallel region a pool of its own, and once the process holds more OpenMP threads than CPUs it
+stops spinning between regions (a throttled spin of 100 iterations; `GOMP_SPINCOUNT` and
+`OMP_WAIT_POLICY` do not change that), so every region wakes its workers from a futex. A worker
+process loads the model on its main thread and steps the engine on another: measured on a 2-core
+Intel Xeon VM, a 1 MB `torch.add` at 2 threads took 34 µs on the main thread and 126-180 µs on a
+second thread once the main thread had run one parallel region (38-48 µs before it had), an INT4
+GEMM 34 against 111-130 µs; the served INT4 worker's token took 44-50 ms against a 20 ms step in
+process. `yield_openmp_to_engine_thread` keeps the main thread at one thread (it never starts a
+pool) and hands the count to the engine thread, which sets it when it starts.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["kernel_threads", "kernels_own_threads", "torch_single_threaded"]
+__all__ = ["kernel_threads", "kernels_own_threads", "torch_single_threaded", "yield_openmp_to_engine_thread"]
 
 _state = threading.local()
 
@@ -51,3 +62,12 @@ def torch_single_threaded() -> Iterator[None]:
     finally:
         _state.threads = None
         torch.set_num_threads(threads)
+
+
+def yield_openmp_to_engine_thread(threads: int | None) -> int:
+    """Run torch at one thread on the calling thread from now on (a server's main thread: model loading, HTTP),
+    so that it never starts an OpenMP pool; returns the count the engine thread is to set (`threads`, else
+    torch's default). Call it before the first parallel torch op of the process."""
+    count = threads or torch.get_num_threads()
+    torch.set_num_threads(1)
+    return count

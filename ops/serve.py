@@ -239,11 +239,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     model_dir = resolve_model(args.model)
     dtype = resolve_dtype(args.dtype, args.device)
+    engine_threads = None
+    if args.tensor_parallel == 1:  # torch's OpenMP pool belongs to the engine thread (kernels/cpu_threads.py)
+        from kernels.cpu_threads import yield_openmp_to_engine_thread
+
+        engine_threads = yield_openmp_to_engine_thread(args.threads)
     config = EngineConfig(dtype=dtype, kv_format=resolve_kv_format(args.kv_format, dtype),
                           kv_cache_bytes=args.kv_cache_bytes, page_size=args.page_size, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           prefill_chunk_size=args.prefill_chunk_size, max_waiting=args.max_waiting,
-                          num_threads=args.threads, device=args.device,
+                          num_threads=args.threads if engine_threads is None else None, device=args.device,
                           prefix_caching=args.prefix_caching and args.role != "decode",
                           # a prefill (decode) worker runs only prefill (decode) steps: hold one format
                           prefill_weights=args.decode_weights if args.role == "decode" else args.prefill_weights,
@@ -260,7 +265,7 @@ def run_serve(args: argparse.Namespace) -> int:
             return 0
     try:
         engine = LLMEngine.from_pretrained(model_dir, config, group.coll if group is not None else None)
-        _serve_engine(args, engine, model_dir, token, warning, group)
+        _serve_engine(args, engine, model_dir, token, warning, group, engine_threads)
     finally:
         if group is not None:
             group.shutdown()
@@ -268,8 +273,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token: str | None, warning: str | None,
-                  group: Any) -> None:
-    """Build the worker app around `engine` (rank 0 of `group` when tensor-parallel) and serve until drained."""
+                  group: Any, engine_threads: int | None = None) -> None:
+    """Build the worker app around `engine` (rank 0 of `group` when tensor-parallel) and serve until drained;
+    `engine_threads`: torch's thread count on the engine thread (None: as it is)."""
     from backend.async_engine import AsyncEngine
     from backend.errors import InvalidRequest
     from backend.redis_client import redact
@@ -287,7 +293,7 @@ def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token:
         store_tier = open_store_tier(engine, args.kv_store, model_fingerprint(model_dir),
                                      host=advertised_host(args.host), segment_bytes=args.kv_store_segment,
                                      fetch_timeout_s=args.kv_store_timeout)
-    async_engine = AsyncEngine(engine, store_tier)
+    async_engine = AsyncEngine(engine, store_tier, threads=engine_threads)
     coordinator = None
     if args.role == "decode":
         from backend.decode_coordinator import DecodeCoordinator

@@ -70,3 +70,72 @@ def test_only_a_handover_gives_the_kernels_the_other_cores(two_threads) -> None:
     with torch_single_threaded():
         assert kernels_own_threads()
     assert not kernels_own_threads()
+
+
+def test_a_yielding_main_thread_starts_no_openmp_pool_and_the_engine_thread_owns_it() -> None:
+    """In a fresh process (this one already has pools): after `yield_openmp_to_engine_thread`, parallel torch ops on
+    the main thread start no OpenMP worker, and a thread that sets the returned count starts the only pool."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import os, threading, torch
+from kernels.cpu_threads import yield_openmp_to_engine_thread
+tasks = lambda: len(os.listdir('/proc/self/task'))
+before = tasks()
+count = yield_openmp_to_engine_thread(2)
+a = torch.ones(1 << 20)
+for _ in range(3):
+    a.add_(1)  # parallel above torch's grain size, were the thread at 2
+on_main = tasks() - before
+seen = []
+def engine():
+    torch.set_num_threads(count)
+    a.add_(1)
+    seen.append((torch.get_num_threads(), tasks() - before))
+t = threading.Thread(target=engine)
+t.start(); t.join()
+print(count, torch.get_num_threads(), on_main, *seen[0])
+"""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr
+    count, main_threads, on_main, engine_threads, pool_workers = map(int, out.stdout.split())
+    assert (count, main_threads, on_main, engine_threads) == (2, 1, 0, 2)
+    assert pool_workers == 2  # the engine thread itself and the one worker of its pool
+
+
+def test_the_async_engine_sets_its_thread_count_on_its_own_thread(tiny_chat_dir: Path) -> None:
+    import asyncio
+
+    from backend.async_engine import AsyncEngine
+    from backend.engine import EngineConfig, LLMEngine
+    from backend.sampling_params import SamplingParams
+
+    before = torch.get_num_threads()
+    engine = LLMEngine.from_pretrained(tiny_chat_dir, EngineConfig(dtype="float32", kv_format="fp32",
+                                                                   kv_cache_bytes=4 << 20, gemm_buckets=()))
+    seen: list[int] = []
+    step = engine.step
+
+    def recording():
+        seen.append(torch.get_num_threads())
+        return step()
+
+    engine.step = recording
+    torch.set_num_threads(1)  # the main thread yields, as `edgeserve serve` does
+    try:
+        async_engine = AsyncEngine(engine, threads=2)
+        async_engine.start()
+
+        async def go() -> None:
+            async for _ in async_engine.generate(list(range(10, 20)), SamplingParams(max_tokens=3, temperature=0.0)):
+                pass
+
+        asyncio.run(go())
+        async_engine.shutdown()
+        assert seen and set(seen) == {2} and torch.get_num_threads() == 1  # the engine thread's count, not main's
+    finally:
+        torch.set_num_threads(before)
