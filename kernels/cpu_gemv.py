@@ -13,9 +13,10 @@ weights of at least `_THREADED_BYTES` in a step that handed torch's threads over
 (`cpu_threads.torch_single_threaded`), of at least `_SHARED_THREADED_BYTES` (in practice the LM
 head) in one where torch's OpenMP workers may be spinning on the other cores. The rows are cut
 into chunks of about `_CHUNK_BYTES` of weights that the threads claim one at a time, so a helper
-that is asleep or preempted costs at most one chunk (the C file's header). A thread per call (before) lost to one thread at every
-layer size on a 2-core VM (starting it took longer than its share); a static OpenMP split won in
-process and lost end to end, waiting on a worker the OS had given to another process.
+that is asleep or preempted costs at most one chunk (the C file's header). A thread started per
+call (before) lost to one thread at every layer size on a 2-core VM (starting it took longer than
+its share); a static OpenMP split won in process and lost end to end, waiting on a worker the OS
+had given to another process.
 The build needs AVX512-BF16: elsewhere it fails, `available()` is False and `Linear` keeps
 torch's GEMM.
 """

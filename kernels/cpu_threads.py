@@ -1,4 +1,5 @@
-"""Who owns the CPU's threads during a decode step of a few rows: the C kernels, not torch's OpenMP pool.
+"""Who owns the CPU's threads: in a worker, the engine thread owns torch's OpenMP pool; in a decode step of a
+few rows, the C kernels own the cores, not that pool.
 
 At a handful of rows every bfloat16 linear runs the C GEMV (`kernels/cpu_gemv.py`), whose helper
 threads claim chunks of the weight rows. torch's own OpenMP workers, once woken by any parallel

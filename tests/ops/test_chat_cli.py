@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.conftest import MODEL, Gateway, Worker, gateway, metered, wait_metered, worker  # noqa: F401 - fixtures
+from tests.gateway.conftest import (  # noqa: F401 - fixtures
+    MODEL, Gateway, Worker, gateway, metered, wait_metered, worker)
 
 ROOT = Path(__file__).resolve().parents[2]
 
