@@ -79,6 +79,11 @@ class ScheduledBatch(NamedTuple):
     def empty(self) -> bool:
         return not self.decode and not self.prefill
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the model runs this step: one per decode sequence plus the prompt tokens scheduled."""
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,

@@ -191,8 +191,8 @@ class Router:
                 return [Target(w) for w in ordered], 0, f"policy least-loaded (load {self._load(ordered[0])})"
         # prefix-aware: score the prefill-capable workers (a sole one wins whatever it caches: no lookup)
         scorable = prefills if disaggregated else front
-        tiers = await self._overlap(model, tenant_id, prompt_ids, scorable) if len(scorable) > 1 \
-            else TierOverlap({}, 0)
+        sole = len(scorable) == 1
+        tiers = TierOverlap({}, 0) if sole else await self._overlap(model, tenant_id, prompt_ids, scorable)
         overlap = tiers.local
         page = scorable[0].page_size or 16
 
@@ -208,9 +208,9 @@ class Router:
             scored = sorted(scorable, key=lambda w: (cost(w), w.id))
         best = scored[0]
         store = f", {tiers.store} in the KV store" if tiers.store else ""
-        why = (f"policy {self.policy}: {overlap.get(best.id, 0)} cached blocks of {len(prompt_ids) // page} "
-               f"on {best.id}{store}, cost {cost(best):.0f} tokens") if len(scored) > 1 \
-            else f"policy {self.policy}: {best.id} is the only candidate (prefix index not asked)"
+        why = f"policy {self.policy}: {best.id} is the only candidate (prefix index not asked)" if sole else (
+            f"policy {self.policy}: {overlap.get(best.id, 0)} cached blocks of {len(prompt_ids) // page} "
+            f"on {best.id}{store}, cost {cost(best):.0f} tokens")
         if disaggregated:
             decodes = sorted(front, key=lambda w: (self._load(w), -w.pages_free, w.id))
             targets = [Target(d, best) for d in decodes]
