@@ -30,7 +30,9 @@ CPU build with MKL; everything else uses the plain GEMM.
 Bfloat16 weights on a CPU with AVX512-BF16: calls of at most `cpu_gemv.MAX_ROWS` rows (a
 decode step's few requests) run the C GEMV of `kernels/cpu_gemv.py`, which reads the weight
 at close to the memory's rate where torch's bfloat16 GEMM reached about half of it; same
-products, float32 sums in another order, rounded to bfloat16 as torch's result is.
+products, float32 sums in another order, rounded to bfloat16 as torch's result is. Calls of
+at least `gemm_widen.WIDEN_MIN_ROWS` rows (prefill) run in float32 on a float32 copy of the
+weight made per call, where this CPU's float32 GEMM measured faster (`backend/gemm_widen.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from functools import lru_cache
 from typing import Protocol
 
 import torch
+
+from backend.gemm_widen import WIDEN_MIN_ROWS, widened_linear, widening_pays
 
 __all__ = ["LinearOp", "Linear", "Int4Linear", "Fp8Linear", "mkl_packing_available", "DEFAULT_BUCKETS"]
 
@@ -112,6 +116,7 @@ class Linear:
         self.packs = {b: torch.ops.mkl._mkl_reorder_linear_weight(weight, b) for b in self.buckets}
         self.gemv = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous() \
             and _bf16_gemv_available()
+        self.widen = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"  # if widening_pays()
 
     @property
     def out_features(self) -> int:
@@ -136,9 +141,11 @@ class Linear:
         return torch.addmm(self.bias, x, self.weight_t)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.widen and rows >= WIDEN_MIN_ROWS and widening_pays():
+            return widened_linear(x, self.weight_t, self.bias)
         if x.dtype != self.weight.dtype:  # e.g. bf16 weights under float32 compute
             return self(x.to(self.weight.dtype)).to(x.dtype)
-        rows = x.shape[0]
         if self.gemv and rows <= _GEMV_MAX_ROWS:
             from kernels.cpu_gemv import gemv_bf16
 
