@@ -28,7 +28,7 @@ float32: ~0.54 GB per bucket). Buckets are used only for float32 weights on a
 CPU build with MKL; everything else uses the plain GEMM.
 
 Bfloat16 weights on a CPU with AVX512-BF16: calls of at most `cpu_gemv.MAX_ROWS` rows (a
-decode step's few requests) run the C GEMV of `kernels/cpu_gemv.py`, which reads the weight
+decode step's requests) run the C kernel of `kernels/cpu_gemv.py`, which reads the weight
 at close to the memory's rate where torch's bfloat16 GEMM reached about half of it; same
 products, float32 sums in another order, rounded to bfloat16 as torch's result is. Calls of
 at least `gemm_widen.WIDEN_MIN_ROWS` rows (prefill) run in float32 on a float32 copy of the
@@ -60,7 +60,7 @@ class LinearOp(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-_GEMV_MAX_ROWS = 6  # kernels.cpu_gemv.MAX_ROWS (not imported here: the C build runs on first use only)
+_GEMV_MAX_ROWS = 32  # kernels.cpu_gemv.MAX_ROWS (not imported here: the C build runs on first use only)
 
 
 def _bf16_gemv_available() -> bool:

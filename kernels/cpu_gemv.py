@@ -2,9 +2,10 @@
 
 `kernels/cpu/gemv_bf16.c` computes y = x . W^T for bfloat16 x [M, K] and W [N, K] with
 `vdpbf16ps` (exact bfloat16 products, float32 sums), reading the weights once at close to
-the memory's rate. It is used for the few rows of a decode step (`MAX_ROWS`), where a GEMV is
-bound by reading the weights and torch's bfloat16 GEMM ran at about half that rate (measured
-with `edgeserve bench token-profile`).
+the memory's rate. It is used for the rows of a decode step up to `MAX_ROWS`: at a few rows a GEMV
+is bound by reading the weights and torch's bfloat16 GEMM ran at about half that rate (measured
+with `edgeserve bench token-profile`); from 7 rows 4 x 4 tiles keep `vdpbf16ps` busy, which
+beat torch's GEMM up to 32 rows (the C file's numbers).
 The result is rounded to bfloat16 in C (to nearest, ties to even), as torch's bfloat16 GEMM returns
 it; it differs from torch's only in summation order.
 
@@ -32,9 +33,10 @@ from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["available", "build_error", "gemv_bf16", "MAX_ROWS"]
 
-# x rows (decode tokens) up to which Linear runs the kernel: over SmolLM2's linears (2-core Zen 4) it took
-# 0.55x torch's bfloat16 GEMM's time at 1 row, 0.80x at 4, 0.77x at 6 and 1.13x at 8
-MAX_ROWS = 6
+# x rows (decode tokens) up to which Linear runs the kernel. Its time over torch's bfloat16 GEMM's, SmolLM2's
+# linears: 0.55x at 1 row, 0.80x at 4, 0.77x at 6 (2-core Zen 4, per-row code only); with the tiles, 2-core
+# Intel Xeon VM, 2 threads each: 0.59-0.81x at 8, 0.67-0.85x at 16, 0.85-1.09x at 32, 0.86-1.03x at 64
+MAX_ROWS = 32
 _THREADED_BYTES = 256 << 10  # weights below this run on the calling thread alone (too short to share)
 _SHARED_THREADED_BYTES = 16 << 20  # the same while torch's OpenMP workers may spin (outside a handover)
 _CHUNK_BYTES = 128 << 10  # of weights per chunk the threads claim (a few per thread at SmolLM2's sizes)
@@ -62,7 +64,7 @@ def build_error() -> str | None:
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None) -> torch.Tensor:
     """x [M, K] . weight [N, K]^T -> [M, N] bfloat16, for contiguous bfloat16 CPU tensors and
-    any M (x rows in chunks of 6, one pass over the weights each; `Linear` calls it up to MAX_ROWS;
+    any M (one pass over the weights; `Linear` calls it up to MAX_ROWS;
     `available()` first)."""
     lib = _KERNEL.load()
     m, k = x.shape

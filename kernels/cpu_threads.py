@@ -1,7 +1,7 @@
-"""Who owns the CPU's threads: in a worker, the engine thread owns torch's OpenMP pool; in a decode step of a
-few rows, the C kernels own the cores, not that pool.
+"""Who owns the CPU's threads: in a worker, the engine thread owns torch's OpenMP pool; in a decode step of up
+to `cpu_gemv.MAX_ROWS` rows, the C kernels own the cores, not that pool.
 
-At a handful of rows every bfloat16 linear runs the C GEMV (`kernels/cpu_gemv.py`), whose helper
+At those row counts every bfloat16 linear runs the C GEMV (`kernels/cpu_gemv.py`), whose helper
 threads claim chunks of the weight rows. torch's own OpenMP workers, once woken by any parallel
 torch op of the step (a copy, the sampler's argmax over the vocabulary), spin for milliseconds
 after it (libgomp's default wait policy) and share the cores with those helpers: measured with

@@ -1,6 +1,6 @@
 """The AVX512-BF16 decode GEMV (kernels/cpu/gemv_bf16.c) against a float64 reference, on fresh random
-inputs: K and N that are not multiples of the kernel's 32 columns or 4-row thread split, 1-11 rows (past one
-6-row chunk), 1-3 threads;
+inputs: K and N that are not multiples of the kernel's 32 columns or 4-row thread split, 1-6 rows (the per-row
+code) and 7-33 rows (the 4 x 4 tiles, with 1-3 rows and 1-3 weight rows left over), 1-3 threads;
 and `Linear` taking it for bfloat16 weights at decode row counts."""
 
 from __future__ import annotations
@@ -27,19 +27,22 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, seed: int) -> None
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (2, 577, 1539), (3, 31, 7), (4, 1536, 576), (1, 64, 1), (4, 96, 6),
-                                   (5, 100, 13), (6, 576, 33), (7, 65, 9), (8, 1536, 17), (11, 130, 10)])
+                                   (5, 100, 13), (6, 576, 33), (7, 65, 9), (8, 1536, 17), (11, 130, 10),
+                                   (9, 31, 8), (10, 33, 5), (13, 577, 23), (16, 64, 4), (32, 576, 1539),
+                                   (33, 1536, 62)])
 def test_matches_reference(m: int, k: int, n: int, threads: int, seed: int) -> None:
     x = torch.randn(m, k).bfloat16()
     w = (torch.randn(n, k) * 0.05).bfloat16()
     _check(gemv_bf16(x, w, threads), x, w, seed)
 
 
-def test_reads_only_its_rows(seed: int) -> None:
+@pytest.mark.parametrize("m", [2, 9])
+def test_reads_only_its_rows(m: int, seed: int) -> None:
     """A weight that is a row slice of a larger buffer: the rows around it (NaN) are never read."""
-    big = torch.full((10, 64), float("nan"), dtype=torch.bfloat16)
-    big[3:8] = torch.randn(5, 64).bfloat16()
-    x = torch.randn(2, 64).bfloat16()
-    _check(gemv_bf16(x, big[3:8], 2), x, big[3:8], seed)
+    big = torch.full((20, 64), float("nan"), dtype=torch.bfloat16)
+    big[3:16] = torch.randn(13, 64).bfloat16()
+    x = torch.randn(m, 64).bfloat16()
+    _check(gemv_bf16(x, big[3:16], 2), x, big[3:16], seed)
 
 
 def test_linear_takes_it_at_decode_row_counts(seed: int) -> None:

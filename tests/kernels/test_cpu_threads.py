@@ -51,7 +51,7 @@ def test_the_engine_hands_over_only_steps_whose_linears_all_run_the_gemv(tiny_ch
         return run(batch)
 
     engine.runner.run = recording
-    for i, prompt in enumerate([list(range(10, 30)), [5, 6, 7]]):
+    for i, prompt in enumerate([[10 + j % 50 for j in range(cpu_gemv.MAX_ROWS + 8)], [5, 6, 7]]):
         engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0), request_id=f"r{i}")
     while engine.has_work():
         engine.step()
