@@ -137,6 +137,11 @@ def check_pages_ref(page_ids: torch.Tensor, expected: torch.Tensor, seq_offsets:
     lengths = seq_offsets.diff()  # [R]
     if int(seq_offsets[0]) != 0 or int(seq_offsets[-1]) != num_entries or bool((lengths < 0).any()):
         raise ValueError(f"seq_offsets must rise from 0 to {num_entries}, got {seq_offsets.tolist()[:8]}...")
+    if num_entries == 0 or (int(page_ids.min()) >= 0 and int(page_ids.max()) < num_pages
+                            and torch.equal(tags.index_select(0, page_ids), expected)):
+        # every entry matches (the step-by-step case): no per-request reduction to run
+        return (torch.ones(num_requests, dtype=torch.bool, device=page_ids.device),
+                torch.full((num_requests,), -1, dtype=torch.int32, device=page_ids.device))
     in_range = (page_ids >= 0) & (page_ids < num_pages)  # [N]
     if num_pages:
         got = tags[page_ids.long().clamp(0, num_pages - 1)]
