@@ -4,8 +4,12 @@
 `vdpbf16ps` (exact bfloat16 products, float32 sums), reading the weights once at close to
 the memory's rate. It is used for the rows of a decode step up to `MAX_ROWS`: at a few rows a GEMV
 is bound by reading the weights and torch's bfloat16 GEMM ran at about half that rate (measured
-with `edgeserve bench token-profile`); from 7 rows 4 x 4 tiles keep `vdpbf16ps` busy, which
-beat torch's GEMM up to 32 rows (the C file's numbers).
+with `edgeserve bench token-profile`); from 7 rows the work is compute-bound and runs in 4 x 4
+tiles, either of `vdpbf16ps` or of float32 FMAs on weights widened in registers (x widened once
+per call). Which is faster depends on the core (on the Intel Xeon VM measured, `vdpbf16ps` does
+75 GFLOP/s a core and float32 FMAs 123; AMD Zen 4 runs `vdpbf16ps` at twice its float32 FMA
+rate on paper, unmeasured here), so `tile_mode()` times both once per process and keeps the
+faster (`EDGESERVE_GEMV_TILES=dp|fma` forces one). The C file has the numbers.
 The result is rounded to bfloat16 in C (to nearest, ties to even), as torch's bfloat16 GEMM returns
 it; it differs from torch's only in summation order.
 
@@ -25,17 +29,24 @@ torch's GEMM.
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
+import os
+import time
 
 import torch
 
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "gemv_bf16", "MAX_ROWS"]
+__all__ = ["available", "build_error", "gemv_bf16", "MAX_ROWS", "TILE_MODES", "tile_mode", "measure_tiles"]
+
+log = logging.getLogger(__name__)
 
 # x rows (decode tokens) up to which Linear runs the kernel. Its time over torch's bfloat16 GEMM's, SmolLM2's
-# linears: 0.55x at 1 row, 0.80x at 4, 0.77x at 6 (2-core Zen 4, per-row code only); with the tiles, 2-core
-# Intel Xeon VM, 2 threads each: 0.59-0.81x at 8, 0.67-0.85x at 16, 0.85-1.09x at 32, 0.86-1.03x at 64
+# linears: 0.55x at 1 row, 0.80x at 4, 0.77x at 6 (2-core Zen 4, per-row code only); with the vdpbf16ps
+# tiles, 2-core Intel Xeon VM, 2 threads each: 0.59-0.81x at 8, 0.67-0.85x at 16, 0.85-1.09x at 32,
+# 0.86-1.03x at 64 (the FMA tiles there: ~0.7x the vdpbf16ps tiles' time)
 MAX_ROWS = 32
 _THREADED_BYTES = 256 << 10  # weights below this run on the calling thread alone (too short to share)
 _SHARED_THREADED_BYTES = 16 << 20  # the same while torch's OpenMP workers may spin (outside a handover)
@@ -44,8 +55,8 @@ _CHUNK_BYTES = 128 << 10  # of weights per chunk the threads claim (a few per th
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.gemv_bf16.argtypes = [p, p, p, i, i, i, i, i]
-    lib.gemv_bf16.restype = None
+    lib.gemv_bf16.argtypes = [p, p, p, i, i, i, i, i, i]
+    lib.gemv_bf16.restype = ctypes.c_int
 
 
 _KERNEL = CKernel("gemv_bf16.c", (), _declare, "bfloat16 decode GEMVs run torch's GEMM")
@@ -62,10 +73,46 @@ def build_error() -> str | None:
     return _KERNEL.error
 
 
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+TILE_MODES = ("dp", "fma")  # the C file's two tile kernels for more than 6 rows: vdpbf16ps, float32 FMAs
+_TILE_MARGIN = 1.1  # the FMA tiles only where they are at least this much faster
+_PROBE = (16, 576, 1536)  # rows, in_features, out_features of the timed call
+
+
+def measure_tiles(reps: int = 5) -> dict[str, float]:
+    """Seconds of one `_PROBE` call per tile mode, one thread: the fastest of `reps` interleaved runs on
+    fresh random operands."""
+    rows, k, n = _PROBE
+    x, w = torch.randn(rows, k).to(torch.bfloat16), torch.randn(n, k).to(torch.bfloat16)
+    best = dict.fromkeys(TILE_MODES, float("inf"))
+    for mode in TILE_MODES:  # warm
+        gemv_bf16(x, w, 1, tiles=mode)
+    for _ in range(reps):
+        for mode in TILE_MODES:
+            t = time.perf_counter()
+            gemv_bf16(x, w, 1, tiles=mode)
+            best[mode] = min(best[mode], time.perf_counter() - t)
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def tile_mode() -> str:
+    """The tile kernel for calls of more than 6 rows on this CPU, timed once per process
+    (`EDGESERVE_GEMV_TILES=dp|fma` forces it)."""
+    forced = os.environ.get("EDGESERVE_GEMV_TILES", "auto")
+    if forced in TILE_MODES:
+        return forced
+    times = measure_tiles()
+    mode = "fma" if times["dp"] >= _TILE_MARGIN * times["fma"] else "dp"
+    log.info("bf16 GEMV tiles: %s (vdpbf16ps %.3f ms, float32 FMA %.3f ms, %d rows)", mode, times["dp"] * 1e3,
+             times["fma"] * 1e3, _PROBE[0])
+    return mode
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,
+              tiles: str | None = None) -> torch.Tensor:
     """x [M, K] . weight [N, K]^T -> [M, N] bfloat16, for contiguous bfloat16 CPU tensors and
-    any M (one pass over the weights; `Linear` calls it up to MAX_ROWS;
-    `available()` first)."""
+    any M (one pass over the weights; `Linear` calls it up to MAX_ROWS; `available()` first).
+    `tiles` picks the kernel for more than 6 rows (`TILE_MODES`; default: `tile_mode()`)."""
     lib = _KERNEL.load()
     m, k = x.shape
     n = weight.shape[0]
@@ -76,5 +123,7 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None)
         floor = _THREADED_BYTES if kernels_own_threads() else _SHARED_THREADED_BYTES
         threads = kernel_threads() if nbytes >= floor else 1
     chunks = max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1
-    lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads, chunks)
+    fma = m > 6 and (tiles or tile_mode()) == "fma"
+    if lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads, chunks, int(fma)) != 0:
+        raise MemoryError(f"bf16 GEMV: no memory to widen a [{m}, {k}] input")
     return y

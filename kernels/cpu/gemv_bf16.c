@@ -29,6 +29,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -41,6 +42,7 @@ typedef struct {
     const uint16_t *x, *w;
     uint16_t *y; /* bfloat16 bits */
     int M, N, K, n0, n1;
+    const float *xf; /* fma tiles: x widened to float32, [M, K32] in split 32-column blocks (widen_x) */
 } Args;
 
 static inline uint16_t to_bf16(float f) { /* round to nearest, ties to even (NaN stays NaN) */
@@ -191,9 +193,92 @@ static void tiles(const Args *a) {
     }
 }
 
+/* The same tiles in float32 FMAs, for cores where `vdpbf16ps` is the slower way to multiply (the Intel
+ * Xeon VM above: 75 against 123 GFLOP/s a core). x is widened once per call into `xf`; each 32-column
+ * block of it is stored as its 16 even columns then its 16 odd ones, so a weight block of 32 bfloat16
+ * values (one 512-bit load, read as 16 pairs) becomes float32 with one instruction per half: the even
+ * columns are the low halves shifted up 16 bits, the odd ones the high halves with the low bits cleared.
+ * Products and sums are float32 as with `vdpbf16ps` (whose pairwise grouping differs): the same
+ * exact products, summed in another order. The loops run weight blocks of FNB rows (in L2) by x tiles
+ * of 4 rows (4 * K32 floats, in L1) by 4 weight rows: x is read from L1, each weight vector once per
+ * x tile from L2. One core: 101-112 GFLOP/s at 8-32 rows over SmolLM2's shapes, the vdpbf16ps tiles
+ * 66-71 (same harness, same host). `cpu_gemv.tile_mode` picks one of the two per process by timing both. */
+#define FNB 64
+
+static void widen_x(const uint16_t *x, float *xf, int M, int K) {
+    const int K32 = (K + 31) & ~31;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000);
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K32; k += 32) {
+            const int left = K - k;
+            const __mmask32 mk = left >= 32 ? 0xffffffffu : (__mmask32)((1ull << left) - 1);
+            const __m512i v = _mm512_maskz_loadu_epi16(mk, x + (int64_t)m * K + k); /* zeros past K */
+            _mm512_storeu_ps(xf + (int64_t)m * K32 + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            _mm512_storeu_ps(xf + (int64_t)m * K32 + k + 16, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+        }
+}
+
+static inline __attribute__((always_inline)) void ftile(const Args *a, int n, int m0, const int rows,
+                                                        const uint16_t *prefetch) {
+    const int K = a->K, K32 = (K + 31) & ~31, full32 = K & ~31;
+    const __mmask32 tail = (__mmask32)((1ull << (K - full32)) - 1);
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000);
+    const uint16_t *w = a->w + (int64_t)n * K;
+    const float *x = a->xf + (int64_t)m0 * K32;
+    __m512 acc[MR][NR];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NR; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int k = 0; k < K32; k += 32) {
+        if (prefetch) /* the next 4 weight rows, one line of each per 32 columns, as `tile` does */
+            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(prefetch + (int64_t)j * K + k), _MM_HINT_T0);
+        __m512 we[NR], wo[NR];
+        for (int j = 0; j < NR; j++) {
+            const __m512i v = k < full32 ? _mm512_loadu_si512(w + (int64_t)j * K + k)
+                                         : _mm512_maskz_loadu_epi16(tail, w + (int64_t)j * K + k);
+            we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            wo[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        }
+        for (int m = 0; m < rows; m++) {
+            const __m512 xe = _mm512_loadu_ps(x + (int64_t)m * K32 + k), xo = _mm512_loadu_ps(x + (int64_t)m * K32 + k + 16);
+            for (int j = 0; j < NR; j++) acc[m][j] = _mm512_fmadd_ps(xo, wo[j], _mm512_fmadd_ps(xe, we[j], acc[m][j]));
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        const __m128bh y = _mm_cvtneps_pbh(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+        _mm_storel_epi64((__m128i *)(a->y + (int64_t)(m0 + m) * a->N + n), (__m128i)y);
+    }
+}
+
+static void fma_tiles(const Args *a) {
+    const int nfull = a->n0 + (a->n1 - a->n0) / NR * NR;
+    for (int b = a->n0; b < nfull; b += FNB) {
+        const int bend = b + FNB < nfull ? b + FNB : nfull;
+        int m = 0;
+        for (; m + MR <= a->M; m += MR) /* the first x tile reads the block from memory: prefetch ahead */
+            for (int n = b; n < bend; n += NR)
+                ftile(a, n, m, MR, m == 0 && n + 2 * NR <= nfull ? a->w + (int64_t)(n + NR) * a->K : NULL);
+        for (int n = b; n < bend; n += NR) {
+            switch (a->M - m) {
+            case 1: ftile(a, n, m, 1, NULL); break;
+            case 2: ftile(a, n, m, 2, NULL); break;
+            case 3: ftile(a, n, m, 3, NULL); break;
+            default: break;
+            }
+        }
+    }
+    if (nfull < a->n1) { /* the last N % 4 weight rows, by the per-row code */
+        Args b = *a;
+        b.n0 = nfull;
+        b.xf = NULL;
+        tiles(&b);
+    }
+}
+
 static void rows(const Args *a) {
     if (a->M <= CHUNK)
         rows_chunk(a);
+    else if (a->xf)
+        fma_tiles(a);
     else
         tiles(a);
 }
@@ -284,18 +369,29 @@ static void ensure_helpers(int want) {
     }
 }
 
-void gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int threads, int chunks) {
+/* fma: 1 for the float32-FMA tiles (more than CHUNK rows only), 0 for the vdpbf16ps ones. Returns 0, or
+ * -1 when the widened x could not be allocated (nothing computed). */
+int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int threads, int chunks,
+              int fma) {
     const int blocks = (N + 3) / 4;
+    float *xf = NULL;
+    if (fma && M > CHUNK) {
+        const size_t bytes = ((size_t)M * ((K + 31) & ~31) * sizeof(float) + 63) & ~(size_t)63;
+        xf = aligned_alloc(64, bytes);
+        if (!xf) return -1;
+        widen_x(x, xf, M, K);
+    }
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (chunks > blocks) chunks = blocks;
     if (chunks > 0xfff) chunks = 0xfff;
     if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
-        const Args a = {x, w, y, M, N, K, 0, N};
+        const Args a = {x, w, y, M, N, K, 0, N, xf};
         rows(&a);
-        return;
+        free(xf);
+        return 0;
     }
     ensure_helpers(threads - 1);
-    pool.job = (Args){x, w, y, M, N, K, 0, N};
+    pool.job = (Args){x, w, y, M, N, K, 0, N, xf};
     pool.chunk_rows = 4 * ((blocks + chunks - 1) / chunks);
     chunks = (N + pool.chunk_rows - 1) / pool.chunk_rows;
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
@@ -309,4 +405,6 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, 
         else sched_yield(); /* a helper holding a chunk was preempted: give it the core */
     }
     pthread_mutex_unlock(&pool.lock);
+    free(xf);
+    return 0;
 }

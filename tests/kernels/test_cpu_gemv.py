@@ -1,6 +1,7 @@
 """The AVX512-BF16 decode GEMV (kernels/cpu/gemv_bf16.c) against a float64 reference, on fresh random
 inputs: K and N that are not multiples of the kernel's 32 columns or 4-row thread split, 1-6 rows (the per-row
-code) and 7-33 rows (the 4 x 4 tiles, with 1-3 rows and 1-3 weight rows left over), 1-3 threads;
+code) and 7-33 rows (the 4 x 4 tiles, vdpbf16ps and float32-FMA, with 1-3 rows and 1-3 weight rows left over),
+1-3 threads;
 and `Linear` taking it for bfloat16 weights at decode row counts."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from backend.linear import Linear
-from kernels.cpu_gemv import MAX_ROWS, available, build_error, gemv_bf16
+from kernels import cpu_gemv
+from kernels.cpu_gemv import MAX_ROWS, TILE_MODES, available, build_error, gemv_bf16
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(not available(), reason=f"bf16 GEMV not built for this CPU: {build_error()}")
@@ -25,24 +27,58 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, seed: int) -> None
     assert not bad.any(), f"seed {seed}: {int(bad.sum())} of {bad.numel()} outside bfloat16 rounding"
 
 
+@pytest.mark.parametrize("tiles", TILE_MODES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (2, 577, 1539), (3, 31, 7), (4, 1536, 576), (1, 64, 1), (4, 96, 6),
                                    (5, 100, 13), (6, 576, 33), (7, 65, 9), (8, 1536, 17), (11, 130, 10),
                                    (9, 31, 8), (10, 33, 5), (13, 577, 23), (16, 64, 4), (32, 576, 1539),
                                    (33, 1536, 62)])
-def test_matches_reference(m: int, k: int, n: int, threads: int, seed: int) -> None:
+def test_matches_reference(m: int, k: int, n: int, threads: int, tiles: str, seed: int) -> None:
     x = torch.randn(m, k).bfloat16()
     w = (torch.randn(n, k) * 0.05).bfloat16()
-    _check(gemv_bf16(x, w, threads), x, w, seed)
+    _check(gemv_bf16(x, w, threads, tiles=tiles), x, w, seed)
 
 
+@pytest.mark.parametrize("tiles", TILE_MODES)
 @pytest.mark.parametrize("m", [2, 9])
-def test_reads_only_its_rows(m: int, seed: int) -> None:
+def test_reads_only_its_rows(m: int, tiles: str, seed: int) -> None:
     """A weight that is a row slice of a larger buffer: the rows around it (NaN) are never read."""
-    big = torch.full((20, 64), float("nan"), dtype=torch.bfloat16)
-    big[3:16] = torch.randn(13, 64).bfloat16()
-    x = torch.randn(m, 64).bfloat16()
-    _check(gemv_bf16(x, big[3:16], 2), x, big[3:16], seed)
+    big = torch.full((20, 70), float("nan"), dtype=torch.bfloat16)
+    big[3:16] = torch.randn(13, 70).bfloat16()
+    x = torch.randn(m, 70).bfloat16()
+    _check(gemv_bf16(x, big[3:16], 2, tiles=tiles), x, big[3:16], seed)
+
+
+@pytest.fixture
+def tiles_env(monkeypatch: pytest.MonkeyPatch):
+    """Set EDGESERVE_GEMV_TILES for one test, the per-process choice forgotten before and after."""
+    def force(value: str) -> None:
+        monkeypatch.setenv("EDGESERVE_GEMV_TILES", value)
+        cpu_gemv.tile_mode.cache_clear()
+
+    yield force
+    cpu_gemv.tile_mode.cache_clear()
+
+
+@pytest.mark.parametrize("times, mode", [({"dp": 2.0, "fma": 1.0}, "fma"), ({"dp": 1.05, "fma": 1.0}, "dp"),
+                                         ({"dp": 1.0, "fma": 2.0}, "dp")])
+def test_tile_mode_takes_the_fma_tiles_only_when_clearly_faster(tiles_env, monkeypatch: pytest.MonkeyPatch,
+                                                                times: dict[str, float], mode: str) -> None:
+    tiles_env("auto")
+    monkeypatch.setattr(cpu_gemv, "measure_tiles", lambda: times)
+    assert cpu_gemv.tile_mode() == mode
+
+
+@pytest.mark.parametrize("mode", TILE_MODES)
+def test_tile_mode_can_be_forced(tiles_env, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    tiles_env(mode)
+    monkeypatch.setattr(cpu_gemv, "measure_tiles", lambda: pytest.fail("measured although forced"))
+    assert cpu_gemv.tile_mode() == mode
+
+
+def test_measure_tiles_times_both() -> None:
+    times = cpu_gemv.measure_tiles(reps=2)
+    assert set(times) == set(TILE_MODES) and all(0 < t < 1 for t in times.values())
 
 
 def test_linear_takes_it_at_decode_row_counts(seed: int) -> None:
