@@ -200,12 +200,17 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     is_fp8 = check_cache_args(k_cache, v_cache, k_scale, v_scale)
     page_size = k_cache.shape[1]
     if is_fp8:
-        pages, offsets = slots // page_size, slots % page_size
-        for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-            q, e = quantize_fp8_ref(x)
-            # index_put on float8 is not implemented on every device: write the bytes
-            cache.view(torch.uint8)[pages, offsets] = q.view(torch.uint8)
-            scale[pages, offsets] = e
+        q, e = quantize_fp8_ref(torch.stack((k, v)))  # K and V in one pass: half the ops of a decode step's store
+        q = q.view(torch.uint8)  # index_put / index_copy on float8 is not implemented on every device: the bytes
+        if k_cache.is_contiguous() and k_scale.is_contiguous():  # the CPU hot path: row copies
+            for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
+                cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, q[i])
+                scale.view(-1, scale.shape[2]).index_copy_(0, slots, e[i])
+        else:
+            pages, offsets = slots // page_size, slots % page_size
+            for i, (cache, scale) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
+                cache.view(torch.uint8)[pages, offsets] = q[i]
+                scale[pages, offsets] = e[i]
     elif k_cache.is_contiguous() and v_cache.is_contiguous():  # the CPU hot path: two row copies
         rows = (-1, *k_cache.shape[2:])
         k_cache.view(rows).index_copy_(0, slots, k.to(k_cache.dtype))
