@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from array import array
 import time
 import uuid
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path

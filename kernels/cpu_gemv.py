@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # x rows (decode tokens) up to which Linear runs the kernel. Its time over torch's bfloat16 GEMM's, SmolLM2's
 # linears: 0.55x at 1 row, 0.80x at 4, 0.77x at 6 (2-core Zen 4, per-row code only); with the vdpbf16ps
 # tiles, 2-core Intel Xeon VM, 2 threads each: 0.59-0.81x at 8, 0.67-0.85x at 16, 0.85-1.09x at 32,
-# 0.86-1.03x at 64 (the FMA tiles there: ~0.7x the vdpbf16ps tiles' time)
+# 0.86-1.03x at 64 (the FMA tiles there: 0.77-0.93x the vdpbf16ps tiles' time at 8-32 rows, all 121 linears)
 MAX_ROWS = 32
 _THREADED_BYTES = 256 << 10  # weights below this run on the calling thread alone (too short to share)
 _SHARED_THREADED_BYTES = 16 << 20  # the same while torch's OpenMP workers may spin (outside a handover)

@@ -31,7 +31,9 @@ reduction; it is a separate launch, independent of the attention kernel, so the
 attention path is unchanged. At 64 requests of 8k-token contexts and 16-token
 pages that is 32k entries, ~400 KB read: microseconds on a GPU. The CPU runtime
 path, `check_pages_ref`, is the same work vectorised in torch (no Python loop
-over requests).
+over requests), with a fast path for the usual step where every entry matches: one
+gather and one compare (73 us at 8 requests of 5 pages on a 2-core VM, against 169
+with the per-request reduction it then skips).
 
 `seq_offsets` must start at 0, be nondecreasing and end at N. The reference
 checks this (on CPU, where it is cheap); the kernel does not synchronise to check
