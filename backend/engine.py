@@ -431,7 +431,8 @@ class LLMEngine:
                 log.warning("freed the held pages of %s: its KV was not collected in time", rid)
 
     def _check_integrity(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[StepOutput]]:
-        """One batched page-tag check over the whole step, before the model runs.
+        """One batched page-tag check over the whole step, before the model runs (on CPU the usual
+        all-current answer comes from the allocator's tag mirror; the tensor check then finds who failed).
 
         A sequence whose pages changed hands is ended with KVIntegrityError (its
         still-owned pages returned) and dropped from the batch: it emits nothing

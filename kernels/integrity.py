@@ -33,7 +33,10 @@ pages that is 32k entries, ~400 KB read: microseconds on a GPU. The CPU runtime
 path, `check_pages_ref`, is the same work vectorised in torch (no Python loop
 over requests), with a fast path for the usual step where every entry matches: one
 gather and one compare (73 us at 8 requests of 5 pages on a 2-core VM, against 169
-with the per-request reduction it then skips).
+with the per-request reduction it then skips). The engine on CPU asks the page
+allocator's Python mirror of the tags first (`PageAllocator.all_current`) and calls
+`check_pages_ref` only when that finds a page that changed hands, for the per-request
+answer.
 
 `seq_offsets` must start at 0, be nondecreasing and end at N. The reference
 checks this (on CPU, where it is cheap); the kernel does not synchronise to check

@@ -55,8 +55,9 @@ class Worker:
     def generate(self, prompt: list[int], salt: str, max_tokens: int = 6) -> tuple[list[int], FinishEvent]:
         async def go() -> tuple[list[int], FinishEvent]:
             tokens: list[int] = []
-            async for ev in self.aengine.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                                                cache_salt=salt):
+            # ignore_eos: the prompts are random and the tiny model's greedy first token is sometimes EOS (id 2)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            async for ev in self.aengine.submit(prompt, params, cache_salt=salt):
                 if isinstance(ev, TokenEvent):
                     tokens += ev.token_ids
                 else:
