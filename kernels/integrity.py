@@ -31,12 +31,10 @@ reduction; it is a separate launch, independent of the attention kernel, so the
 attention path is unchanged. At 64 requests of 8k-token contexts and 16-token
 pages that is 32k entries, ~400 KB read: microseconds on a GPU. The CPU runtime
 path, `check_pages_ref`, is the same work vectorised in torch (no Python loop
-over requests), with a fast path for the usual step where every entry matches: one
-gather and one compare (73 us at 8 requests of 5 pages on a 2-core VM, against 169
-with the per-request reduction it then skips). The engine on CPU asks the page
-allocator's Python mirror of the tags first (`PageAllocator.all_current`) and calls
-`check_pages_ref` only when that finds a page that changed hands, for the per-request
-answer.
+over requests). The engine on CPU asks the page allocator's Python mirror of the tags
+first (`PageAllocator.all_current`: the usual step, where every page is still its
+request's, without a tensor op) and calls `check_pages_ref` only when that finds a page
+that changed hands, for the per-request answer.
 
 `seq_offsets` must start at 0, be nondecreasing and end at N. The reference
 checks this (on CPU, where it is cheap); the kernel does not synchronise to check
@@ -142,11 +140,6 @@ def check_pages_ref(page_ids: torch.Tensor, expected: torch.Tensor, seq_offsets:
     lengths = seq_offsets.diff()  # [R]
     if int(seq_offsets[0]) != 0 or int(seq_offsets[-1]) != num_entries or bool((lengths < 0).any()):
         raise ValueError(f"seq_offsets must rise from 0 to {num_entries}, got {seq_offsets.tolist()[:8]}...")
-    if num_entries == 0 or (int(page_ids.min()) >= 0 and int(page_ids.max()) < num_pages
-                            and torch.equal(tags.index_select(0, page_ids), expected)):
-        # every entry matches (the step-by-step case): no per-request reduction to run
-        return (torch.ones(num_requests, dtype=torch.bool, device=page_ids.device),
-                torch.full((num_requests,), -1, dtype=torch.int32, device=page_ids.device))
     in_range = (page_ids >= 0) & (page_ids < num_pages)  # [N]
     if num_pages:
         got = tags[page_ids.long().clamp(0, num_pages - 1)]

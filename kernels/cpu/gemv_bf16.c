@@ -135,6 +135,15 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* y[m0 + m, n..n+3] = the sums of acc[m][0..3], rounded to bfloat16 (both tile kernels end here) */
+static inline __attribute__((always_inline)) void store_tile(const Args *a, __m512 acc[MR][NR], int n, int m0,
+                                                             const int rows) {
+    for (int m = 0; m < rows; m++) {
+        const __m128bh y = _mm_cvtneps_pbh(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+        _mm_storel_epi64((__m128i *)(a->y + (int64_t)(m0 + m) * a->N + n), (__m128i)y);
+    }
+}
+
 /* rows n..n+3 of w with x rows m0..m0+rows-1 (rows <= MR, a compile-time constant per copy) */
 static inline __attribute__((always_inline)) void tile(const Args *a, int n, int m0, const int rows,
                                                        const uint16_t *prefetch) {
@@ -162,10 +171,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int n, int
             for (int j = 0; j < NR; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
         }
     }
-    for (int m = 0; m < rows; m++) {
-        const __m128bh y = _mm_cvtneps_pbh(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
-        _mm_storel_epi64((__m128i *)(a->y + (int64_t)(m0 + m) * a->N + n), (__m128i)y);
-    }
+    store_tile(a, acc, n, m0, rows);
 }
 
 static void tiles(const Args *a) {
@@ -243,10 +249,7 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
             for (int j = 0; j < NR; j++) acc[m][j] = _mm512_fmadd_ps(xo, wo[j], _mm512_fmadd_ps(xe, we[j], acc[m][j]));
         }
     }
-    for (int m = 0; m < rows; m++) {
-        const __m128bh y = _mm_cvtneps_pbh(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
-        _mm_storel_epi64((__m128i *)(a->y + (int64_t)(m0 + m) * a->N + n), (__m128i)y);
-    }
+    store_tile(a, acc, n, m0, rows);
 }
 
 static void fma_tiles(const Args *a) {
