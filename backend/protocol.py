@@ -6,6 +6,8 @@ A request that asks for log-probabilities gets them on its `TokenEvent`s (`logpr
 for the new tokens; `prompt_logprobs` once, on the first event, which has no token
 ids when `max_tokens` is 0); the fields are omitted otherwise, so the frames of other
 requests are unchanged.
+A request with `stream=False` (its caller reads the answer whole) may get several
+events in one write (`event_frames.py`); the lines are the same.
 A cancel sends `CancelRequest` with the `cancel_key` its request was started with.
 """
 
@@ -27,6 +29,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     cache_salt: str | None = None  # prefix-cache namespace, set by the gateway from the tenant (never a client)
     prefill_url: str | None = None  # decode role: the prefill worker the router paired it with
     cancel_key: str | None = None  # secret of the caller: /v1/cancel of this request must present it
+    stream: bool = True  # False: the caller reads the answer whole; events may be written together
+    # (at most `event_frames.FLUSH_S` apart) instead of one write per token
 
 
 class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):

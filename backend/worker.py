@@ -68,9 +68,10 @@ from backend.async_engine import AsyncEngine
 from backend.decode_coordinator import DecodeCoordinator
 from backend.drain import Drain, DrainGate
 from backend.errors import Draining, EdgeServeError, EngineStopped, InvalidRequest, ModelNotFound
+from backend.event_frames import ndjson_frames
 from backend.http_limits import HeaderLimitMiddleware, HeaderLimits
 from backend.prefill_server import prefill_endpoint
-from backend.protocol import CancelRequest, GenerateRequest, encoder
+from backend.protocol import CancelRequest, GenerateRequest
 from backend.transfer_stats import TransferStats
 from backend.worker_auth import WorkerAuth
 from backend.worker_metrics import CONTENT_TYPE, render_metrics, worker_registry
@@ -156,8 +157,8 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
         async def body() -> AsyncIterator[bytes]:
             try:
                 async with contextlib.aclosing(stream):  # closing aborts the request if it is not done
-                    async for ev in stream:
-                        yield encoder.encode(ev) + b"\n"
+                    async for frame in ndjson_frames(stream, req.stream):
+                        yield frame
             finally:
                 if rid is not None and cancel_keys.get(rid) == req.cancel_key:
                     cancel_keys.pop(rid, None)

@@ -22,6 +22,7 @@ request. `end_streams(err)` ends every open stream at once with `err` as its fin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import AsyncIterator, Callable
 
@@ -99,15 +100,14 @@ class WorkerClient:
                 stream, received = _OpenStream(resp), 0
                 self._open.add(stream)
                 try:
-                    async for line in resp.content:
-                        if not line.strip():
-                            continue
-                        ev = event_decoder.decode(line)
-                        if isinstance(ev, (FinishEvent, ErrorEvent)):
-                            final = ev
-                            continue
-                        received += len(ev.token_ids) if isinstance(ev, TokenEvent) else 0
-                        yield ev
+                    async with contextlib.aclosing(_event_batches(resp.content)) as batches:
+                        async for batch in batches:
+                            for ev in batch:
+                                if isinstance(ev, (FinishEvent, ErrorEvent)):
+                                    final = ev
+                                    continue
+                                received += len(ev.token_ids) if isinstance(ev, TokenEvent) else 0
+                                yield ev
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     if stream.ended_by is None:
                         raise
@@ -169,6 +169,21 @@ class WorkerClient:
                 return await resp.json()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise BackendUnavailable(f"worker {self.base_url} unreachable: {exc}") from exc
+
+
+async def _event_batches(body: aiohttp.StreamReader) -> AsyncIterator[list[Event]]:
+    """The events of an NDJSON body, a read at a time: every whole line one read brought, decoded in one
+    call (`decode_lines`); a line cut by the read waits for the rest."""
+    held = b""
+    async for chunk in body.iter_any():
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            held += chunk
+            continue
+        lines, held = held + chunk[:end + 1], chunk[end + 1:]
+        yield event_decoder.decode_lines(lines)
+    if held.strip():
+        yield [event_decoder.decode(held)]
 
 
 def _typed_error(status: int, body: bytes) -> EdgeServeError:

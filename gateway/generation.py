@@ -284,7 +284,8 @@ class Generation:
                 self.worker_url, self.worker_id = client.base_url, target.worker.id
                 request = GenerateRequest(self.prompt_ids, self.params, self.request_id, model=self.model.name,
                                           cache_salt=self.tenant.id,  # tenants never share cached blocks
-                                          prefill_url=target.prefill.url if target.prefill is not None else None)
+                                          prefill_url=target.prefill.url if target.prefill is not None else None,
+                                          stream=self.stream)  # not streamed: the worker may write tokens together
                 try:
                     finish_reason, cached = await self._stream_from(client, request)
                     break

@@ -62,6 +62,23 @@ def test_generate_streams_tokens_then_one_finish(worker) -> None:
     wait_idle(engine)
 
 
+def test_a_request_read_whole_gets_the_same_events(worker) -> None:
+    """`stream=False` only changes how the lines are written (held together, `event_frames.py`)."""
+    url, engine = worker
+    params = SamplingParams(max_tokens=9, logprobs=2, **GREEDY)
+    streamed = asyncio.run(collect(url, GenerateRequest([5, 6, 7, 8], params)))
+    whole = asyncio.run(collect(url, GenerateRequest([5, 6, 7, 8], params, stream=False)))
+
+    def ids(events: list) -> list[int]:
+        return [t for ev in events if isinstance(ev, TokenEvent) for t in ev.token_ids]
+
+    assert len(ids(whole)) == 9 and ids(whole) == ids(streamed)
+    assert [lp for ev in whole if isinstance(ev, TokenEvent) for lp in ev.logprobs.token] == pytest.approx(
+        [lp for ev in streamed if isinstance(ev, TokenEvent) for lp in ev.logprobs.token])
+    assert isinstance(whole[-1], FinishEvent) and whole[-1].completion_tokens == 9
+    wait_idle(engine)
+
+
 def test_concurrent_requests_each_get_their_own_stream(worker) -> None:
     url, engine = worker
 

@@ -34,13 +34,16 @@ class _ChatFields(msgspec.Struct):
 
 def per_token_standin_app(num_tokens: int) -> Starlette:
     """`ops.standin_worker`'s stand-in, streaming as real workers do: one NDJSON `TokenEvent` per token
-    on /v1/generate (`backend/worker.py` writes one line per engine step), and one SSE chunk per
-    token on /v1/chat/completions (what the gateway sends its clients). No pause between tokens:
-    every per-token cost of the path lands in the latency. Other routes are the stand-in's."""
+    on /v1/generate (`backend/worker.py` writes one line per engine step), framed by the worker's own
+    `ndjson_frames` (a request with `stream=False`, the gateway's non-streamed ones, gets its lines in
+    one write, as a real worker's tokens within `FLUSH_S`), and one SSE chunk per token on
+    /v1/chat/completions (what the gateway sends its clients). No pause between tokens: every
+    per-token cost of the path lands in the latency. Other routes are the stand-in's."""
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
-    from backend.protocol import FinishEvent, GenerateRequest, TokenEvent, encoder
+    from backend.event_frames import ndjson_frames
+    from backend.protocol import Event, FinishEvent, GenerateRequest, TokenEvent
     from ops.standin_worker import HELLO_WORLD, create_standin_app
 
     app = create_standin_app(num_tokens)
@@ -52,14 +55,14 @@ def per_token_standin_app(num_tokens: int) -> Starlette:
         req = generate_decoder.decode(await request.body())
         arrived, n = time.perf_counter(), min(num_tokens, req.params.max_tokens)
 
-        async def body() -> AsyncIterator[bytes]:
+        async def events() -> AsyncIterator[Event]:
             for token_id, _ in texts[:n]:
-                yield encoder.encode(TokenEvent([token_id], [time.perf_counter() - arrived])) + b"\n"
+                yield TokenEvent([token_id], [time.perf_counter() - arrived])
             elapsed = time.perf_counter() - arrived
-            yield encoder.encode(FinishEvent("length", len(req.prompt_ids), n, ttft_s=elapsed,
-                                             total_s=elapsed)) + b"\n"
+            yield FinishEvent("length", len(req.prompt_ids), n, ttft_s=elapsed, total_s=elapsed)
 
-        return StreamingResponse(body(), media_type="application/x-ndjson")
+        # framed as the real worker frames them: a line per token, held together when not streamed
+        return StreamingResponse(ndjson_frames(events(), req.stream), media_type="application/x-ndjson")
 
     async def chat(request: Request) -> Response:
         req = chat_decoder.decode(await request.body())
