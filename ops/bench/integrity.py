@@ -43,7 +43,8 @@ are narrower than ``--ci-width`` points or ``--max-repeats`` is reached.
 
 How we know a real 1% cost is separated from noise: the ``on+inject`` arm spins
 (`busy_wait`, holding the CPU like real work) for 1% of its previous decode step's
-CPU time inside the check path, records what it spun, and is measured against
+wall time inside the check path (counted in the spinning thread's CPU time, so a
+spell descheduled by the OS does not shorten the work), records what it spun, and is measured against
 ``on`` by the same method in the same run. Its interval must exclude 0 and hold
 the injected share (`detected`), per figure; where it does not, that figure cannot
 resolve 1% in this run, and the report says so. Targets: under 1% on throughput,
@@ -115,7 +116,7 @@ def busy_wait(cpu_seconds: float) -> tuple[float, float]:
 
 class CheckedDecodeLoop(DecodeLoop):
     """A `DecodeLoop` that, with a `CheckTimer`, records each decode step's check and spin time, and, when
-    `inject` > 0, sets the next step's spin to `inject` times this step's CPU time without its spin."""
+    `inject` > 0, sets the next step's spin to `inject` times this step's wall time without its spin."""
 
     def __init__(self, *args: Any, timer: CheckTimer | None = None, inject: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -133,7 +134,9 @@ class CheckedDecodeLoop(DecodeLoop):
             for series, now, mark in zip((self.check_s, self.check_cpu, self.spin_s, self.spin_cpu),
                                          (t.seconds, t.cpu, t.spun, t.spun_cpu), marks, strict=True):
                 series.append(now - mark)
-            t.spin_cpu_s = self.inject * (self.decode_cpu[-1] - self.spin_cpu[-1])
+            # sized from the step's wall time (what a throughput cost is a share of), not its process CPU
+            # time: with two threads busy that is ~2x the wall time, and the spin runs on one of them
+            t.spin_cpu_s = self.inject * (self.decode_steps[-1][0] - self.spin_s[-1])
 
 
 def concurrency_points(quick: bool) -> list[int]:
@@ -358,7 +361,7 @@ def _print(args, cmp, share, rows, points, repeats, prompt_tokens, output_tokens
               f"{1e3 * med('on', c, 'tpot_p95_s'):>10.1f}{fmt(r, 'p95'):>24}{fmt(r, 'cpu'):>24}"
               f"{share[c]['share_pct']:>12.3f}%")
     if "inject" in cmp:
-        print(f"calibration: on+inject vs on, a busy-wait of {args.inject_pct:g}% of the step's CPU time in the "
+        print(f"calibration: on+inject vs on, a busy-wait of {args.inject_pct:g}% of the step's wall time in the "
               f"check path, measured the same way")
         for c in points:
             r = cmp["inject"][c]
