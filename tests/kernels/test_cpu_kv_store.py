@@ -1,0 +1,91 @@
+"""The C FP8 KV store (`kernels/cpu_kv_store.py`) writes the bytes of `store_kv_ref`, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_kv_store import available, build_error, store_kv_fp8_cpu
+from kernels.kv_store import store_kv_ref
+from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.skipif(not available(), reason=f"CPU kernel not built: {build_error()}")
+
+PAGES, PAGE_SIZE = 6, 16
+
+
+def _pools(heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """K and V pages and exponents, filled with random bytes (a store must overwrite exactly its rows)."""
+    pages = torch.randint(0, 256, (2, PAGES, PAGE_SIZE, heads, dim), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.randint(-64, 64, (2, PAGES, PAGE_SIZE, heads), dtype=torch.int8)
+    return pages[0], pages[1], scales[0], scales[1]
+
+
+def _hard_values(tokens: int, heads: int, dim: int) -> torch.Tensor:
+    """float32 rows spanning the range the format meets: magnitudes 2^-150..2^110 (both exponent clamps,
+    float32 subnormals), all-zero rows, signed zeros, and elements exactly halfway between two e4m3
+    values (a float32 whose bits below the kept 3 mantissa bits are 1000...0 stays a tie after the
+    exact 2^-e scaling)."""
+    x = torch.randn(tokens, heads, dim) * torch.exp2(torch.randint(-150, 110, (tokens, heads, 1)).float())
+    bits = x.view(torch.int32)
+    ties = torch.rand(tokens, heads, dim) < 0.3
+    bits[ties] = (bits[ties] & ~0xFFFFF) | 0x80000
+    x[torch.rand(tokens, heads) < 0.15] = 0.0
+    x[torch.rand(tokens, heads, dim) < 0.02] = -0.0
+    return x
+
+
+def _both(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    ref = _pools(k.shape[1], k.shape[2])
+    ours = tuple(t.clone() for t in ref)
+    store_kv_ref(k, v, *ref, slots)
+    assert store_kv_fp8_cpu(k, v, *ours, slots)
+    as_bytes = lambda ts: [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in ts]  # noqa: E731
+    return as_bytes(ref), as_bytes(ours)
+
+
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 3, 64), (5, 2, 128), (40, 4, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_bytes_as_the_reference(tokens: int, heads: int, dim: int, dtype: torch.dtype, seed: int) -> None:
+    k = _hard_values(tokens, heads, dim).to(dtype)
+    v = _hard_values(tokens, heads, dim).to(dtype)
+    slots = torch.randperm(PAGES * PAGE_SIZE)[:tokens]
+    ref, ours = _both(k, v, slots)
+    for name, a, b in zip(("k", "v", "k_scale", "v_scale"), ref, ours, strict=True):
+        assert torch.equal(a, b), f"{name} differs at {(a != b).nonzero()[:5].tolist()} (seed {seed})"
+
+
+def test_strided_inputs(seed: int) -> None:
+    """K and V as views of one fused projection output (rows not contiguous), as attention hands them over."""
+    qkv = _hard_values(7, 8, 64)
+    k, v = qkv[:, 2:5], qkv[:, 5:8]
+    ref, ours = _both(k, v, torch.randperm(PAGES * PAGE_SIZE)[:7])
+    assert all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True)), seed
+
+
+def test_non_finite_values_land_as_the_reference_writes_them() -> None:
+    k = torch.randn(3, 2, 64)
+    k[0, 0, 5], k[1, 1, 9], k[2, 0, 0] = float("inf"), float("nan"), float("-inf")
+    ref, ours = _both(k, k.clone(), torch.tensor([3, 40, 77]))
+    assert all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True))
+
+
+def test_a_slot_outside_the_pool_writes_nothing() -> None:
+    pools = _pools(3, 64)
+    before = [t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone() for t in pools]
+    k = torch.randn(2, 3, 64)
+    with pytest.raises(IndexError):
+        store_kv_fp8_cpu(k, k, *pools, torch.tensor([1, PAGES * PAGE_SIZE]))
+    after = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in pools]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_declines_what_it_does_not_read() -> None:
+    pools = _pools(3, 64)
+    k = torch.randn(2, 3, 64)
+    slots = torch.tensor([0, 1])
+    assert not store_kv_fp8_cpu(k.half(), k.half(), *pools, slots)  # float16 input
+    assert not store_kv_fp8_cpu(k, k, *pools, slots.int())  # int32 slots
+    assert not store_kv_fp8_cpu(k.transpose(1, 2).contiguous().transpose(1, 2), k, *pools, slots)  # head_dim strided
+    bf16_pages = torch.zeros(PAGES, PAGE_SIZE, 3, 64, dtype=torch.bfloat16)
+    assert not store_kv_fp8_cpu(k, k, bf16_pages, bf16_pages, pools[2], pools[3], slots)
