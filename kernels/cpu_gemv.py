@@ -116,8 +116,10 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,
     lib = _KERNEL.load()
     m, k = x.shape
     n = weight.shape[0]
-    x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m == 0:  # a prefill chunk that completes no prompt has no logits rows
+        return y
+    x = x.contiguous()
     nbytes = n * k * 2
     if threads is None:
         floor = _THREADED_BYTES if kernels_own_threads() else _SHARED_THREADED_BYTES

@@ -376,6 +376,7 @@ static void ensure_helpers(int want) {
  * -1 when the widened x could not be allocated (nothing computed). */
 int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int threads, int chunks,
               int fma) {
+    if (M <= 0 || N <= 0) return 0; /* nothing to compute: the per-row code would read and write 6 rows */
     const int blocks = (N + 3) / 4;
     float *xf = NULL;
     if (fma && M > CHUNK) {

@@ -49,6 +49,23 @@ def test_reads_only_its_rows(m: int, tiles: str, seed: int) -> None:
     _check(gemv_bf16(x, big[3:16], 2, tiles=tiles), x, big[3:16], seed)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_zero_rows_compute_and_write_nothing(threads: int) -> None:
+    """A prefill chunk that completes no prompt asks the LM head for 0 rows: an empty result, and the kernel
+    itself, handed M = 0, touches neither x nor y (its per-row code once read and wrote 6 rows here, which
+    crashed prefill workers on prompts longer than a chunk)."""
+    w = torch.randn(4096, 64).bfloat16()
+    lin = Linear(w)
+    assert lin.gemv and lin(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 4096)
+    assert gemv_bf16(torch.empty(0, 64, dtype=torch.bfloat16), w, threads).shape == (0, 4096)
+    lib = cpu_gemv._KERNEL.load()
+    x = torch.full((6, 64), float("nan"), dtype=torch.bfloat16)
+    y = torch.full((6, 4096), 7.0, dtype=torch.bfloat16)
+    for fma in (0, 1):
+        assert lib.gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 4096, 64, threads, 8, fma) == 0
+    assert bool((y == 7.0).all())
+
+
 @pytest.fixture
 def tiles_env(monkeypatch: pytest.MonkeyPatch):
     """Set EDGESERVE_GEMV_TILES for one test, the per-process choice forgotten before and after."""
