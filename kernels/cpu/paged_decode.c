@@ -44,6 +44,28 @@ static inline float as_float(uint32_t bits) {
     return f;
 }
 
+/* e^x for finite x <= 0, branch-free so the softmax loops vectorise (glibc's expf is a call per element):
+ * x = n ln2 + r with n = rint(x / ln2) and r from two exact-ish fused steps (Cody-Waite: ln2 split in a
+ * high part with trailing zeros and a low part), |r| <= ln2 / 2; e^r by its Taylor polynomial to r^7
+ * (truncation < 2e-8 relative); times 2^n from the exponent bits. Below -87 (where 2^n would leave the
+ * normal range) the result is 0, as e^x < 1.7e-38 is against a running sum >= 1. Within 2 ulp of expf. */
+static inline float exp_nonpositive(float x) {
+    const float xc = x < -87.0f ? -87.0f : x;
+    const float n = rintf(xc * 1.44269504088896341f);
+    float r = fmaf(n, -0.693145751953125f, xc); /* ln2's high 16 bits: n * hi is exact */
+    r = fmaf(n, -1.42860682030941723e-06f, r);
+    float p = 1.0f / 5040.0f;
+    p = fmaf(p, r, 1.0f / 720.0f);
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const float scale = as_float((uint32_t)((int32_t)n + 127) << 23);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
 /* one page row (HD values of one token and KV head) -> float, times mul (fp8: times 2^120 first) */
 static inline __attribute__((always_inline)) void load_row(const Args *a, const void *base, const int8_t *exps,
                                                            int64_t row, float *dst, float *mul, const int HD,
@@ -85,12 +107,19 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d
         l[g] = 0.0f;
         for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
     }
+    const int64_t *pages = a->table + (int64_t)d * a->MAXP;
+    int64_t rows[BLOCK]; /* the block's page rows, found once for K and V (no division per token) */
     for (int t0 = 0; t0 < len; t0 += BLOCK) {
         const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
+        for (int j = 0, p = t0 / S, o = t0 % S; j < n; j++) {
+            rows[j] = (pages[p] * S + o) * KVH + h;
+            if (++o == S) {
+                o = 0;
+                p++;
+            }
+        }
         for (int j = 0; j < n; j++) {
-            const int t = t0 + j;
-            const int64_t page = a->table[(int64_t)d * a->MAXP + t / S];
-            const int64_t r = (page * S + t % S) * KVH + h;
+            const int64_t r = rows[j];
             float mul;
             load_row(a, a->k, a->ke, r, row, &mul, HD, fmt);
             for (int g = 0; g < G; g++) {
@@ -106,17 +135,12 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d
             const float corr = expf(m[g] - bm); /* 0 on the first block (m = -inf) */
             l[g] *= corr;
             for (int i = 0; i < HD; i++) acc[g][i] *= corr;
-            for (int j = 0; j < n; j++) {
-                s[g][j] = expf(s[g][j] - bm);
-                l[g] += s[g][j];
-            }
+            for (int j = 0; j < n; j++) s[g][j] = exp_nonpositive(s[g][j] - bm);
+            for (int j = 0; j < n; j++) l[g] += s[g][j];
             m[g] = bm;
         }
         for (int j = 0; j < n; j++) {
-            const int t = t0 + j;
-            const int64_t page = a->table[(int64_t)d * a->MAXP + t / S];
-            const int64_t r = (page * S + t % S) * KVH + h;
-            load_row(a, a->v, a->ve, r, row, &vmul[j], HD, fmt);
+            load_row(a, a->v, a->ve, rows[j], row, &vmul[j], HD, fmt);
             for (int g = 0; g < G; g++) {
                 const float p = s[g][j] * vmul[j];
                 for (int i = 0; i < HD; i++) acc[g][i] += p * row[i];

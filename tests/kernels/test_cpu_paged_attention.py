@@ -46,6 +46,19 @@ def test_other_head_dims(head_dim: int, fmt: str, seed: int) -> None:
                         paged_decode_attention_ref(q, *paged.with_abs_v(), 0.1), 1e-5, seed)
 
 
+@pytest.mark.parametrize("spread", [3.0, 40.0])
+def test_scores_spread_far_apart(spread: float, seed: int) -> None:
+    """Softmax weights from e^0 down to far below float32's range: the kernel's polynomial exponential
+    (and its zero below e^-87) against the reference's, with scores apart by tens to thousands."""
+    lens = [1, 17, 90, 300]
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(random_sequences(lens, 2, 64), 2, 64, torch.float32, num_pages, page_table, "cpu")
+    q = torch.randn(len(lens), 6, 64) * spread
+    out = paged_decode_attention_cpu(q, *paged, 0.125)
+    assert_close_in_mag(out, paged_decode_attention_ref(q, *paged, 0.125),
+                        paged_decode_attention_ref(q, *paged.with_abs_v(), 0.125), 1e-5, seed)
+
+
 def test_declines_what_it_cannot_run() -> None:
     """Shapes beyond its buffers or another page dtype: None, so the caller takes the torch path."""
     num_pages, page_table = random_layout([5])
