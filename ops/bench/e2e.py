@@ -66,6 +66,7 @@ from typing import Any, NamedTuple
 
 from ops.bench.e2e_load import (MODEL, SYSTEMS, PassRow, chat_body, closed_loop, make_prompts, mean_tok_s,
                                 pass_order, pass_row, ratios, spreads)
+from ops.bench.harness.procs import busy_cpus
 from ops.parent_death import own_group_dying_with_parent
 
 __all__ = ["add_arguments", "run", "compare_end_to_end", "FORMATS", "make_prompts", "chat_body", "closed_loop",
@@ -82,15 +83,18 @@ FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
 Log = Callable[[str], None]
 
 
-def omp_wait_policy(choice: str, load_average: float, cpus: int) -> str:
-    """"default" or "passive" for llama-server's OpenMP threads. Its build (OpenMP) spins at every
+def omp_wait_policy(choice: str, busy: float, cpus: int) -> str:
+    """"default" or "passive" for llama-server's OpenMP threads, given how many CPUs other work keeps
+    `busy` now (`busy_cpus`, measured while this benchmark sleeps). Its build (OpenMP) spins at every
     barrier; when other processes hold the cores, a spinning thread burns its time slice while its
     partner waits to run, and decode took 1,000-1,800 ms/token instead of 16-32 (measured here, load
     ~3 on 2 CPUs). So "auto" picks passive waiting on a busy machine and libgomp's default on an idle
-    one, where spinning is the faster."""
+    one, where spinning is the faster (passive was 2-3x slower on an idle 2-core VM). The one-minute
+    load average is not the measure: `bench engine` runs this right after its own work, which
+    left it at ~2 on 2 CPUs and made an idle machine look busy."""
     if choice != "auto":
         return choice
-    return "passive" if load_average > 0.5 * cpus else "default"
+    return "passive" if busy > 0.5 * cpus else "default"
 
 
 
@@ -211,9 +215,11 @@ def compare_end_to_end(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 "passes": []}
     model_dir = resolve_model(MODEL)
     run_id, load_start = secrets.token_hex(3), list(os.getloadavg())
-    omp_wait = omp_wait_policy(args.llamacpp_omp_wait, load_start[0], len(os.sched_getaffinity(0)))
+    busy = busy_cpus(2.0) if args.llamacpp_omp_wait == "auto" else None
+    omp_wait = omp_wait_policy(args.llamacpp_omp_wait, busy or 0.0, len(os.sched_getaffinity(0)))
     omp_env = {"OMP_WAIT_POLICY": "PASSIVE"} if omp_wait == "passive" else {}
-    log(f"llama-server OpenMP wait policy: {omp_wait} (load average {load_start[0]:.1f})")
+    log(f"llama-server OpenMP wait policy: {omp_wait} (" + (f"{busy:.2f} CPUs busy over 2 s, " if busy is not None
+                                                           else "") + f"load average {load_start[0]:.1f})")
     rows: list[PassRow] = []
     worker_ms: dict[str, dict[int, float]] = {}
     servers: dict[str, list[str]] = {}
@@ -258,7 +264,7 @@ def compare_end_to_end(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                    "max_tokens": args.e2e_tokens, "slot_context": args.e2e_slot_context,
                    "llamacpp_threads": args.llamacpp_threads, "llamacpp_omp_wait": omp_wait,
                    "edgeserve_flags": {f: list(FORMATS[f][0]) for f in formats},
-                   "load_average_start": load_start},
+                   "load_average_start": load_start, "busy_cpus_start": busy},
         "ratio_vs_llamacpp": ratios(rows),
         "tok_s": {fmt: {s: {c: mean_tok_s(rows, s, fmt, c) for c in levels} for s in SYSTEMS} for fmt in formats},
         "in_process_ms_per_token": {fmt: {"llamacpp": llama_ms.get(fmt, {}), "edgeserve_worker": worker_ms.get(fmt, {})}
@@ -301,7 +307,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-threads", type=int, default=2, help="llama-server -t (default 2)")
     p.add_argument("--llamacpp-omp-wait", default="auto", choices=["auto", "default", "passive"],
                    help="llama-server's OpenMP threads: libgomp's spinning default, or OMP_WAIT_POLICY=PASSIVE "
-                        "(auto: passive when the load average is above half the CPUs)")
+                        "(auto: passive when other work keeps over half the CPUs busy, measured over 2 s)")
     p.add_argument("--llamacpp-version", default=None, help="llama-cpp-python sdist to build llama.cpp from")
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp comparator")
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["process_cpu_s", "cpu_seconds", "descendants", "named_descendants", "stop_group", "log_lines",
+__all__ = ["process_cpu_s", "cpu_seconds", "busy_cpus", "descendants", "named_descendants", "stop_group", "log_lines",
            "wait_registered"]
 
 
@@ -33,6 +33,24 @@ def cpu_seconds(pids: Iterable[int]) -> float:
         with contextlib.suppress(OSError):
             total += process_cpu_s(pid)
     return total
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat's `cpu` line (idle and iowait are idle)."""
+    values = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return sum(values) - idle, sum(values)
+
+
+def busy_cpus(window_s: float = 2.0) -> float:
+    """How many CPUs were busy, on average, over the next `window_s` seconds (every process on the machine;
+    the caller sleeps meanwhile). Unlike the load average, it says nothing of the last minute, so a
+    benchmark that just finished does not count as other work."""
+    busy0, total0 = _cpu_ticks()
+    time.sleep(window_s)
+    busy1, total1 = _cpu_ticks()
+    cpus = os.cpu_count() or 1
+    return cpus * (busy1 - busy0) / max(1, total1 - total0)
 
 
 def descendants(pid: int) -> list[int]:
