@@ -58,9 +58,9 @@ def store_kv_fp8_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
     IndexError when a slot is outside the pool."""
     fmt = _INPUTS.get(k.dtype)
     if (fmt is None or v.dtype != k.dtype or k.device.type != "cpu" or k.dim() != 3 or v.shape != k.shape
-            or k_cache.dtype != torch.float8_e4m3fn or k_cache.shape[2:] != k.shape[1:] or k.shape[2] > _MAX_HEAD_DIM
-            or k.stride(2) != 1
-            or v.stride(2) != 1 or slots.dtype != torch.int64 or not slots.is_contiguous()
+            or k.shape[2] > _MAX_HEAD_DIM or k.stride(2) != 1 or v.stride(2) != 1
+            or k_cache.dtype != torch.float8_e4m3fn or k_cache.shape[2:] != k.shape[1:]
+            or slots.dtype != torch.int64 or not slots.is_contiguous()
             or not all(t.is_contiguous() for t in (k_cache, v_cache, k_scale, v_scale))):
         return False
     lib = _KERNEL.load()

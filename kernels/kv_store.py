@@ -196,7 +196,8 @@ def dequantize_fp8_table(raw: torch.Tensor, e: torch.Tensor, dtype: torch.dtype)
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slots: torch.Tensor) -> None:
-    """Plain-torch `store_kv` (the CPU runtime's path): same arguments, same bytes written."""
+    """Plain-torch `store_kv`: same arguments, same bytes written. The CPU runtime's path for plain formats,
+    and for FP8 where `kernels/cpu_kv_store.py`'s C kernel cannot run (the reference its tests compare to)."""
     is_fp8 = check_cache_args(k_cache, v_cache, k_scale, v_scale)
     page_size = k_cache.shape[1]
     if is_fp8:
