@@ -46,17 +46,20 @@ def test_other_head_dims(head_dim: int, fmt: str, seed: int) -> None:
                         paged_decode_attention_ref(q, *paged.with_abs_v(), 0.1), 1e-5, seed)
 
 
-@pytest.mark.parametrize("spread", [3.0, 40.0])
-def test_scores_spread_far_apart(spread: float, seed: int) -> None:
+@pytest.mark.parametrize("spread,rtol", [(3.0, 1e-5), (40.0, 2e-4)])
+def test_scores_spread_far_apart(spread: float, rtol: float, seed: int) -> None:
     """Softmax weights from e^0 down to far below float32's range: the kernel's polynomial exponential
-    (and its zero below e^-87) against the reference's, with scores apart by tens to thousands."""
+    (and its zero below e^-87) against the reference's, with scores apart by tens to thousands. At the
+    wide spread the scores themselves (tens to hundreds) carry float32 rounding of ~|score| * 2^-24 into
+    every weight, in both implementations (up to 5e-5 over 300 seeds, with `expf` as with the polynomial), so
+    its tolerance is wider; an exponential that were off would still be off by far more."""
     lens = [1, 17, 90, 300]
     num_pages, page_table = random_layout(lens)
     paged = build_paged(random_sequences(lens, 2, 64), 2, 64, torch.float32, num_pages, page_table, "cpu")
     q = torch.randn(len(lens), 6, 64) * spread
     out = paged_decode_attention_cpu(q, *paged, 0.125)
     assert_close_in_mag(out, paged_decode_attention_ref(q, *paged, 0.125),
-                        paged_decode_attention_ref(q, *paged.with_abs_v(), 0.125), 1e-5, seed)
+                        paged_decode_attention_ref(q, *paged.with_abs_v(), 0.125), rtol, seed)
 
 
 def test_declines_what_it_cannot_run() -> None:
