@@ -73,7 +73,8 @@ def build_error() -> str | None:
     return _KERNEL.error
 
 
-TILE_MODES = ("dp", "fma")  # the C file's two tile kernels for more than 6 rows: vdpbf16ps, float32 FMAs
+PER_ROW_MAX = 6  # rows the C file's per-row code takes (its CHUNK); more take the tiles
+TILE_MODES = ("dp", "fma")  # the C file's two tile kernels for more than PER_ROW_MAX rows: vdpbf16ps, FMAs
 _TILE_MARGIN = 1.1  # the FMA tiles only where they are at least this much faster
 _PROBE = (16, 576, 1536)  # rows, in_features, out_features of the timed call
 
@@ -96,7 +97,7 @@ def measure_tiles(reps: int = 5) -> dict[str, float]:
 
 @functools.lru_cache(maxsize=1)
 def tile_mode() -> str:
-    """The tile kernel for calls of more than 6 rows on this CPU, timed once per process
+    """The tile kernel for calls of more than PER_ROW_MAX rows on this CPU, timed once per process
     (`EDGESERVE_GEMV_TILES=dp|fma` forces it)."""
     forced = os.environ.get("EDGESERVE_GEMV_TILES", "auto")
     if forced in TILE_MODES:
@@ -112,7 +113,7 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,
               tiles: str | None = None) -> torch.Tensor:
     """x [M, K] . weight [N, K]^T -> [M, N] bfloat16, for contiguous bfloat16 CPU tensors and
     any M (one pass over the weights; `Linear` calls it up to MAX_ROWS; `available()` first).
-    `tiles` picks the kernel for more than 6 rows (`TILE_MODES`; default: `tile_mode()`)."""
+    `tiles` picks the kernel for more than PER_ROW_MAX rows (`TILE_MODES`; default: `tile_mode()`)."""
     lib = _KERNEL.load()
     m, k = x.shape
     n = weight.shape[0]
@@ -125,7 +126,7 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,
         floor = _THREADED_BYTES if kernels_own_threads() else _SHARED_THREADED_BYTES
         threads = kernel_threads() if nbytes >= floor else 1
     chunks = max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1
-    fma = m > 6 and (tiles or tile_mode()) == "fma"
+    fma = m > PER_ROW_MAX and (tiles or tile_mode()) == "fma"
     if lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads, chunks, int(fma)) != 0:
         raise MemoryError(f"bf16 GEMV: no memory to widen a [{m}, {k}] input")
     return y
