@@ -39,7 +39,8 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "gemv_bf16", "MAX_ROWS", "PER_ROW_MAX", "TILE_MODES", "tile_mode", "measure_tiles"]
+__all__ = ["available", "build_error", "gemv_bf16", "MAX_ROWS", "PER_ROW_MAX", "TILE_MODES", "tile_mode",
+           "measure_tiles"]
 
 log = logging.getLogger(__name__)
 
