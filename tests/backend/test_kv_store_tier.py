@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -251,23 +251,38 @@ def test_a_request_that_leaves_during_its_fetch_never_runs_and_pending_fetches_c
         model_dir: Path, mooncake_master: MooncakeMaster) -> None:
     from backend.errors import CapacityError
 
+    # Against the paused master the store call fails after Mooncake's own RPC timeout (~1 s) whatever the
+    # fetch's bound, so the client leaves as soon as the fetch is in that call, not after a fixed sleep.
     w = Worker(model_dir, mooncake_master.address, fetch_timeout_s=1.0)
     w.engine.scheduler.config = dataclasses.replace(w.engine.scheduler.config, max_waiting=1)
     try:
         w.mark()
         mooncake_master.pause()  # the fetch waits its whole bound
 
+        async def until(cond: Callable[[], bool], what: str, within_s: float = 5.0) -> None:
+            deadline = time.monotonic() + within_s
+            while True:
+                await asyncio.sleep(0.01)  # first: lets the reader task start reading
+                if cond():
+                    return
+                assert time.monotonic() < deadline, f"{what}: not within {within_s} s; {w.tier.stats}"
+
         async def go() -> None:
+            t0 = time.monotonic()
             stream = w.aengine.submit(prompt(), SamplingParams(max_tokens=4), cache_salt="t")
             assert w.aengine.num_active() == 1
             with pytest.raises(CapacityError):  # the pending request holds the only waiting slot
                 w.aengine.submit(prompt(), SamplingParams(max_tokens=4), cache_salt="t")
             reader = asyncio.create_task(anext(stream))
-            await asyncio.sleep(0.1)
+            await until(lambda: w.tier._current is not None or reader.done(), "the fetch reached the store")
+            # it waits for the hung store (if not: what it got, and when)
+            assert not reader.done(), (reader.result(), w.tier.stats, time.monotonic() - t0)
+            assert w.aengine._pending, (w.tier.stats, time.monotonic() - t0)
             reader.cancel()  # the client leaves before its blocks arrive (the stream's reader is cancelled)
             with pytest.raises(asyncio.CancelledError):
                 await reader
-            await asyncio.sleep(1.2)  # past the fetch's deadline
+            await until(lambda: not w.aengine._pending, "the fetch ended")
+            await asyncio.sleep(0.2)  # the engine thread would have queued it by now
 
         asyncio.run(go())
         assert w.aengine.num_active() == 0 and not w.aengine._pending
