@@ -7,6 +7,11 @@ source change or another host rebuilds it; it is written under a temporary name 
 so concurrent builders never load a half-written file. Without a C compiler, or when the
 build fails (e.g. a kernel that needs an instruction set this CPU lacks), `load()` returns
 None, the reason is logged once and kept in `error`, and callers take their torch path.
+
+Threads: a kernel built with `uses_pool=True` gets the process's one pool of helper threads
+(`kernels/cpu/pool.c`, itself built here) through its `set_pool` at load time, so every such
+kernel of a decode step shares the same helpers; where the pool cannot be built the kernel runs
+each call on its caller's thread.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["CKernel", "BASE_FLAGS"]
+__all__ = ["CKernel", "BASE_FLAGS", "POOL"]
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +49,12 @@ class CKernel:
     """One C source in `kernels/cpu/`, built once per host and loaded lazily (thread-safe)."""
 
     def __init__(self, source: str, flags: tuple[str, ...], declare: Callable[[ctypes.CDLL], None],
-                 fallback: str) -> None:
+                 fallback: str, uses_pool: bool = False) -> None:
         self.source = Path(__file__).with_name("cpu") / source
         self.flags = (*BASE_FLAGS, *flags)
         self.declare = declare  # sets argtypes/restype of the functions the caller uses
         self.fallback = fallback  # what runs instead, for the one log line
+        self.uses_pool = uses_pool  # the kernel has `set_pool(pool_run)`: hand it the shared pool on load
         self.error: str | None = None
         self._lib: ctypes.CDLL | None = None
         self._lock = threading.Lock()
@@ -71,6 +77,10 @@ class CKernel:
             os.replace(tmp, out)  # atomic: concurrent builders each write their own file
         lib = ctypes.CDLL(str(out))
         self.declare(lib)
+        if self.uses_pool:
+            pool = POOL.load()
+            lib.set_pool.argtypes, lib.set_pool.restype = [ctypes.c_void_p], None
+            lib.set_pool(ctypes.cast(pool.pool_run, ctypes.c_void_p) if pool is not None else None)
         return lib
 
     def load(self) -> ctypes.CDLL | None:
@@ -83,3 +93,12 @@ class CKernel:
                     self.error = str(exc)
                     log.warning("CPU kernel %s unavailable (%s); %s", self.source.name, exc, self.fallback)
             return self._lib
+
+
+def _declare_pool(lib: ctypes.CDLL) -> None:
+    lib.pool_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.pool_run.restype = ctypes.c_int
+
+
+POOL = CKernel("pool.c", (), _declare_pool, "the CPU kernels run each call on one thread")
+"""The helper threads the CPU kernels share (loaded by the first kernel that uses it)."""

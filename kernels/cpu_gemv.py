@@ -60,7 +60,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemv_bf16.restype = ctypes.c_int
 
 
-_KERNEL = CKernel("gemv_bf16.c", (), _declare, "bfloat16 decode GEMVs run torch's GEMM")
+_KERNEL = CKernel("gemv_bf16.c", (), _declare, "bfloat16 decode GEMVs run torch's GEMM", uses_pool=True)
 
 
 def available() -> bool:

@@ -13,26 +13,13 @@
  * The result is rounded to bfloat16 here (to nearest, ties to even, as torch rounds), so the caller
  * gets torch's output dtype without a float32 buffer and a cast per call.
  *
- * Threads: a pool of `threads - 1` helpers, started on the first threaded call and kept. A call cuts
- * the N rows into chunks (multiples of 4 rows) that the caller and the helpers claim one at a time
- * from a shared counter, so a helper that is asleep, late or preempted by another process costs at
- * most the chunk it holds: the caller claims the rest itself (a fixed split would wait for the
- * helper's whole half, which is what made static OpenMP regions lose end to end on a 2-core machine
- * where the worker's HTTP thread and the gateway want a core too). Helpers spin for `SPIN_NS` after
- * their last chunk (the next linear of a decode step comes within tens of microseconds), then sleep
- * on a futex, so between decode steps they leave the cores to the rest of the process.
+ * Threads: the process's shared pool (kernels/cpu/pool.c, handed over by the loader through `set_pool`):
+ * a call cuts the N rows into chunks (multiples of 4 rows) that the caller and the pool's helpers claim
+ * one at a time, so a helper that is asleep, late or preempted costs at most the chunk it holds.
  */
-#define _GNU_SOURCE
 #include <immintrin.h>
-#include <linux/futex.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
 #ifndef __AVX512BF16__
 #error "needs AVX512-BF16 (this CPU does not have it: torch's GEMM runs instead)"
@@ -286,90 +273,25 @@ static void rows(const Args *a) {
         tiles(a);
 }
 
-/* ---- the pool -------------------------------------------------------------------------------- */
+/* ---- threads: the shared pool (kernels/cpu/pool.c) ----------------------------------------- */
 
-#define MAX_THREADS 16
-#define SPIN_NS 200000 /* a helper's spin after its last chunk before it sleeps (0.2 ms) */
+typedef void (*chunk_fn)(void *ctx, int chunk);
+typedef int (*pool_fn)(chunk_fn fn, void *ctx, int chunks, int threads, int linger);
+static pool_fn run_pool = 0; /* set by the loader (`set_pool`); without it every call runs on its caller */
 
-static struct {
-    pthread_mutex_t lock;     /* one threaded call at a time; a second caller runs alone */
-    int helpers;              /* started */
-    pid_t pid;                /* of the process that started them (a fork child has none) */
-    Args job;                 /* the call: rows n0..n1 of chunk i are chunk_rows*i.. */
-    int chunk_rows;
-    _Atomic uint64_t state;   /* generation << 32 | chunks << 16 | next chunk to claim */
-    _Atomic int done;         /* chunks finished in this generation */
-    _Atomic uint32_t seq;     /* futex word: bumped with every generation */
-    _Atomic int sleepers;
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+void set_pool(pool_fn fn) { run_pool = fn; }
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
+typedef struct {
+    Args a;         /* the whole call */
+    int chunk_rows; /* chunk i is weight rows chunk_rows * i .. */
+} Job;
 
-/* Claim and compute chunks of the current generation until none is left; returns how many. */
-static int work(void) {
-    int did = 0;
-    uint64_t v = atomic_load_explicit(&pool.state, memory_order_acquire);
-    for (;;) {
-        const int next = (int)(v & 0xffff), chunks = (int)((v >> 16) & 0xffff);
-        if (next >= chunks) return did;
-        if (!atomic_compare_exchange_weak_explicit(&pool.state, &v, v + 1, memory_order_acq_rel,
-                                                   memory_order_acquire))
-            continue; /* v was reloaded */
-        /* chunk `next` is ours: the job cannot change until every chunk is done, ours included */
-        Args a = pool.job;
-        a.n0 = pool.chunk_rows * next;
-        a.n1 = a.n0 + pool.chunk_rows < a.N ? a.n0 + pool.chunk_rows : a.N;
-        rows(&a);
-        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
-        did++;
-        v = atomic_load_explicit(&pool.state, memory_order_acquire);
-    }
-}
-
-static void *helper(void *unused) {
-    (void)unused;
-    for (;;) {
-        if (work()) continue;
-        int64_t until = now_ns() + SPIN_NS;
-        int found = 0;
-        while (!found) { /* spin: the next call of a decode step comes soon */
-            for (int i = 0; i < 64 && !found; i++) {
-                const uint64_t v = atomic_load_explicit(&pool.state, memory_order_relaxed);
-                found = (v & 0xffff) < ((v >> 16) & 0xffff);
-                _mm_pause();
-            }
-            if (!found && now_ns() > until) break;
-        }
-        if (found) continue;
-        atomic_fetch_add(&pool.sleepers, 1);
-        const uint32_t s = atomic_load(&pool.seq);
-        const uint64_t v = atomic_load(&pool.state);
-        if ((v & 0xffff) >= ((v >> 16) & 0xffff)) /* nothing posted since: sleep until the seq moves */
-            syscall(SYS_futex, &pool.seq, FUTEX_WAIT_PRIVATE, s, NULL, NULL, 0);
-        atomic_fetch_sub(&pool.sleepers, 1);
-    }
-    return NULL;
-}
-
-static void ensure_helpers(int want) {
-    if (pool.pid != getpid()) { /* first use, or a fork child: its parent's helpers are not here */
-        pool.helpers = 0;
-        pool.pid = getpid();
-    }
-    while (pool.helpers < want) {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int failed = pthread_create(&t, &attr, helper, NULL);
-        pthread_attr_destroy(&attr);
-        if (failed) break;
-        pool.helpers++;
-    }
+static void run_chunk(void *ctx, int i) {
+    const Job *job = (const Job *)ctx;
+    Args a = job->a;
+    a.n0 = job->chunk_rows * i;
+    a.n1 = a.n0 + job->chunk_rows < a.N ? a.n0 + job->chunk_rows : a.N;
+    rows(&a);
 }
 
 /* fma: 1 for the float32-FMA tiles (more than CHUNK rows only), 0 for the vdpbf16ps ones. Returns 0, or
@@ -385,30 +307,16 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, i
         if (!xf) return -1;
         widen_x(x, xf, M, K);
     }
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (chunks > blocks) chunks = blocks;
     if (chunks > 0xfff) chunks = 0xfff;
-    if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
+    if (threads <= 1 || chunks <= 1 || run_pool == 0) {
         const Args a = {x, w, y, M, N, K, 0, N, xf};
         rows(&a);
-        free(xf);
-        return 0;
+    } else {
+        Job job = {{x, w, y, M, N, K, 0, N, xf}, 0};
+        job.chunk_rows = 4 * ((blocks + chunks - 1) / chunks);
+        run_pool(run_chunk, &job, (N + job.chunk_rows - 1) / job.chunk_rows, threads, 1);
     }
-    ensure_helpers(threads - 1);
-    pool.job = (Args){x, w, y, M, N, K, 0, N, xf};
-    pool.chunk_rows = 4 * ((blocks + chunks - 1) / chunks);
-    chunks = (N + pool.chunk_rows - 1) / pool.chunk_rows;
-    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
-    const uint64_t gen = (atomic_load_explicit(&pool.state, memory_order_relaxed) >> 32) + 1;
-    atomic_store_explicit(&pool.state, gen << 32 | (uint64_t)chunks << 16, memory_order_release);
-    atomic_fetch_add(&pool.seq, 1);
-    if (atomic_load(&pool.sleepers) > 0) syscall(SYS_futex, &pool.seq, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
-    work();
-    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++) {
-        if (spins < 4096) _mm_pause();
-        else sched_yield(); /* a helper holding a chunk was preempted: give it the core */
-    }
-    pthread_mutex_unlock(&pool.lock);
     free(xf);
     return 0;
 }

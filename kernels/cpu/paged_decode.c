@@ -16,9 +16,15 @@
  * own 2^e (applied as two exact multiplies: 2^120 * 2^e may not fit one float). bf16 -> fp32 is the
  * 16-bit shift. Sums are over HD in float32 (the compiler may reassociate them to vectorise: the
  * order of a 64-term sum, not the result's precision, changes).
+ *
+ * Two copies of the loop: `attend_hd`, plain C the compiler vectorises (any head size, any CPU), and
+ * `attend_vec` with AVX-512 intrinsics for head sizes 64 and 128 where the CPU has AVX-512. Threads:
+ * the process's shared helper pool (kernels/cpu/pool.c) over (sequence, KV head) pairs.
  */
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -35,13 +41,18 @@ typedef struct {
     float *out;
     int D, KVH, G, HD, S, MAXP, fmt;
     float scale;
-    int begin, end; /* work items: (sequence, KV head) pairs */
 } Args;
 
 static inline float as_float(uint32_t bits) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+/* 2^e for a token's int8 exponent, exactly (ldexpf is a library call per token): normal for e >= -126,
+ * the two subnormals below it */
+static inline float pow2i(int e) {
+    return e >= -126 ? as_float((uint32_t)(e + 127) << 23) : as_float(0x00800000u >> (-126 - e));
 }
 
 /* e^x for finite x <= 0, branch-free so the softmax loops vectorise (glibc's expf is a call per element):
@@ -85,7 +96,7 @@ static inline __attribute__((always_inline)) void load_row(const Args *a, const 
             uint32_t x = src[i];
             dst[i] = as_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 20)) * fix;
         }
-        *mul = ldexpf(1.0f, exps[row]);
+        *mul = pow2i(exps[row]);
     }
 }
 
@@ -153,41 +164,202 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d
     }
 }
 
+#ifdef __AVX512F__
+/* The same attention with AVX-512 intrinsics, for head sizes that are whole vectors (NV = HD / 16). Per
+ * block of up to 32 tokens: the block's K rows are widened once into `kb` (fp32 pages are read in place),
+ * then for each query head the scores of 16 tokens at a time: one vector of partial sums per token (NV
+ * chained FMAs; the 16 tokens are independent chains), folded into one vector of 16 dot products by
+ * `sum16` (45 shuffles and adds for 16 dots, where a horizontal sum per dot took ~11 operations each).
+ * The V rows are widened once into `vb`; each query head's output stays in NV registers over the block's
+ * tokens. Sums are float32 in another order than the generic code's (tests compare both to the
+ * reference). */
+static inline __m512 sum16(const __m512 v[16]) { /* lane j: the sum of v[j]'s 16 lanes */
+    __m512 a[8], b[4];
+    for (int k = 0; k < 8; k++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of v[2k] = x, v[2k+1] = y */
+        a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) { /* per 128-bit lane: that lane's sums of v[4k .. 4k+3] */
+        const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+        b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* add the four 128-bit lanes: b[k]'s lanes end up in lane k */
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
+}
+
+/* 16 values c .. c+15 of page row `row` as float32 (fp8: times 2^120, as load_row). */
+static inline __attribute__((always_inline)) __m512 widen16(const void *base, int64_t row, int c, const int HD,
+                                                            const int fmt) {
+    if (fmt == 0) return _mm512_loadu_ps((const float *)base + row * HD + c);
+    if (fmt == 1)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + row * HD + c))), 16));
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + row * HD + c)));
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24),
+                                         _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+}
+
+/* Page row `row` as float32: fp32 in place, else widened into dst. */
+static inline __attribute__((always_inline)) const float *widen_row(const void *base, int64_t row, float *dst,
+                                                                     const int HD, const int fmt) {
+    if (fmt == 0) return (const float *)base + row * HD;
+    for (int c = 0; c < HD; c += 16) _mm512_store_ps(dst + c, widen16(base, row, c, HD, fmt));
+    return dst;
+}
+
+/* acc[g0 .. g0+GB) += sum over the block's tokens j of w[g][j] * V row j: each V row is widened once into
+ * registers and used by GB query heads, whose outputs stay in GB * NV registers (GB * NV independent
+ * chains, where one head at a time had NV). */
+static inline __attribute__((always_inline)) void accumulate_v(const Args *a, const int64_t *rows, int n,
+                                                               float (*w)[BLOCK], float (*acc)[MAX_HD], int g0,
+                                                               const int GB, const int HD, const int fmt) {
+    enum { NVMAX = MAX_HD / 16 };
+    const int NV = HD / 16;
+    __m512 o[4][NVMAX];
+    for (int g = 0; g < GB; g++)
+        for (int c = 0; c < NV; c++) o[g][c] = _mm512_load_ps(&acc[g0 + g][16 * c]);
+    for (int j = 0; j < n; j++) {
+        __m512 v[NVMAX];
+        for (int c = 0; c < NV; c++) v[c] = widen16(a->v, rows[j], 16 * c, HD, fmt);
+        for (int g = 0; g < GB; g++) {
+            const __m512 p = _mm512_set1_ps(w[g0 + g][j]);
+            for (int c = 0; c < NV; c++) o[g][c] = _mm512_fmadd_ps(p, v[c], o[g][c]);
+        }
+    }
+    for (int g = 0; g < GB; g++)
+        for (int c = 0; c < NV; c++) _mm512_store_ps(&acc[g0 + g][16 * c], o[g][c]);
+}
+
+static inline __attribute__((always_inline)) void attend_vec(const Args *a, int d, int h, const int HD,
+                                                             const int fmt) {
+    enum { NVMAX = MAX_HD / 16 };
+    const int NV = HD / 16, G = a->G, S = a->S, KVH = a->KVH;
+    const int len = a->lens[d];
+    const float *q = a->q + ((int64_t)d * KVH + h) * G * HD;
+    float *out = a->out + ((int64_t)d * KVH + h) * G * HD;
+    float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
+    float kb[BLOCK][MAX_HD] __attribute__((aligned(64)));
+    const float *kr[BLOCK];
+    float m[MAX_G], l[MAX_G];
+    float s[MAX_G][BLOCK] __attribute__((aligned(64)));
+    float kmul[BLOCK];
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
+    }
+    const int64_t *pages = a->table + (int64_t)d * a->MAXP;
+    int64_t rows[BLOCK];
+    for (int t0 = 0; t0 < len; t0 += BLOCK) {
+        const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
+        for (int j = 0, p = t0 / S, o = t0 % S; j < n; j++) {
+            rows[j] = (pages[p] * S + o) * KVH + h;
+            if (++o == S) {
+                o = 0;
+                p++;
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            kr[j] = widen_row(a->k, rows[j], kb[j], HD, fmt);
+            kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * a->scale;
+        }
+        for (int g = 0; g < G; g++) {
+            __m512 qv[NVMAX];
+            for (int c = 0; c < NV; c++) qv[c] = _mm512_loadu_ps(q + g * HD + 16 * c);
+            for (int j0 = 0; j0 < n; j0 += 16) {
+                __m512 dots[16];
+                for (int jj = 0; jj < 16; jj++) {
+                    const int j = j0 + jj;
+                    if (j >= n) {
+                        dots[jj] = _mm512_setzero_ps();
+                        continue;
+                    }
+                    __m512 t = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr[j]));
+                    for (int c = 1; c < NV; c++) t = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr[j] + 16 * c), t);
+                    dots[jj] = t;
+                }
+                _mm512_store_ps(&s[g][j0], sum16(dots));
+            }
+            for (int j = 0; j < n; j++) s[g][j] = s[g][j] * kmul[j];
+        }
+        const __mmask16 lo = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+        const __mmask16 hi = n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        for (int g = 0; g < G; g++) { /* online softmax, as the generic code */
+            const __m512 mx = _mm512_max_ps(_mm512_mask_load_ps(ninf, lo, s[g]),
+                                            _mm512_mask_load_ps(ninf, hi, s[g] + 16));
+            const float top = _mm512_reduce_max_ps(mx), bm = top > m[g] ? top : m[g];
+            const float corr = expf(m[g] - bm); /* 0 on the first block (m = -inf) */
+            l[g] *= corr;
+            for (int i = 0; i < HD; i++) acc[g][i] *= corr;
+            for (int j = 0; j < n; j++) s[g][j] = exp_nonpositive(s[g][j] - bm);
+            for (int j = 0; j < n; j++) l[g] += s[g][j];
+            m[g] = bm;
+        }
+        if (fmt == 2) /* the token's 2^e into its weights */
+            for (int j = 0; j < n; j++) {
+                const float mul = pow2i(a->ve[rows[j]]);
+                for (int g = 0; g < G; g++) s[g][j] *= mul;
+            }
+        /* heads in groups that fit the registers: 4 x 4 vectors at HD 64, 2 x 8 at 128 */
+        const int GB = HD == 64 ? 4 : 2;
+        for (int g0 = 0; g0 < G; g0 += GB) {
+            const int left = G - g0;
+            if (left >= 4 && GB == 4) accumulate_v(a, rows, n, s, acc, g0, 4, HD, fmt);
+            else if (left == 3 && GB == 4) accumulate_v(a, rows, n, s, acc, g0, 3, HD, fmt);
+            else if (left >= 2) accumulate_v(a, rows, n, s, acc, g0, 2, HD, fmt);
+            else accumulate_v(a, rows, n, s, acc, g0, 1, HD, fmt);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float inv = 1.0f / l[g];
+        for (int i = 0; i < HD; i++) out[g * HD + i] = acc[g][i] * inv;
+    }
+}
+#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int d, int h) { attend_vec(a, d, h, hd, f); }
+#else
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int d, int h) { attend_hd(a, d, h, hd, f); }
+#endif
 SPECIALISE(64, 0) SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(128, 0) SPECIALISE(128, 1) SPECIALISE(128, 2)
 static void attend_any(const Args *a, int d, int h) { attend_hd(a, d, h, a->HD, a->fmt); }
 
-static void *run(void *p) {
-    const Args *a = (const Args *)p;
-    void (*attend)(const Args *, int, int) = attend_any;
-    if (a->HD == 64) attend = a->fmt == 0 ? attend_64_0 : a->fmt == 1 ? attend_64_1 : attend_64_2;
-    if (a->HD == 128) attend = a->fmt == 0 ? attend_128_0 : a->fmt == 1 ? attend_128_1 : attend_128_2;
-    for (int w = a->begin; w < a->end; w++) attend(a, w / a->KVH, w % a->KVH);
-    return NULL;
+typedef void (*chunk_fn)(void *ctx, int chunk);
+typedef int (*pool_fn)(chunk_fn fn, void *ctx, int chunks, int threads, int linger);
+static pool_fn run_pool = 0; /* set by the loader (`set_pool`); without it every call runs on its caller */
+
+void set_pool(pool_fn fn) { run_pool = fn; }
+
+#define MAX_CHUNKS 4096
+
+typedef struct {
+    Args a;
+    void (*attend)(const Args *, int, int);
+    int items, chunks; /* work items (sequence, KV head) and the chunks they are cut into */
+} Job;
+
+static void run_chunk(void *ctx, int i) {
+    const Job *job = (const Job *)ctx;
+    const int begin = (int)((int64_t)job->items * i / job->chunks);
+    const int end = (int)((int64_t)job->items * (i + 1) / job->chunks);
+    for (int w = begin; w < end; w++) job->attend(&job->a, w / job->a.KVH, w % job->a.KVH);
 }
 
-/* Returns 0, or -1 for shapes beyond the fixed buffers (the caller falls back). */
+/* Returns 0, or -1 for shapes beyond the fixed buffers (the caller falls back). Threads: the process's
+ * shared pool (kernels/cpu/pool.c), which claims (sequence, KV head) pairs one at a time (up to 4096
+ * chunks of them), so a helper that is late costs at most the pair it holds; `linger` as pool_run's. */
 int paged_decode(const float *q, const void *k, const void *v, const int8_t *ke, const int8_t *ve,
                  const int64_t *table, const int32_t *lens, float *out, int D, int KVH, int G, int HD, int S,
-                 int MAXP, int fmt, float scale, int threads) {
+                 int MAXP, int fmt, float scale, int threads, int linger) {
     if (HD > MAX_HD || G > MAX_G || HD <= 0 || G <= 0) return -1;
-    const int items = D * KVH;
-    if (threads > items) threads = items;
-    if (threads < 1) threads = 1;
-    Args args[64];
-    pthread_t tid[64];
-    if (threads > 64) threads = 64;
-    for (int i = 0; i < threads; i++) {
-        args[i] = (Args){q, k, v, ke, ve, table, lens, out, D, KVH, G, HD, S, MAXP, fmt, scale,
-                         items * i / threads, items * (i + 1) / threads};
+    Job job = {{q, k, v, ke, ve, table, lens, out, D, KVH, G, HD, S, MAXP, fmt, scale}, attend_any, D * KVH, 0};
+    if (HD == 64) job.attend = fmt == 0 ? attend_64_0 : fmt == 1 ? attend_64_1 : attend_64_2;
+    if (HD == 128) job.attend = fmt == 0 ? attend_128_0 : fmt == 1 ? attend_128_1 : attend_128_2;
+    job.chunks = job.items < MAX_CHUNKS ? job.items : MAX_CHUNKS;
+    if (threads <= 1 || job.chunks <= 1 || run_pool == 0) {
+        for (int i = 0; i < job.chunks; i++) run_chunk(&job, i);
+    } else {
+        run_pool(run_chunk, &job, job.chunks, threads, linger);
     }
-    int started = 0;
-    for (int i = 1; i < threads; i++) {
-        if (pthread_create(&tid[i], NULL, run, &args[i]) != 0) break;
-        started = i;
-    }
-    for (int i = started + 1; i < threads; i++) run(&args[i]); /* threads that could not start */
-    run(&args[0]);
-    for (int i = 1; i <= started; i++) pthread_join(tid[i], NULL);
     return 0;
 }
