@@ -47,7 +47,7 @@ _THREADED_ROWS = 4096  # (sequence, KV head, token) rows below which one thread 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.paged_decode.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i, i]
+    lib.paged_decode.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, ctypes.c_float, i, ctypes.c_int64, i]
     lib.paged_decode.restype = ctypes.c_int
 
 
@@ -75,27 +75,32 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
                                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                                page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                threads: int | None = None) -> torch.Tensor | None:
-    """Decode attention [D, heads, head_dim] (float32) for q [D, heads, head_dim] over pages
-    [P, PAGE_SIZE, kv_heads, head_dim] (fp32, bf16, or fp8_e4m3 with exponents [P, PAGE_SIZE, kv_heads]),
-    page_table [D, maxP] and context_lens [D] (each >= 1). None when the kernel cannot run this
-    case (not built, another dtype, a head_dim over 256): the caller takes the torch path."""
+    """Decode attention [D, heads, head_dim] in q's dtype (float32 or bfloat16; other dtypes run in
+    float32) for q [D, heads, head_dim] over pages [P, PAGE_SIZE, kv_heads, head_dim] (fp32, bf16, or
+    fp8_e4m3 with exponents [P, PAGE_SIZE, kv_heads]), page_table [D, maxP] and context_lens [D] (each
+    >= 1). bfloat16 q is widened exactly and the float32 result rounded to nearest even, as
+    `.to(torch.bfloat16)` would, in the kernel (two torch copies per layer fewer). `threads`: None
+    lets the kernel use `kernel_threads()` when the call has at least `_THREADED_ROWS` key rows.
+    None when the kernel cannot run this case (not built, another page dtype, a head_dim over 256):
+    the caller takes the torch path."""
     lib = _load()
     fmt = _FORMATS.get(k_pages.dtype)
     d, heads, hd = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     if lib is None or fmt is None or k_pages.is_cuda or not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         return None
-    group = heads // kv_heads
-    qf = q.to(torch.float32).contiguous()
+    if q.dtype not in (torch.float32, torch.bfloat16):
+        q = q.float()
+    q = q.contiguous()
     table = page_table.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     if fmt == 2:
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
-    out = torch.empty(d, heads, hd, dtype=torch.float32)
-    if threads is None:
-        threads = kernel_threads() if int(lens.sum()) * kv_heads >= _THREADED_ROWS else 1
-    rc = lib.paged_decode(qf.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
+    out = torch.empty(d, heads, hd, dtype=q.dtype)
+    min_rows = 0 if threads is not None else _THREADED_ROWS
+    rc = lib.paged_decode(q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
                           k_scale.data_ptr() if fmt == 2 else None, v_scale.data_ptr() if fmt == 2 else None,
-                          table.data_ptr(), lens.data_ptr(), out.data_ptr(), d, kv_heads, group, hd, page_size,
-                          table.shape[1], fmt, scale, threads, int(kernels_own_threads()))
+                          table.data_ptr(), lens.data_ptr(), out.data_ptr(), d, kv_heads, heads // kv_heads, hd,
+                          page_size, table.shape[1], fmt, int(q.dtype == torch.bfloat16), scale,
+                          kernel_threads() if threads is None else threads, min_rows, int(kernels_own_threads()))
     return out if rc == 0 else None

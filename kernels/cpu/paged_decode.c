@@ -33,13 +33,13 @@
 #define MAX_G 32
 
 typedef struct {
-    const float *q;
+    const void *q; /* float32, or bfloat16 when `half` */
     const void *k, *v;
     const int8_t *ke, *ve;
     const int64_t *table;
     const int32_t *lens;
-    float *out;
-    int D, KVH, G, HD, S, MAXP, fmt;
+    void *out; /* q's type */
+    int D, KVH, G, HD, S, MAXP, fmt, half;
     float scale;
 } Args;
 
@@ -47,6 +47,34 @@ static inline float as_float(uint32_t bits) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest, ties to even, as torch rounds (NaN stays NaN) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The G query rows of (sequence d, KV head h) as float32: in place, or widened from bfloat16 into buf. */
+static inline const float *load_q(const Args *a, int d, int h, float *buf) {
+    const int64_t off = ((int64_t)d * a->KVH + h) * a->G * a->HD;
+    if (!a->half) return (const float *)a->q + off;
+    const uint16_t *src = (const uint16_t *)a->q + off;
+    for (int i = 0; i < a->G * a->HD; i++) buf[i] = as_float((uint32_t)src[i] << 16);
+    return buf;
+}
+
+/* Output row g of (d, h): acc * inv, in q's type. */
+static inline void store_out(const Args *a, int d, int h, int g, const float *acc, float inv) {
+    const int64_t off = (((int64_t)d * a->KVH + h) * a->G + g) * a->HD;
+    if (!a->half) {
+        float *out = (float *)a->out + off;
+        for (int i = 0; i < a->HD; i++) out[i] = acc[i] * inv;
+    } else {
+        uint16_t *out = (uint16_t *)a->out + off;
+        for (int i = 0; i < a->HD; i++) out[i] = to_bf16(acc[i] * inv);
+    }
 }
 
 /* 2^e for a token's int8 exponent, exactly (ldexpf is a library call per token): normal for e >= -126,
@@ -106,8 +134,8 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d
                                                             const int fmt) {
     const int G = a->G, S = a->S, KVH = a->KVH;
     const int len = a->lens[d];
-    const float *q = a->q + ((int64_t)d * KVH + h) * G * HD;
-    float *out = a->out + ((int64_t)d * KVH + h) * G * HD;
+    float qbuf[MAX_G * MAX_HD];
+    const float *q = load_q(a, d, h, qbuf);
     float acc[MAX_G][MAX_HD];
     float m[MAX_G], l[MAX_G];
     float row[MAX_HD];
@@ -158,10 +186,7 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        const float inv = 1.0f / l[g];
-        for (int i = 0; i < HD; i++) out[g * HD + i] = acc[g][i] * inv;
-    }
+    for (int g = 0; g < G; g++) store_out(a, d, h, g, acc[g], 1.0f / l[g]);
 }
 
 #ifdef __AVX512F__
@@ -236,8 +261,8 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
     enum { NVMAX = MAX_HD / 16 };
     const int NV = HD / 16, G = a->G, S = a->S, KVH = a->KVH;
     const int len = a->lens[d];
-    const float *q = a->q + ((int64_t)d * KVH + h) * G * HD;
-    float *out = a->out + ((int64_t)d * KVH + h) * G * HD;
+    float qbuf[MAX_G * MAX_HD];
+    const float *q = load_q(a, d, h, qbuf);
     float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
     float kb[BLOCK][MAX_HD] __attribute__((aligned(64)));
     const float *kr[BLOCK];
@@ -312,10 +337,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
             else accumulate_v(a, rows, n, s, acc, g0, 1, HD, fmt);
         }
     }
-    for (int g = 0; g < G; g++) {
-        const float inv = 1.0f / l[g];
-        for (int i = 0; i < HD; i++) out[g * HD + i] = acc[g][i] * inv;
-    }
+    for (int g = 0; g < G; g++) store_out(a, d, h, g, acc[g], 1.0f / l[g]);
 }
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int d, int h) { attend_vec(a, d, h, hd, f); }
 #else
@@ -345,14 +367,22 @@ static void run_chunk(void *ctx, int i) {
     for (int w = begin; w < end; w++) job->attend(&job->a, w / job->a.KVH, w % job->a.KVH);
 }
 
-/* Returns 0, or -1 for shapes beyond the fixed buffers (the caller falls back). Threads: the process's
- * shared pool (kernels/cpu/pool.c), which claims (sequence, KV head) pairs one at a time (up to 4096
- * chunks of them), so a helper that is late costs at most the pair it holds; `linger` as pool_run's. */
-int paged_decode(const float *q, const void *k, const void *v, const int8_t *ke, const int8_t *ve,
-                 const int64_t *table, const int32_t *lens, float *out, int D, int KVH, int G, int HD, int S,
-                 int MAXP, int fmt, float scale, int threads, int linger) {
+/* Returns 0, or -1 for shapes beyond the fixed buffers (the caller falls back). q and out: float32, or
+ * bfloat16 when `half` (q widened exactly, out rounded to nearest even: the float32 result's rounding).
+ * Threads: the process's shared pool (kernels/cpu/pool.c), which claims (sequence, KV head) pairs one at
+ * a time (up to 4096 chunks of them), so a helper that is late costs at most the pair it holds; only when
+ * the call has at least `min_threaded_rows` (sequence, KV head, key) rows; `linger` as pool_run's. */
+int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, const int8_t *ve,
+                 const int64_t *table, const int32_t *lens, void *out, int D, int KVH, int G, int HD, int S,
+                 int MAXP, int fmt, int half, float scale, int threads, int64_t min_threaded_rows, int linger) {
     if (HD > MAX_HD || G > MAX_G || HD <= 0 || G <= 0) return -1;
-    Job job = {{q, k, v, ke, ve, table, lens, out, D, KVH, G, HD, S, MAXP, fmt, scale}, attend_any, D * KVH, 0};
+    Job job = {{q, k, v, ke, ve, table, lens, out, D, KVH, G, HD, S, MAXP, fmt, half, scale}, attend_any, D * KVH,
+               0};
+    if (threads > 1) {
+        int64_t rows = 0;
+        for (int d = 0; d < D; d++) rows += lens[d];
+        if (rows * KVH < min_threaded_rows) threads = 1;
+    }
     if (HD == 64) job.attend = fmt == 0 ? attend_64_0 : fmt == 1 ? attend_64_1 : attend_64_2;
     if (HD == 128) job.attend = fmt == 0 ? attend_128_0 : fmt == 1 ? attend_128_1 : attend_128_2;
     job.chunks = job.items < MAX_CHUNKS ? job.items : MAX_CHUNKS;

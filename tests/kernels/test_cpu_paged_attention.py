@@ -63,6 +63,40 @@ def test_scores_spread_far_apart(spread: float, rtol: float, seed: int) -> None:
                         paged_decode_attention_ref(q, *paged.with_abs_v(), 0.125), rtol, seed)
 
 
+@pytest.mark.parametrize("head_dim", [64, 96])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_bfloat16_queries_give_the_float32_result_rounded(fmt: str, head_dim: int) -> None:
+    """bf16 q in, bf16 out: exactly the float32 call on the widened q, rounded to nearest even as torch
+    rounds (the AVX-512 copy at 64, the generic one at 96), with ties and a NaN query row included."""
+    lens = [3, 40, 77]
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FORMATS[fmt], num_pages, page_table,
+                        "cpu")
+    q = torch.randn(3, 6, head_dim).bfloat16()
+    q[1, 2] = float("nan")
+    for threads in (1, 2):
+        wide = paged_decode_attention_cpu(q.float(), *paged, 0.125, threads=threads)
+        half = paged_decode_attention_cpu(q, *paged, 0.125, threads=threads)
+        assert half.dtype == torch.bfloat16 and wide.dtype == torch.float32
+        finite = ~wide.isnan()
+        assert torch.equal(half[finite].view(torch.int16), wide[finite].bfloat16().view(torch.int16))
+        assert torch.equal(half.isnan(), wide.isnan()) and wide[1, 2].isnan().all() and not wide[0].isnan().any()
+
+
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_bfloat16_output_rounds_ties_to_even(head_dim: int) -> None:
+    """Zero queries weigh a context of 16 or 32 equal V rows alike, so the float32 result is that row
+    exactly; its values lie halfway between two bfloat16 numbers, and the output must round them to even."""
+    lens = [16, 32]
+    bf16_bits = torch.randn(1, 1, head_dim).bfloat16().view(torch.int16).to(torch.int32)
+    v_row = ((bf16_bits << 16) | 0x8000).view(torch.float32)  # each halfway to the next bfloat16 number
+    kv = [(torch.randn(n, 1, head_dim), v_row.expand(n, 1, head_dim).clone()) for n in lens]
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(kv, 1, head_dim, torch.float32, num_pages, page_table, "cpu")
+    out = paged_decode_attention_cpu(torch.zeros(2, 2, head_dim, dtype=torch.bfloat16), *paged, 0.125)
+    assert torch.equal(out.view(torch.int16), v_row.bfloat16().expand(2, 2, head_dim).view(torch.int16))
+
+
 def test_declines_what_it_cannot_run() -> None:
     """Shapes beyond its buffers or another page dtype: None, so the caller takes the torch path."""
     num_pages, page_table = random_layout([5])
