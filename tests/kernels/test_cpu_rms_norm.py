@@ -1,0 +1,71 @@
+"""The bfloat16 RMSNorm kernel (kernels/cpu/rms_norm_bf16.c) against the torch ops it replaces, on fresh random
+inputs over six decades of magnitude: within one bfloat16 ulp everywhere and equal almost everywhere (the sums'
+order is the only difference); zero rows, NaN, no rows, 3-D input; None for what it does not handle; and the
+model's `rms_norm` taking it for bfloat16 rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.layers.norm import rms_norm
+from kernels.cpu_rms_norm import available, build_error, rms_norm_bf16
+from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.skipif(not available(), reason=f"bf16 RMSNorm kernel not built: {build_error()}")
+
+
+def _torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("n", [576, 960, 7, 2048])
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_matches_the_torch_ops(rows: int, n: int, seed: int) -> None:
+    for scale in (1e-3, 1e-1, 1.0, 10.0, 1e3):
+        x = (torch.randn(rows, n) * scale).bfloat16()
+        w = torch.randn(n).bfloat16()
+        y, ref = rms_norm_bf16(x, w, 1e-5), _torch(x, w, 1e-5)
+        ulps = _ulps(y, ref)
+        assert int(ulps.max()) <= 1, f"seed {seed}, scale {scale}: {int(ulps.max())} ulps"
+        assert int((ulps > 0).sum()) <= max(1, ulps.numel() // 200), f"seed {seed}, scale {scale}: {int((ulps > 0).sum())}"
+
+
+def test_zero_rows_nan_and_shapes() -> None:
+    w = torch.randn(64).bfloat16()
+    x = torch.randn(2, 3, 64).bfloat16()
+    x[0, 1] = 0.0  # normalised by sqrt(eps): zeros
+    x[1, 2, 5] = float("nan")  # its row becomes NaN, the others not
+    y, ref = rms_norm_bf16(x, w, 1e-6), _torch(x, w, 1e-6)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    assert torch.equal(y.isnan(), ref.isnan()) and y[1, 2].isnan().all() and not y[[0]].isnan().any()
+    finite = ~ref.isnan()
+    assert int(_ulps(y[finite], ref[finite]).max()) <= 1
+    assert bool((y[0, 1] == 0).all())
+    assert rms_norm_bf16(torch.empty(0, 64, dtype=torch.bfloat16), w, 1e-6).shape == (0, 64)
+
+
+def test_declines_what_it_does_not_handle() -> None:
+    x, w = torch.randn(4, 64).bfloat16(), torch.randn(64).bfloat16()
+    assert rms_norm_bf16(x.float(), w.float(), 1e-6) is None  # float32: torch's fused op
+    assert rms_norm_bf16(x, w.float(), 1e-6) is None
+    assert rms_norm_bf16(x.t().contiguous().t(), w, 1e-6) is None  # strided
+    assert rms_norm_bf16(x.view(4, 2, 32), torch.randn(2, 32).bfloat16(), 1e-6) is None  # per-head weight
+
+
+def test_the_model_norm_takes_it_for_bfloat16_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    import backend.layers.norm as norm
+
+    calls = []
+    monkeypatch.setattr(norm, "rms_norm_bf16", lambda *a: calls.append(a) or rms_norm_bf16(*a))
+    x, w = torch.randn(5, 576).bfloat16(), torch.randn(576).bfloat16()
+    y = rms_norm(x, w, 1e-5)
+    assert len(calls) == 1 and int(_ulps(y, _torch(x, w, 1e-5)).max()) <= 1
+    rms_norm(x.view(5, 9, 64), torch.randn(9, 64).bfloat16(), 1e-5)  # q/k norm weight [heads, head_dim]: torch
+    rms_norm(x.float(), w.float(), 1e-5)
+    assert len(calls) == 2  # the per-head call asked and was declined; float32 never asked
