@@ -195,9 +195,11 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d
  * then for each query head the scores of 16 tokens at a time: one vector of partial sums per token (NV
  * chained FMAs; the 16 tokens are independent chains), folded into one vector of 16 dot products by
  * `sum16` (45 shuffles and adds for 16 dots, where a horizontal sum per dot took ~11 operations each).
- * The V rows are widened once into `vb`; each query head's output stays in NV registers over the block's
- * tokens. Sums are float32 in another order than the generic code's (tests compare both to the
- * reference). */
+ * Each V row is widened once into registers and used by up to 4 query heads, whose outputs stay in
+ * registers over the block (`accumulate_v`). The exponent of a token (fp8) is an exact power of two made
+ * from its bits (`pow2i`), not a libm call. Sums are float32 in another order than the generic code's
+ * (tests compare both to the reference). One thread, 32 sequences x 150 keys, G = 3, HD = 64, bf16
+ * pages, a 2-core AMD EPYC VM: 23.6 -> ~14-17 ns per (sequence, KV head, key) row. */
 static inline __m512 sum16(const __m512 v[16]) { /* lane j: the sum of v[j]'s 16 lanes */
     __m512 a[8], b[4];
     for (int k = 0; k < 8; k++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of v[2k] = x, v[2k+1] = y */
