@@ -105,6 +105,29 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
+/* The page rows of a sequence's tokens t0 .. t0+n-1 for KV head h (page by page: no division per token). */
+static inline void block_rows(const int64_t *pages, int t0, int n, int S, int KVH, int h, int64_t *rows) {
+    for (int j = 0, p = t0 / S, o = t0 % S; j < n; j++) {
+        rows[j] = (pages[p] * S + o) * KVH + h;
+        if (++o == S) {
+            o = 0;
+            p++;
+        }
+    }
+}
+
+/* One block of the online softmax for one query head, its running max m, sum l and output acc: with the
+ * block's max bm (>= m), rescale what came before by e^(m - bm) and turn the block's scores s into weights. */
+static inline __attribute__((always_inline)) void softmax_step(float *s, int n, float bm, float *m, float *l,
+                                                               float *acc, const int HD) {
+    const float corr = expf(*m - bm); /* 0 on the first block (m = -inf) */
+    *l *= corr;
+    for (int i = 0; i < HD; i++) acc[i] *= corr;
+    for (int j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - bm);
+    for (int j = 0; j < n; j++) *l += s[j];
+    *m = bm;
+}
+
 /* one page row (HD values of one token and KV head) -> float, times mul (fp8: times 2^120 first) */
 static inline __attribute__((always_inline)) void load_row(const Args *a, const void *base, const int8_t *exps,
                                                            int64_t row, float *dst, float *mul, const int HD,
@@ -150,13 +173,7 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d
     int64_t rows[BLOCK]; /* the block's page rows, found once for K and V (no division per token) */
     for (int t0 = 0; t0 < len; t0 += BLOCK) {
         const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
-        for (int j = 0, p = t0 / S, o = t0 % S; j < n; j++) {
-            rows[j] = (pages[p] * S + o) * KVH + h;
-            if (++o == S) {
-                o = 0;
-                p++;
-            }
-        }
+        block_rows(pages, t0, n, S, KVH, h, rows);
         for (int j = 0; j < n; j++) {
             const int64_t r = rows[j];
             float mul;
@@ -171,12 +188,7 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d
         for (int g = 0; g < G; g++) {
             float bm = m[g];
             for (int j = 0; j < n; j++) bm = s[g][j] > bm ? s[g][j] : bm;
-            const float corr = expf(m[g] - bm); /* 0 on the first block (m = -inf) */
-            l[g] *= corr;
-            for (int i = 0; i < HD; i++) acc[g][i] *= corr;
-            for (int j = 0; j < n; j++) s[g][j] = exp_nonpositive(s[g][j] - bm);
-            for (int j = 0; j < n; j++) l[g] += s[g][j];
-            m[g] = bm;
+            softmax_step(s[g], n, bm, &m[g], &l[g], acc[g], HD);
         }
         for (int j = 0; j < n; j++) {
             load_row(a, a->v, a->ve, rows[j], row, &vmul[j], HD, fmt);
@@ -280,13 +292,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
     int64_t rows[BLOCK];
     for (int t0 = 0; t0 < len; t0 += BLOCK) {
         const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
-        for (int j = 0, p = t0 / S, o = t0 % S; j < n; j++) {
-            rows[j] = (pages[p] * S + o) * KVH + h;
-            if (++o == S) {
-                o = 0;
-                p++;
-            }
-        }
+        block_rows(pages, t0, n, S, KVH, h, rows);
         for (int j = 0; j < n; j++) {
             kr[j] = widen_row(a->k, rows[j], kb[j], HD, fmt);
             kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * a->scale;
@@ -316,13 +322,8 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
         for (int g = 0; g < G; g++) { /* online softmax, as the generic code */
             const __m512 mx = _mm512_max_ps(_mm512_mask_load_ps(ninf, lo, s[g]),
                                             _mm512_mask_load_ps(ninf, hi, s[g] + 16));
-            const float top = _mm512_reduce_max_ps(mx), bm = top > m[g] ? top : m[g];
-            const float corr = expf(m[g] - bm); /* 0 on the first block (m = -inf) */
-            l[g] *= corr;
-            for (int i = 0; i < HD; i++) acc[g][i] *= corr;
-            for (int j = 0; j < n; j++) s[g][j] = exp_nonpositive(s[g][j] - bm);
-            for (int j = 0; j < n; j++) l[g] += s[g][j];
-            m[g] = bm;
+            const float top = _mm512_reduce_max_ps(mx);
+            softmax_step(s[g], n, top > m[g] ? top : m[g], &m[g], &l[g], acc[g], HD);
         }
         if (fmt == 2) /* the token's 2^e into its weights */
             for (int j = 0; j < n; j++) {
