@@ -2,9 +2,10 @@
 
 `gcc -O3 -march=native` (the vector units of the host it runs on: CPU defaults follow the
 machine, not one host's results) plus each kernel's own flags. The shared object is cached
-under `$EDGESERVE_HOME/kernels/` keyed by the source, flags, compiler and CPU flags, so a
-source change or another host rebuilds it; it is written under a temporary name and renamed,
-so concurrent builders never load a half-written file. Without a C compiler, or when the
+under `$EDGESERVE_HOME/kernels/` keyed by the source, the shared headers (`cpu/*.h`), flags,
+compiler and CPU flags, so a source or header change or another host rebuilds it; it is
+written under a temporary name and renamed, so concurrent builders never load a half-written
+file. Without a C compiler, or when the
 build fails (e.g. a kernel that needs an instruction set this CPU lacks), `load()` returns
 None, the reason is logged once and kept in `error`, and callers take their torch path.
 
@@ -64,7 +65,8 @@ class CKernel:
         if cc is None:
             raise OSError("no C compiler (gcc or cc) on PATH")
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-        key = hashlib.sha256("\0".join([self.source.read_text(), *self.flags, version, _cpu_key()]).encode())
+        headers = [h.read_text() for h in sorted(self.source.parent.glob("*.h"))]  # what the sources include
+        key = hashlib.sha256("\0".join([self.source.read_text(), *headers, *self.flags, version, _cpu_key()]).encode())
         out = _cache_dir() / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bits.h"
+
 #ifndef __AVX512BF16__
 #error "needs AVX512-BF16 (this CPU does not have it: torch's GEMM runs instead)"
 #endif
@@ -32,11 +34,6 @@ typedef struct {
     const float *xf; /* fma tiles: x widened to float32, [M, K32] in split 32-column blocks (widen_x) */
 } Args;
 
-static inline uint16_t to_bf16(float f) { /* round to nearest, ties to even (NaN stays NaN) */
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 /* Weights are prefetched into L2 this many elements (4 KB) ahead of the loads: on a 2-core Intel Xeon VM
  * (Emerald Rapids, AVX512-BF16) over SmolLM2's 30 layers at 1 row, one thread read 7.1-7.9 GB/s without
@@ -83,7 +80,7 @@ static inline __attribute__((always_inline)) void rows_m(const Args *a, const in
                                          w0);
         }
         for (int m = 0; m < M; m++)
-            a->y[(int64_t)m * a->N + n] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])));
+            a->y[(int64_t)m * a->N + n] = float_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])));
     }
 }
 

@@ -20,17 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bits_to_float(uint32_t b) {
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
+#include "bits.h"
 
-static inline uint32_t float_to_bits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return b;
-}
 
 #define MAX_HD 1024
 

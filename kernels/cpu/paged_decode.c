@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bits.h"
+
 #define BLOCK 32 /* tokens per softmax block */
 #define MAX_HD 256
 #define MAX_G 32
@@ -43,25 +45,12 @@ typedef struct {
     float scale;
 } Args;
 
-static inline float as_float(uint32_t bits) {
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest, ties to even, as torch rounds (NaN stays NaN) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* The G query rows of (sequence d, KV head h) as float32: in place, or widened from bfloat16 into buf. */
 static inline const float *load_q(const Args *a, int d, int h, float *buf) {
     const int64_t off = ((int64_t)d * a->KVH + h) * a->G * a->HD;
     if (!a->half) return (const float *)a->q + off;
     const uint16_t *src = (const uint16_t *)a->q + off;
-    for (int i = 0; i < a->G * a->HD; i++) buf[i] = as_float((uint32_t)src[i] << 16);
+    for (int i = 0; i < a->G * a->HD; i++) buf[i] = bf16_to_float(src[i]);
     return buf;
 }
 
@@ -73,14 +62,14 @@ static inline void store_out(const Args *a, int d, int h, int g, const float *ac
         for (int i = 0; i < a->HD; i++) out[i] = acc[i] * inv;
     } else {
         uint16_t *out = (uint16_t *)a->out + off;
-        for (int i = 0; i < a->HD; i++) out[i] = to_bf16(acc[i] * inv);
+        for (int i = 0; i < a->HD; i++) out[i] = float_to_bf16(acc[i] * inv);
     }
 }
 
 /* 2^e for a token's int8 exponent, exactly (ldexpf is a library call per token): normal for e >= -126,
  * the two subnormals below it */
 static inline float pow2i(int e) {
-    return e >= -126 ? as_float((uint32_t)(e + 127) << 23) : as_float(0x00800000u >> (-126 - e));
+    return e >= -126 ? bits_to_float((uint32_t)(e + 127) << 23) : bits_to_float(0x00800000u >> (-126 - e));
 }
 
 /* e^x for finite x <= 0, branch-free so the softmax loops vectorise (glibc's expf is a call per element):
@@ -101,7 +90,7 @@ static inline float exp_nonpositive(float x) {
     p = fmaf(p, r, 0.5f);
     p = fmaf(p, r, 1.0f);
     p = fmaf(p, r, 1.0f);
-    const float scale = as_float((uint32_t)((int32_t)n + 127) << 23);
+    const float scale = bits_to_float((uint32_t)((int32_t)n + 127) << 23);
     return x < -87.0f ? 0.0f : p * scale;
 }
 
@@ -138,14 +127,14 @@ static inline __attribute__((always_inline)) void load_row(const Args *a, const 
         *mul = 1.0f;
     } else if (fmt == 1) {
         const uint16_t *src = (const uint16_t *)base + row * HD;
-        for (int i = 0; i < HD; i++) dst[i] = as_float((uint32_t)src[i] << 16);
+        for (int i = 0; i < HD; i++) dst[i] = bf16_to_float(src[i]);
         *mul = 1.0f;
     } else {
         const uint8_t *src = (const uint8_t *)base + row * HD;
         const float fix = 0x1p120f;
         for (int i = 0; i < HD; i++) {
             uint32_t x = src[i];
-            dst[i] = as_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 20)) * fix;
+            dst[i] = bits_to_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 20)) * fix;
         }
         *mul = pow2i(exps[row]);
     }

@@ -12,21 +12,9 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-static inline float widen(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "bits.h"
 
-static inline uint16_t narrow(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
     for (int r = 0; r < rows; r++) {
@@ -34,10 +22,13 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, 
         uint16_t *yr = y + (int64_t)r * n;
         float ss = 0.0f;
         for (int i = 0; i < n; i++) {
-            const float v = widen(xr[i]);
+            const float v = bf16_to_float(xr[i]);
             ss += v * v;
         }
         const float scale = 1.0f / sqrtf(ss / (float)n + eps);
-        for (int i = 0; i < n; i++) yr[i] = narrow(widen(narrow(widen(xr[i]) * scale)) * widen(w[i]));
+        for (int i = 0; i < n; i++) {
+            const float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * scale));
+            yr[i] = float_to_bf16(normed * bf16_to_float(w[i]));
+        }
     }
 }
