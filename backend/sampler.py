@@ -1,16 +1,17 @@
 """Batched token sampling with per-request parameters.
 
-Each row of the logits belongs to one request with its own temperature, top-k,
-top-p and (optional) seed. Greedy rows take the argmax. Sampled rows use the
-exponential race: with E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is distributed as
-Categorical(p), so one vectorised argmax replaces a multinomial draw per row, and
-a seeded request draws its noise from its own `torch.Generator` (one [vocab] draw
-per token): the same seed gives the same tokens for the same logits whatever else
-is in the batch. Penalties (`backend/penalties.py`) come first, on the raw logits, and
-read only the row's own history, so they keep that; a batch where no row asks for
-one skips them (no extra work for plain requests). A grammar row's mask
-(`backend/grammar.py`) comes after the penalties: disallowed tokens get -inf before
-greedy or sampled choice; rows without one, and batches without any, are untouched.
+Each row of the logits belongs to one request with its own temperature, top-k, top-p and
+(optional) seed. Greedy rows take the argmax (on the CPU the C kernel of
+`kernels/cpu_argmax.py`, torch's answer). Sampled rows use the exponential race: with
+E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is distributed as Categorical(p), so one
+vectorised argmax replaces a multinomial draw per row, and a seeded request draws its
+noise from its own `torch.Generator` (one [vocab] draw per token): the same seed gives
+the same tokens for the same logits whatever else is in the batch. Penalties
+(`backend/penalties.py`) come first, on the raw logits, and read only the row's own
+history, so they keep that; a batch where no row asks for one skips them (no extra work
+for plain requests). A grammar row's mask (`backend/grammar.py`) comes after the
+penalties: disallowed tokens get -inf before greedy or sampled choice; rows without one,
+and batches without any, are untouched.
 
 Whether a request's logits are the same in another batch is the model's part
 (`backend/model.py`), and what holds is this:
@@ -41,6 +42,7 @@ import torch
 from backend.grammar import apply_masks
 from backend.penalties import apply_penalties, needs_penalties
 from backend.sampling_params import SamplingParams
+from kernels.cpu_argmax import argmax_rows
 
 __all__ = ["sample"]
 
@@ -79,7 +81,9 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[to
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
     if any(m is not None for m in masks):
         logits = apply_masks(logits, masks)
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_rows(logits)  # the C kernel; torch's argmax where it cannot run
+    if greedy is None:
+        greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy.tolist()
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).unsqueeze(1)

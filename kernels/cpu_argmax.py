@@ -1,0 +1,52 @@
+"""Row-wise argmax of float32 logits in C (`kernels/cpu/argmax.c`, built on first use): greedy sampling.
+
+`torch.argmax(dim=-1)` on the CPU read the logits at ~3 GB/s on one thread: 1.1-1.9 ms of a
+c = 32 decode step of SmolLM2 (32 rows of 49,152) on a 2-core AMD EPYC VM. The kernel gives
+the same answer (the first index of the maximum; a NaN counts as the maximum, its first
+index) from two vector passes over each row. None where it cannot run (no C compiler, not a
+contiguous 2-D float32 CPU tensor, no columns): the caller keeps torch's argmax.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu_build import CKernel
+
+__all__ = ["available", "build_error", "argmax_rows"]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    lib.argmax_rows.restype = None
+
+
+_KERNEL = CKernel("argmax.c", (), _declare, "greedy sampling runs torch.argmax")
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on the first call)."""
+    return _KERNEL.load() is not None
+
+
+def build_error() -> str | None:
+    """Why the kernel is unavailable, or None."""
+    _KERNEL.load()
+    return _KERNEL.error
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """`logits.argmax(dim=-1)` (int64 [B]) for float32 logits [B, V] on the CPU, or None when the
+    kernel cannot run this case."""
+    if (logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or not logits.is_contiguous() or logits.shape[1] == 0):
+        return None
+    lib = _KERNEL.load()
+    if lib is None:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if logits.shape[0]:
+        lib.argmax_rows(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
+    return out
