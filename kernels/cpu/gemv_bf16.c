@@ -22,6 +22,7 @@
 #include <stdlib.h>
 
 #include "bits.h"
+#include "pool.h"
 
 #ifndef __AVX512BF16__
 #error "needs AVX512-BF16 (this CPU does not have it: torch's GEMM runs instead)"
@@ -33,7 +34,6 @@ typedef struct {
     int M, N, K, n0, n1;
     const float *xf; /* fma tiles: x widened to float32, [M, K32] in split 32-column blocks (widen_x) */
 } Args;
-
 
 /* Weights are prefetched into L2 this many elements (4 KB) ahead of the loads: on a 2-core Intel Xeon VM
  * (Emerald Rapids, AVX512-BF16) over SmolLM2's 30 layers at 1 row, one thread read 7.1-7.9 GB/s without
@@ -270,13 +270,7 @@ static void rows(const Args *a) {
         tiles(a);
 }
 
-/* ---- threads: the shared pool (kernels/cpu/pool.c) ----------------------------------------- */
-
-typedef void (*chunk_fn)(void *ctx, int chunk);
-typedef int (*pool_fn)(chunk_fn fn, void *ctx, int chunks, int threads, int linger);
-static pool_fn run_pool = 0; /* set by the loader (`set_pool`); without it every call runs on its caller */
-
-void set_pool(pool_fn fn) { run_pool = fn; }
+/* ---- threads: the shared pool (kernels/cpu/pool.c, pool.h) ---------------------------------- */
 
 typedef struct {
     Args a;         /* the whole call */

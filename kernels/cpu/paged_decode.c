@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "bits.h"
+#include "pool.h"
 
 #define BLOCK 32 /* tokens per softmax block */
 #define MAX_HD 256
@@ -338,13 +339,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
 SPECIALISE(64, 0) SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(128, 0) SPECIALISE(128, 1) SPECIALISE(128, 2)
 static void attend_any(const Args *a, int d, int h) { attend_hd(a, d, h, a->HD, a->fmt); }
 
-typedef void (*chunk_fn)(void *ctx, int chunk);
-typedef int (*pool_fn)(chunk_fn fn, void *ctx, int chunks, int threads, int linger);
-static pool_fn run_pool = 0; /* set by the loader (`set_pool`); without it every call runs on its caller */
-
-void set_pool(pool_fn fn) { run_pool = fn; }
-
-#define MAX_CHUNKS 4096
+#define MAX_CHUNKS 4096 /* chunks of (sequence, KV head) pairs a call is cut into, at most */
 
 typedef struct {
     Args a;

@@ -17,6 +17,7 @@
  * and its untouched stack).
  */
 #define _GNU_SOURCE
+#define EDGESERVE_POOL_IMPL
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -25,6 +26,8 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -36,8 +39,6 @@
 #define MAX_THREADS 16
 #define MAX_CHUNKS 0xffff /* the state word keeps chunk counts in 16 bits */
 #define SPIN_NS 200000    /* a helper's spin after its last chunk before it sleeps (0.2 ms) */
-
-typedef void (*chunk_fn)(void *ctx, int chunk);
 
 static struct {
     pthread_mutex_t lock;   /* one threaded call at a time; a second caller runs alone */
