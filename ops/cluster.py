@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ops.redis_server import stop_process
+from ops.redis_server import pause_process, stop_process
 
 __all__ = ["child_process", "wait_http", "wait_redis", "Service", "machine_info", "log_tail", "mooncake_master_binary",
            "MooncakeMaster", "mooncake_master", "kv_store_master"]
@@ -206,7 +206,7 @@ class MooncakeMaster:
     def pause(self) -> None:
         """SIGSTOP: connections are accepted but nothing answers (a hung master)."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGSTOP)
+            pause_process(self.proc)
 
     def resume(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

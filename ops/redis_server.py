@@ -23,7 +23,7 @@ from pathlib import Path
 
 from backend.errors import EdgeServeError
 
-__all__ = ["redis_server_binary", "run_redis_server", "RedisServer", "free_port", "stop_process"]
+__all__ = ["redis_server_binary", "run_redis_server", "RedisServer", "free_port", "stop_process", "pause_process"]
 
 
 def free_port() -> int:
@@ -42,6 +42,27 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def pause_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    """SIGSTOP a child and return once every thread of it has stopped (a hung server, for tests and soak).
+
+    kill() returns before the target's threads stop: one running on another CPU stops when it is next
+    interrupted, which on a loaded VM came late enough for a "hung" Mooncake master to answer the next
+    request (seen in CI: an existence query answered 24 ms after the pause). So this waits for state T
+    in /proc for every thread; where /proc cannot be read it returns after the signal."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    tasks = Path(f"/proc/{proc.pid}/task")
+    while time.monotonic() < deadline:
+        try:
+            states = [(t / "stat").read_text().rpartition(")")[2].split()[0] for t in tasks.iterdir()]
+        except (OSError, IndexError):
+            return
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.001)
+    raise TimeoutError(f"process {proc.pid} did not stop within {timeout_s} s of SIGSTOP")
 
 
 def redis_server_binary() -> str:
@@ -80,7 +101,7 @@ class RedisServer:
     def pause(self) -> None:
         """SIGSTOP the server: connections still open, but no command is answered (a hung Redis)."""
         assert self._proc is not None, "the server is not running"
-        self._proc.send_signal(signal.SIGSTOP)
+        pause_process(self._proc)
 
     def resume(self) -> None:
         """SIGCONT a paused server."""
