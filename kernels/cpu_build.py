@@ -5,9 +5,9 @@ machine, not one host's results) plus each kernel's own flags. The shared object
 under `$EDGESERVE_HOME/kernels/` keyed by the source, the shared headers (`cpu/*.h`), flags,
 compiler and CPU flags, so a source or header change or another host rebuilds it; it is
 written under a temporary name and renamed, so concurrent builders never load a half-written
-file. Without a C compiler, or when the
-build fails (e.g. a kernel that needs an instruction set this CPU lacks), `load()` returns
-None, the reason is logged once and kept in `error`, and callers take their torch path.
+file. Without a C compiler, or when the build fails (e.g. a kernel that needs an instruction
+set this CPU lacks), `load()` returns None, the reason is logged once and kept in `error`, and
+callers take their torch path.
 
 Threads: a kernel built with `uses_pool=True` gets the process's one pool of helper threads
 (`kernels/cpu/pool.c`, itself built here) through its `set_pool` at load time, so every such

@@ -49,7 +49,7 @@ def pause_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
 
     kill() returns before the target's threads stop: one running on another CPU stops when it is next
     interrupted, which on a loaded VM came late enough for a "hung" Mooncake master to answer the next
-    request (seen in CI: an existence query answered 24 ms after the pause). So this waits for state T
+    request (seen in CI: an existence query answered within 25 ms of the pause). So this waits for state T
     in /proc for every thread; where /proc cannot be read it returns after the signal."""
     proc.send_signal(signal.SIGSTOP)
     deadline = time.monotonic() + timeout_s

@@ -25,6 +25,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x over its last dim, times `weight` (broadcast), in x's dtype."""
     if x.dtype == torch.float32 and weight.shape == x.shape[-1:]:  # one fused op
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    if x.dtype == torch.bfloat16 and not x.is_cuda and (y := rms_norm_bf16(x, weight, eps)) is not None:
+    if x.dtype == torch.bfloat16 and (y := rms_norm_bf16(x, weight, eps)) is not None:  # CPU, one-row weight
         return y
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)

@@ -17,6 +17,11 @@ static inline uint32_t float_to_bits(float f) {
     return b;
 }
 
+/* 2^e exactly, for e in [-128, 127] (int8 exponents): normal for e >= -126, the two subnormals below it. */
+static inline float pow2i(int e) {
+    return e >= -126 ? bits_to_float((uint32_t)(e + 127) << 23) : bits_to_float(0x00800000u >> (-126 - e));
+}
+
 /* bfloat16 -> float32: exact (the 16 bits on top). */
 static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
 

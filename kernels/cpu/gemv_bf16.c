@@ -300,13 +300,13 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, i
     }
     if (chunks > blocks) chunks = blocks;
     if (chunks > 0xfff) chunks = 0xfff;
-    if (threads <= 1 || chunks <= 1 || run_pool == 0) {
-        const Args a = {x, w, y, M, N, K, 0, N, xf};
-        rows(&a);
-    } else {
+    if (run_pool != 0) { /* one thread or one chunk: the pool runs them on this thread */
         Job job = {{x, w, y, M, N, K, 0, N, xf}, 0};
         job.chunk_rows = 4 * ((blocks + chunks - 1) / chunks);
         run_pool(run_chunk, &job, (N + job.chunk_rows - 1) / job.chunk_rows, threads, 1);
+    } else {
+        const Args a = {x, w, y, M, N, K, 0, N, xf};
+        rows(&a);
     }
     free(xf);
     return 0;

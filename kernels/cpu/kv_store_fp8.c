@@ -22,7 +22,6 @@
 
 #include "bits.h"
 
-
 #define MAX_HD 1024
 
 /* ceil(log2(amax / 448)) clamped to [-64, 63], from amax's bits: amax = 1.m * 2^p and 448 = 1.75 * 2^8,
@@ -66,7 +65,7 @@ static void store_row(const void *x, int64_t at, int HD, int bf16, uint8_t *out,
         amax = a > amax ? a : amax;
     }
     int e = fp8_exponent(amax);
-    float s = bits_to_float((uint32_t)(127 - e) << 23); /* 2^-e, exactly: -e in [-63, 64] */
+    float s = pow2i(-e); /* 2^-e, exactly: -e in [-63, 64] */
     for (int d = 0; d < HD; d++) {
         float q = bits_to_float(bits[d]) * s;
         q = q > 448.0f ? 448.0f : q < -448.0f ? -448.0f : q; /* NaN passes through */

@@ -67,12 +67,6 @@ static inline void store_out(const Args *a, int d, int h, int g, const float *ac
     }
 }
 
-/* 2^e for a token's int8 exponent, exactly (ldexpf is a library call per token): normal for e >= -126,
- * the two subnormals below it */
-static inline float pow2i(int e) {
-    return e >= -126 ? bits_to_float((uint32_t)(e + 127) << 23) : bits_to_float(0x00800000u >> (-126 - e));
-}
-
 /* e^x for finite x <= 0, branch-free so the softmax loops vectorise (glibc's expf is a call per element):
  * x = n ln2 + r with n = rint(x / ln2) and r from two exact-ish fused steps (Cody-Waite: ln2 split in a
  * high part with trailing zeros and a low part), |r| <= ln2 / 2; e^r by its Taylor polynomial to r^7
@@ -137,7 +131,7 @@ static inline __attribute__((always_inline)) void load_row(const Args *a, const 
             uint32_t x = src[i];
             dst[i] = bits_to_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 20)) * fix;
         }
-        *mul = pow2i(exps[row]);
+        *mul = pow2i(exps[row]); /* bits.h: exact, where ldexpf was a library call per token */
     }
 }
 
@@ -373,10 +367,10 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
     if (HD == 64) job.attend = fmt == 0 ? attend_64_0 : fmt == 1 ? attend_64_1 : attend_64_2;
     if (HD == 128) job.attend = fmt == 0 ? attend_128_0 : fmt == 1 ? attend_128_1 : attend_128_2;
     job.chunks = job.items < MAX_CHUNKS ? job.items : MAX_CHUNKS;
-    if (threads <= 1 || job.chunks <= 1 || run_pool == 0) {
-        for (int i = 0; i < job.chunks; i++) run_chunk(&job, i);
-    } else {
+    if (run_pool != 0) { /* one thread or one chunk: the pool runs them on this thread */
         run_pool(run_chunk, &job, job.chunks, threads, linger);
+    } else {
+        for (int i = 0; i < job.chunks; i++) run_chunk(&job, i);
     }
     return 0;
 }
