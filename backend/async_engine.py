@@ -2,9 +2,10 @@
 
 The engine thread loops `step()` while there is work and sleeps on the
 scheduler's wake-up event otherwise. Each step's events are handed to the event
-loop in one `call_soon_threadsafe` call (not one per token). A caller that stops
-iterating (client gone, cancel) aborts its request; the pages return at the next
-step boundary. A token for a request nobody subscribes to any more aborts it too.
+loop in one `call_soon_threadsafe` call (not one per token). A caller that closes
+its `EventStream` before the final event (client gone, cancel) aborts its request,
+also when it never read from it; the pages return at the next step boundary. A
+token for a request nobody subscribes to any more aborts it too.
 
 Failures. A step whose batch fails (model, sampling, integrity check) ends the
 requests in it, each with an `ErrorEvent`, and the thread goes on serving the
@@ -32,6 +33,7 @@ The engine thread sleeps at most until the nearest deadline while fetches are pe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -50,7 +52,7 @@ from backend.sequence import Sequence
 if TYPE_CHECKING:
     from backend.kv_store_tier import KVStoreTier, StoreFetch
 
-__all__ = ["AsyncEngine", "MAX_FAILED_STEPS_IN_ROW"]
+__all__ = ["AsyncEngine", "EventStream", "MAX_FAILED_STEPS_IN_ROW"]
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +250,7 @@ class AsyncEngine:
 
     # -- callers -----------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, *,
-               cache_salt: str | None = None, hold: bool = False) -> AsyncIterator[Event]:
+               cache_salt: str | None = None, hold: bool = False) -> EventStream:
         """Admit one request now and return its event stream.
 
         Refusals (bad params, prompt too long, queue full, EngineStopped) raise here,
@@ -272,9 +274,9 @@ class AsyncEngine:
             else:
                 self._pending.append(fetch)
             self._subs[seq.request_id] = _Subscriber(loop, queue)
-        return self._stream(seq.request_id, queue)
+        return EventStream(self, seq.request_id, queue)
 
-    def attach(self, seq: Sequence) -> AsyncIterator[Event]:
+    def attach(self, seq: Sequence) -> EventStream:
         """Stream the events of a sequence that enters the engine later (decode role: `activate`).
         Call before activating it; closing the stream early aborts it. Raises EngineStopped once the
         engine thread has stopped."""
@@ -285,35 +287,28 @@ class AsyncEngine:
             if seq.request_id in self._subs:
                 raise InvalidRequest(f"request id {seq.request_id!r} is already in flight", request_id=seq.request_id)
             self._subs[seq.request_id] = _Subscriber(asyncio.get_running_loop(), queue)
-        return self._stream(seq.request_id, queue)
+        return EventStream(self, seq.request_id, queue)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[Event]:
         """Stream events for one request (`submit` and iterate). Refusals raise before the first event."""
-        async for ev in self.submit(prompt_ids, params, request_id):
-            yield ev
+        async with contextlib.aclosing(self.submit(prompt_ids, params, request_id)) as events:
+            async for ev in events:
+                yield ev
 
     def _check_alive(self) -> None:
         """Raise EngineStopped if the engine thread has stopped (call with the lock held)."""
         if self._failure is not None:
             raise EngineStopped("this worker's engine stopped; the request can be retried on another worker")
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue[Event]) -> AsyncIterator[Event]:
-        done = False
-        try:
-            while True:
-                ev = await queue.get()
-                yield ev
-                if not isinstance(ev, TokenEvent):
-                    done = True
-                    return
-        finally:
-            with self._lock:
-                sub = self._subs.get(request_id)
-                if sub is not None and sub.queue is queue:  # not a later request that reused the id
-                    del self._subs[request_id]
-            if not done:
-                self.engine.abort(request_id)
+    def _release(self, request_id: str, queue: asyncio.Queue[Event]) -> bool:
+        """Drop this stream's subscription; True if it was still there (nobody else ended it)."""
+        with self._lock:
+            sub = self._subs.get(request_id)
+            if sub is None or sub.queue is not queue:  # ended already, or a later request reused the id
+                return False
+            del self._subs[request_id]
+            return True
 
     def detach(self, request_id: str) -> None:
         """Drop a subscription whose stream was never read (idempotent)."""
@@ -322,6 +317,46 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+
+class EventStream:
+    """One request's events, from `AsyncEngine.submit` or `attach`: tokens, then one final event.
+
+    `aclose` ends it at any time, also before the first read (a generator that never started
+    would have nothing to run): the subscription goes, and a request whose final event has not
+    arrived is aborted, so its pages return at the next step boundary. A reader cancelled while
+    it waits for an event closes it too. A request someone else ended first (its final event
+    queued, `fail_all`, `detach`) is left as it is. Close it (`contextlib.aclosing`) wherever its
+    reader may stop early or never start.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue[Event]) -> None:
+        self.request_id = request_id
+        self._engine, self._queue = engine, queue
+        self._done = False  # the final event was read, or the stream was closed
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            ev = await self._queue.get()
+        except asyncio.CancelledError:  # its reader was cancelled (client gone): as a generator's finally would
+            await self.aclose()
+            raise
+        if not isinstance(ev, TokenEvent):
+            self._done = True  # the engine dropped the subscription when it queued this
+        return ev
+
+    async def aclose(self) -> None:
+        """End the stream; abort the request unless it has ended (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        if self._engine._release(self.request_id, self._queue):
+            self._engine.engine.abort(self.request_id)
 
 
 def _post(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]]) -> None:

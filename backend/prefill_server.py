@@ -30,9 +30,10 @@ from collections.abc import AsyncIterator
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from backend.async_engine import AsyncEngine
+from backend.closing_response import ClosingStreamingResponse
 from backend.engine import LLMEngine
 from backend.errors import EdgeServeError, InvalidRequest
 from backend.kv_transfer import KV_MEDIA_TYPE, WIRE_FORMATS, KVBegin, KVEnd, KVError, KVLayer, PrefillRequest, \
@@ -80,7 +81,12 @@ def prefill_endpoint(engine: AsyncEngine, stats: TransferStats, writer: DirectKV
                 direct = (writer, received + req.kv_target.deadline_s)
             else:
                 log.info("request %s: KV sent in frames, not written directly: %s", req.request_id, refusal)
-        return StreamingResponse(_send(engine, req, events, stats, direct), media_type=KV_MEDIA_TYPE)
+        async def close() -> None:  # also when `_send` never started (closing_response.py)
+            await events.aclose()  # aborts the prefill if it is not done
+            engine.engine.release_held(req.request_id)
+
+        return ClosingStreamingResponse(_send(engine, req, events, stats, direct), on_close=close,
+                                        media_type=KV_MEDIA_TYPE)
 
     return prefill
 

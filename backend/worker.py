@@ -11,7 +11,8 @@ Errors found before the stream starts (bad JSON, bad sampling parameters,
 prompt too long, queue full, wrong model) answer with their HTTP status and a
 JSON body `{"error": {"code", "type", "message", ...}}`. Once streaming, a
 failure arrives as an `error` event. A client that disconnects cancels its
-request; its pages return at the next step.
+request, also one that leaves before the first byte (`closing_response.py`); its
+pages return at the next step.
 
 The worker token (`worker_auth.py`). Every route but /health needs
 `Authorization: Bearer <token>` when the worker has a token; a missing or wrong one
@@ -60,11 +61,12 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Scope
 
 from backend.async_engine import AsyncEngine
+from backend.closing_response import ClosingStreamingResponse
 from backend.decode_coordinator import DecodeCoordinator
 from backend.drain import Drain, DrainGate
 from backend.errors import Draining, EdgeServeError, EngineStopped, InvalidRequest, ModelNotFound
@@ -154,16 +156,12 @@ def create_worker_app(engine: AsyncEngine, model_name: str, role: str = "unified
         if rid is not None and req.cancel_key:
             cancel_keys[rid] = req.cancel_key
 
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async with contextlib.aclosing(stream):  # closing aborts the request if it is not done
-                    async for frame in ndjson_frames(stream, req.stream):
-                        yield frame
-            finally:
-                if rid is not None and cancel_keys.get(rid) == req.cancel_key:
-                    cancel_keys.pop(rid, None)
+        async def close() -> None:  # also when the body never started (closing_response.py)
+            await stream.aclose()  # aborts the request if it is not done
+            if rid is not None and cancel_keys.get(rid) == req.cancel_key:
+                cancel_keys.pop(rid, None)
 
-        return StreamingResponse(body(), media_type=NDJSON)
+        return ClosingStreamingResponse(ndjson_frames(stream, req.stream), on_close=close, media_type=NDJSON)
 
     async def cancel(request: Request) -> Response:
         rid = request.path_params["request_id"]

@@ -85,7 +85,7 @@ async def sse_stream(
 
 class SSEResponse(Response):
     """A `text/event-stream` response of `body`'s chunks; `after` runs once the response is over
-    (sent, or the client gone), as a `StreamingResponse`'s background task does."""
+    (sent, the client gone, or failed), as a `StreamingResponse`'s background task does."""
 
     media_type = "text/event-stream"
 
@@ -117,12 +117,12 @@ class SSEResponse(Response):
             if not gone:
                 raise
             task.uncancel()
-        finally:
+        finally:  # also when `send` raised (a server that reports a gone client) or the body never started
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.body_iterator.aclose()  # closing an unfinished stream cancels its generation
-        if self.after is not None:
-            await self.after()
+            if self.after is not None:
+                await self.after()
 
 
 def sse_response(gen: Generation, keepalive_s: float, headers: dict[str, str], *,
