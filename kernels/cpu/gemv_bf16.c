@@ -102,12 +102,18 @@ static void rows_chunk(const Args *a) { /* at most CHUNK x rows: a specialisatio
  * and used by every x row of the tile. The 4 x 4 sums of a tile are reduced together (`sum4`: 13
  * vector ops per 4 sums where four `reduce_add`s take ~32) and rounded to bfloat16 four at a time
  * with `vcvtneps2bf16` (to nearest, ties to even, as `to_bf16`). A block of NR weight rows is read
- * from memory by its first x tile and from L1 by the rest; the next block is prefetched during it.
+ * from memory by its first x tile and from L1 by the rest. Each x tile prefetches its share of the
+ * block `PF_BLOCKS` further on. Measured on a 2-core AMD EPYC VM (Zen 5 by its flags) over SmolLM2's
+ * linears with the weights streamed from memory, alternating with the previous scheme (the whole next
+ * block prefetched during the first x tile: a burst of 72 prefetches, which held a core at 110-135
+ * GFLOP/s where the same calls from L3 ran at 200): 0.79-0.86x its time at 32 rows, 0.85-0.92x at 16
+ * (once 1.07), 0.87-1.16x at 8 (the host's noise there).
  * On a 2-core Intel Xeon VM (Emerald Rapids) `vdpbf16ps` retires ~0.6 per cycle, 75 GFLOP/s per core
  * (float32 FMAs: 123), which the tiles reach: two threads 145-160 GFLOP/s at 8-32 rows over SmolLM2's
  * linears, 0.59-1.09x the time of torch's bfloat16 GEMM there (at the same ceiling from 64 rows). */
 #define NR 4
 #define MR 4
+#define PF_BLOCKS 2 /* the block the x tiles prefetch is this many blocks ahead */
 
 /* [sum(a), sum(b), sum(c), sum(d)] */
 static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -129,8 +135,7 @@ static inline __attribute__((always_inline)) void store_tile(const Args *a, __m5
 }
 
 /* rows n..n+3 of w with x rows m0..m0+rows-1 (rows <= MR, a compile-time constant per copy) */
-static inline __attribute__((always_inline)) void tile(const Args *a, int n, int m0, const int rows,
-                                                       const uint16_t *prefetch) {
+static inline __attribute__((always_inline)) void tile(const Args *a, int n, int m0, const int rows) {
     const int K = a->K, full32 = K & ~31;
     const __mmask32 tail = (__mmask32)((1ull << (K - full32)) - 1);
     const uint16_t *w = a->w + (int64_t)n * K, *x = a->x + (int64_t)m0 * K;
@@ -138,8 +143,6 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int n, int
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < NR; j++) acc[m][j] = _mm512_setzero_ps();
     for (int k = 0; k < full32; k += 32) {
-        if (prefetch) /* the next block, one line of each of its rows per 32 columns (64 bytes) */
-            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(prefetch + (int64_t)j * K + k), _MM_HINT_T0);
         __m512bh wv[NR];
         for (int j = 0; j < NR; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (int64_t)j * K + k);
         for (int m = 0; m < rows; m++) {
@@ -158,16 +161,29 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int n, int
     store_tile(a, acc, n, m0, rows);
 }
 
+/* Part `t` of `parts` of the NR weight rows at `block` (contiguous: NR * K values), prefetched into L1. */
+static inline void prefetch_part(const uint16_t *block, int K, int t, int parts) {
+    if (!block) return;
+    const int64_t bytes = (int64_t)NR * K * 2, lo = bytes * t / parts, hi = bytes * (t + 1) / parts;
+    for (int64_t b = lo & ~63; b < hi; b += 64) _mm_prefetch((const char *)block + b, _MM_HINT_T0);
+}
+
 static void tiles(const Args *a) {
     const int nfull = a->n0 + (a->n1 - a->n0) / NR * NR;
+    const int parts = (a->M + MR - 1) / MR; /* x tiles per weight block, each prefetching a share */
     for (int n = a->n0; n < nfull; n += NR) {
-        const uint16_t *next = n + 2 * NR <= nfull ? a->w + (int64_t)(n + NR) * a->K : NULL;
-        int m = 0;
-        for (; m + MR <= a->M; m += MR) tile(a, n, m, MR, m == 0 ? next : NULL);
+        const uint16_t *next = n + (PF_BLOCKS + 1) * NR <= nfull ? a->w + (int64_t)(n + PF_BLOCKS * NR) * a->K
+                                                                 : NULL;
+        int m = 0, t = 0;
+        for (; m + MR <= a->M; m += MR, t++) {
+            prefetch_part(next, a->K, t, parts);
+            tile(a, n, m, MR);
+        }
+        if (t < parts) prefetch_part(next, a->K, t, parts); /* the partial tile's share */
         switch (a->M - m) {
-        case 1: tile(a, n, m, 1, NULL); break;
-        case 2: tile(a, n, m, 2, NULL); break;
-        case 3: tile(a, n, m, 3, NULL); break;
+        case 1: tile(a, n, m, 1); break;
+        case 2: tile(a, n, m, 2); break;
+        case 3: tile(a, n, m, 3); break;
         default: break;
         }
     }
@@ -219,7 +235,7 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < NR; j++) acc[m][j] = _mm512_setzero_ps();
     for (int k = 0; k < K32; k += 32) {
-        if (prefetch) /* the next 4 weight rows, one line of each per 32 columns, as `tile` does */
+        if (prefetch) /* the next 4 weight rows, one line of each per 32 columns */
             for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(prefetch + (int64_t)j * K + k), _MM_HINT_T0);
         __m512 we[NR], wo[NR];
         for (int j = 0; j < NR; j++) {
