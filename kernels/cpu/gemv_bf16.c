@@ -103,11 +103,12 @@ static void rows_chunk(const Args *a) { /* at most CHUNK x rows: a specialisatio
  * vector ops per 4 sums where four `reduce_add`s take ~32) and rounded to bfloat16 four at a time
  * with `vcvtneps2bf16` (to nearest, ties to even, as `to_bf16`). A block of NR weight rows is read
  * from memory by its first x tile and from L1 by the rest. Each x tile prefetches its share of the
- * block `PF_BLOCKS` further on. Measured on a 2-core AMD EPYC VM (Zen 5 by its flags) over SmolLM2's
- * linears with the weights streamed from memory, alternating with the previous scheme (the whole next
- * block prefetched during the first x tile: a burst of 72 prefetches, which held a core at 110-135
- * GFLOP/s where the same calls from L3 ran at 200): 0.79-0.86x its time at 32 rows, 0.85-0.92x at 16
- * (once 1.07), 0.87-1.16x at 8 (the host's noise there).
+ * block `PF_BLOCKS` further on into L2. Measured on a 2-core AMD EPYC VM (Zen 5 by its flags) over
+ * SmolLM2's linears with the weights streamed from memory, alternating with the previous scheme (the
+ * whole next block prefetched into L1 during the first x tile: a burst of 72 prefetches, which held a
+ * core at 110-135 GFLOP/s where the same calls from L3 ran at 200): 0.54x its time at 8 rows, 0.61-0.75x
+ * at 16, 0.73-0.79x at 32 (1 and 2 threads); the same spread into L1 was 1.1-1.7x slower than into L2
+ * at 8-24 rows. The FMA tiles below prefetch into L2 too (0.76-0.95x there, same host).
  * On a 2-core Intel Xeon VM (Emerald Rapids) `vdpbf16ps` retires ~0.6 per cycle, 75 GFLOP/s per core
  * (float32 FMAs: 123), which the tiles reach: two threads 145-160 GFLOP/s at 8-32 rows over SmolLM2's
  * linears, 0.59-1.09x the time of torch's bfloat16 GEMM there (at the same ceiling from 64 rows). */
@@ -161,11 +162,11 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int n, int
     store_tile(a, acc, n, m0, rows);
 }
 
-/* Part `t` of `parts` of the NR weight rows at `block` (contiguous: NR * K values), prefetched into L1. */
+/* Part `t` of `parts` of the NR weight rows at `block` (contiguous: NR * K values), prefetched into L2. */
 static inline void prefetch_part(const uint16_t *block, int K, int t, int parts) {
     if (!block) return;
     const int64_t bytes = (int64_t)NR * K * 2, lo = bytes * t / parts, hi = bytes * (t + 1) / parts;
-    for (int64_t b = lo & ~63; b < hi; b += 64) _mm_prefetch((const char *)block + b, _MM_HINT_T0);
+    for (int64_t b = lo & ~63; b < hi; b += 64) _mm_prefetch((const char *)block + b, _MM_HINT_T1);
 }
 
 static void tiles(const Args *a) {
@@ -236,7 +237,7 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
         for (int j = 0; j < NR; j++) acc[m][j] = _mm512_setzero_ps();
     for (int k = 0; k < K32; k += 32) {
         if (prefetch) /* the next 4 weight rows, one line of each per 32 columns */
-            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(prefetch + (int64_t)j * K + k), _MM_HINT_T0);
+            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(prefetch + (int64_t)j * K + k), _MM_HINT_T1);
         __m512 we[NR], wo[NR];
         for (int j = 0; j < NR; j++) {
             const __m512i v = k < full32 ? _mm512_loadu_si512(w + (int64_t)j * K + k)
