@@ -20,8 +20,9 @@ Formats (chosen per worker, in `create_kv_cache` only):
   e4m3 is itself floating point: the scale only has to keep values in range, so
   a one-byte exponent loses no relative precision and keeps the overhead at 1 B
   per 64 values. The quantise/dequantise code lives in `kernels/kv_store.py`
-  (Triton kernel on CUDA, its torch reference on CPU); on the CPU an FP8 store runs
-  `kernels/cpu_kv_store.py`'s C kernel (the same bytes in one call) where it builds.
+  (Triton kernel on CUDA, its torch reference on CPU); on the CPU a store, FP8 or
+  plain, runs `kernels/cpu_kv_store.py`'s C kernels (the same bytes in one call)
+  where they build.
 
 Bytes per token = num_layers * 2 * num_kv_heads * (head_dim * element size
 + scale bytes); the pool holds ``kv_cache_bytes // (PAGE_SIZE * bytes_per_token)``
@@ -37,7 +38,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest
-from kernels.cpu_kv_store import store_kv_fp8_cpu
+from kernels.cpu_kv_store import store_kv_fp8_cpu, store_kv_rows_cpu
 from kernels.kv_store import dequantize_fp8_ref, dequantize_fp8_table, store_kv, store_kv_ref
 
 if TYPE_CHECKING:
@@ -139,8 +140,9 @@ class PagedKVCache:
         kv = self._layers[layer]
         if k.is_cuda:
             store_kv(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)
-        elif kv.k_scale is None or not store_kv_fp8_cpu(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots):
-            store_kv_ref(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)  # plain formats; FP8 without the C kernel
+        elif not (store_kv_rows_cpu(k, v, kv.k, kv.v, slots) if kv.k_scale is None else
+                  store_kv_fp8_cpu(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)):
+            store_kv_ref(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)  # without the C kernels, other layouts
 
     def write_tokens(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:

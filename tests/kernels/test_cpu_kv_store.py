@@ -1,11 +1,12 @@
-"""The C FP8 KV store (`kernels/cpu_kv_store.py`) writes the bytes of `store_kv_ref`, on fresh random inputs."""
+"""The C KV stores (`kernels/cpu_kv_store.py`: FP8 and plain pools) write the bytes of `store_kv_ref`, on fresh
+random inputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.cpu_kv_store import available, build_error, store_kv_fp8_cpu
+from kernels.cpu_kv_store import available, build_error, store_kv_fp8_cpu, store_kv_rows_cpu
 from kernels.kv_store import store_kv_ref
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 
@@ -89,3 +90,51 @@ def test_declines_what_it_does_not_read() -> None:
     assert not store_kv_fp8_cpu(k.transpose(1, 2).contiguous().transpose(1, 2), k, *pools, slots)  # head_dim strided
     bf16_pages = torch.zeros(PAGES, PAGE_SIZE, 3, 64, dtype=torch.bfloat16)
     assert not store_kv_fp8_cpu(k, k, bf16_pages, bf16_pages, pools[2], pools[3], slots)
+
+
+# -- plain pools: store_kv_rows_cpu -------------------------------------------------------------------------
+def _plain_pools(heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V pages of `dtype` holding random bytes (a store must overwrite exactly its rows)."""
+    raw = torch.randint(-2**15, 2**15, (2, PAGES, PAGE_SIZE, heads, dim * (dtype.itemsize // 2)), dtype=torch.int16)
+    pages = raw.view(dtype)
+    return pages[0], pages[1]
+
+
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 3, 64), (5, 2, 128), (40, 4, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_plain_store_writes_the_reference_bytes(tokens: int, heads: int, dim: int, dtype: torch.dtype,
+                                                strided: bool, seed: int) -> None:
+    if strided:  # K and V as views of one fused projection output, as attention hands them over
+        qkv = torch.randn(tokens, 3 * heads, dim).to(dtype)
+        k, v = qkv[:, heads:2 * heads], qkv[:, 2 * heads:]
+    else:
+        k, v = torch.randn(tokens, heads, dim).to(dtype), torch.randn(tokens, heads, dim).to(dtype)
+    slots = torch.randperm(PAGES * PAGE_SIZE)[:tokens]
+    ref = _plain_pools(heads, dim, dtype)
+    ours = tuple(t.clone() for t in ref)
+    store_kv_ref(k, v, *ref, None, None, slots)
+    assert store_kv_rows_cpu(k, v, *ours, slots)
+    for name, a, b in zip(("k", "v"), ref, ours, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name} differs (seed {seed})"
+
+
+def test_plain_store_with_a_slot_outside_the_pool_writes_nothing() -> None:
+    pools = _plain_pools(3, 64, torch.bfloat16)
+    before = [t.clone() for t in pools]
+    k = torch.randn(2, 3, 64).to(torch.bfloat16)
+    for bad in (PAGES * PAGE_SIZE, -1):
+        with pytest.raises(IndexError):
+            store_kv_rows_cpu(k, k, *pools, torch.tensor([1, bad]))
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(before, pools, strict=True))
+
+
+def test_plain_store_declines_what_it_does_not_read() -> None:
+    k_pool, v_pool = _plain_pools(3, 64, torch.bfloat16)
+    k = torch.randn(2, 3, 64).to(torch.bfloat16)
+    slots = torch.tensor([0, 1])
+    assert not store_kv_rows_cpu(k.float(), k.float(), k_pool, v_pool, slots)  # another dtype than the pool's
+    assert not store_kv_rows_cpu(k, k, k_pool, v_pool, slots.int())  # int32 slots
+    assert not store_kv_rows_cpu(k.transpose(1, 2).contiguous().transpose(1, 2), k, k_pool, v_pool, slots)
+    assert not store_kv_rows_cpu(k, k, k_pool[:, :, :2], v_pool, slots)  # another head count
+    assert not store_kv_rows_cpu(k[:1], k[:1], k_pool, v_pool, slots)  # slots and tokens disagree
