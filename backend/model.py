@@ -206,24 +206,26 @@ class DecoderModel:
         return {"shared": sum(shared.values()), **per_phase, "packs": packs, "total": total}
 
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata, cache: PagedKVCache,
-                phase: str | None = None) -> torch.Tensor:
-        """Logits [R, vocab] (float32) for rows `meta.logits_rows` of the flat batch input_ids [T].
+                phase: str | None = None, *, float_logits: bool = True) -> torch.Tensor:
+        """Logits [R, vocab] (float32; in the LM head's dtype with `float_logits=False`, for a caller that
+        widens only what it needs) for rows `meta.logits_rows` of the flat batch input_ids [T].
 
         The first `meta.num_decode` rows (and logits rows) are decode rows and run on the decode
         weights, the prompt rows after them on the prefill weights (two row groups per GEMM when
         the formats differ). `phase` puts every row on that phase's weights instead. Rank 0 of a
         tensor-parallel group sends the step to the other ranks first."""
         if self.step_channel is None:
-            return self.forward_local(input_ids, meta, cache, phase)
+            return self.forward_local(input_ids, meta, cache, phase, float_logits=float_logits)
         with self.step_channel.lock:  # the step message and every collective of the pass, in one piece
             self.step_channel.send(input_ids, meta, phase)
-            return self.forward_local(input_ids, meta, cache, phase)
+            return self.forward_local(input_ids, meta, cache, phase, float_logits=float_logits)
 
     @torch.inference_mode()
     def forward_local(self, input_ids: torch.Tensor, meta: StepMetadata, cache: PagedKVCache,
-                      phase: str | None = None) -> torch.Tensor:
+                      phase: str | None = None, *, float_logits: bool = True) -> torch.Tensor:
         """`forward` on this rank's shard (what every rank runs): logits [R, vocab] on rank 0, and on
-        the other ranks of a group their own vocabulary columns (unused)."""
+        the other ranks of a group their own vocabulary columns (unused). A group gathers the columns
+        in the LM head's dtype; `float_logits` widens rank 0's result after the gather."""
         cfg = self.local_cfg
         group = self.group
         d = meta.num_decode
@@ -250,13 +252,13 @@ class DecoderModel:
             h.add_(m if group is None else group.all_reduce(m))
         h = rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
         if split and h.shape[0] > split:  # decode rows and completed prompts: the LM head per group too
-            logits = _linear(self.lm_head, self.lm_head, h, split).float()
+            logits = _linear(self.lm_head, self.lm_head, h, split)
         else:
-            logits = self.lm_head(h).float()
-        if group is None:
-            return logits
-        full = group.gather_columns(logits, self.cfg.vocab_size, self.vocab_shard)  # [R, vocab] on rank 0
-        return logits if full is None else full
+            logits = self.lm_head(h)
+        if group is not None:
+            full = group.gather_columns(logits, self.cfg.vocab_size, self.vocab_shard)  # [R, vocab] on rank 0
+            logits = logits if full is None else full
+        return logits.float() if float_logits else logits
 
     def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel embedding [T, hidden]: each rank looks up the ids in its rows (zeros for the

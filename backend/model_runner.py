@@ -88,7 +88,8 @@ class ModelRunner:
         return torch.tensor(tokens, dtype=torch.int64, device=self.device), meta
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [R, vocab] float32: decode sequences, then prompts completed this step, then the
-        scored positions of prompts that ask for prompt logprobs (chunk by chunk, in batch order)."""
+        """Logits [R, vocab] in the LM head's dtype (`sample` and `logprobs_of` widen what they need):
+        decode sequences, then prompts completed this step, then the scored positions of prompts that
+        ask for prompt logprobs (chunk by chunk, in batch order)."""
         input_ids, meta = self.prepare(batch)
-        return self.model.forward(input_ids, meta, self.cache)
+        return self.model.forward(input_ids, meta, self.cache, float_logits=False)

@@ -74,10 +74,16 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
            prompt_ids: Seq[Seq[int]] = (), output_ids: Seq[Seq[int]] = (),
            masks: Seq[torch.Tensor | None] = ()) -> list[int]:
-    """One token id per row of logits [B, vocab] (float32). `prompt_ids` / `output_ids` (each row's
-    tokens so far) are read only when a row asks for a penalty; `masks` (a row's grammar bitmask
-    or None) only when some row has one."""
-    if needs_penalties(params):
+    """One token id per row of logits [B, vocab] (float32, or the LM head's bfloat16: a batch of plain
+    greedy rows takes the argmax of it as it is, the same answer as of its float32 copy; any other
+    batch is widened to float32 first). `prompt_ids` / `output_ids` (each row's tokens so far) are
+    read only when a row asks for a penalty; `masks` (a row's grammar bitmask or None) only when some
+    row has one."""
+    penalties = needs_penalties(params)
+    if logits.dtype != torch.float32 and (penalties or not all(p.greedy for p in params)
+                                          or any(m is not None for m in masks)):
+        logits = logits.float()
+    if penalties:
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
     if any(m is not None for m in masks):
         logits = apply_masks(logits, masks)

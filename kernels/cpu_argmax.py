@@ -1,10 +1,15 @@
-"""Row-wise argmax of float32 logits in C (`kernels/cpu/argmax.c`, built on first use): greedy sampling.
+"""Row-wise argmax of float32 or bfloat16 logits in C (`kernels/cpu/argmax.c`, built on first use): greedy
+sampling.
 
 `torch.argmax(dim=-1)` on the CPU read the logits at ~3 GB/s on one thread: 1.1-1.9 ms of a
 c = 32 decode step of SmolLM2 (32 rows of 49,152) on a 2-core AMD EPYC VM. The kernel gives
 the same answer (the first index of the maximum; a NaN counts as the maximum, its first
-index) from two vector passes over each row. None where it cannot run (no C compiler, not a
-contiguous 2-D float32 CPU tensor, no columns): the caller keeps torch's argmax.
+index) from two vector passes over each row. bfloat16 logits (a bfloat16 model's LM head output)
+are read as they are, so a greedy step needs no float32 copy of them: 32 x 49,152 bf16 logits
+0.13 ms, against 0.24 ms for the float32 copy and its argmax (one thread, same VM); the answer
+is the float32 copy's, the widening being exact.
+None where it cannot run (no C compiler, not a contiguous 2-D float32 or bfloat16 CPU tensor,
+no columns): the caller keeps torch's argmax.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ __all__ = ["available", "build_error", "argmax_rows"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     lib.argmax_rows.restype = None
 
 
@@ -38,9 +43,9 @@ def build_error() -> str | None:
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
-    """`logits.argmax(dim=-1)` (int64 [B]) for float32 logits [B, V] on the CPU, or None when the
-    kernel cannot run this case."""
-    if (logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu"
+    """`logits.argmax(dim=-1)` (int64 [B]) for float32 or bfloat16 logits [B, V] on the CPU, or None
+    when the kernel cannot run this case."""
+    if (logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16) or logits.device.type != "cpu"
             or not logits.is_contiguous() or logits.shape[1] == 0):
         return None
     lib = _KERNEL.load()
@@ -48,5 +53,6 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
         return None
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     if logits.shape[0]:
-        lib.argmax_rows(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
+        lib.argmax_rows(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
+                        int(logits.dtype == torch.bfloat16))
     return out

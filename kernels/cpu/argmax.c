@@ -1,19 +1,34 @@
-/* Row-wise argmax of float32 rows, as torch.argmax(dim=-1) answers it: the first index of the maximum, and a
- * NaN counts as the maximum (the first NaN's index). Built and loaded by kernels/cpu_argmax.py.
+/* Row-wise argmax of float32 or bfloat16 rows, as torch.argmax(dim=-1) answers it: the first index of the
+ * maximum, and a NaN counts as the maximum (the first NaN's index). Built and loaded by kernels/cpu_argmax.py.
  *
  * Greedy decoding takes one argmax per sampled row over the vocabulary (49,152 for SmolLM2): torch's CPU
  * argmax ran at ~3 GB/s on one thread (1.1-1.9 ms a step for 32 rows). Here a row is read twice: a vector
  * max that also notes any NaN, then a vector compare for the first index equal to the max (the row is in
- * L2 by then). Without AVX-512 both passes are plain loops.
+ * L2 by then). bfloat16 rows (the LM head's own output, before any float32 copy) are widened exactly on
+ * load, 16 values at a time, so they give the answer of the float32 copy. Without AVX-512 both passes are
+ * plain loops.
  */
 #include <math.h>
 #include <stdint.h>
 
+#include "bits.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
+
+/* 16 values from i as float32: float32 rows as they are, bfloat16 rows widened (exact) */
+static inline __attribute__((always_inline)) __m512 load16(const void *x, int64_t i, const int half) {
+    if (!half) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 #endif
 
-static int64_t argmax_row(const float *x, int64_t n) {
+static inline __attribute__((always_inline)) float at(const void *x, int64_t i, const int half) {
+    return half ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, int64_t n, const int half) {
     float m = -INFINITY;
     int nan = 0;
     int64_t i = 0;
@@ -21,7 +36,7 @@ static int64_t argmax_row(const float *x, int64_t n) {
     __m512 vm = _mm512_set1_ps(-INFINITY);
     __mmask16 nans = 0;
     for (; i + 16 <= n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
+        const __m512 v = load16(x, i, half);
         nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         vm = _mm512_max_ps(v, vm); /* a NaN in v gives vm's lane back */
     }
@@ -29,26 +44,32 @@ static int64_t argmax_row(const float *x, int64_t n) {
     nan = nans != 0;
 #endif
     for (; i < n; i++) {
-        nan |= x[i] != x[i];
-        m = x[i] > m ? x[i] : m;
+        const float v = at(x, i, half);
+        nan |= v != v;
+        m = v > m ? v : m;
     }
     i = 0;
     if (nan) {
         for (; i < n; i++)
-            if (x[i] != x[i]) return i;
+            if (at(x, i, half) != at(x, i, half)) return i;
     }
 #ifdef __AVX512F__
     const __m512 target = _mm512_set1_ps(m);
     for (; i + 16 <= n; i += 16) {
-        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+        const __mmask16 hit = _mm512_cmp_ps_mask(load16(x, i, half), target, _CMP_EQ_OQ);
         if (hit) return i + __builtin_ctz(hit);
     }
 #endif
     for (; i < n; i++)
-        if (x[i] == m) return i;
+        if (at(x, i, half) == m) return i;
     return 0; /* not reached: m is one of the row's values (or -inf for a row of -inf, found at 0) */
 }
 
-void argmax_rows(const float *x, int64_t *out, int rows, int64_t n) {
-    for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (int64_t)r * n, n);
+/* half: 1 for bfloat16 rows, 0 for float32 */
+void argmax_rows(const void *x, int64_t *out, int rows, int64_t n, int half) {
+    const int64_t row_bytes = n * (half ? 2 : 4);
+    for (int r = 0; r < rows; r++) {
+        const void *row = (const char *)x + r * row_bytes;
+        out[r] = half ? argmax_row(row, n, 1) : argmax_row(row, n, 0);
+    }
 }

@@ -60,3 +60,39 @@ def test_bad_parameters_name_the_field(bad: dict) -> None:
     with pytest.raises(InvalidSamplingParams) as err:
         SamplingParams(**bad).validate(vocab_size=1000)
     assert err.value.details["field"] == next(iter(bad))
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "penalised", "masked"])
+def test_bfloat16_logits_give_the_tokens_of_their_float32_copy(kind: str) -> None:
+    """The engine hands over the LM head's bfloat16 logits: plain greedy rows take their argmax as they
+    are, any other batch is widened first, so every kind of row gets the float32 copy's token."""
+    logits = (torch.randn(4, 300) * 3).to(torch.bfloat16)
+    greedy = dict(temperature=0.0)
+    params = {"greedy": [SamplingParams(**greedy)] * 4,
+              "seeded": [SamplingParams(temperature=0.8, seed=s) for s in range(4)],
+              "penalised": [SamplingParams(**greedy, frequency_penalty=1.5)] * 4,
+              "masked": [SamplingParams(**greedy)] * 4}[kind]
+    outputs = [[int(logits[i].float().argmax())] * 3 for i in range(4)]  # penalise each row's own argmax
+    masks = [None] * 4
+    if kind == "masked":
+        masks = [torch.full((10,), -1, dtype=torch.int32)] * 3 + [torch.zeros(10, dtype=torch.int32)]
+        masks[3][0] = 1 << 5  # only token 5 allowed in the last row
+
+    def run(x: torch.Tensor) -> list[int]:
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        return sample(x, params, gens, [[]] * 4, outputs, masks)
+
+    got, want = run(logits), run(logits.float())
+    assert got == want
+    if kind == "penalised":  # the penalty moved every row off its own argmax
+        assert all(g != o[0] for g, o in zip(got, outputs))
+    if kind == "masked":
+        assert got[3] == 5
+
+
+def test_a_penalty_on_bfloat16_logits_is_applied_in_float32() -> None:
+    """8.0 - 0.07 is 7.93 in float32, below 7.9375; in bfloat16 it rounds to 7.9375 and ties (index 0 wins)."""
+    logits = torch.full((1, 8), -10.0)
+    logits[0, 0], logits[0, 1] = 8.0, 7.9375  # one bfloat16 step apart
+    params = [SamplingParams(temperature=0.0, frequency_penalty=0.07)]
+    assert sample(logits.to(torch.bfloat16), params, [None], [[]], [[0]]) == [1]
