@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
+from backend.layers.swiglu import swiglu
 from backend.linear import LinearOp
 from backend.moe_experts import RoutedExperts
 from backend.moe_router import MoEConfig, Routing, route
@@ -120,6 +121,5 @@ class MoEBlock:
         ids, weights = self.route(x)
         out = self.experts(x, ids, weights, path or self.path)  # [T, H] float32
         if self.shared_gate_up is not None:
-            gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
-            out += self.shared_down(torch.nn.functional.silu(gate).mul_(up)).float()
+            out += self.shared_down(swiglu(self.shared_gate_up(x))).float()
         return out.to(x.dtype)

@@ -40,8 +40,8 @@ from functools import cache
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
+from backend.layers.swiglu import swiglu
 from backend.linear import Linear, LinearOp
 from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, StoredWeight, WeightFormat
 
@@ -109,12 +109,6 @@ def fused_moe_args(fmt: WeightFormat, gate_up: Sequence[StoredWeight], down: Seq
     if isinstance(fmt, Int4Format):
         args["group_size"] = fmt.group_size
     return stacked[0], stacked[1], args
-
-
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for h = [gate | up] [M, 2I]."""
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
 
 
 class RoutedExperts:
@@ -189,7 +183,7 @@ class RoutedExperts:
         dtype = self.w13.dtype
         offs = offsets[1:].to(torch.int32)  # [E] cumulative slot counts
         h = torch._grouped_mm(xs.to(dtype), self.w13, offs=offs)  # [T*k, 2I]
-        return torch._grouped_mm(_swiglu(h), self.w2, offs=offs)  # [T*k, H]
+        return torch._grouped_mm(swiglu(h), self.w2, offs=offs)  # [T*k, H]
 
     def _loop(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Unweighted expert outputs [T*k, H] of the sorted slots, one GEMM pair per hit expert."""
@@ -203,8 +197,8 @@ class RoutedExperts:
                 continue
             rows = xs[start:end]  # [n_e, H]
             if dense:
-                ys[start:end] = torch.mm(_swiglu(torch.mm(rows, self.w13[e])), self.w2[e])
+                ys[start:end] = torch.mm(swiglu(torch.mm(rows, self.w13[e])), self.w2[e])
             else:
                 gate_up, down = self.ops[e]
-                ys[start:end] = down(_swiglu(gate_up(rows)))
+                ys[start:end] = down(swiglu(gate_up(rows)))
         return ys

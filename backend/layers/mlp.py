@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from backend.layers.attention import run_linear
 from backend.layers.loader import WeightLoader
+from backend.layers.swiglu import swiglu
 from backend.linear import LinearOp
 
 __all__ = ["load_mlp", "mlp"]
@@ -28,5 +28,4 @@ def load_mlp(loader: WeightLoader, prefix: str, intermediate: int) -> tuple[dict
 def mlp(gate_up: LinearOp, decode_gate_up: LinearOp, down: LinearOp, decode_down: LinearOp,
         x: torch.Tensor, split: int) -> torch.Tensor:
     """The MLP output [T, hidden] of x [T, hidden]; decode rows per `run_linear`."""
-    gate, up = run_linear(gate_up, decode_gate_up, x, split).chunk(2, dim=-1)
-    return run_linear(down, decode_down, F.silu(gate).mul_(up), split)
+    return run_linear(down, decode_down, swiglu(run_linear(gate_up, decode_gate_up, x, split)), split)

@@ -1,0 +1,55 @@
+"""SwiGLU's `silu(gate) * up` of bfloat16 rows in one C call (`kernels/cpu/silu_mul_bf16.c`, built on first use).
+
+`backend/layers/mlp.py` splits the fused gate/up projection's output [T, 2I] and computes
+`F.silu(gate).mul_(up)`: two torch ops that read strided halves of the rows and round twice to
+bfloat16. The kernel does the same roundings in one pass (its header gives the arithmetic);
+its bfloat16 results equal torch's but for the rare element whose float32 silu sits on a
+bfloat16 rounding boundary, one bfloat16 step off then. None where it cannot run (no C
+compiler, not a contiguous 2-D bfloat16 CPU tensor of even width): the caller keeps torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu_build import CKernel
+
+__all__ = ["available", "build_error", "silu_mul_bf16"]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, q = ctypes.c_void_p, ctypes.c_int64
+    lib.silu_mul_bf16.argtypes = [p, p, q, q]
+    lib.silu_mul_bf16.restype = None
+
+
+_KERNEL = CKernel("silu_mul_bf16.c", ("-fno-math-errno",), _declare, "SwiGLU's activation runs torch's ops")
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on the first call)."""
+    return _KERNEL.load() is not None
+
+
+def build_error() -> str | None:
+    """Why the kernel is unavailable, or None."""
+    _KERNEL.load()
+    return _KERNEL.error
+
+
+def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """`F.silu(gate).mul_(up)` [T, I] for bfloat16 gate_up [T, 2I] (gate = the first I columns) on the CPU,
+    or None when the kernel cannot run this case."""
+    if (gate_up.dim() != 2 or gate_up.dtype != torch.bfloat16 or gate_up.device.type != "cpu"
+            or not gate_up.is_contiguous() or gate_up.shape[1] % 2):
+        return None
+    lib = _KERNEL.load()
+    if lib is None:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    y = torch.empty(rows, inter, dtype=torch.bfloat16)
+    if rows and inter:
+        lib.silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, inter)
+    return y
