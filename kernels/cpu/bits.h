@@ -22,6 +22,27 @@ static inline float pow2i(int e) {
     return e >= -126 ? bits_to_float((uint32_t)(e + 127) << 23) : bits_to_float(0x00800000u >> (-126 - e));
 }
 
+/* e^x = exp_reduced(x, &n) * 2^n for finite |x| <= 104, branch-free so loops over it vectorise (glibc's expf
+ * is a call per element): x = n ln2 + r with n = rint(x / ln2) and r from two fused steps (Cody-Waite: ln2
+ * split in a high part with trailing zeros and a low part), |r| <= ln2 / 2; e^r by its Taylor polynomial to
+ * r^7 (truncation < 2e-8 relative). The caller applies 2^n as its range needs (paged_decode.c's softmax,
+ * silu_mul_bf16.c's SiLU). */
+static inline float exp_reduced(float x, float *n_out) {
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = __builtin_fmaf(n, -0.693145751953125f, x); /* ln2's high 16 bits: n * hi is exact */
+    r = __builtin_fmaf(n, -1.42860682030941723e-06f, r);
+    float p = 1.0f / 5040.0f;
+    p = __builtin_fmaf(p, r, 1.0f / 720.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 120.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 24.0f);
+    p = __builtin_fmaf(p, r, 1.0f / 6.0f);
+    p = __builtin_fmaf(p, r, 0.5f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    *n_out = n;
+    return p;
+}
+
 /* bfloat16 -> float32: exact (the 16 bits on top). */
 static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
 

@@ -67,24 +67,11 @@ static inline void store_out(const Args *a, int d, int h, int g, const float *ac
     }
 }
 
-/* e^x for finite x <= 0, branch-free so the softmax loops vectorise (glibc's expf is a call per element):
- * x = n ln2 + r with n = rint(x / ln2) and r from two exact-ish fused steps (Cody-Waite: ln2 split in a
- * high part with trailing zeros and a low part), |r| <= ln2 / 2; e^r by its Taylor polynomial to r^7
- * (truncation < 2e-8 relative); times 2^n from the exponent bits. Below -87 (where 2^n would leave the
+/* e^x for finite x <= 0 (`exp_reduced`, bits.h), for the softmax loops. Below -87 (where 2^n would leave the
  * normal range) the result is 0, as e^x < 1.7e-38 is against a running sum >= 1. Within 2 ulp of expf. */
 static inline float exp_nonpositive(float x) {
-    const float xc = x < -87.0f ? -87.0f : x;
-    const float n = rintf(xc * 1.44269504088896341f);
-    float r = fmaf(n, -0.693145751953125f, xc); /* ln2's high 16 bits: n * hi is exact */
-    r = fmaf(n, -1.42860682030941723e-06f, r);
-    float p = 1.0f / 5040.0f;
-    p = fmaf(p, r, 1.0f / 720.0f);
-    p = fmaf(p, r, 1.0f / 120.0f);
-    p = fmaf(p, r, 1.0f / 24.0f);
-    p = fmaf(p, r, 1.0f / 6.0f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
+    float n;
+    const float p = exp_reduced(x < -87.0f ? -87.0f : x, &n);
     const float scale = bits_to_float((uint32_t)((int32_t)n + 127) << 23);
     return x < -87.0f ? 0.0f : p * scale;
 }
