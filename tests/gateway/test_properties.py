@@ -82,11 +82,13 @@ def broken(base: dict[str, Any], bad: dict[str, st.SearchStrategy[Any]]) -> st.S
 
 
 def anything() -> st.SearchStrategy[bytes]:
-    """Bytes that are not a request: noise, truncated JSON, JSON that is not an object, deep nesting."""
+    """Bytes that are not a request: noise, truncated JSON (an object never closed: a "}" in the tail could
+    complete a valid one, such as '{"prompt": " ","":0}'), JSON that is not an object, deep nesting."""
     deep = st.integers(min_value=33, max_value=3000).map(lambda n: b'{"prompt":"x","model":"m","a":'
                                                          + b"[" * n + b"]" * n + b"}")
     return (st.binary(max_size=64) | json_values.filter(lambda v: not isinstance(v, dict)).map(
-        lambda v: json.dumps(v).encode()) | st.text(max_size=40).map(lambda t: ('{"prompt": "' + t).encode())
+        lambda v: json.dumps(v).encode())
+        | st.text(max_size=40).filter(lambda t: "}" not in t).map(lambda t: ('{"prompt": "' + t).encode())
         | deep)
 
 
