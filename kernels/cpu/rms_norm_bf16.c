@@ -8,7 +8,8 @@
  *
  * Rounding: to nearest, ties to even, as torch rounds (NaN stays NaN). The sum of squares runs in float32
  * in the order the compiler vectorises it (torch's own reduction order differs), so r may differ from
- * torch's by an ulp of float32 and a result by one bfloat16 ulp where it falls near a rounding boundary.
+ * torch's by an ulp of float32, the normalised value by one bfloat16 ulp where it falls near a rounding
+ * boundary, and its product with the weight then by up to two.
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,7 +1,8 @@
 """The bfloat16 RMSNorm kernel (kernels/cpu/rms_norm_bf16.c) against the torch ops it replaces, on fresh random
-inputs over six decades of magnitude: within one bfloat16 ulp everywhere and equal almost everywhere (the sums'
-order is the only difference); zero rows, NaN, no rows, 3-D input; None for what it does not handle; and the
-model's `rms_norm` taking it for bfloat16 rows."""
+inputs over six decades of magnitude: within two bfloat16 ulps everywhere (one in the rounded normalised value
+can become two in its product with the weight) and equal almost everywhere (the sums' order is the only
+difference); zero rows, NaN, no rows, 3-D input; None for what it does not handle; and the model's `rms_norm`
+taking it for bfloat16 rows."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_matches_the_torch_ops(rows: int, n: int, seed: int) -> None:
         w = torch.randn(n).bfloat16()
         y, ref = rms_norm_bf16(x, w, 1e-5), _torch(x, w, 1e-5)
         ulps = _ulps(y, ref)
-        assert int(ulps.max()) <= 1, f"seed {seed}, scale {scale}: {int(ulps.max())} ulps"
+        # the normalised row is rounded to bfloat16 before the weight: one ulp there can be two in the product
+        assert int(ulps.max()) <= 2, f"seed {seed}, scale {scale}: {int(ulps.max())} ulps"
         differing = int((ulps > 0).sum())
         assert differing <= max(1, ulps.numel() // 200), f"seed {seed}, scale {scale}: {differing} differ"
 
