@@ -79,13 +79,12 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[to
     batch is widened to float32 first). `prompt_ids` / `output_ids` (each row's tokens so far) are
     read only when a row asks for a penalty; `masks` (a row's grammar bitmask or None) only when some
     row has one."""
-    penalties = needs_penalties(params)
-    if logits.dtype != torch.float32 and (penalties or not all(p.greedy for p in params)
-                                          or any(m is not None for m in masks)):
+    penalties, masked = needs_penalties(params), any(m is not None for m in masks)
+    if logits.dtype != torch.float32 and (penalties or masked or not all(p.greedy for p in params)):
         logits = logits.float()
     if penalties:
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
-    if any(m is not None for m in masks):
+    if masked:
         logits = apply_masks(logits, masks)
     greedy = argmax_rows(logits)  # the C kernel; torch's argmax where it cannot run
     if greedy is None:

@@ -31,15 +31,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 _KERNEL = CKernel("argmax.c", (), _declare, "greedy sampling runs torch.argmax")
 
 
-def available() -> bool:
-    """Whether the kernel is built and loaded (builds it on the first call)."""
-    return _KERNEL.load() is not None
-
-
-def build_error() -> str | None:
-    """Why the kernel is unavailable, or None."""
-    _KERNEL.load()
-    return _KERNEL.error
+available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = _KERNEL.build_error  # why not, or None
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:

@@ -85,6 +85,15 @@ class CKernel:
             lib.set_pool(ctypes.cast(pool.pool_run, ctypes.c_void_p) if pool is not None else None)
         return lib
 
+    def available(self) -> bool:
+        """Whether the kernel is built and loaded for this host (builds it on the first call)."""
+        return self.load() is not None
+
+    def build_error(self) -> str | None:
+        """Why the kernel is unavailable (after trying to load it), or None."""
+        self.load()
+        return self.error
+
     def load(self) -> ctypes.CDLL | None:
         """The loaded library (built on the first call), or None where it cannot be built."""
         with self._lock:

@@ -63,15 +63,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 _KERNEL = CKernel("gemv_bf16.c", (), _declare, "bfloat16 decode GEMVs run torch's GEMM", uses_pool=True)
 
 
-def available() -> bool:
-    """Whether the kernel is built and loaded for this CPU (builds it on the first call)."""
-    return _KERNEL.load() is not None
-
-
-def build_error() -> str | None:
-    """Why the kernel is unavailable, or None."""
-    _KERNEL.load()
-    return _KERNEL.error
+available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = _KERNEL.build_error  # why not, or None
 
 
 PER_ROW_MAX = 6  # rows the C file's per-row code takes (its CHUNK); more take the tiles

@@ -56,14 +56,8 @@ def _declare_rows(lib: ctypes.CDLL) -> None:
 _ROWS = CKernel("kv_store_rows.c", (), _declare_rows, "the plain KV store runs index_copy_ instead")
 
 
-def available() -> bool:
-    """Whether the C kernel is built and loaded (builds it on the first call)."""
-    return _KERNEL.load() is not None
-
-
-def build_error() -> str | None:
-    """Why the kernel is not available, once a load was tried (None when it is, or before)."""
-    return _KERNEL.error
+available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = _KERNEL.build_error  # why not, or None
 
 
 def store_kv_fp8_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

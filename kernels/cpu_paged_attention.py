@@ -56,19 +56,8 @@ _KERNEL = CKernel("paged_decode.c", ("-fassociative-math", "-fno-signed-zeros", 
                   uses_pool=True)
 
 
-def _load() -> ctypes.CDLL | None:
-    return _KERNEL.load()
-
-
-def available() -> bool:
-    """Whether the C kernel is built and loaded (builds it on the first call)."""
-    return _load() is not None
-
-
-def build_error() -> str | None:
-    """Why the kernel is unavailable, or None."""
-    _load()
-    return _KERNEL.error
+available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = _KERNEL.build_error  # why not, or None
 
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -83,7 +72,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     lets the kernel use `kernel_threads()` when the call has at least `_THREADED_ROWS` key rows.
     None when the kernel cannot run this case (not built, another page dtype, a head_dim over 256):
     the caller takes the torch path."""
-    lib = _load()
+    lib = _KERNEL.load()
     fmt = _FORMATS.get(k_pages.dtype)
     d, heads, hd = q.shape
     _, page_size, kv_heads, _ = k_pages.shape

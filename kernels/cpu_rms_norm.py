@@ -30,15 +30,8 @@ _KERNEL = CKernel("rms_norm_bf16.c", ("-fassociative-math", "-fno-signed-zeros",
                                       "-fno-math-errno"), _declare, "bfloat16 RMSNorm runs its torch ops")
 
 
-def available() -> bool:
-    """Whether the kernel is built and loaded (builds it on the first call)."""
-    return _KERNEL.load() is not None
-
-
-def build_error() -> str | None:
-    """Why the kernel is unavailable, or None."""
-    _KERNEL.load()
-    return _KERNEL.error
+available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = _KERNEL.build_error  # why not, or None
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -18,9 +18,7 @@
 
 /* 16 values from i as float32: float32 rows as they are, bfloat16 rows widened (exact) */
 static inline __attribute__((always_inline)) __m512 load16(const void *x, int64_t i, const int half) {
-    if (!half) return _mm512_loadu_ps((const float *)x + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return half ? bf16x16_to_float((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
 }
 #endif
 

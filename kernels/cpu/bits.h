@@ -46,6 +46,15 @@ static inline float exp_reduced(float x, float *n_out) {
 /* bfloat16 -> float32: exact (the 16 bits on top). */
 static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 bfloat16 values at p -> float32, exactly (the 16 bits on top of each lane). */
+static inline __m512 bf16x16_to_float(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
 /* float32 -> bfloat16: to nearest, ties to even, as torch rounds; NaN stays NaN (quiet, its sign kept). */
 static inline uint16_t float_to_bf16(float f) {
     const uint32_t u = float_to_bits(f);

@@ -101,7 +101,7 @@ static void rows_chunk(const Args *a) { /* at most CHUNK x rows: a specialisatio
  * `vdpbf16ps` per 32 columns (16 independent chains); the weight vectors are loaded once per step
  * and used by every x row of the tile. The 4 x 4 sums of a tile are reduced together (`sum4`: 13
  * vector ops per 4 sums where four `reduce_add`s take ~32) and rounded to bfloat16 four at a time
- * with `vcvtneps2bf16` (to nearest, ties to even, as `to_bf16`). A block of NR weight rows is read
+ * with `vcvtneps2bf16` (to nearest, ties to even, as bits.h's `float_to_bf16`). A block of NR weight rows is read
  * from memory by its first x tile and from L1 by the rest. Each x tile prefetches its share of the
  * block `PF_BLOCKS` further on into L2. Measured on a 2-core AMD EPYC VM (Zen 5 by its flags) over
  * SmolLM2's linears with the weights streamed from memory, alternating with the previous scheme (the

@@ -207,9 +207,7 @@ static inline __m512 sum16(const __m512 v[16]) { /* lane j: the sum of v[j]'s 16
 static inline __attribute__((always_inline)) __m512 widen16(const void *base, int64_t row, int c, const int HD,
                                                             const int fmt) {
     if (fmt == 0) return _mm512_loadu_ps((const float *)base + row * HD + c);
-    if (fmt == 1)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + row * HD + c))), 16));
+    if (fmt == 1) return bf16x16_to_float((const uint16_t *)base + row * HD + c);
     const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + row * HD + c)));
     const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24),
                                          _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20));

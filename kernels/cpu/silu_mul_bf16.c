@@ -42,10 +42,6 @@ static inline uint16_t silu_mul(uint16_t g, uint16_t u) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-static inline __m512 widen(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* float_to_bf16 on 16 lanes, in the low halves of the 32-bit lanes (integer rounding: keeps subnormals,
  * which vcvtneps2bf16 would flush) */
 static inline __m512i round_bf16(__m512 f) {
@@ -62,7 +58,7 @@ static inline __m512i round_bf16(__m512 f) {
 static inline __attribute__((always_inline)) void silu_mul16(const uint16_t *gp, const uint16_t *up, uint16_t *out) {
     __m512 x[U], e[U], t[U];
     for (int k = 0; k < U; k++) {
-        x[k] = widen(gp + 16 * k);
+        x[k] = bf16x16_to_float(gp + 16 * k);
         t[k] = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x[k]), _mm512_set1_epi32((int)0x80000000)));
         const __m512 tc = _mm512_max_ps(t[k], _mm512_set1_ps(-104.0f)); /* -|x| >= -104 */
         const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(tc, _mm512_set1_ps(1.44269504088896341f)),
@@ -91,7 +87,7 @@ static inline __attribute__((always_inline)) void silu_mul16(const uint16_t *gp,
         s = _mm512_mask_mul_ps(s, flush, x[k], _mm512_setzero_ps());
         const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(s), 16));
         _mm256_storeu_si256((__m256i *)(out + 16 * k),
-                            _mm512_cvtepi32_epi16(round_bf16(_mm512_mul_ps(sr, widen(up + 16 * k)))));
+                            _mm512_cvtepi32_epi16(round_bf16(_mm512_mul_ps(sr, bf16x16_to_float(up + 16 * k)))));
     }
 }
 #endif
