@@ -171,16 +171,32 @@ class Linear:
         return out
 
 
+def _int4_gemv_available(group_size: int) -> bool:
+    """Whether the AVX512-BF16 INT4 kernel is built for this CPU and takes this group size
+    (`EDGESERVE_INT4_GEMV=0` turns it off)."""
+    import os
+
+    if os.environ.get("EDGESERVE_INT4_GEMV", "1") == "0" or group_size % 8:
+        return False
+    from kernels.cpu_gemv_int4 import available
+
+    return available()
+
+
 class Int4Linear:
     """y = x @ W.T + bias for an INT4 group-wise weight (layout in `weight_formats.py`).
 
-    CPU: `torch.ops.aten._weight_int4pack_mm_for_cpu` on bfloat16 activations (its fast
-    path; float32 activations run 20-40x slower there), so x is cast to bfloat16 and y
-    back. The op wants K in whole groups and N a multiple of 16. A group of g columns
-    is run as g / r groups of r with the same scale and zero, r the largest power of
-    two <= g dividing K (>= 32; SmolLM2's K = 576 at g = 128 runs r = 64): the same
-    numbers with no per-call padding of x. Otherwise K is padded with zero columns per
-    call; N is padded with zero rows at load and y cut back.
+    CPU with AVX512-BF16: the C kernel of `kernels/cpu_gemv_int4.py` at every row count, on
+    the weight repacked once at load into its panels (the stored format's size): the codes
+    enter `vdpbf16ps` as they are and each group's sum is scaled once, about half the time
+    of torch's INT4 GEMM from 1 to 1,024 rows on SmolLM2's shapes (`BENCHMARKS.md`).
+    Elsewhere `torch.ops.aten._weight_int4pack_mm_for_cpu` on bfloat16 activations (its fast
+    path; float32 activations run 20-40x slower there). Either way x is cast to bfloat16
+    and y back. torch's op wants K in whole groups and N a multiple of 16. A group of g
+    columns is run as g / r groups of r with the same scale and zero, r the largest power of
+    two <= g dividing K (>= 32; SmolLM2's K = 576 at g = 128 runs r = 64): the same numbers
+    with no per-call padding of x. Otherwise K is padded with zero columns per call; N is
+    padded with zero rows at load and y cut back.
     CUDA: the Triton W4A16 kernel on the stored layout, in x's dtype.
     """
 
@@ -191,12 +207,22 @@ class Int4Linear:
         self.out_features = qweight.shape[0]
         self.bias = bias
         self.cuda = qweight.device.type == "cuda"
+        self.panels = None  # the C kernel's layout, when it runs
+        self.gemv = False  # every row count runs the C kernel (the engine then hands it torch's threads)
         if self.cuda:
             self.qweight, self.scales, self.zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
             self.nbytes = sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
             return
         from kernels.w4a16_gemm import unpack_int4_ref
 
+        codes = unpack_int4_ref(qweight)[:, :in_features]
+        if _int4_gemv_available(group_size):
+            from kernels.cpu_gemv_int4 import pack
+
+            self.panels = pack(codes, scales, zeros, group_size)
+            self.gemv = True
+            self.nbytes = self.panels.nbytes
+            return
         n = qweight.shape[0]
         run_group = group_size
         while in_features % run_group and run_group > 32:
@@ -208,9 +234,9 @@ class Int4Linear:
         groups = -(-in_features // run_group)
         self.k_padded = groups * run_group
         n_padded = -(-n // 16) * 16
-        codes = torch.full((n_padded, self.k_padded), 8, dtype=torch.int32)  # code 8 with zero scale: 0
-        codes[:n, :in_features] = unpack_int4_ref(qweight)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # [N', K'/2] uint8
+        padded = torch.full((n_padded, self.k_padded), 8, dtype=torch.int32)  # code 8 with zero scale: 0
+        padded[:n, :in_features] = codes
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded, 1)  # [N', K'/2] uint8
         scales_and_zeros = torch.zeros(groups, n_padded, 2, dtype=torch.bfloat16)  # the op's [groups, N, 2]
         scales_and_zeros[:, :n, 0] = scales.t().to(torch.bfloat16).repeat_interleave(split, dim=0)[:groups]
         scales_and_zeros[:, :n, 1] = zeros.t().to(torch.bfloat16).repeat_interleave(split, dim=0)[:groups]
@@ -222,6 +248,10 @@ class Int4Linear:
             from kernels.w4a16_gemm import w4a16_gemm
 
             y = w4a16_gemm(x.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
+        elif self.panels is not None:
+            from kernels.cpu_gemv_int4 import gemv_int4
+
+            y = gemv_int4(x.to(torch.bfloat16), self.panels).to(x.dtype)
         else:
             xb = x.to(torch.bfloat16)
             if self.k_padded != self.in_features:

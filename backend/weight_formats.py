@@ -60,11 +60,15 @@ Runtime (the GEMM each format runs; measurements in `BENCHMARKS.md`, weights sec
   memory) what the dense compute-dtype GEMM does. The CPU has no FP8 GEMM, and
   dequantising per call would add a pass over every weight to every step. On CUDA:
   the Triton W8A16 kernel (`kernels/fp8_gemm.py`), scales applied in registers.
-- int4 on CPU: `torch.ops.aten._weight_int4pack_mm_for_cpu` on bfloat16 activations.
-  It also accepts float32 activations (with float32 scales) but then runs a scalar
-  path 20-40x slower. So activations are cast to bfloat16 around it and the output
-  back. K is zero-padded to whole groups and N to a multiple of 16 (the op's
-  packing needs it). On CUDA: the Triton W4A16 kernel (`kernels/w4a16_gemm.py`).
+- int4 on CPU with AVX512-BF16: the C kernel of `kernels/cpu_gemv_int4.py` on
+  bfloat16 activations, the weight repacked at load into its panels of 16 rows (same
+  size): the 4-bit codes are multiplied as they are and each group's sum scaled once
+  (about half the time of torch's INT4 GEMM at every row count). Elsewhere
+  `torch.ops.aten._weight_int4pack_mm_for_cpu` on bfloat16 activations (float32 ones
+  run a scalar path 20-40x slower there), K zero-padded to whole groups and N to a
+  multiple of 16 (the op's packing needs it). Either way activations are cast to
+  bfloat16 around it and the output back. On CUDA: the Triton W4A16 kernel
+  (`kernels/w4a16_gemm.py`).
 
 Layout changes at load time work in any format: the RoPE reordering of q/k rows
 (`rope.interleave_rope_rows`) is a row permutation, and fusing q/k/v or gate/up is a

@@ -69,24 +69,34 @@ def test_fp8_expands_block_scales_per_row_only_when_rows_move() -> None:
     assert torch.equal(fmt.dequantize(fmt.rowwise(sw)), fmt.dequantize(sw))
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["c-kernel", "torch-op"])
 @pytest.mark.parametrize("n,k,group,bias", [(40, 96, 128, False), (24, 100, 32, True), (960, 576, 128, True),
-                                            (48, 1536, 128, False)])
-def test_int4_cpu_gemm_matches_the_dequantised_weight(n: int, k: int, group: int, bias: bool) -> None:
-    """torch's INT4 CPU GEMM through Int4Linear: N padded to 16, K in runtime groups or padded."""
+                                            (48, 1536, 128, False), (17, 36, 32, False)])
+def test_int4_cpu_gemm_matches_the_dequantised_weight(n: int, k: int, group: int, bias: bool, kernel: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Int4Linear on CPU, either GEMM: the C kernel (N in panels of 16, K padded to 8) or torch's INT4 op
+    (N padded to 16, K in runtime groups or padded); 7 rows (x tiles of 4 + 3) and 70 (two row blocks)."""
+    from kernels.cpu_gemv_int4 import available
+
+    if kernel and not available():
+        pytest.skip("the INT4 C kernel needs AVX512-BF16")
+    monkeypatch.setenv("EDGESERVE_INT4_GEMV", "1" if kernel else "0")
     fmt = Int4Format(group)
     sw = fmt.quantize(scaled_weight(n, k))
     b = torch.randn(n) if bias else None
     lin = fmt.linear(sw, b, torch.float32)
-    assert isinstance(lin, Int4Linear)
-    x = torch.randn(7, k)
-    expected = x.bfloat16().float() @ fmt.dequantize(sw).t()  # the op reads bf16 activations
-    got = lin(x)
-    assert got.dtype == torch.float32 and got.shape == (7, n)
-    if b is not None:
-        got = got - b
-    tol = 2.0 ** -8 * expected.abs() + 2.0 ** -12 * (x.abs() @ fmt.dequantize(sw).abs().t())
-    assert ((got - expected).abs() <= tol).all()
-    assert (k % lin.run_group == 0) == (lin.k_padded == k)
+    assert isinstance(lin, Int4Linear) and (lin.panels is not None) == kernel == lin.gemv
+    for rows in (7, 70):
+        x = torch.randn(rows, k)
+        expected = x.bfloat16().double() @ fmt.dequantize(sw).double().t()  # the GEMMs read bf16 activations
+        got = lin(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        if b is not None:
+            got = got - b
+        tol = 2.0 ** -8 * expected.abs() + 2.0 ** -12 * (x.abs().double() @ fmt.dequantize(sw).abs().double().t())
+        assert ((got - expected).abs() <= tol).all()
+    if not kernel:
+        assert (k % lin.run_group == 0) == (lin.k_padded == k)
 
 
 def test_bf16_dense_linear_casts_float32_activations() -> None:

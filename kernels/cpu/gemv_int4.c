@@ -1,0 +1,219 @@
+/* y[M, N] (bfloat16) = x[M, K] . W[N, K]^T for bfloat16 x and an INT4 group-wise W, on CPUs with
+ * AVX512-BF16: the decode GEMV / small GEMM of INT4 linear layers. Built and loaded by
+ * kernels/cpu_gemv_int4.py, which also packs the weights into the layout below at load.
+ *
+ * The weight is W[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g], q in 0..15, g = k / group (weight_formats.py).
+ * Nothing is dequantised: the codes themselves go into `vdpbf16ps`. A code q becomes the bfloat16 value
+ * 128 + q by OR-ing its 4 bits into the bits of 128.0 (0x4300: exponent 2^7, so the 7 mantissa bits count
+ * whole units). The products (128 + q) * x are exact and the sums float32,
+ * so per group, with D = sum (128 + q) x and X = sum x over the group's columns (X once per call),
+ *
+ *     sum_k W[n, k] x[k] = s D + (z - 136 s) X        (128 from the encoding, 8 the midpoint)
+ *
+ * exactly up to float32 summation: torch's INT4 GEMM widens each weight to float32 first, which is what
+ * this computes in another order. The 136 s X term cancels most of s D; the rounding this leaves is about
+ * 2^-24 * 136 * s * sum |x| per group, 2^-14 of the output in bad cases, well under the bfloat16 rounding
+ * of the result (2^-9).
+ *
+ * Lanes run along N, not K: a 512-bit register holds 16 output rows' codes for 2 columns (`vdpbf16ps`
+ * adds pairs), multiplied by the same two x values broadcast to every lane, so a tile's sums need no
+ * horizontal reduction and a group's scales are one vector of 16 rows' scales. The layout (packed at
+ * load by kernels/cpu_gemv_int4.py) is panels of 16 rows: for panel p and columns 8t..8t+7, 64 bytes
+ * read as 32 16-bit words, word 2i + e holding row 16p + i's columns 8t + e, 8t + 2 + e, 8t + 4 + e and
+ * 8t + 6 + e in its four nibbles (low first). Each nibble, masked or shifted down and OR-ed into 128.0,
+ * is then 16 rows by 2 columns in `vdpbf16ps` order: seven simple in-lane instructions per 128 codes (a
+ * layout of 4 columns per 32 bytes, zero-extended to words first, ran the same at 1-32 rows). A panel is
+ * one contiguous stream of K * 8 bytes and the panels follow each other, so the weight is read front to
+ * back. Scales and zeros are [panel, group, 2, 16] bfloat16 (s then z for 16 rows).
+ *
+ * Tiles: MR <= 8 x rows by one panel, with NA = 2 accumulators of D per row (two chains in flight each)
+ * and one of the sum; 1-2 rows take NA = 4 (four chains for a row). Measured on a 2-core AMD EPYC VM
+ * (Zen 5 by its flags) over SmolLM2's linears streamed from memory, one thread: 4 panels side by side
+ * at 1 row (4 streams) and 2 at 2 rows took 1.3x and 1.4x the time of one panel with 4 chains. Past 8
+ * rows, x tiles are balanced (32 rows: 4 x 8) and run panel by panel, so the later tiles find the
+ * panel in L1; past MBLOCK rows (a prompt) the rows go in blocks, so x stays in L2.
+ * Same harness, against torch's `_weight_int4pack_mm_for_cpu` at g = 32: 0.76x its time at 1 row,
+ * 0.47-0.55x at 4-64 rows, 0.45-0.51x at 64-1,024 (one thread); against the bfloat16 GEMV (4 times the
+ * bytes): 0.55x at 1 row, 0.76x at 8, 1.0-1.1x at 16-64 (the decoding's share, ~20% of the work at 8
+ * rows a tile, shows where the work is compute-bound).
+ *
+ * Threads: the shared pool (kernels/cpu/pool.c): chunks of panels claimed one at a time, as in gemv_bf16.c.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bits.h"
+#include "pool.h"
+
+#ifndef __AVX512BF16__
+#error "needs AVX512-BF16 (this CPU does not have it: torch's INT4 GEMM runs instead)"
+#endif
+
+#define PANEL 16 /* output rows per panel (one register of float32 sums) */
+#define MAXR 8   /* x rows per tile */
+#define PF_DIST 2048 /* bytes ahead of the loads prefetched into L2 (the first x tile of a panel) */
+#define MBLOCK 64    /* x rows per pass over a chunk's panels (64 x 1536 bfloat16: 192 KB) */
+
+typedef struct {
+    const uint16_t *x; /* [M, K] bfloat16, K a multiple of 8 */
+    const float *xs;   /* [M, G]: sum of x over each group's columns */
+    const uint8_t *q;  /* [P, K / 8, 64] packed codes */
+    const uint16_t *sz; /* [P, G, 2, 16] bfloat16 scales and zeros */
+    uint16_t *y;       /* [M, N] bfloat16 */
+    int M, N, K, G, group, p0, p1;
+} Args;
+
+/* the broadcast pair x[k], x[k + 1] (bfloat16) */
+static inline __m512bh xpair(const uint16_t *x) {
+    int32_t v;
+    __builtin_memcpy(&v, x, sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+/* x rows m0..m0+MR-1 by panel p (compile-time MR and NA in each copy) */
+static inline __attribute__((always_inline)) void tile(const Args *a, int p, int m0, const int MR, const int NA,
+                                                       const int prefetch) {
+    const int K = a->K, G = a->G;
+    const __m512i nib = _mm512_set1_epi16(0x000f), one28 = _mm512_set1_epi16(0x4300);
+    const __m512 c136 = _mm512_set1_ps(136.0f);
+    const uint16_t *x = a->x + (int64_t)m0 * K;
+    const uint8_t *panel = a->q + (int64_t)p * K * 8;
+    __m512 acc[MAXR];
+    for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const int k0 = g * a->group, k1 = k0 + a->group < K ? k0 + a->group : K;
+        __m512 d[MAXR][4]; /* the group's sums of (128 + q) x: NA chains per row */
+        for (int m = 0; m < MR; m++)
+            for (int i = 0; i < NA; i++) d[m][i] = _mm512_setzero_ps();
+        for (int k = k0; k < k1; k += 8) {
+            const uint8_t *qp = panel + (int64_t)k * 8;
+            if (prefetch) _mm_prefetch((const char *)qp + PF_DIST, _MM_HINT_T1);
+            const __m512i v = _mm512_loadu_si512(qp);
+            const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(v, nib, one28, 0xEA); /* v & nib | 128 */
+            const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, one28, 0xEA);
+            const __m512bh w2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nib, one28, 0xEA);
+            const __m512bh w3 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), one28);
+            for (int m = 0; m < MR; m++) {
+                const uint16_t *xm = x + (int64_t)m * K + k;
+                d[m][0] = _mm512_dpbf16_ps(d[m][0], w0, xpair(xm));
+                d[m][1] = _mm512_dpbf16_ps(d[m][1], w1, xpair(xm + 2));
+                d[m][2 % NA] = _mm512_dpbf16_ps(d[m][2 % NA], w2, xpair(xm + 4));
+                d[m][3 % NA] = _mm512_dpbf16_ps(d[m][3 % NA], w3, xpair(xm + 6));
+            }
+        }
+        const uint16_t *sz = a->sz + ((int64_t)p * G + g) * 2 * PANEL;
+        const __m512 s = bf16x16_to_float(sz), z = bf16x16_to_float(sz + PANEL);
+        const __m512 zs = _mm512_fnmadd_ps(c136, s, z); /* z - 136 s */
+        for (int m = 0; m < MR; m++) {
+            const __m512 dm = NA == 4 ? _mm512_add_ps(_mm512_add_ps(d[m][0], d[m][1]), _mm512_add_ps(d[m][2], d[m][3]))
+                                      : _mm512_add_ps(d[m][0], d[m][1]);
+            acc[m] = _mm512_fmadd_ps(dm, s, acc[m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(a->xs[(int64_t)(m0 + m) * G + g]), zs, acc[m]);
+        }
+    }
+    const int n = p * PANEL, left = a->N - n;
+    const __mmask16 keep = left >= PANEL ? 0xffff : (__mmask16)((1u << left) - 1);
+    for (int m = 0; m < MR; m++)
+        _mm256_mask_storeu_epi16(a->y + (int64_t)(m0 + m) * a->N + n, keep, (__m256i)_mm512_cvtneps_pbh(acc[m]));
+}
+
+/* panels p0..p1 for x rows m0..m0+MR-1 */
+static inline __attribute__((always_inline)) void panels(const Args *a, int m0, const int MR, const int NA,
+                                                         const int prefetch) {
+    for (int p = a->p0; p < a->p1; p++) tile(a, p, m0, MR, NA, prefetch);
+}
+
+/* x rows m0..m0+rows-1 (rows <= MAXR): one specialisation per count */
+static void run_rows(const Args *a, int m0, int rows, int prefetch) {
+    switch (rows) {
+    case 1: panels(a, m0, 1, 4, prefetch); break;
+    case 2: panels(a, m0, 2, 4, prefetch); break;
+    case 3: panels(a, m0, 3, 2, prefetch); break;
+    case 4: panels(a, m0, 4, 2, prefetch); break;
+    case 5: panels(a, m0, 5, 2, prefetch); break;
+    case 6: panels(a, m0, 6, 2, prefetch); break;
+    case 7: panels(a, m0, 7, 2, prefetch); break;
+    default: panels(a, m0, 8, 2, prefetch); break;
+    }
+}
+
+/* x rows 0..M-1 of `a` over its panels: x tiles of at most MAXR rows, balanced (32 rows: 4 x 8; 12: 6 + 6),
+ * panel by panel when there are several, so the later tiles find the panel in L1. */
+static void block_rows(const Args *a) {
+    const int tiles = (a->M + MAXR - 1) / MAXR;
+    if (tiles == 1) {
+        run_rows(a, 0, a->M, 1);
+        return;
+    }
+    for (int p = a->p0; p < a->p1; p++) {
+        Args b = *a;
+        b.p0 = p;
+        b.p1 = p + 1;
+        for (int t = 0, m0 = 0; t < tiles; t++) {
+            const int r = (a->M - m0) / (tiles - t);
+            run_rows(&b, m0, r, t == 0);
+            m0 += r;
+        }
+    }
+}
+
+/* All x rows over this chunk's panels, MBLOCK rows at a time: a prompt's x would not stay in L2 for every
+ * panel (576 x 1536 at 256 rows ran 1.08x torch's INT4 GEMM's time before, 0.5x at 64 rows), while the
+ * chunk's panels do between blocks. */
+static void rows(const Args *a) {
+    for (int m0 = 0; m0 < a->M; m0 += MBLOCK) {
+        Args b = *a;
+        b.x = a->x + (int64_t)m0 * a->K;
+        b.xs = a->xs + (int64_t)m0 * a->G;
+        b.y = a->y + (int64_t)m0 * a->N;
+        b.M = a->M - m0 < MBLOCK ? a->M - m0 : MBLOCK;
+        block_rows(&b);
+    }
+}
+
+/* ---- threads: the shared pool (kernels/cpu/pool.c, pool.h) ---------------------------------- */
+
+typedef struct {
+    Args a;
+    int chunk_panels;
+} Job;
+
+static void run_chunk(void *ctx, int i) {
+    const Job *job = (const Job *)ctx;
+    Args a = job->a;
+    a.p0 = job->chunk_panels * i;
+    a.p1 = a.p0 + job->chunk_panels < job->a.p1 ? a.p0 + job->chunk_panels : job->a.p1;
+    rows(&a);
+}
+
+/* x [M, K] bfloat16 (K a multiple of 8), q and sz packed as above for N rows in groups of `group` (a
+ * multiple of 8), y [M, N]. Returns 0, or -1 when the group sums could not be allocated. */
+int gemv_int4(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *y, int M, int N, int K, int group,
+              int threads, int chunks) {
+    if (M <= 0 || N <= 0) return 0;
+    const int G = (K + group - 1) / group, P = (N + PANEL - 1) / PANEL;
+    float *xs = malloc((size_t)M * G * sizeof(float));
+    if (!xs) return -1;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            const int k0 = g * group, k1 = k0 + group < K ? k0 + group : K;
+            __m512 s = _mm512_setzero_ps();
+            int k = k0;
+            for (; k + 16 <= k1; k += 16) s = _mm512_add_ps(s, bf16x16_to_float(x + (int64_t)m * K + k));
+            float t = _mm512_reduce_add_ps(s);
+            for (; k < k1; k++) t += bf16_to_float(x[(int64_t)m * K + k]);
+            xs[(int64_t)m * G + g] = t;
+        }
+    const Args a = {x, xs, q, sz, y, M, N, K, G, group, 0, P};
+    if (chunks > P) chunks = P;
+    if (chunks > 0xfff) chunks = 0xfff;
+    if (run_pool != 0 && chunks > 1) {
+        Job job = {a, (P + chunks - 1) / chunks};
+        run_pool(run_chunk, &job, (P + job.chunk_panels - 1) / job.chunk_panels, threads, 1);
+    } else {
+        rows(&a);
+    }
+    free(xs);
+    return 0;
+}

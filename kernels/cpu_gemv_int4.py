@@ -1,0 +1,112 @@
+"""The decode GEMV of INT4 linear layers on CPUs with AVX512-BF16 (C, built on first use).
+
+`kernels/cpu/gemv_int4.c` computes y = x . W^T for bfloat16 x [M, K] and an INT4 group-wise W
+(`backend/weight_formats.py`: W = (q - 8) * s + z per group of columns) without dequantising it:
+the 4-bit codes enter `vdpbf16ps` as the bfloat16 values 128 + q, and each group's sum is scaled
+once, s * sum((128 + q) x) + (z - 136 s) * sum(x). The products are exact and the sums float32,
+so the result is torch's INT4 GEMM (weights widened to float32) up to summation order; the C
+file's header bounds what the cancellation of the 136 s term leaves (~2^-14 of the output at
+worst, under the result's bfloat16 rounding).
+
+The weights are repacked once at load (`pack`) into panels of 16 output rows, each one
+contiguous stream: 0.5 bytes a weight plus 4 bytes per 16-row group of scales and zeros, the
+stored format's size. torch's `_weight_int4pack_mm_for_cpu` widens every weight to float32 for
+every row of x: at SmolLM2's shapes one thread took twice the bfloat16 GEMV's time at 8 rows and
+2.3x at 32 (`BENCHMARKS.md` has this kernel's figures against it).
+
+Threads: as `cpu_gemv.py` (the shared pool, chunks of panels claimed one at a time; one thread
+below `_THREADED_BYTES` of weights times x rows, `_SHARED_THREADED_BYTES` outside a decode step's
+handover of torch's threads: a prompt's many rows make even a small weight worth sharing).
+The build needs AVX512-BF16: elsewhere it fails, `available()` is False and `Int4Linear` keeps
+torch's INT4 GEMM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+from kernels.cpu_build import CKernel
+from kernels.cpu_threads import kernel_threads, kernels_own_threads
+
+__all__ = ["available", "build_error", "Int4Panels", "pack", "gemv_int4", "PANEL"]
+
+PANEL = 16  # output rows per panel (the C file's PANEL)
+_THREADED_BYTES = 128 << 10  # packed weights below this run on the calling thread alone
+_SHARED_THREADED_BYTES = 16 << 20  # the same while torch's OpenMP workers may spin (outside a handover)
+_CHUNK_BYTES = 64 << 10  # of packed weights per chunk the threads claim
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.gemv_int4.argtypes = [p, p, p, p, i, i, i, i, i, i]
+    lib.gemv_int4.restype = ctypes.c_int
+
+
+_KERNEL = CKernel("gemv_int4.c", (), _declare, "INT4 linears run torch's INT4 GEMM", uses_pool=True)
+
+available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = _KERNEL.build_error  # why not, or None
+
+
+class Int4Panels(NamedTuple):
+    """An INT4 weight in the kernel's layout (the C file's header)."""
+
+    codes: torch.Tensor  # uint8 [P, K4 / 4 * 32]: 16 rows by 4 columns per 32 bytes
+    scales_zeros: torch.Tensor  # bfloat16 [P, G, 2, 16]
+    out_features: int  # N (the panels hold P * 16 >= N rows)
+    in_features: int  # K
+    group_size: int
+
+    @property
+    def k8(self) -> int:
+        """K rounded up to a multiple of 8 (the kernel's column step; x is zero-padded to it)."""
+        return -(-self.in_features // 8) * 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales_zeros.numel() * 2
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Panels:
+    """codes [N, K] (integers 0..15), scales and zeros [N, ceil(K / g)] -> the kernel's layout. Rows past N
+    (to whole panels) get zero scales and zeros, so they compute 0 and are never stored; columns past K (to
+    a multiple of 8) get code 8 and meet x's zero padding."""
+    if group_size % 8:
+        raise ValueError(f"group size {group_size} is not a multiple of 8")
+    n, k = codes.shape
+    groups = -(-k // group_size)
+    if scales.shape != (n, groups) or zeros.shape != (n, groups):
+        raise ValueError(f"scales/zeros {list(scales.shape)}/{list(zeros.shape)} do not match [{n}, {groups}]")
+    panels, k8 = -(-n // PANEL), -(-k // 8) * 8
+    c = torch.full((panels * PANEL, k8), 8, dtype=torch.int16)
+    c[:n, :k] = codes.to(torch.int16)
+    c = c.view(panels, PANEL, k8 // 8, 4, 2).permute(0, 2, 1, 4, 3)  # [P, K8/8, 16 rows, column, nibble]
+    words = c[..., 0] | (c[..., 1] << 4) | (c[..., 2] << 8) | (c[..., 3] << 12)  # int16: bit 15 wraps, as packed
+    packed = words.contiguous().view(torch.uint8).view(panels, -1)
+    sz = torch.zeros(panels * PANEL, groups, 2, dtype=torch.bfloat16)
+    sz[:n, :, 0], sz[:n, :, 1] = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
+    sz = sz.view(panels, PANEL, groups, 2).permute(0, 2, 3, 1).contiguous()
+    return Int4Panels(packed, sz, n, k, group_size)
+
+
+def gemv_int4(x: torch.Tensor, w: Int4Panels, threads: int | None = None) -> torch.Tensor:
+    """x [M, K] bfloat16 (CPU) . W^T -> [M, N] bfloat16, W packed by `pack` (`available()` first)."""
+    lib = _KERNEL.load()
+    m = x.shape[0]
+    n, k8 = w.out_features, w.k8
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m == 0 or n == 0:
+        return y
+    x = x.contiguous() if x.shape[1] == k8 else torch.nn.functional.pad(x, (0, k8 - x.shape[1])).contiguous()
+    nbytes = w.codes.numel()
+    if threads is None:  # by the work: the weights' bytes once per x row (a prompt's rows share any weight)
+        floor = _THREADED_BYTES if kernels_own_threads() else _SHARED_THREADED_BYTES
+        threads = kernel_threads() if nbytes * m >= floor else 1
+    chunks = max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1
+    if lib.gemv_int4(x.data_ptr(), w.codes.data_ptr(), w.scales_zeros.data_ptr(), y.data_ptr(), m, n, k8,
+                     w.group_size, threads, chunks) != 0:
+        raise MemoryError(f"INT4 GEMV: no memory for the group sums of a [{m}, {k8}] input")
+    return y
