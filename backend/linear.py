@@ -172,21 +172,20 @@ class Linear:
 
 
 def _int4_gemv_available(group_size: int) -> bool:
-    """Whether the AVX512-BF16 INT4 kernel is built for this CPU and takes this group size
-    (`EDGESERVE_INT4_GEMV=0` turns it off)."""
-    import os
-
-    if os.environ.get("EDGESERVE_INT4_GEMV", "1") == "0" or group_size % 8:
+    """Whether Int4Linear runs the C kernel: it takes this group size, builds for this CPU and beats torch's
+    INT4 GEMM here (`cpu_gemv_int4.pays`: timed once per process; `EDGESERVE_INT4_GEMV=0|1` forces it)."""
+    if group_size % 8:
         return False
-    from kernels.cpu_gemv_int4 import available
+    from kernels.cpu_gemv_int4 import pays
 
-    return available()
+    return pays()
 
 
 class Int4Linear:
     """y = x @ W.T + bias for an INT4 group-wise weight (layout in `weight_formats.py`).
 
-    CPU with AVX512-BF16: the C kernel of `kernels/cpu_gemv_int4.py` at every row count, on
+    CPU with AVX512-BF16, where it beat torch's op on a timed probe: the C kernel of
+    `kernels/cpu_gemv_int4.py` at every row count, on
     the weight repacked once at load into its panels (the stored format's size): the codes
     enter `vdpbf16ps` as they are and each group's sum is scaled once, about half the time
     of torch's INT4 GEMM from 1 to 1,024 rows on SmolLM2's shapes (`BENCHMARKS.md`).

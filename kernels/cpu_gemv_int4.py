@@ -18,12 +18,19 @@ Threads: as `cpu_gemv.py` (the shared pool, chunks of panels claimed one at a ti
 below `_THREADED_BYTES` of weights times x rows, `_SHARED_THREADED_BYTES` outside a decode step's
 handover of torch's threads: a prompt's many rows make even a small weight worth sharing).
 The build needs AVX512-BF16: elsewhere it fails, `available()` is False and `Int4Linear` keeps
-torch's INT4 GEMM.
+torch's INT4 GEMM. Where it builds, `pays()` times it against torch's op once per process (cores
+differ in how fast they run `vdpbf16ps`: an Intel Xeon VM measured ran it at 0.6 the rate of
+float32 FMAs, which torch's op uses) and `Int4Linear` takes the faster; `EDGESERVE_INT4_GEMV=0|1`
+forces the choice.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
+import os
+import time
 from typing import NamedTuple
 
 import torch
@@ -31,7 +38,9 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "Int4Panels", "pack", "gemv_int4", "PANEL"]
+__all__ = ["available", "build_error", "Int4Panels", "pack", "gemv_int4", "PANEL", "measure", "pays"]
+
+log = logging.getLogger(__name__)
 
 PANEL = 16  # output rows per panel (the C file's PANEL)
 _THREADED_BYTES = 128 << 10  # packed weights below this run on the calling thread alone
@@ -49,6 +58,58 @@ _KERNEL = CKernel("gemv_int4.c", (), _declare, "INT4 linears run torch's INT4 GE
 
 available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
 build_error = _KERNEL.build_error  # why not, or None
+
+
+_PROBE = ((1, 16), 576, 1536, 32)  # rows, in_features, out_features, group size of the timed calls
+
+
+def measure(reps: int = 5) -> dict[str, float]:
+    """Seconds of the `_PROBE` calls (one at each row count) on one thread for this kernel ("c") and torch's
+    INT4 GEMM ("torch"): the fastest of `reps` interleaved runs on fresh random operands."""
+    rows, k, n, group = _PROBE
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    scales = (torch.rand(n, k // group) * 0.01 + 1e-3).to(torch.bfloat16)
+    zeros = (torch.randn(n, k // group) * 0.01).to(torch.bfloat16)
+    packed = pack(codes, scales, zeros, group)
+    torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    szs = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()  # the op's [groups, N, 2]
+    xs = [torch.randn(m, k).to(torch.bfloat16) for m in rows]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calls = {"c": lambda x: gemv_int4(x, packed, 1),
+                 "torch": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch_packed, group, szs)}
+        best = dict.fromkeys(calls, float("inf"))
+        for name, call in calls.items():  # warm
+            for x in xs:
+                call(x)
+        for _ in range(reps):
+            for name, call in calls.items():
+                t = time.perf_counter()
+                for x in xs:
+                    call(x)
+                best[name] = min(best[name], time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return best
+
+
+def pays() -> bool:
+    """Whether `Int4Linear` runs this kernel here: it builds, and it beats torch's INT4 GEMM on the timed
+    probe (once per process; `EDGESERVE_INT4_GEMV=1` forces it where it builds, `=0` keeps torch's op)."""
+    forced = os.environ.get("EDGESERVE_INT4_GEMV", "auto")
+    if forced == "0" or not available():
+        return False
+    return forced == "1" or _faster_than_torch()
+
+
+@functools.lru_cache(maxsize=1)
+def _faster_than_torch() -> bool:
+    times = measure()
+    faster = times["c"] < times["torch"]
+    log.info("INT4 linears: %s (C kernel %.3f ms, torch's INT4 GEMM %.3f ms, rows %s)",
+             "C kernel" if faster else "torch's INT4 GEMM", times["c"] * 1e3, times["torch"] * 1e3, _PROBE[0])
+    return faster
 
 
 class Int4Panels(NamedTuple):

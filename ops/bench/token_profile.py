@@ -8,13 +8,14 @@ and the step's time is split into:
 - ``linear``: the GEMMs of the linear layers and the LM head (`aten::mm`, `addmm`,
   MKL's packed `_mkl_linear`, the INT4 `_weight_int4pack_mm_for_cpu`), self time from
   `torch.profiler`;
-  plus the AVX512-BF16 decode GEMV (`kernels.cpu_gemv.gemv_bf16`, a ctypes call the
-  profiler cannot see, timed by wrapping it; ``gemv`` in the JSON is that part alone);
+  plus the AVX512-BF16 decode GEMVs (`kernels.cpu_gemv.gemv_bf16`, `kernels.cpu_gemv_int4.gemv_int4`:
+  ctypes calls the profiler cannot see, timed by wrapping them; ``gemv`` and ``gemv_int4`` in the
+  JSON are those parts alone);
 - ``attention``: the paged decode attention call (also a ctypes call, so the bench wraps
   `backend.attention.paged_decode_attention_cpu` with a timer; its torch fallback, when it
   runs, is in ``other_ops``);
-- ``other_ops``: every other torch op's self time (norms, RoPE, SiLU, residual adds,
-  KV stores, embedding, argmax, casts);
+- ``other_ops``: every other torch op's self time (RoPE, residual adds, embedding, casts)
+  and the wrapped wall time of the other C kernels (RMSNorm, SwiGLU, KV stores, argmax);
 - ``python``: the rest of the step's wall time: the scheduler, input preparation,
   sampling bookkeeping, op dispatch from Python.
 
@@ -32,6 +33,8 @@ in-process column is the worker's per-token time to set against this table.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import time
 from collections import defaultdict
 from typing import Any
@@ -60,11 +63,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def categorise(self_us: dict[str, float], attention_us: float, wall_us: float, gemv_us: float = 0.0
                ) -> dict[str, float]:
     """Split `wall_us` into linear / attention / other_ops / python from per-op self times (µs) and the
-    wall times of the two C kernels the profiler cannot see (attention, the bf16 GEMV: linear)."""
+    wall times of the C kernels the profiler cannot see (attention; the GEMVs: linear; the rest arrive in
+    `self_us` as one entry, other_ops)."""
     linear = gemv_us + sum(v for k, v in self_us.items() if k in LINEAR_OPS)
     other = sum(v for k, v in self_us.items() if k not in LINEAR_OPS)
     python = max(0.0, wall_us - linear - other - attention_us)
     return {"linear": linear, "attention": attention_us, "other_ops": other, "python": python}
+
+
+# the C kernels of a step besides the GEMVs and the attention, as the model's modules call them (ctypes calls the
+# profiler cannot see: timed by wrapping, counted in other_ops, where the torch ops they replaced were)
+_OTHER_C_KERNELS = (("backend.layers.norm", "rms_norm_bf16"), ("backend.layers.swiglu", "silu_mul_bf16"),
+                    ("backend.sampler", "argmax_rows"), ("backend.kv_cache", "store_kv_rows_cpu"),
+                    ("backend.kv_cache", "store_kv_fp8_cpu"))
+
+
+def _c_timers(stack: contextlib.ExitStack) -> dict[str, _CallTimer]:
+    """Every C kernel of a step wrapped in a timer for the stack's life, by function name."""
+    import backend.attention
+    import kernels.cpu_gemv
+    import kernels.cpu_gemv_int4
+
+    wrapped = [(backend.attention, "paged_decode_attention_cpu"), (kernels.cpu_gemv, "gemv_bf16"),
+               (kernels.cpu_gemv_int4, "gemv_int4"),
+               *((importlib.import_module(m), name) for m, name in _OTHER_C_KERNELS)]
+    return {name: stack.enter_context(_CallTimer(module, name)) for module, name in wrapped}
 
 
 class _CallTimer:
@@ -135,19 +158,22 @@ def run(args: argparse.Namespace) -> int:
 
     _requests(engine, c, 3 * steps + 8, seed=1)
     _decode_steps(engine, 4)  # prefill + warm-up
-    plain_s = _decode_steps(engine, steps)
     from torch.profiler import ProfilerActivity, profile
 
-    import backend.attention
-    import kernels.cpu_gemv
-
-    with _CallTimer(backend.attention, "paged_decode_attention_cpu") as attention, \
-            _CallTimer(kernels.cpu_gemv, "gemv_bf16") as gemv, profile(activities=[ProfilerActivity.CPU]) as prof:
+    with contextlib.ExitStack() as stack:  # C kernels timed without the profiler, whose per-op cost inflates them
+        plain_timers = _c_timers(stack)
+        plain_s = _decode_steps(engine, steps)
+    with contextlib.ExitStack() as stack:
+        timers = _c_timers(stack)
+        prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU]))
         profiled_s = _decode_steps(engine, steps)
     self_us: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
         self_us[e.key] += e.self_cpu_time_total
-    split = categorise(self_us, attention.total_s * 1e6, profiled_s * 1e6, gemv.total_s * 1e6)
+    for name in _OTHER_C_KERNELS:
+        self_us[f"C {name[1]}"] = timers[name[1]].total_s * 1e6
+    attention, gemv, gemv_int4 = timers["paged_decode_attention_cpu"], timers["gemv_bf16"], timers["gemv_int4"]
+    split = categorise(self_us, attention.total_s * 1e6, profiled_s * 1e6, (gemv.total_s + gemv_int4.total_s) * 1e6)
     per_step = {k: v / steps / 1e3 for k, v in split.items()}  # ms
     step_ms = profiled_s / steps * 1e3
     bound_ms = decode_bytes / (machine["read_gb_s"] * 1e9) * 1e3
@@ -160,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
         "step_ms": step_ms, "plain_step_ms": plain_s / steps * 1e3, "profiler_overhead": profiled_s / plain_s,
         "per_step_ms": per_step, "share": {k: v / step_ms for k, v in per_step.items()},
         "bound_ms": bound_ms, "linear_vs_bound": per_step["linear"] / bound_ms,
-        "gemv_ms": gemv.total_s / steps * 1e3,
+        "gemv_ms": gemv.total_s / steps * 1e3, "gemv_int4_ms": gemv_int4.total_s / steps * 1e3,
+        "c_kernels_plain_ms": {k: t.total_s / steps * 1e3 for k, t in plain_timers.items()},
         "top_ops_ms_per_step": {k: v / steps / 1e3 for v, k in top},
     }
     report["headline"] = {"step_ms": round(step_ms, 2), **{f"{k}_share": round(v, 3) for k, v in
@@ -172,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
           f"{machine['read_gb_s']:.1f} GB/s: {bound_ms:.2f} ms")
     for k, v in per_step.items():
         print(f"  {k:<10} {v:8.2f} ms  {100 * v / step_ms:5.1f}%")
+    print("C kernels without the profiler (ms per step): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in report["c_kernels_plain_ms"].items() if v > 0))
     print("top ops (self ms per step): " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                      list(report["top_ops_ms_per_step"].items())[:6]))
     write_report(args.json_path, report)

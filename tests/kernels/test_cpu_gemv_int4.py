@@ -97,3 +97,22 @@ def test_packed_layout_is_the_c_files(seed: int) -> None:
     assert torch.equal(back.reshape(32, 24), codes.long())
     assert torch.equal(packed.scales_zeros[1, 2, 0], s[16:32, 2].bfloat16())
     assert torch.equal(packed.scales_zeros[0, 1, 1], z[:16, 1].bfloat16())
+
+
+def test_the_choice_against_torch_is_timed_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pays()` follows the timing (here made to favour torch's op, then the kernel) unless forced."""
+    from kernels import cpu_gemv_int4
+
+    real_measure = cpu_gemv_int4.measure
+    for c_time, expected in ((2.0, False), (0.5, True)):
+        cpu_gemv_int4._faster_than_torch.cache_clear()
+        monkeypatch.setattr(cpu_gemv_int4, "measure", lambda c=c_time: {"c": c, "torch": 1.0})
+        monkeypatch.setenv("EDGESERVE_INT4_GEMV", "auto")
+        assert cpu_gemv_int4.pays() is expected
+        monkeypatch.setenv("EDGESERVE_INT4_GEMV", "1")
+        assert cpu_gemv_int4.pays() is True
+        monkeypatch.setenv("EDGESERVE_INT4_GEMV", "0")
+        assert cpu_gemv_int4.pays() is False
+    cpu_gemv_int4._faster_than_torch.cache_clear()
+    times = real_measure(reps=1)  # the real probe runs both GEMMs
+    assert set(times) == {"c", "torch"} and all(0 < t < 1 for t in times.values())
