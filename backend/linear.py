@@ -200,7 +200,9 @@ class Int4Linear:
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 in_features: int, bias: torch.Tensor | None = None) -> None:
+                 in_features: int, bias: torch.Tensor | None = None, c_kernel: bool | None = None) -> None:
+        """`c_kernel`: None runs the C kernel where it builds and pays (`_int4_gemv_available`), False torch's
+        op (a benchmark's comparison)."""
         self.group_size = group_size
         self.in_features = in_features
         self.out_features = qweight.shape[0]
@@ -215,7 +217,7 @@ class Int4Linear:
         from kernels.w4a16_gemm import unpack_int4_ref
 
         codes = unpack_int4_ref(qweight)[:, :in_features]
-        if _int4_gemv_available(group_size):
+        if c_kernel is not False and _int4_gemv_available(group_size):
             from kernels.cpu_gemv_int4 import pack
 
             self.panels = pack(codes, scales, zeros, group_size)

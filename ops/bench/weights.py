@@ -151,6 +151,7 @@ def _time_call(fn, reps: int) -> float:
 
 def micro(engines: dict[str, Any]) -> dict[str, float]:
     """The measurements behind the CPU runtime choices (milliseconds)."""
+    from backend.linear import Int4Linear
     from backend.weight_formats import weight_format
 
     fp32 = engines["fp32"].model
@@ -168,12 +169,15 @@ def micro(engines: dict[str, Any]) -> dict[str, float]:
         out[f"linears_m1_{name}_ms"] = 1e3 * _time_call(forward_linears, 9)
     int4 = weight_format("int4", 128)
     sw = int4.quantize(layer.gate_up.weight)  # [2 * intermediate, hidden]
-    lin = int4.linear(sw, None, torch.float32)
+    lin = int4.linear(sw, None, torch.float32)  # what serving runs here (the C kernel where it pays)
     x = torch.randn(1, layer.gate_up.weight.shape[1])
-    out["int4_gate_up_m1_bf16_act_ms"] = 1e3 * _time_call(lambda: lin(x), 20)
-    sz32 = lin.scales_and_zeros.float()
+    out["int4_gate_up_m1_ms"] = 1e3 * _time_call(lambda: lin(x), 20)
+    t = sw.tensors  # torch's INT4 GEMM, on bf16 and on float32 activations
+    op = Int4Linear(t["qweight"], t["scales"], t["zeros"], 128, sw.shape[1], c_kernel=False)
+    out["int4_gate_up_m1_bf16_act_ms"] = 1e3 * _time_call(lambda: op(x), 20)
+    sz32 = op.scales_and_zeros.float()
     out["int4_gate_up_m1_fp32_act_ms"] = 1e3 * _time_call(
-        lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.packed, lin.run_group, sz32), 5)
+        lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, op.packed, op.run_group, sz32), 5)
     fp8 = weight_format("fp8")
     stored = [fp8.quantize(lin_.weight) for lin_ in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     per_layer = _time_call(lambda: [fp8.dequantize(s) for s in stored], 3)
