@@ -9,7 +9,7 @@ file's header bounds what the cancellation of the 136 s term leaves (~2^-14 of t
 worst, under the result's bfloat16 rounding).
 
 The weights are repacked once at load (`pack`) into panels of 16 output rows, each one
-contiguous stream: 0.5 bytes a weight plus 4 bytes per 16-row group of scales and zeros, the
+contiguous stream: 0.5 bytes a weight plus a bfloat16 scale and zero per row and group, the
 stored format's size. torch's `_weight_int4pack_mm_for_cpu` widens every weight to float32 for
 every row of x: at SmolLM2's shapes one thread took twice the bfloat16 GEMV's time at 8 rows and
 2.3x at 32 (`BENCHMARKS.md` has this kernel's figures against it).
@@ -115,7 +115,7 @@ def _faster_than_torch() -> bool:
 class Int4Panels(NamedTuple):
     """An INT4 weight in the kernel's layout (the C file's header)."""
 
-    codes: torch.Tensor  # uint8 [P, K4 / 4 * 32]: 16 rows by 4 columns per 32 bytes
+    codes: torch.Tensor  # uint8 [P, K8 / 8 * 64]: 16 rows by 8 columns per 64 bytes
     scales_zeros: torch.Tensor  # bfloat16 [P, G, 2, 16]
     out_features: int  # N (the panels hold P * 16 >= N rows)
     in_features: int  # K
@@ -155,6 +155,9 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
 
 def gemv_int4(x: torch.Tensor, w: Int4Panels, threads: int | None = None) -> torch.Tensor:
     """x [M, K] bfloat16 (CPU) . W^T -> [M, N] bfloat16, W packed by `pack` (`available()` first)."""
+    if x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"INT4 GEMV: x {x.dtype} {list(x.shape)} on {x.device} is not bfloat16 [M, "
+                         f"{w.in_features}] on the CPU")
     lib = _KERNEL.load()
     m = x.shape[0]
     n, k8 = w.out_features, w.k8

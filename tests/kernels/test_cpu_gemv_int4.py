@@ -81,6 +81,10 @@ def test_packing_rejects_what_the_kernel_cannot_run() -> None:
         pack(codes, s, s, 12)
     with pytest.raises(ValueError, match="do not match"):
         pack(codes, s[:, :2], s[:, :2], 16)
+    packed = pack(codes, s[:, :3], s[:, :3], 16)
+    for x in (torch.randn(2, 40).bfloat16(), torch.randn(2, 48), torch.randn(48).bfloat16()):
+        with pytest.raises(ValueError, match="not bfloat16"):
+            gemv_int4(x, packed)
 
 
 def test_packed_layout_is_the_c_files(seed: int) -> None:
