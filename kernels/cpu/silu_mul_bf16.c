@@ -61,18 +61,8 @@ static inline __attribute__((always_inline)) void silu_mul16(const uint16_t *gp,
         x[k] = bf16x16_to_float(gp + 16 * k);
         t[k] = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x[k]), _mm512_set1_epi32((int)0x80000000)));
         const __m512 tc = _mm512_max_ps(t[k], _mm512_set1_ps(-104.0f)); /* -|x| >= -104 */
-        const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(tc, _mm512_set1_ps(1.44269504088896341f)),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), tc);
-        r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.42860682030941723e-06f), r);
-        __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+        __m512 n;
+        const __m512 p = exp_reduced16(tc, &n);
         const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(100 + 127)), 23));
         e[k] = _mm512_mul_ps(_mm512_mul_ps(p, scale), _mm512_set1_ps(0x1p-100f));
