@@ -10,23 +10,39 @@ request for many seconds. Clients made by `connect` instead:
   restarted Redis closed is replaced transparently, so callers recover by
   themselves when Redis returns. A timeout is not retried (it would double the wait).
 
+Their connections (`fast_connection_class`, whatever the URL's scheme chose: TCP, TLS or a
+Unix socket) also drop two costs from every command of redis-py's asyncio client, which a
+gateway pays several times per request:
+
+* commands are packed by hiredis in C, as redis-py's own synchronous client does, instead of
+  its asyncio client's Python encoder (~30 µs for a 30-argument script call, ~4x);
+* the reply's timeout covers the write too, without `asyncio.wait_for`, which on Python 3.11
+  starts a Task per command (~20 µs): the write is the same buffered `writelines`, and a
+  `drain` that waits past `SOCKET_TIMEOUT_S` fails as it did (``TimeoutError``, connection closed).
+
 `OutageLog` reports an outage once when it starts and once when it ends, not on
 every failed call; `redact` names a Redis URL in logs without its password.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.utils import HIREDIS_AVAILABLE
 
-__all__ = ["CONNECT_TIMEOUT_S", "SOCKET_TIMEOUT_S", "connect", "redact", "OutageLog"]
+__all__ = ["CONNECT_TIMEOUT_S", "SOCKET_TIMEOUT_S", "connect", "fast_connection_class", "redact", "OutageLog"]
 
 CONNECT_TIMEOUT_S = 1.0
 SOCKET_TIMEOUT_S = 1.0
@@ -35,10 +51,57 @@ SOCKET_TIMEOUT_S = 1.0
 def connect(url: str, *, max_connections: int | None = None, socket_timeout_s: float = SOCKET_TIMEOUT_S,
             connect_timeout_s: float = CONNECT_TIMEOUT_S) -> aioredis.Redis:
     """An asyncio Redis client for `url` with connect and socket timeouts; connections open lazily."""
-    return aioredis.Redis.from_url(
+    client = aioredis.Redis.from_url(
         url, max_connections=max_connections, socket_timeout=socket_timeout_s,
         socket_connect_timeout=connect_timeout_s,
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+    pool = client.connection_pool
+    pool.connection_class = fast_connection_class(pool.connection_class)
+    return client
+
+
+class _FastCommands:
+    """Mixed in before a redis-py asyncio connection class (module docstring)."""
+
+    _hiredis_packer = HiredisRespSerializer() if HIREDIS_AVAILABLE else None
+
+    def pack_command(self, *args: object) -> list[bytes]:
+        encoder = self.encoder
+        if self._hiredis_packer is None or (encoder.encoding, encoder.encoding_errors) != ("utf-8", "strict"):
+            return super().pack_command(*args)  # hiredis writes str as strict UTF-8 only
+        return self._hiredis_packer.pack(*args)
+
+    async def send_packed_command(self, command: bytes | str | Iterable[bytes], check_health: bool = True) -> None:
+        # redis-py 8.1's body, with `asyncio.timeout` where it has `asyncio.wait_for`
+        if not self.is_connected:
+            await self.connect_check_health(check_health=False)
+        if check_health:
+            await self.check_health()
+        if isinstance(command, str):
+            command = command.encode()
+        if isinstance(command, bytes):
+            command = [command]
+        try:
+            async with asyncio.timeout(self.socket_timeout or None):
+                self._writer.writelines(command)
+                await self._writer.drain()
+        except TimeoutError:
+            await self.disconnect(nowait=True)
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        except OSError as e:
+            await self.disconnect(nowait=True)
+            err_no, errmsg = ("UNKNOWN", e.args[0]) if len(e.args) == 1 else e.args[:2]
+            raise RedisConnectionError(f"Error {err_no} while writing to socket. {errmsg}.") from e
+        except BaseException:
+            await self.disconnect(nowait=True)  # a half-sent command leaves the connection unusable
+            raise
+
+
+@functools.cache
+def fast_connection_class(base: type[aioredis.Connection]) -> type[aioredis.Connection]:
+    """`base` (redis-py's asyncio TCP, TLS or Unix-socket connection) with the module docstring's two
+    cheaper steps per command; replies, parsing and every other behaviour are `base`'s."""
+    return type(f"Fast{base.__name__}", (_FastCommands, base), {})
 
 
 def redact(url: str) -> str:
