@@ -78,7 +78,8 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
     state = GatewayState(config=config, catalog=catalog, router=router,
                          pool=WorkerPool(config.worker_timeout_s, config.worker_token),
                          tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s), quotas=Quotas(redis),
-                         meter=Meter(redis, config.usage_journal_path), metrics=GatewayMetrics())
+                         meter=Meter(redis, config.usage_journal_path, flush_after_s=config.usage_flush_s),
+                         metrics=GatewayMetrics())
 
     async def healthz(request: Request) -> Response:
         try:

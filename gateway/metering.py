@@ -2,7 +2,7 @@
 
 When a request ends (finished, cut at its length, cancelled or failed) the gateway
 records a `UsageRecord`. One Lua script, touching only the tenant's keys (one hash
-slot), does all of it atomically:
+slot), does all of it atomically, for each record it is given:
 
 1. ``SET metered:<request_id> NX EX 8 days``: if the marker exists the request was
    already metered and nothing changes (retries, duplicate reports and journal
@@ -16,6 +16,18 @@ slot), does all of it atomically:
 4. settles the quota `Reservation`: ``INCRBY tpd:<day>`` by
    ``prompt + completion - reserved`` (a refund of the unused completion budget),
    only when tokens were reserved and the day's counter still exists.
+
+**Records are written in batches** (`gateway.group_commit`): `record` queues its record, and
+everything queued within `flush_after_s` (default 20 ms) of the first, up to `MAX_BATCH`, goes
+to Redis together, one script call per tenant (its keys share a slot), the calls of different
+tenants side by side. A script call costs ~0.2 ms of gateway CPU and ~0.08 ms of Redis's
+whatever it carries, and a batch of four already costs a third of that per record, so at a few
+hundred requests a second metering drops from the largest Redis cost of a request to a small
+one. `record` still returns only once its record is settled (or journaled), so
+`Generation.aclose` means "metered" as before; it returns up to `flush_after_s` later, which no
+response waits for (the answer and the stream's last byte leave before metering). A gateway
+killed outright loses the records of its last `flush_after_s` (before: those of requests whose
+script was in flight); a graceful stop writes them (`aclose`).
 
 The usage day is the reservation's day (Redis's clock at admission) when there is
 one, otherwise the UTC day of ``ended_at`` (or now). ``cached_prompt_tokens`` is
@@ -44,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from datetime import UTC, date, datetime, timedelta
@@ -54,6 +67,7 @@ import msgspec
 
 from backend.errors import EdgeServeError, InvalidRequest
 from gateway import redis_keys as rk
+from gateway.group_commit import GroupCommit
 from gateway.quotas import Reservation
 from gateway.redis_keys import redis_errors, text, utc_day
 from gateway.usage_journal import UsageJournal, default_journal_dir
@@ -62,7 +76,7 @@ if TYPE_CHECKING:
     import redis.asyncio
 
 __all__ = ["UsageRecord", "Meter", "METRICS", "MAX_USAGE_DAYS", "EVENTS_MAXLEN", "MARKER_TTL_S",
-           "USAGE_RETENTION_DAYS"]
+           "USAGE_RETENTION_DAYS", "FLUSH_AFTER_S", "MAX_BATCH"]
 
 log = logging.getLogger(__name__)
 
@@ -71,24 +85,38 @@ MAX_USAGE_DAYS = 93  # longest range one usage() call reads
 EVENTS_MAXLEN = 1_000_000  # approximate cap of each tenant's event stream
 MARKER_TTL_S = 8 * 86_400  # a request id stays "metered" this long: journal replays within it are exact
 USAGE_RETENTION_DAYS = 400  # a day's usage hash expires this many days after the day ends
+FLUSH_AFTER_S = 0.02  # a usage record waits at most this long for others to share its write
+MAX_BATCH = 128  # records written together at most
 
-# KEYS: marker, usage hash, events stream[, tokens-per-day counter].
-# ARGV: model, prompt, cached, completion, refund delta, usage hash expiry (unix s),
-#       then the event's field/value pairs.
-# Returns 1 when recorded, 0 when this request id was already metered.
+# Any number of records of one tenant.
+# KEYS, 4 per record: marker, usage hash, events stream, tokens-per-day counter of the record's day.
+# ARGV: F, the event's F field names, then per record: model, prompt, cached, completion,
+#       refund delta (0: no reservation to settle), usage hash expiry (unix s), the F event values.
+# Returns one 1 (recorded) or 0 (this request id was already metered) per record, in order.
 _RECORD = """
-if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', MARKER_TTL) then return 0 end
-local model = ARGV[1]
-redis.call('HINCRBY', KEYS[2], model .. '|requests', 1)
-redis.call('HINCRBY', KEYS[2], model .. '|prompt_tokens', ARGV[2])
-redis.call('HINCRBY', KEYS[2], model .. '|cached_prompt_tokens', ARGV[3])
-redis.call('HINCRBY', KEYS[2], model .. '|completion_tokens', ARGV[4])
-redis.call('EXPIREAT', KEYS[2], ARGV[6])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', 'EVENTS_MAXLEN', '*', unpack(ARGV, 7))
-if KEYS[4] and tonumber(ARGV[5]) ~= 0 and redis.call('EXISTS', KEYS[4]) == 1 then
-  redis.call('INCRBY', KEYS[4], ARGV[5])
+local f = tonumber(ARGV[1])
+local event, out = {}, {}
+for i = 1, f do event[2 * i - 1] = ARGV[1 + i] end
+for r = 0, #KEYS / 4 - 1 do
+  local k, a = 4 * r, 1 + f + (6 + f) * r
+  if redis.call('SET', KEYS[k + 1], '1', 'NX', 'EX', MARKER_TTL) then
+    local model = ARGV[a + 1]
+    redis.call('HINCRBY', KEYS[k + 2], model .. '|requests', 1)
+    redis.call('HINCRBY', KEYS[k + 2], model .. '|prompt_tokens', ARGV[a + 2])
+    redis.call('HINCRBY', KEYS[k + 2], model .. '|cached_prompt_tokens', ARGV[a + 3])
+    redis.call('HINCRBY', KEYS[k + 2], model .. '|completion_tokens', ARGV[a + 4])
+    redis.call('EXPIREAT', KEYS[k + 2], ARGV[a + 6])
+    for i = 1, f do event[2 * i] = ARGV[a + 6 + i] end
+    redis.call('XADD', KEYS[k + 3], 'MAXLEN', '~', 'EVENTS_MAXLEN', '*', unpack(event))
+    if tonumber(ARGV[a + 5]) ~= 0 and redis.call('EXISTS', KEYS[k + 4]) == 1 then
+      redis.call('INCRBY', KEYS[k + 4], ARGV[a + 5])
+    end
+    out[r + 1] = 1
+  else
+    out[r + 1] = 0
+  end
 end
-return 1
+return out
 """.replace("MARKER_TTL", str(MARKER_TTL_S)).replace("EVENTS_MAXLEN", str(EVENTS_MAXLEN))
 
 
@@ -115,12 +143,13 @@ class UsageRecord(msgspec.Struct, frozen=True):
     ended_at: float = 0.0
 
 
-def _event_fields(usage: UsageRecord) -> list[str]:
-    pairs: list[str] = []
-    for name in usage.__struct_fields__:
-        value = getattr(usage, name)
-        pairs += [name, "" if value is None else repr(value) if isinstance(value, float) else str(value)]
-    return pairs
+_EVENT_FIELDS = UsageRecord.__struct_fields__  # the event stream's fields, in this order
+
+
+def _event_values(usage: UsageRecord) -> list[str]:
+    """The record's fields as the event stream keeps them: strings, floats exact, None as ""."""
+    return ["" if value is None else repr(value) if isinstance(value, float) else str(value)
+            for value in (getattr(usage, name) for name in _EVENT_FIELDS)]
 
 
 class _Unsettled(msgspec.Struct, frozen=True):
@@ -135,6 +164,7 @@ def _journal_key(tenant_id: str, request_id: str) -> str:
     return f"{tenant_id}/{request_id}"
 
 
+@functools.lru_cache(maxsize=64)
 def _usage_expiry(day: str, retention_days: int) -> int:
     """Unix time `retention_days` after the end of UTC `day`."""
     start = datetime.fromisoformat(day).replace(tzinfo=UTC).timestamp()
@@ -154,14 +184,18 @@ class Meter:
     """Exactly-once usage accounting, shared by all gateway replicas, journaled across Redis outages."""
 
     def __init__(self, redis: redis.asyncio.Redis, journal_path: Path | str | None = None, *,
-                 replay_interval_s: float = 2.0, usage_retention_days: int = USAGE_RETENTION_DAYS) -> None:
+                 replay_interval_s: float = 2.0, usage_retention_days: int = USAGE_RETENTION_DAYS,
+                 flush_after_s: float = FLUSH_AFTER_S) -> None:
         """`journal_path`: this gateway's journal file; by default the first free
         ``gateway-<n>.jsonl`` in ``$EDGESERVE_HOME/journal``. Nothing touches the disk until
-        `start` or the first entry Redis cannot take."""
+        `start` or the first entry Redis cannot take. `flush_after_s`: how long a record waits for
+        others to share its write (module docstring); 0 writes each at once."""
         self.redis = redis
         self.journal_path = None if journal_path is None else Path(journal_path)
         self.replay_interval_s, self.usage_retention_days = replay_interval_s, usage_retention_days
         self._record = redis.register_script(_RECORD)
+        self._batch: GroupCommit[tuple[UsageRecord, Reservation | None], bool] = GroupCommit(
+            self._write_batch, linger_s=flush_after_s, max_items=MAX_BATCH)
         self._release = redis.register_script(_RELEASE)
         self._journal: UsageJournal[_Unsettled] | None = None
         self._replayer: asyncio.Task[None] | None = None
@@ -181,7 +215,9 @@ class Meter:
         self._ensure_replayer(wait_first=False)
 
     async def aclose(self) -> None:
-        """Stop replaying and close the journal; what is still pending stays in the file for the next start."""
+        """Write the records queued now, stop replaying and close the journal; what is still pending stays
+        in the file for the next start."""
+        await self._batch.drain()
         if self._replayer is not None:
             self._replayer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -198,6 +234,7 @@ class Meter:
 
     async def record(self, usage: UsageRecord, reservation: Reservation | None = None) -> bool:
         """Meter one finished request and settle its reservation; False if it was already metered.
+        Returns once its batch is written (module docstring).
 
         When Redis cannot take it now the record is journaled (True: replay meters it later)."""
         if min(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) < 0:
@@ -205,11 +242,29 @@ class Meter:
         if reservation is not None and (reservation.tenant_id, reservation.request_id) != (
                 usage.tenant_id, usage.request_id):
             raise InvalidRequest("the reservation belongs to another request")
-        try:
-            return await self._send_record(usage, reservation)
-        except EdgeServeError:
-            await self._journal_entry(usage.tenant_id, usage.request_id, _Unsettled(usage, reservation, time.time()))
-            return True
+        return await self._batch.submit((usage, reservation))
+
+    async def _write_batch(self, batch: list[tuple[UsageRecord, Reservation | None]]) -> list[bool]:
+        """One script call per tenant, side by side; a tenant's records Redis cannot take are journaled."""
+        by_tenant: dict[str, list[int]] = {}
+        for i, (usage, _) in enumerate(batch):
+            by_tenant.setdefault(usage.tenant_id, []).append(i)
+        groups = list(by_tenant.values())
+        replies = await asyncio.gather(*(self._send_records([batch[i] for i in group]) for group in groups),
+                                       return_exceptions=True)
+        out = [True] * len(batch)
+        for group, reply in zip(groups, replies, strict=True):
+            if isinstance(reply, EdgeServeError):
+                for i in group:
+                    usage, reservation = batch[i]
+                    await self._journal_entry(usage.tenant_id, usage.request_id,
+                                              _Unsettled(usage, reservation, time.time()))
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                for i, recorded in zip(group, reply, strict=True):
+                    out[i] = recorded
+        return out
 
     async def release(self, reservation: Reservation) -> bool:
         """Return a whole reservation of a request that never ran (nothing is metered); False if settled before.
@@ -235,7 +290,7 @@ class Meter:
                     log.warning("replaying usage entry %s older than its idempotency marker lives", key)
                 try:
                     if entry.usage is not None:
-                        await self._send_record(entry.usage, entry.reservation)
+                        await self._send_records([(entry.usage, entry.reservation)])
                     elif entry.reservation is not None:
                         await self._send_release(entry.reservation)
                 except EdgeServeError:
@@ -247,18 +302,22 @@ class Meter:
             await asyncio.to_thread(journal.compact)
         return settled
 
-    async def _send_record(self, usage: UsageRecord, reservation: Reservation | None) -> bool:
-        tenant_id = usage.tenant_id
-        day = reservation.day if reservation is not None else utc_day(usage.ended_at or time.time())
-        keys = [rk.metered(tenant_id, usage.request_id), rk.usage(tenant_id, day), rk.usage_events(tenant_id)]
-        refund = 0
-        if reservation is not None and reservation.reserved_tokens > 0:
-            keys.append(rk.tokens_day(tenant_id, day))
-            refund = usage.prompt_tokens + usage.completion_tokens - reservation.reserved_tokens
-        args = [usage.model, usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, refund,
-                _usage_expiry(day, self.usage_retention_days), *_event_fields(usage)]
+    async def _send_records(self, records: list[tuple[UsageRecord, Reservation | None]]) -> list[bool]:
+        """Meter records of one tenant in one script call; whether each was new."""
+        keys: list[str] = []
+        args: list[str | int] = [len(_EVENT_FIELDS), *_EVENT_FIELDS]
+        for usage, reservation in records:
+            tenant_id = usage.tenant_id
+            day = reservation.day if reservation is not None else utc_day(usage.ended_at or time.time())
+            keys += [rk.metered(tenant_id, usage.request_id), rk.usage(tenant_id, day), rk.usage_events(tenant_id),
+                     rk.tokens_day(tenant_id, day)]
+            refund = 0
+            if reservation is not None and reservation.reserved_tokens > 0:
+                refund = usage.prompt_tokens + usage.completion_tokens - reservation.reserved_tokens
+            args += [usage.model, usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens, refund,
+                     _usage_expiry(day, self.usage_retention_days), *_event_values(usage)]
         with redis_errors():
-            return bool(await self._record(keys=keys, args=args))
+            return [bool(r) for r in await self._record(keys=keys, args=args)]
 
     async def _send_release(self, reservation: Reservation) -> bool:
         keys = [rk.metered(reservation.tenant_id, reservation.request_id),
