@@ -124,7 +124,7 @@ async def completions(request: Request) -> Response:
         for c in choices:
             await c.gen.aclose()
         typed = as_typed(exc if pending is None else await pending.first_error(exc))
-        state.metrics.requests.labels(API, str(typed.code)).inc()
+        state.metrics.count_request(API, typed.code)
         return _error_json(typed)
     headers = state.response_headers(choices[0].gen)
     cid, created = f"cmpl-{choices[0].gen.request_id}", int(time.time())

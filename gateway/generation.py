@@ -323,7 +323,7 @@ class Generation:
         async for ev in events:
             if isinstance(ev, TokenEvent):
                 if first:
-                    self._metrics.ttft.labels(self.api).observe(time.time() - self._started_at)
+                    self._metrics.observe_ttft(self.api, time.time() - self._started_at)
                     first = False
                 self._completion_tokens += len(ev.token_ids)
                 if ev.prompt_logprobs is not None:

@@ -60,7 +60,7 @@ API = "openai"
 
 def _error_response(exc: BaseException, state: GatewayState) -> JSONResponse:
     typed = as_typed(exc)
-    state.metrics.requests.labels(API, str(typed.code)).inc()
+    state.metrics.count_request(API, typed.code)
     return _error_json(typed)
 
 

@@ -87,7 +87,7 @@ class GatewayState:
         except BaseException:
             await gen.aclose()
             raise
-        self.metrics.requests.labels(api, "200").inc()
+        self.metrics.count_request(api, "200")
         return gen
 
     @staticmethod

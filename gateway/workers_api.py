@@ -64,7 +64,7 @@ API = "workers"
 
 def workers_error_response(exc: BaseException, state: GatewayState) -> JSONResponse:
     typed = as_typed(exc)
-    state.metrics.requests.labels(API, str(typed.code)).inc()
+    state.metrics.count_request(API, typed.code)
     return JSONResponse(workers_error(typed), status_code=typed.http_status, headers=error_headers(typed))
 
 
