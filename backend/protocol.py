@@ -7,7 +7,8 @@ for the new tokens; `prompt_logprobs` once, on the first event, which has no tok
 ids when `max_tokens` is 0); the fields are omitted otherwise, so the frames of other
 requests are unchanged.
 A request with `stream=False` (its caller reads the answer whole) may get several
-events in one write (`event_frames.py`); the lines are the same.
+events in one write, and the token events of one write as one `TokenEvent` (ids, times
+and logprobs concatenated; `event_frames.py`): a reader counts `len(token_ids)`, never events.
 A cancel sends `CancelRequest` with the `cancel_key` its request was started with.
 """
 

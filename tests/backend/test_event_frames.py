@@ -39,11 +39,33 @@ def test_streamed_requests_get_one_frame_per_event() -> None:
     assert frames == [encoder.encode(ev) + b"\n" for ev in events]
 
 
-def test_events_ready_together_leave_in_one_frame_when_not_streamed() -> None:
+def _joined(events: list[Event]) -> TokenEvent:
+    """What token events held together become: one event, tokens, times and logprobs in order."""
+    tokens = [ev for ev in events if isinstance(ev, TokenEvent)]
+    with_lp = [ev.logprobs for ev in tokens if ev.logprobs is not None]
+    logprobs = None if not with_lp else Logprobs([x for lp in with_lp for x in lp.token],
+                                                 [x for lp in with_lp for x in lp.top_ids],
+                                                 [x for lp in with_lp for x in lp.top_logprobs])
+    return TokenEvent([i for ev in tokens for i in ev.token_ids], [t for ev in tokens for t in ev.times],
+                      logprobs, tokens[0].prompt_logprobs)
+
+
+def test_events_ready_together_leave_in_one_frame_and_their_tokens_in_one_event_when_not_streamed() -> None:
     events = _events(32)
+    before = encoder.encode(events[5])
     frames = asyncio.run(_frames(events, stream=False))
     assert len(frames) == 1
-    assert event_decoder.decode_lines(frames[0]) == events
+    assert event_decoder.decode_lines(frames[0]) == [_joined(events[:-1]), events[-1]]
+    assert encoder.encode(events[5]) == before  # the source's events are not changed
+
+
+def test_tokens_with_logprobs_join_too_but_not_with_tokens_without() -> None:
+    lp = [Logprobs([-0.5 * i], [[i, i + 1]], [[-0.5 * i, -2.0]]) for i in range(4)]
+    events: list[Event] = [TokenEvent([], [], prompt_logprobs=Logprobs([-1.0, -2.0])),
+                           *(TokenEvent([10 + i], [0.1 * i], lp[i]) for i in range(4)),
+                           FinishEvent("length", 3, 4)]
+    frames = asyncio.run(_frames(events, stream=False))
+    assert event_decoder.decode_lines(b"".join(frames)) == [events[0], _joined(events[1:5]), events[-1]]
 
 
 def test_held_events_are_written_once_flush_s_has_passed() -> None:
@@ -51,8 +73,8 @@ def test_held_events_are_written_once_flush_s_has_passed() -> None:
     # tokens 1-2 at once, then a pause longer than flush_s before token 3: 0..3 leave together; 4..6 wait
     # for the finish, which never waits
     frames = asyncio.run(_frames(events, stream=False, flush_s=0.05, gaps={3: 0.12}))
-    assert [len(event_decoder.decode_lines(f)) for f in frames] == [4, 4]
-    assert b"".join(frames) == b"".join(encoder.encode(ev) + b"\n" for ev in events)
+    assert [event_decoder.decode_lines(f) for f in frames] == [[_joined(events[:4])],
+                                                              [_joined(events[4:7]), events[-1]]]
 
 
 def test_an_error_event_leaves_at_once_with_what_was_held() -> None:
@@ -64,7 +86,7 @@ def test_an_error_event_leaves_at_once_with_what_was_held() -> None:
 def test_a_source_that_ends_without_a_final_event_still_hands_over_its_tokens() -> None:
     events = _events(3)[:-1]
     frames = asyncio.run(_frames(events, stream=False, flush_s=60.0))
-    assert event_decoder.decode_lines(b"".join(frames)) == events
+    assert event_decoder.decode_lines(b"".join(frames)) == [_joined(events)]
 
 
 @pytest.mark.parametrize("seed", range(4))
