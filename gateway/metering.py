@@ -93,27 +93,61 @@ MAX_BATCH = 128  # records written together at most
 # ARGV: F, the event's F field names, then per record: model, prompt, cached, completion,
 #       refund delta (0: no reservation to settle), usage hash expiry (unix s), the F event values.
 # Returns one 1 (recorded) or 0 (this request id was already metered) per record, in order.
+# New records are summed per usage hash and model, and refunds per counter, before they are
+# written: one HINCRBY per metric and one EXPIREAT per hash and batch, not per record (each
+# redis.call costs ~1.5 us of Redis's time; a record then costs a SET, an XADD and its share).
 _RECORD = """
 local f = tonumber(ARGV[1])
 local event, out = {}, {}
+local hashes, sums, expiry = {}, {}, {}  -- usage hashes in first-seen order; per hash: models in order, sums
+local counters, refund = {}, {}
 for i = 1, f do event[2 * i - 1] = ARGV[1 + i] end
 for r = 0, #KEYS / 4 - 1 do
   local k, a = 4 * r, 1 + f + (6 + f) * r
   if redis.call('SET', KEYS[k + 1], '1', 'NX', 'EX', MARKER_TTL) then
-    local model = ARGV[a + 1]
-    redis.call('HINCRBY', KEYS[k + 2], model .. '|requests', 1)
-    redis.call('HINCRBY', KEYS[k + 2], model .. '|prompt_tokens', ARGV[a + 2])
-    redis.call('HINCRBY', KEYS[k + 2], model .. '|cached_prompt_tokens', ARGV[a + 3])
-    redis.call('HINCRBY', KEYS[k + 2], model .. '|completion_tokens', ARGV[a + 4])
-    redis.call('EXPIREAT', KEYS[k + 2], ARGV[a + 6])
+    local hash, model = KEYS[k + 2], ARGV[a + 1]
+    local per_model = sums[hash]
+    if not per_model then
+      per_model = {models = {}}
+      sums[hash], expiry[hash] = per_model, ARGV[a + 6]
+      hashes[#hashes + 1] = hash
+    end
+    local m = per_model[model]
+    if not m then
+      m = {0, 0, 0, 0}
+      per_model[model] = m
+      per_model.models[#per_model.models + 1] = model
+    end
+    m[1], m[2], m[3], m[4] = m[1] + 1, m[2] + tonumber(ARGV[a + 2]), m[3] + tonumber(ARGV[a + 3]),
+                             m[4] + tonumber(ARGV[a + 4])
     for i = 1, f do event[2 * i] = ARGV[a + 6 + i] end
     redis.call('XADD', KEYS[k + 3], 'MAXLEN', '~', 'EVENTS_MAXLEN', '*', unpack(event))
-    if tonumber(ARGV[a + 5]) ~= 0 and redis.call('EXISTS', KEYS[k + 4]) == 1 then
-      redis.call('INCRBY', KEYS[k + 4], ARGV[a + 5])
+    local delta = tonumber(ARGV[a + 5])
+    if delta ~= 0 then
+      local counter = KEYS[k + 4]
+      if not refund[counter] then
+        refund[counter] = 0
+        counters[#counters + 1] = counter
+      end
+      refund[counter] = refund[counter] + delta
     end
     out[r + 1] = 1
   else
     out[r + 1] = 0
+  end
+end
+local metrics = {'|requests', '|prompt_tokens', '|cached_prompt_tokens', '|completion_tokens'}
+for _, hash in ipairs(hashes) do
+  local per_model = sums[hash]
+  for _, model in ipairs(per_model.models) do
+    local m = per_model[model]
+    for i = 1, 4 do redis.call('HINCRBY', hash, model .. metrics[i], string.format('%d', m[i])) end
+  end
+  redis.call('EXPIREAT', hash, expiry[hash])
+end
+for _, counter in ipairs(counters) do
+  if refund[counter] ~= 0 and redis.call('EXISTS', counter) == 1 then
+    redis.call('INCRBY', counter, string.format('%d', refund[counter]))
   end
 end
 return out

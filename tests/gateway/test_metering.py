@@ -174,11 +174,15 @@ def test_records_queued_together_are_written_per_tenant_and_a_close_writes_them_
     tenant = Tenant("acme", "acme", tokens_per_day=1000)
 
     async def body(client):
-        reservation = await Quotas(client).admit(tenant, "a1", prompt_tokens=100, max_tokens=400)
+        quotas = Quotas(client)
+        first = await quotas.admit(tenant, "a1", prompt_tokens=100, max_tokens=400)
+        third = await quotas.admit(tenant, "a3", prompt_tokens=10, max_tokens=40)
         meter = Meter(client, flush_after_s=60.0)  # only the close writes them
-        records = [(_usage("a1"), reservation), (_usage("a2", completion_tokens=7), None),
+        records = [(_usage("a1"), first), (_usage("a2", completion_tokens=7), None),
                    (UsageRecord("b1", "bravo", "m1", 5, 0, 6, "length", started_at=T0 - 1, ended_at=T0), None),
-                   (_usage("a2", completion_tokens=7), None)]  # a duplicate in the same batch
+                   (_usage("a2", completion_tokens=7), None),  # a duplicate in the same batch
+                   (_usage("a3", "m2", prompt_tokens=10, cached_prompt_tokens=0, completion_tokens=4), third),
+                   (_usage("a4", completion_tokens=1), None)]
         tasks = [asyncio.create_task(meter.record(usage, res)) for usage, res in records]
         await asyncio.sleep(0.05)
         assert not any(t.done() for t in tasks)
@@ -186,15 +190,17 @@ def test_records_queued_together_are_written_per_tenant_and_a_close_writes_them_
         started = asyncio.get_running_loop().time()
         await meter.aclose()
         assert asyncio.get_running_loop().time() - started < 5
-        assert [t.result() for t in tasks] == [True, True, True, False]
-        day, today = rk.utc_day(T0), reservation.day  # a1 lands on its reservation's day
-        assert (await meter.usage("acme", day, day))[day]["smollm2-135m"] == {
-            "requests": 1, "prompt_tokens": 100, "cached_prompt_tokens": 32, "completion_tokens": 7}
-        assert (await meter.usage("acme", today, today))[today]["smollm2-135m"] == {
-            "requests": 1, "prompt_tokens": 100, "cached_prompt_tokens": 32, "completion_tokens": 50}
+        assert [t.result() for t in tasks] == [True, True, True, False, True, True]
+        day, today = rk.utc_day(T0), first.day  # a1 and a3 land on their reservation's day
+        assert (await meter.usage("acme", day, day))[day] == {"smollm2-135m": {
+            "requests": 2, "prompt_tokens": 200, "cached_prompt_tokens": 64, "completion_tokens": 8}}
+        assert (await meter.usage("acme", today, today))[today] == {
+            "smollm2-135m": {"requests": 1, "prompt_tokens": 100, "cached_prompt_tokens": 32, "completion_tokens": 50},
+            "m2": {"requests": 1, "prompt_tokens": 10, "cached_prompt_tokens": 0, "completion_tokens": 4}}
         assert await meter.usage("bravo", day, day) == {day: {"m1": {
             "requests": 1, "prompt_tokens": 5, "cached_prompt_tokens": 0, "completion_tokens": 6}}}
         assert await meter.events("bravo") == [records[2][0]]
-        assert [e.request_id for e in await meter.events("acme")] == ["a1", "a2"]
-        assert int(await client.get(rk.tokens_day("acme", reservation.day))) == 150  # a1's refund applied
+        assert await meter.events("acme") == [records[i][0] for i in (0, 1, 4, 5)]
+        assert int(await client.get(rk.tokens_day("acme", first.day))) == 150 + 14  # both refunds applied
+        assert await client.hget(rk.usage("acme", today), "m2|cached_prompt_tokens") == b"0"  # zeros are kept
     _run(redis_url, body)
