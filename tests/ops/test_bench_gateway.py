@@ -16,7 +16,7 @@ from backend.tokenizer import Tokenizer
 from backend.worker_client import WorkerClient
 from tests.backend.servers import serve_in_thread
 from ops.bench.gateway.load import Row
-from ops.bench.gateway.report import compare
+from ops.bench.gateway.report import compare, vs_baseline
 from ops.standin_worker import HELLO_WORLD, create_standin_app, token_text
 
 
@@ -109,3 +109,26 @@ def test_compare_subtracts_direct_and_divides_by_litellm_per_setting() -> None:
     assert "litellm" not in without
     assert without["edgeserve"]["c1_nostream"]["rps_ratio_vs_litellm"] is None
     assert without["edgeserve"]["c1_nostream"]["added_p50_ms"] == pytest.approx(1.5)
+
+
+def test_vs_baseline_pairs_the_two_gateways_round_by_round() -> None:
+    def row(target: str, p50s: list[float], cpus: list[float], stream: bool = False) -> Row:
+        return Row(target=target, concurrency=1, stream=stream, requests=100, errors=0, seconds=1.0, rps=100.0,
+                   p50_ms=sorted(p50s)[len(p50s) // 2], p99_ms=9.0, p50_rounds_ms=p50s, rps_rounds=[100.0],
+                   proxy_cpu_ms_per_request=sum(cpus) / len(cpus) if cpus else None, cpu_rounds_ms=cpus)
+
+    # the machine slows down over the run (rounds 3-4 twice as slow for both gateways): paired, this tree
+    # is 0.8x the baseline every round, which the pooled medians blur
+    rows = [row("direct", [1.0, 1.0, 2.0, 2.0], []),
+            row("edgeserve", [2.0, 2.4, 4.0, 4.8], [1.6, 1.6, 3.2, 3.2]),
+            row("edgeserve@abc", [2.5, 3.0, 5.0, 6.0], [2.0, 2.0, 4.0, 4.0]),
+            row("edgeserve+quota", [3.0, 3.0, 6.0, 6.0], [2.0, 2.0, 4.0, 4.0]),
+            row("edgeserve+quota@abc", [3.0, 2.0, 6.0, 4.0], [2.0, 2.0, 2.0, 2.0])]
+    vs = vs_baseline(rows, compare(rows), "abc")
+    plain, quota = vs["edgeserve"]["c1_nostream"], vs["edgeserve+quota"]["c1_nostream"]
+    assert plain["p50_round_ratio"] == pytest.approx({"median": 0.8, "min": 0.8, "max": 0.8, "rounds": 4})
+    assert plain["cpu_round_ratio"] == pytest.approx({"median": 0.8, "min": 0.8, "max": 0.8, "rounds": 4})
+    assert quota["p50_round_ratio"] == pytest.approx({"median": 1.25, "min": 1.0, "max": 1.5, "rounds": 4})
+    assert quota["cpu_round_ratio"] == pytest.approx({"median": 1.5, "min": 1.0, "max": 2.0, "rounds": 4})
+    assert vs_baseline([r for r in rows if "@" not in r.target], compare(rows[:2]), "abc")[
+        "edgeserve"]["c1_nostream"]["p50_round_ratio"] is None

@@ -53,7 +53,10 @@ JSON: ``added_latency_ms`` maps target -> setting ("c1_nostream", "c1_stream", .
 -> {"p50", "p95", "p99"}; ``headline`` holds edgeserve+quota at c=1, both ways,
 against the 2 ms target; ``rps`` maps target -> setting -> requests/s (litellm
 null when unavailable); ``added_latency_p50_ms`` / ``_p99_ms`` keep the older
-keys for the tenant without quotas.
+keys for the tenant without quotas. With ``--baseline``, ``baseline.vs_baseline``
+also pairs the two gateways round by round (``p50_round_ratio``, ``cpu_round_ratio``:
+median, min, max of this tree / the baseline over the rounds; printed under the table),
+which on a machine whose speed drifts is steadier than the pooled figures.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ops.bench.gateway.load import MODEL, measure, setting_key
-from ops.bench.gateway.report import compare, plot_rows, print_table, vs_baseline
+from ops.bench.gateway.report import compare, plot_rows, print_table, print_vs_baseline, vs_baseline
 from ops.bench.gateway.servers import LITELLM_VENV, check_all, ensure_litellm, has_modules, start_targets
 from ops.bench.harness.progress import log
 from ops.bench.report import write_report
@@ -134,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows, cmp)
     print("added = target - direct at the same setting; cpu ms/req = the proxy's CPU (+ Redis's for edgeserve) "
           f"per request; took {total_s:.0f} s")
+    vs = None if baseline is None else vs_baseline(rows, cmp, baseline)
+    if vs is not None:
+        print_vs_baseline(vs, baseline)
 
     keys = [setting_key(c, s) for c in points for s in (False, True)]
     names = [t.name for t in targets]
@@ -158,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         "rps_ratio_edgeserve_quota_vs_litellm": {k: v["rps_ratio_vs_litellm"] for k, v in quota.items()}
         if have_litellm else None,
         "baseline": None if baseline is None else {"ref": args.baseline, "commit": baseline,
-                                                   "vs_baseline": vs_baseline(rows, cmp, baseline)},
+                                                   "vs_baseline": vs},
         "comparison": cmp,
         "litellm": {"available": have_litellm, "version": litellm_version, "note": litellm_note},
         "servers_have": servers,

@@ -3,13 +3,14 @@ LiteLLM, per target and setting; against a baseline commit's gateway; the table 
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
 from ops.bench.gateway.load import Row
 from ops.bench.harness import plot
 
-__all__ = ["compare", "vs_baseline", "print_table", "plot_rows"]
+__all__ = ["compare", "vs_baseline", "print_vs_baseline", "print_table", "plot_rows"]
 
 
 def compare(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -40,19 +41,47 @@ def compare(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def vs_baseline(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]], commit: str
-                 ) -> dict[str, dict[str, dict[str, float | None]]]:
-    """Per tenant kind and setting: added p50 and proxy CPU ms/request, this tree over the baseline's."""
+                 ) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per tenant kind and setting: this tree over the baseline's gateway.
+
+    `added_p50_ratio` and `cpu_ms_per_request_ratio` compare the pooled figures (all rounds
+    together; the CPU is the proxy's alone). On a shared machine whose speed drifts over minutes
+    the steadier figures are paired by round: the two gateways of a repetition run back to back in
+    the same setting, so `p50_round_ratio` and `cpu_round_ratio` (proxy + Redis CPU per request)
+    take the ratio round by round and give its median, min and max over the rounds.
+    """
     by = {(r.target, r.key): r for r in rows}
-    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
     for kind in ("edgeserve", "edgeserve+quota"):
         for key, entry in cmp.get(kind, {}).items():
             old, new, base = cmp.get(f"{kind}@{commit}", {}).get(key), entry, by.get((f"{kind}@{commit}", key))
-            ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+            mine = by[(kind, key)]
             out.setdefault(kind, {})[key] = {
                 "added_p50_ratio": ratio(new["added_p50_ms"], old and old["added_p50_ms"]),
-                "cpu_ms_per_request_ratio": ratio(by[(kind, key)].proxy_cpu_ms_per_request,
-                                                  base and base.proxy_cpu_ms_per_request)}
+                "cpu_ms_per_request_ratio": ratio(mine.proxy_cpu_ms_per_request,
+                                                  base and base.proxy_cpu_ms_per_request),
+                "p50_round_ratio": _paired(mine.p50_rounds_ms, base.p50_rounds_ms if base else []),
+                "cpu_round_ratio": _paired(mine.cpu_rounds_ms, base.cpu_rounds_ms if base else [])}
     return out
+
+
+def _paired(mine: list[float], theirs: list[float]) -> dict[str, float] | None:
+    """Median, min and max of mine[i] / theirs[i] over the rounds both have."""
+    ratios = sorted(a / b for a, b in zip(mine, theirs) if b > 0)
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1], "rounds": len(ratios)}
+
+
+def print_vs_baseline(vs: dict[str, dict[str, dict[str, Any]]], commit: str) -> None:
+    """The paired round-by-round ratios of `vs_baseline`, one line per tenant kind and setting."""
+    print(f"this tree / {commit}, paired by round (median [min, max]):")
+    for kind, per in vs.items():
+        for key, v in per.items():
+            parts = [f"{name} {r['median']:.3f}x [{r['min']:.2f}, {r['max']:.2f}]"
+                     for name, r in (("p50", v["p50_round_ratio"]), ("cpu/req", v["cpu_round_ratio"])) if r]
+            print(f"  {kind:<16}{key:<14}" + "  ".join(parts))
 
 
 def print_table(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]]) -> None:
