@@ -8,7 +8,8 @@ slot), does all of it atomically, for each record it is given:
    already metered and nothing changes (retries, duplicate reports and journal
    replays are free);
 2. ``HINCRBY usage:<day>`` ``<model>|requests`` (+1), ``|prompt_tokens``,
-   ``|cached_prompt_tokens`` and ``|completion_tokens``; the hash expires
+   ``|cached_prompt_tokens`` and ``|completion_tokens`` (summed over the call's new
+   records first: one HINCRBY per field and call); the hash expires
    `USAGE_RETENTION_DAYS` (400) days after its day ends: that is how long daily
    usage can be read back;
 3. ``XADD usage-events MAXLEN ~ 1000000`` with every field of the record (as
@@ -20,7 +21,7 @@ slot), does all of it atomically, for each record it is given:
 **Records are written in batches** (`gateway.group_commit`): `record` queues its record, and
 everything queued within `flush_after_s` (default 20 ms) of the first, up to `MAX_BATCH`, goes
 to Redis together, one script call per tenant (its keys share a slot), the calls of different
-tenants side by side. A script call costs ~0.2 ms of gateway CPU and ~0.08 ms of Redis's
+tenants side by side. A script call costs ~0.2 ms of gateway CPU and 0.04–0.08 ms of Redis's,
 whatever it carries, and a batch of four already costs a third of that per record, so at a few
 hundred requests a second metering drops from the largest Redis cost of a request to a small
 one. `record` still returns only once its record is settled (or journaled), so

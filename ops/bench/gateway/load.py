@@ -57,7 +57,7 @@ class Row:
     p50_rounds_ms: list[float] = field(default_factory=list)
     rps_rounds: list[float] = field(default_factory=list)
     error_kinds: dict[str, int] = field(default_factory=dict)  # errors by kind ("HTTP 503", "stream cut", ...)
-    cpu_rounds_ms: list[float] = field(default_factory=list)  # proxy (+ Redis) CPU ms per request, round by round
+    cpu_rounds_ms: list[float] = field(default_factory=list)  # CPU ms per request as above (+ Redis's), per round
 
     @property
     def key(self) -> str:
@@ -168,7 +168,7 @@ class _Samples:
     redis_cpu_s: float = 0.0
     p50_rounds_ms: list[float] = field(default_factory=list)
     rps_rounds: list[float] = field(default_factory=list)
-    cpu_rounds_ms: list[float] = field(default_factory=list)
+    cpu_rounds: list[tuple[float, float]] = field(default_factory=list)  # (proxy, Redis) CPU s per request
 
     def add(self, res: RoundResult, proxy_cpu_s: float, redis_cpu_s: float) -> None:
         self.latencies += res.latencies
@@ -180,7 +180,7 @@ class _Samples:
         self.p50_rounds_ms.append(1e3 * percentile(res.latencies, 0.5))
         self.rps_rounds.append(len(res.latencies) / res.seconds)
         if res.latencies:
-            self.cpu_rounds_ms.append(1e3 * (proxy_cpu_s + redis_cpu_s) / len(res.latencies))
+            self.cpu_rounds.append((proxy_cpu_s / len(res.latencies), redis_cpu_s / len(res.latencies)))
 
     def row(self, target: str, c: int, stream: bool, redis_counted: bool) -> Row:
         n, ms = len(self.latencies), lambda values, q: 1e3 * percentile(values, q)
@@ -194,7 +194,8 @@ class _Samples:
                    else None,
                    redis_cpu_ms_per_request=1e3 * self.redis_cpu_s / n if redis_counted and n else None,
                    p50_rounds_ms=self.p50_rounds_ms, rps_rounds=self.rps_rounds,
-                   cpu_rounds_ms=self.cpu_rounds_ms if target not in ("direct", "worker") else [])
+                   cpu_rounds_ms=[] if target in ("direct", "worker") else
+                   [1e3 * (proxy + (redis if redis_counted else 0.0)) for proxy, redis in self.cpu_rounds])
 
 
 async def measure(targets: list[Target], points: list[int], streams: list[bool], num_tokens: int, rounds: int,
