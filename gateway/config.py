@@ -46,7 +46,9 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     # append-only file of usage Redis could not take yet (replayed when it returns); None: the first free
     # $EDGESERVE_HOME/journal/gateway-<n>.jsonl (gateway/usage_journal.py)
     usage_journal_path: str | None = None
-    usage_flush_s: float = 0.02  # usage records wait this long to share one Redis write (gateway/metering.py)
+    # 0: usage records that end while a metering write is in flight share the next one (group commit);
+    # > 0: each waits up to this long for others (gateway/metering.py)
+    usage_flush_s: float = 0.0
     worker_token: str | None = None  # sent to workers as a Bearer token; keep it out of logs
     max_header_bytes: int = 32 * 2**10  # request headers (names + values) past this: 431
     max_headers: int = 100

@@ -1,20 +1,26 @@
 """Group commit: items submitted one by one are written together, each submitter awaiting its own result.
 
-    batch = GroupCommit(write, linger_s=0.02, max_items=128)
-    result = await batch.submit(item)   # queued; written with whatever else came within linger_s
+    batch = GroupCommit(write, linger_s=0.0, max_items=128)
+    result = await batch.submit(item)   # written now, or with the next write (see below)
     await batch.drain()                 # write what is queued now and wait for every write in flight
 
-The first item of an empty queue starts a timer of `linger_s`; when it fires, or as soon as
-`max_items` are queued, everything queued goes to one `write(items)` call, which returns one
-result per item in order. Writes run as tasks of their own, so a batch in flight never holds
-up the next one, and a submitter that is cancelled while it waits leaves its item in the batch
-(it is written all the same; only its result is dropped). A `write` that raises hands the same
-exception to every submitter of that batch.
+Two policies, by `linger_s`:
+
+* ``0`` (classic group commit): an item submitted while no write is in flight is written at once,
+  alone; items submitted while one is in flight queue, and all of them go in one write as soon as
+  it returns. Nothing waits when the writer is idle, and under load a batch is whatever arrived
+  during one write's round trip.
+* ``> 0``: the first item of an empty queue starts a timer of `linger_s`; when it fires, everything
+  queued goes in one write. Fewer, larger writes at low rates, at the price of up to `linger_s` of
+  the write's own latency, landing at moments unrelated to the submitters.
+
+Either way a queue of `max_items` is written at once. Writes run as tasks of their own; `write(items)`
+returns one result per item in order. A submitter that is cancelled while it waits leaves its item
+in the batch (it is written all the same; only its result is dropped), and a `write` that raises
+hands the same exception to every submitter of that batch.
 
 Why: a per-request write to Redis (the usage record) pays a fixed client and server cost per
 command (~0.2 ms of CPU through redis-py) that one command carrying several items pays once.
-The price is latency of the write itself, at most `linger_s`, which nobody waits for on a
-response's path.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ class GroupCommit(Generic[T, R]):
 
     def __init__(self, write: Callable[[list[T]], Awaitable[Sequence[R]]], *, linger_s: float,
                  max_items: int) -> None:
-        """`write(items)` returns one result per item, in order; `linger_s` <= 0 writes each item at once."""
+        """`write(items)` returns one result per item, in order; `linger_s` picks the policy (module docstring)."""
         if max_items < 1:
             raise ValueError("max_items must be at least 1")
         self._write, self.linger_s, self.max_items = write, linger_s, max_items
@@ -52,17 +58,18 @@ class GroupCommit(Generic[T, R]):
         loop = asyncio.get_running_loop()
         result: asyncio.Future[R] = loop.create_future()
         self._queued.append((item, result))
-        if len(self._queued) >= self.max_items or self.linger_s <= 0:
+        if len(self._queued) >= self.max_items or (self.linger_s <= 0 and not self._writing):
             self._start_write()
-        elif self._timer is None:
+        elif self.linger_s > 0 and self._timer is None:
             self._timer = loop.call_later(self.linger_s, self._start_write)
         return await result
 
     async def drain(self) -> None:
         """Write what is queued now and wait until every write in flight has ended."""
-        self._start_write()
-        while self._writing:
-            await asyncio.wait(set(self._writing))
+        while self._queued or self._writing:
+            self._start_write()
+            if self._writing:
+                await asyncio.wait(set(self._writing))
 
     def _start_write(self) -> None:
         if self._timer is not None:
@@ -72,7 +79,12 @@ class GroupCommit(Generic[T, R]):
         if batch:
             task = asyncio.get_running_loop().create_task(self._run(batch), name="group-commit")
             self._writing.add(task)
-            task.add_done_callback(self._writing.discard)
+            task.add_done_callback(self._written)
+
+    def _written(self, task: asyncio.Task[None]) -> None:
+        self._writing.discard(task)
+        if self.linger_s <= 0 and self._queued and not self._writing:  # what came meanwhile goes now
+            self._start_write()
 
     async def _run(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
         try:

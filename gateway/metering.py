@@ -18,17 +18,17 @@ slot), does all of it atomically, for each record it is given:
    ``prompt + completion - reserved`` (a refund of the unused completion budget),
    only when tokens were reserved and the day's counter still exists.
 
-**Records are written in batches** (`gateway.group_commit`): `record` queues its record, and
-everything queued within `flush_after_s` (default 20 ms) of the first, up to `MAX_BATCH`, goes
-to Redis together, one script call per tenant (its keys share a slot), the calls of different
-tenants side by side. A script call costs ~0.2 ms of gateway CPU and 0.04–0.08 ms of Redis's,
-whatever it carries, and a batch of four already costs a third of that per record, so at a few
-hundred requests a second metering drops from the largest Redis cost of a request to a small
-one. `record` still returns only once its record is settled (or journaled), so
-`Generation.aclose` means "metered" as before; it returns up to `flush_after_s` later, which no
-response waits for (the answer and the stream's last byte leave before metering). A gateway
-killed outright loses the records of its last `flush_after_s` (before: those of requests whose
-script was in flight); a graceful stop writes them (`aclose`).
+**Records are written in batches** (group commit, `gateway.group_commit`): a record that ends
+while no metering write is in flight is written at once; those that end while one is in flight
+go together, up to `MAX_BATCH`, as soon as it returns: one script call per tenant (its keys share
+a slot), the calls of different tenants side by side. A script call costs ~0.2 ms of gateway CPU
+and 0.04–0.08 ms of Redis's, whatever it carries, and a batch of four already costs a third of
+that per record, so under load metering drops from the largest Redis cost of a request to a small
+one, while an idle gateway writes each record as soon as its request ends, as before. With
+`flush_after_s` > 0 a record instead waits up to that long for others (fewer writes at low rates,
+measured slower at c = 1). `record` returns once its record is settled (or journaled), so
+`Generation.aclose` means "metered"; no response waits for it (the answer and the stream's last
+byte leave before metering). A graceful stop writes what is queued (`aclose`).
 
 The usage day is the reservation's day (Redis's clock at admission) when there is
 one, otherwise the UTC day of ``ended_at`` (or now). ``cached_prompt_tokens`` is
@@ -86,7 +86,7 @@ MAX_USAGE_DAYS = 93  # longest range one usage() call reads
 EVENTS_MAXLEN = 1_000_000  # approximate cap of each tenant's event stream
 MARKER_TTL_S = 8 * 86_400  # a request id stays "metered" this long: journal replays within it are exact
 USAGE_RETENTION_DAYS = 400  # a day's usage hash expires this many days after the day ends
-FLUSH_AFTER_S = 0.02  # a usage record waits at most this long for others to share its write
+FLUSH_AFTER_S = 0.0  # 0: group commit (at once when idle); > 0: a record waits this long for others
 MAX_BATCH = 128  # records written together at most
 
 # Any number of records of one tenant.
@@ -223,8 +223,9 @@ class Meter:
                  flush_after_s: float = FLUSH_AFTER_S) -> None:
         """`journal_path`: this gateway's journal file; by default the first free
         ``gateway-<n>.jsonl`` in ``$EDGESERVE_HOME/journal``. Nothing touches the disk until
-        `start` or the first entry Redis cannot take. `flush_after_s`: how long a record waits for
-        others to share its write (module docstring); 0 writes each at once."""
+        `start` or the first entry Redis cannot take. `flush_after_s`: 0 (default) writes a record at
+        once when no write is in flight, else with the next; > 0 makes it wait that long for others
+        (module docstring)."""
         self.redis = redis
         self.journal_path = None if journal_path is None else Path(journal_path)
         self.replay_interval_s, self.usage_retention_days = replay_interval_s, usage_retention_days

@@ -87,7 +87,27 @@ def test_a_cancelled_submitter_leaves_its_item_in_the_batch() -> None:
     asyncio.run(main())
 
 
-def test_drain_waits_for_writes_in_flight_and_a_zero_linger_writes_each_at_once() -> None:
+def test_with_no_linger_an_idle_writer_writes_at_once_and_what_comes_meanwhile_goes_next() -> None:
+    async def main():
+        writer = _Writer(delay_s=0.05)
+        batch = GroupCommit(writer, linger_s=0.0, max_items=3)
+        first = asyncio.create_task(batch.submit(0))
+        await asyncio.sleep(0.01)
+        assert writer.batches == [[0]]  # nothing was in flight: written without waiting
+        rest = [asyncio.create_task(batch.submit(i)) for i in (1, 2)]
+        await asyncio.sleep(0.01)
+        assert writer.batches == [[0]] and batch.queued == 2  # the first write is still in flight
+        assert await first == (0, 1)
+        assert await asyncio.gather(*rest) == [(1, 2), (2, 2)]  # together, once it returned
+        burst = [asyncio.create_task(batch.submit(i)) for i in range(10, 17)]
+        await asyncio.sleep(0.01)
+        assert writer.batches[2:] == [[10], [11, 12, 13], [14, 15, 16]]  # a full queue does not wait
+        await batch.drain()
+        assert all(t.done() for t in burst) and writer.batches[2:] == [[10], [11, 12, 13], [14, 15, 16]]
+    asyncio.run(main())
+
+
+def test_drain_writes_the_queue_and_waits_for_writes_in_flight() -> None:
     async def main():
         writer = _Writer(delay_s=0.05)
         batch = GroupCommit(writer, linger_s=0.0, max_items=100)
@@ -95,7 +115,7 @@ def test_drain_waits_for_writes_in_flight_and_a_zero_linger_writes_each_at_once(
         await asyncio.sleep(0)
         await batch.drain()
         assert all(task.done() for task in pending)
-        assert writer.batches == [[0], [1], [2]]
+        assert writer.batches == [[0], [1, 2]]
     asyncio.run(main())
 
 
