@@ -407,7 +407,7 @@ class LLMEngine:
     def _threads_for(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager[None]:
         """torch at one thread for a step whose every linear runs the C GEMV (its helpers take the other cores;
         `kernels/cpu_threads.py` says why and what it measured), torch's pool as it is otherwise."""
-        if self.runner.gemv_decode and batch.num_tokens <= cpu_gemv.MAX_ROWS:
+        if self.runner.gemv_decode and batch.num_tokens <= cpu_gemv.max_rows():
             return torch_single_threaded()
         return contextlib.nullcontext()
 

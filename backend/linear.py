@@ -27,10 +27,11 @@ Each bucket costs one extra copy of the weight in memory (for SmolLM2-135M in
 float32: ~0.54 GB per bucket). Buckets are used only for float32 weights on a
 CPU build with MKL; everything else uses the plain GEMM.
 
-Bfloat16 weights on a CPU with AVX512-BF16: calls of at most `cpu_gemv.MAX_ROWS` rows (a
-decode step's requests) run the C kernel of `kernels/cpu_gemv.py`, which reads the weight
-at close to the memory's rate where torch's bfloat16 GEMM reached about half of it; same
-products, float32 sums in another order, rounded to bfloat16 as torch's result is. Calls of
+Bfloat16 weights on a CPU with AVX512-BF16: calls of at most `cpu_gemv.max_rows()` rows (a
+decode step's requests, and a short prompt chunk where the CPU's tiles are fast) run the C kernel
+of `kernels/cpu_gemv.py`, which reads the weight at close to the memory's rate where torch's
+bfloat16 GEMM reached about half of it; same products, float32 sums in another order, rounded to
+bfloat16 as torch's result is. Calls of
 at least `gemm_widen.WIDEN_MIN_ROWS` rows (prefill) run in float32 on a float32 copy of the
 weight made per call, where this CPU's float32 GEMM measured faster (`backend/gemm_widen.py`).
 """
@@ -43,6 +44,7 @@ from typing import Protocol
 import torch
 
 from backend.gemm_widen import WIDEN_MIN_ROWS, widened_linear, widening_pays
+from kernels import cpu_gemv  # builds nothing at import (the C build runs on first use)
 
 __all__ = ["LinearOp", "Linear", "Int4Linear", "Fp8Linear", "mkl_packing_available", "DEFAULT_BUCKETS"]
 
@@ -60,18 +62,13 @@ class LinearOp(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-_GEMV_MAX_ROWS = 32  # kernels.cpu_gemv.MAX_ROWS (not imported here: the C build runs on first use only)
-
-
 def _bf16_gemv_available() -> bool:
     """Whether the AVX512-BF16 decode GEMV is built for this CPU (`EDGESERVE_BF16_GEMV=0` turns it off)."""
     import os
 
     if os.environ.get("EDGESERVE_BF16_GEMV", "1") == "0":
         return False
-    from kernels.cpu_gemv import available
-
-    return available()
+    return cpu_gemv.available()
 
 
 def mkl_packing_available() -> bool:
@@ -146,10 +143,8 @@ class Linear:
             return widened_linear(x, self.weight_t, self.bias)
         if x.dtype != self.weight.dtype:  # e.g. bf16 weights under float32 compute
             return self(x.to(self.weight.dtype)).to(x.dtype)
-        if self.gemv and rows <= _GEMV_MAX_ROWS:
-            from kernels.cpu_gemv import gemv_bf16
-
-            y = gemv_bf16(x, self.weight)
+        if self.gemv and rows <= cpu_gemv.max_rows():
+            y = cpu_gemv.gemv_bf16(x, self.weight)
             return y if self.bias is None else y.add_(self.bias)
         if not self.buckets or rows <= _UNPACKED_MAX_ROWS or rows >= _UNPACKED_MIN_ROWS:
             return self._dense(x)

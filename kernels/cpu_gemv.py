@@ -2,14 +2,15 @@
 
 `kernels/cpu/gemv_bf16.c` computes y = x . W^T for bfloat16 x [M, K] and W [N, K] with
 `vdpbf16ps` (exact bfloat16 products, float32 sums), reading the weights once at close to
-the memory's rate. It is used for the rows of a decode step up to `MAX_ROWS`: at a few rows a GEMV
-is bound by reading the weights and torch's bfloat16 GEMM ran at about half that rate (measured
-with `edgeserve bench token-profile`); from 7 rows the work is compute-bound and runs in 4 x 4
-tiles, either of `vdpbf16ps` or of float32 FMAs on weights widened in registers (x widened once
-per call). Which is faster depends on the core (on the Intel Xeon VM measured, `vdpbf16ps` does
-75 GFLOP/s a core and float32 FMAs 123; AMD Zen 4 runs `vdpbf16ps` at twice its float32 FMA
-rate on paper, unmeasured here), so `tile_mode()` times both once per process and keeps the
-faster (`EDGESERVE_GEMV_TILES=dp|fma` forces one). The C file has the numbers.
+the memory's rate. It is used for steps of up to `max_rows()` rows (a decode step, or one with a
+short prompt chunk): at a few rows a GEMV is bound by reading the weights and torch's bfloat16 GEMM
+ran at about half that rate (measured with `edgeserve bench token-profile`); from 7 rows the work is
+compute-bound and runs in 4 x 4 tiles, either of `vdpbf16ps` or of float32 FMAs on weights widened
+in registers (x widened once per call). Which is faster depends on the core (on the Intel Xeon VM
+measured, `vdpbf16ps` does 75 GFLOP/s a core and float32 FMAs 123; on an AMD EPYC (Zen 5) VM the
+vdpbf16ps tiles run at 90-100% of torch's own peak bfloat16 GEMM rate from 64 rows), so `tile_mode()` times both once
+per process and keeps the faster (`EDGESERVE_GEMV_TILES=dp|fma` forces one), and the row limit
+follows the choice (`MAX_ROWS_BY_TILES`). The C file has the numbers.
 The result is rounded to bfloat16 in C (to nearest, ties to even), as torch's bfloat16 GEMM returns
 it; it differs from torch's only in summation order.
 
@@ -39,16 +40,22 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "gemv_bf16", "MAX_ROWS", "PER_ROW_MAX", "TILE_MODES", "tile_mode",
-           "measure_tiles"]
+__all__ = ["available", "build_error", "gemv_bf16", "max_rows", "MAX_ROWS_BY_TILES", "PER_ROW_MAX", "TILE_MODES",
+           "tile_mode", "measure_tiles"]
 
 log = logging.getLogger(__name__)
 
-# x rows (decode tokens) up to which Linear runs the kernel. Its time over torch's bfloat16 GEMM's, SmolLM2's
-# linears: 0.55x at 1 row, 0.80x at 4, 0.77x at 6 (2-core Zen 4, per-row code only); with the vdpbf16ps
-# tiles, 2-core Intel Xeon VM, 2 threads each: 0.59-0.81x at 8, 0.67-0.85x at 16, 0.85-1.09x at 32,
-# 0.86-1.03x at 64 (the FMA tiles there: 0.77-0.93x the vdpbf16ps tiles' time at 8-32 rows, all 121 linears)
-MAX_ROWS = 32
+# x rows (tokens of a step) up to which Linear runs the kernel and a step hands torch's threads over to it
+# (`max_rows`), per tile kernel. Its time over torch's bfloat16 GEMM's, SmolLM2's linears: 0.55x at 1 row, 0.80x
+# at 4, 0.77x at 6 (2-core Zen 4, per-row code only); with the vdpbf16ps tiles, 2-core Intel Xeon VM, 2 threads
+# each: 0.59-0.81x at 8, 0.67-0.85x at 16, 0.85-1.09x at 32, 0.86-1.03x at 64 (the FMA tiles there: 0.77-0.93x
+# the vdpbf16ps tiles' time at 8-32 rows, all 121 linears), so FMA-tile hosts stop at 32. On a 2-core AMD EPYC
+# VM (Zen 5 by its flags; vdpbf16ps tiles) the fused linears of 30 layers, each in its own process: 0.58x at 32
+# rows, 0.64x at 64, 0.74x at 128, 0.81x at 192, 0.85x at 256, 1.0x at 512; but a step past the limit keeps
+# torch's threads for its other ops (the prompt's attention), so the limit is set by whole steps, the limits
+# alternating step by step in one engine (31 decode rows plus a prompt chunk, medians of 8): 0.79-0.92x at 63-128
+# tokens, 0.97x at 159, 1.09x at 255. So vdpbf16ps hosts take the kernel up to 128 rows.
+MAX_ROWS_BY_TILES = {"dp": 128, "fma": 32}
 _THREADED_BYTES = 256 << 10  # weights below this run on the calling thread alone (too short to share)
 _SHARED_THREADED_BYTES = 16 << 20  # the same while torch's OpenMP workers may spin (outside a handover)
 _CHUNK_BYTES = 128 << 10  # of weights per chunk the threads claim (a few per thread at SmolLM2's sizes)
@@ -103,10 +110,16 @@ def tile_mode() -> str:
     return mode
 
 
+def max_rows() -> int:
+    """Rows up to which `Linear` runs the kernel and a step of that many tokens hands torch's threads over
+    (`MAX_ROWS_BY_TILES` for this CPU's tile kernel, `tile_mode()`)."""
+    return MAX_ROWS_BY_TILES[tile_mode()]
+
+
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,
               tiles: str | None = None) -> torch.Tensor:
     """x [M, K] . weight [N, K]^T -> [M, N] bfloat16, for contiguous bfloat16 CPU tensors and
-    any M (one pass over the weights; `Linear` calls it up to MAX_ROWS; `available()` first).
+    any M (one pass over the weights; `Linear` calls it up to `max_rows()`; `available()` first).
     `tiles` picks the kernel for more than PER_ROW_MAX rows (`TILE_MODES`; default: `tile_mode()`)."""
     lib = _KERNEL.load()
     m, k = x.shape

@@ -1,5 +1,5 @@
-"""Who owns the CPU's threads: in a worker, the engine thread owns torch's OpenMP pool; in a decode step of up
-to `cpu_gemv.MAX_ROWS` rows, the C kernels own the cores, not that pool.
+"""Who owns the CPU's threads: in a worker, the engine thread owns torch's OpenMP pool; in a step of up to
+`cpu_gemv.max_rows()` rows, the C kernels own the cores, not that pool.
 
 At those row counts every bfloat16 linear runs the C GEMV (`kernels/cpu_gemv.py`), whose helper
 threads claim chunks of the weight rows. torch's own OpenMP workers, once woken by any parallel

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from backend.linear import Linear
 from kernels import cpu_gemv
-from kernels.cpu_gemv import MAX_ROWS, TILE_MODES, available, build_error, gemv_bf16
+from kernels.cpu_gemv import MAX_ROWS_BY_TILES, TILE_MODES, available, build_error, gemv_bf16
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(not available(), reason=f"bf16 GEMV not built for this CPU: {build_error()}")
@@ -98,17 +98,28 @@ def test_measure_tiles_times_both() -> None:
     assert set(times) == set(TILE_MODES) and all(0 < t < 1 for t in times.values())
 
 
-def test_linear_takes_it_at_decode_row_counts(seed: int) -> None:
+@pytest.mark.parametrize("mode", TILE_MODES)
+def test_linear_takes_it_up_to_the_tiles_row_limit(tiles_env, monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                   seed: int) -> None:
+    """`Linear` runs the kernel up to `max_rows()` rows, which follows the tile kernel chosen, and torch's GEMM
+    past it; both right."""
+    tiles_env(mode)
+    limit = cpu_gemv.max_rows()
+    assert limit == MAX_ROWS_BY_TILES[mode] and MAX_ROWS_BY_TILES["dp"] > MAX_ROWS_BY_TILES["fma"] >= 32
+    calls: list[int] = []
+    kernel = cpu_gemv.gemv_bf16
+    monkeypatch.setattr(cpu_gemv, "gemv_bf16", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
     w = (torch.randn(96, 80) * 0.05).bfloat16()
     bias = torch.randn(96).bfloat16()
     lin = Linear(w, bias)
     assert lin.gemv
-    for rows in (1, MAX_ROWS, MAX_ROWS + 1):  # the last one is torch's GEMM
+    for rows in (1, limit, limit + 1):  # the last one is torch's GEMM
         x = torch.randn(rows, 80).bfloat16()
         y = lin(x)
         ref = F.linear(x.double(), w.double(), bias.double())
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-2)
+    assert calls == [1, limit]
     assert not Linear(w.float()).gemv and not Linear(w.t().contiguous().t()).gemv  # float32, a strided view
 
 

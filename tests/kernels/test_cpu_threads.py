@@ -51,13 +51,14 @@ def test_the_engine_hands_over_only_steps_whose_linears_all_run_the_gemv(tiny_ch
         return run(batch)
 
     engine.runner.run = recording
-    for i, prompt in enumerate([[10 + j % 50 for j in range(cpu_gemv.MAX_ROWS + 8)], [5, 6, 7]]):
+    limit = cpu_gemv.max_rows()
+    for i, prompt in enumerate([[10 + j % 50 for j in range(limit + 8)], [5, 6, 7]]):
         engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0), request_id=f"r{i}")
     while engine.has_work():
         engine.step()
-    assert any(t > cpu_gemv.MAX_ROWS for t, _, _ in seen) and any(t <= cpu_gemv.MAX_ROWS for t, _, _ in seen)
+    assert any(t > limit for t, _, _ in seen) and any(t <= limit for t, _, _ in seen)
     for tokens, torch_threads, kernels in seen:
-        small = handed_over and tokens <= cpu_gemv.MAX_ROWS
+        small = handed_over and tokens <= limit
         assert (torch_threads, kernels) == ((1, 2) if small else (2, 2)), (tokens, torch_threads, kernels)
     assert torch.get_num_threads() == 2
 
