@@ -1,11 +1,14 @@
-"""The torch paged attention path (CPU runtime) against dense attention, prefill and decode together."""
+"""Paged attention on the CPU against dense attention, prefill and decode rows in one step: the C kernel for the
+whole step, and the torch path (pages gathered, SDPA) that hosts without the kernel run."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import backend.attention
 from backend.attention import PrefillChunk, StepMetadata, paged_attention
+from kernels.cpu_paged_attention import available as c_kernel_available
 from backend.config import ModelConfig
 from backend.kv_cache import PagedKVCache
 
@@ -31,10 +34,27 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return torch.einsum("hnk,khd->nhd", probs, v)
 
 
+@pytest.fixture(params=["c_kernel", "torch"])
+def kernel_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[int]]:
+    """Which path runs (the torch one: the C kernel reports it cannot run, as where it is not built) and the
+    row counts of the C kernel's calls."""
+    if request.param == "c_kernel" and not c_kernel_available():
+        pytest.skip("the C paged attention kernel is not built here")
+    kernel, calls = backend.attention.paged_decode_attention_cpu, []
+
+    def spy(q: torch.Tensor, *args, **kwargs) -> torch.Tensor | None:
+        calls.append(q.shape[0])
+        return kernel(q, *args, **kwargs) if request.param == "c_kernel" else None
+
+    monkeypatch.setattr(backend.attention, "paged_decode_attention_cpu", spy)
+    return request.param, calls
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("cached,new", [(0, 1), (0, 17), (15, 1), (16, 16), (17, 15), (100, 30)])
-def test_prefill_chunk_and_decode_rows_match_dense_attention(fmt: str, group: int, cached: int, new: int) -> None:
+def test_prefill_chunk_and_decode_rows_match_dense_attention(fmt: str, group: int, cached: int, new: int,
+                                                             kernel_calls: tuple[str, list[int]]) -> None:
     kv_heads, head_dim = 2, 32
     heads = kv_heads * group
     cache = make_cache(kv_heads, head_dim, fmt)
@@ -63,6 +83,9 @@ def test_prefill_chunk_and_decode_rows_match_dense_attention(fmt: str, group: in
                         logits_rows=torch.tensor([0]))
     scale = head_dim ** -0.5
     out = paged_attention(q, cache, 0, meta, scale)
+    path, calls = kernel_calls
+    # the C kernel takes the whole step in one call; without it, the decode row tries it and the chunk gathers
+    assert calls == ([1 + new] if path == "c_kernel" else [1 + new, 1])
 
     # tight: against dense attention over what the cache holds (the dequantised values)
     held_a = cache.gather(0, torch.tensor([pages_a]))
@@ -82,3 +105,44 @@ def test_prefill_chunk_and_decode_rows_match_dense_attention(fmt: str, group: in
     held = dense_reference(probe, held_a[0][0, :ctx_a], held_a[1][0, :ctx_a], ctx_a - 1, scale)
     rel = (held - orig_a).abs().mean() / orig_a.abs().mean()
     assert rel.item() <= tol, rel.item()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_a_step_of_several_decode_rows_and_chunks(fmt: str, kernel_calls: tuple[str, list[int]]) -> None:
+    """Two decode rows and two prompt chunks (one after a cached prefix) of different page counts in one step:
+    each row against dense attention over its own sequence (the whole step's page table is zero-padded)."""
+    kv_heads, heads, head_dim = 2, 6, 32
+    cache = make_cache(kv_heads, head_dim, fmt)
+    perm = torch.randperm(cache.num_pages).tolist()
+    # (context after this step, rows this step): decode 70 and 9; chunks of 23 after 0 and of 12 after 40
+    seqs = [(70, 1), (9, 1), (23, 23), (52, 12)]
+    pages, at = [], 0
+    for ctx, _ in seqs:
+        pages.append(perm[at: at + -(-ctx // PAGE)])
+        at += len(pages[-1])
+    held = []
+    for (ctx, _), pg in zip(seqs, pages):
+        k, v = torch.randn(ctx, kv_heads, head_dim), torch.randn(ctx, kv_heads, head_dim) * 2
+        cache.store(0, torch.tensor([pg[i // PAGE] * PAGE + i % PAGE for i in range(ctx)]), k, v)
+        k_held, v_held = cache.gather(0, torch.tensor([pg]))
+        held.append((k_held[0, :ctx], v_held[0, :ctx]))
+    rows = sum(n for _, n in seqs)
+    q = torch.randn(rows, heads, head_dim)
+    width = max(len(p) for p in pages[:2])
+    table = torch.tensor([p + [0] * (width - len(p)) for p in pages[:2]])
+    lens = torch.tensor([seqs[0][0], seqs[1][0]], dtype=torch.int32)
+    mask = torch.zeros(2, 1, 1, width * PAGE).masked_fill_(
+        torch.arange(width * PAGE).view(1, 1, 1, -1) >= lens.view(-1, 1, 1, 1), float("-inf"))
+    meta = StepMetadata(positions=torch.zeros(rows, dtype=torch.int64), slots=torch.zeros(rows, dtype=torch.int64),
+                        num_decode=2, decode_page_table=table, decode_mask=mask, decode_context_lens=lens,
+                        prefills=[PrefillChunk(2, 23, 23, torch.tensor([pages[2]])),
+                                  PrefillChunk(25, 12, 52, torch.tensor([pages[3]]))],
+                        logits_rows=torch.tensor([0, 1]))
+    scale = head_dim ** -0.5
+    out = paged_attention(q, cache, 0, meta, scale)
+    assert kernel_calls[1][0] == rows
+    start = 0
+    for (ctx, n), (k, v) in zip(seqs, held):
+        exp = dense_reference(q[start: start + n], k, v, ctx - n, scale)
+        torch.testing.assert_close(out[start: start + n].double(), exp, atol=2e-5, rtol=1e-5)
+        start += n
