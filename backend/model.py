@@ -62,7 +62,7 @@ from backend.layers.attention import attention, run_linear
 from backend.layers.loader import WeightLoader
 from backend.layers.mla import MLAWeights, mla_attention
 from backend.layers.mlp import mlp
-from backend.layers.norm import rms_norm
+from backend.layers.norm import add_rms_norm, rms_norm
 from backend.linear import Linear, LinearOp
 from backend.models import architecture_module
 from backend.rope import RotaryEmbedding
@@ -236,20 +236,24 @@ class DecoderModel:
         decode_layers = self.phase_layers["decode"]
         h = F.embedding(input_ids, self.embed) if group is None else self._embed_shard(input_ids)  # [T, hidden]
         freqs = self.rope.tables(meta.positions)  # [T, 1, rotary_dim / 2]
+        x = rms_norm(h, layers[0].input_norm, cfg.rms_norm_eps)
         for i, (layer, dec) in enumerate(zip(layers, decode_layers)):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             if layer.mla is not None:
                 a = self._mla(layer.mla, dec.mla, x, split, freqs, cache, i, meta)
             else:
                 a = attention(cfg, layer.qkv, dec.qkv, layer.o_proj, dec.o_proj, layer.qk_norm, x, split, freqs,
                               cache, i, meta)
-            h.add_(a if group is None else group.all_reduce(a))
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            # h += branch; x = the next norm of h (one pass on the CPU: backend/layers/norm.py)
+            x = add_rms_norm(h, a if group is None else group.all_reduce(a), layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
                 m = run_linear(layer.moe, dec.moe, x, split)
             else:
                 m = mlp(layer.gate_up, dec.gate_up, layer.down, dec.down, x, split)
-            h.add_(m if group is None else group.all_reduce(m))
+            m = m if group is None else group.all_reduce(m)
+            if i + 1 < len(layers):
+                x = add_rms_norm(h, m, layers[i + 1].input_norm, cfg.rms_norm_eps)
+            else:
+                h.add_(m)
         h = rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
         if split and h.shape[0] > split:  # decode rows and completed prompts: the LM head per group too
             logits = _linear(self.lm_head, self.lm_head, h, split)

@@ -7,6 +7,8 @@ dispatch of a few microseconds on a row of a few hundred values: ~18 µs a call 
 SmolLM2. The kernel does the same arithmetic in one pass per row (see its header for the
 rounding) and returns None where it cannot run (no C compiler, not bfloat16, not contiguous,
 not on the CPU, a weight that is not one row), so the caller keeps its torch path.
+`add_rms_norm_bf16` first adds a layer's residual branch into the rows in place (rounded as
+torch's bfloat16 add rounds it), so a decoder layer's `h += branch; x = norm(h)` is one call.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import torch
 
 from kernels.cpu_build import CKernel
 
-__all__ = ["available", "build_error", "rms_norm_bf16"]
+__all__ = ["available", "build_error", "rms_norm_bf16", "add_rms_norm_bf16"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.rms_norm_bf16.argtypes = [p, p, p, i, i, ctypes.c_float]
     lib.rms_norm_bf16.restype = None
+    lib.add_rms_norm_bf16.argtypes = [p, p, p, p, i, i, ctypes.c_float]
+    lib.add_rms_norm_bf16.restype = None
 
 
 _KERNEL = CKernel("rms_norm_bf16.c", ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
@@ -48,4 +52,24 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     rows = x.numel() // n if n else 0
     if rows:
         lib.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, n, eps)
+    return y
+
+
+def add_rms_norm_bf16(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`h.add_(delta)` then `rms_norm_bf16(h, weight, eps)` in one call for bfloat16 rows (h updated in place,
+    bit-identical to torch's add), or None, with h untouched, when the kernel cannot run this case."""
+    if (delta.dtype != torch.bfloat16 or delta.shape != h.shape or not delta.is_contiguous()
+            or delta.device.type != "cpu"):
+        return None
+    if (h.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or h.device.type != "cpu"
+            or weight.shape != h.shape[-1:] or not h.is_contiguous() or not weight.is_contiguous()):
+        return None
+    lib = _KERNEL.load()
+    if lib is None:
+        return None
+    y = torch.empty_like(h)
+    n = h.shape[-1]
+    rows = h.numel() // n if n else 0
+    if rows:
+        lib.add_rms_norm_bf16(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, n, eps)
     return y

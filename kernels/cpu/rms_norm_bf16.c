@@ -10,6 +10,11 @@
  * in the order the compiler vectorises it (torch's own reduction order differs), so r may differ from
  * torch's by an ulp of float32, the normalised value by one bfloat16 ulp where it falls near a rounding
  * boundary, and its product with the weight then by up to two.
+ *
+ * `add_rms_norm_bf16` first adds a residual branch into the rows in place, h = bf16(h + a) (float32 sum of the
+ * two exact values, rounded as torch's bfloat16 `add_` rounds it, so h is bit-identical), then normalises the
+ * new rows as above: a decoder layer's `h += branch; x = norm(h)` in one pass over h where torch's add and the
+ * kernel above made two calls and two passes.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,4 +37,14 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, 
             yr[i] = float_to_bf16(normed * bf16_to_float(w[i]));
         }
     }
+}
+
+void add_rms_norm_bf16(uint16_t *h, const uint16_t *a, const uint16_t *w, uint16_t *y, int rows, int n,
+                       float eps) {
+    for (int r = 0; r < rows; r++) {
+        uint16_t *hr = h + (int64_t)r * n;
+        const uint16_t *ar = a + (int64_t)r * n;
+        for (int i = 0; i < n; i++) hr[i] = float_to_bf16(bf16_to_float(hr[i]) + bf16_to_float(ar[i]));
+    }
+    rms_norm_bf16(h, w, y, rows, n, eps);
 }

@@ -72,3 +72,39 @@ def test_the_model_norm_takes_it_for_bfloat16_rows(monkeypatch: pytest.MonkeyPat
     rms_norm(x.view(5, 9, 64), torch.randn(9, 64).bfloat16(), 1e-5)  # q/k norm weight [heads, head_dim]: torch
     rms_norm(x.float(), w.float(), 1e-5)
     assert len(calls) == 2  # the per-head call asked and was declined; float32 never asked
+
+
+@pytest.mark.parametrize("rows,n", [(1, 576), (32, 576), (3, 7)])
+def test_add_then_norm_is_torchs_add_and_this_norm(rows: int, n: int, seed: int) -> None:
+    """`add_rms_norm_bf16`: h updated in place exactly as torch's bfloat16 `add_` does it, the result exactly
+    the plain kernel's on that h; the model's `add_rms_norm` takes it, and falls back to the two ops."""
+    from backend.layers.norm import add_rms_norm
+    from kernels.cpu_rms_norm import add_rms_norm_bf16
+
+    for scale in (1e-2, 1.0, 1e2):
+        h, a = (torch.randn(rows, n) * scale).bfloat16(), (torch.randn(rows, n) * scale).bfloat16()
+        w = torch.randn(n).bfloat16()
+        ref_h = h.clone().add_(a)
+        y = add_rms_norm_bf16(h, a, w, 1e-5)
+        assert torch.equal(h, ref_h), f"seed {seed}, scale {scale}: the add differs from torch's"
+        assert torch.equal(y, rms_norm_bf16(ref_h, w, 1e-5))
+        h2 = (torch.randn(rows, n) * scale).bfloat16()
+        h3 = h2.clone()
+        torch.testing.assert_close(add_rms_norm(h2, a, w, 1e-5), rms_norm(h3.add_(a), w, 1e-5), atol=0, rtol=0)
+        assert torch.equal(h2, h3)
+    h32, a32 = torch.randn(rows, n), torch.randn(rows, n)
+    ref32 = h32 + a32
+    torch.testing.assert_close(add_rms_norm(h32, a32, torch.ones(n), 1e-5), F.rms_norm(ref32, (n,), eps=1e-5))
+    assert torch.equal(h32, ref32)  # float32: torch's ops, h updated too
+
+
+def test_add_then_norm_leaves_h_alone_where_it_cannot_run() -> None:
+    from kernels.cpu_rms_norm import add_rms_norm_bf16
+
+    h = torch.randn(4, 64).bfloat16()
+    before = h.clone()
+    w = torch.randn(64).bfloat16()
+    assert add_rms_norm_bf16(h, torch.randn(4, 64), w, 1e-5) is None  # float32 branch
+    assert add_rms_norm_bf16(h, torch.randn(64, 4).bfloat16().t(), w, 1e-5) is None  # strided branch
+    assert add_rms_norm_bf16(h, torch.randn(4, 64).bfloat16(), w.float(), 1e-5) is None
+    assert torch.equal(h, before)
