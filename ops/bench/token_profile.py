@@ -76,7 +76,8 @@ def categorise(self_us: dict[str, float], attention_us: float, wall_us: float, g
 
 # the C kernels of a step besides the GEMVs and the attention, as the model's modules call them (ctypes calls the
 # profiler cannot see: timed by wrapping, counted in other_ops, where the torch ops they replaced were)
-_OTHER_C_KERNELS = (("backend.layers.norm", "rms_norm_bf16"), ("backend.layers.swiglu", "silu_mul_bf16"),
+_OTHER_C_KERNELS = (("backend.layers.norm", "rms_norm_bf16"), ("backend.layers.norm", "add_rms_norm_bf16"),
+                    ("backend.rope", "rope_bf16"), ("backend.layers.swiglu", "silu_mul_bf16"),
                     ("backend.sampler", "argmax_rows"), ("backend.kv_cache", "store_kv_rows_cpu"),
                     ("backend.kv_cache", "store_kv_fp8_cpu"))
 
