@@ -71,6 +71,24 @@ static inline __m512 exp_reduced16(__m512 x, __m512 *n_out) {
 static inline __m512 bf16x16_to_float(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+
+/* float_to_bf16 (below) on 16 lanes, in the low halves of the 32-bit lanes (integer rounding: keeps subnormals,
+ * which vcvtneps2bf16 would flush) */
+static inline __m512i round_bf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+/* 16 lanes rounded to bfloat16 as above, stored at p */
+static inline void store_bf16x16(uint16_t *p, __m512 f) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(round_bf16(f)));
+}
+
+/* 16 lanes rounded to bfloat16 and widened back: the float32 values the stored bfloat16 would read as */
+static inline __m512 bf16_round16(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(f), 16)); }
 #endif
 
 /* float32 -> bfloat16: to nearest, ties to even, as torch rounds; NaN stays NaN (quiet, its sign kept). */

@@ -6,36 +6,62 @@
  *   y = bf16( float(bf16(x * r)) * w )   the normalised row rounded to bfloat16 first, then scaled by the
  *                                        bfloat16 weight and rounded again, like `w * rms(x).to(bf16)`
  *
- * Rounding: to nearest, ties to even, as torch rounds (NaN stays NaN). The sum of squares runs in float32
- * in the order the compiler vectorises it (torch's own reduction order differs), so r may differ from
+ * Rounding: to nearest, ties to even, as torch rounds (NaN stays NaN). The sum of squares runs in float32,
+ * 16 lanes at a time with AVX-512 (torch's own reduction order differs), so r may differ from
  * torch's by an ulp of float32, the normalised value by one bfloat16 ulp where it falls near a rounding
  * boundary, and its product with the weight then by up to two.
  *
  * `add_rms_norm_bf16` first adds a residual branch into the rows in place, h = bf16(h + a) (float32 sum of the
  * two exact values, rounded as torch's bfloat16 `add_` rounds it, so h is bit-identical), then normalises the
  * new rows as above: a decoder layer's `h += branch; x = norm(h)` in one pass over h where torch's add and the
- * kernel above made two calls and two passes.
+ * kernel above made two calls and two passes (the row is then read again from L1).
+ * AVX-512: 16 values a step in every loop (bits.h's `round_bf16` rounds as `float_to_bf16` does). On a 2-core
+ * AMD EPYC VM, C alone, 64 rows of 576: the norm 13.3 -> 12.3 us against the scalar loops as the compiler
+ * vectorised them, the add and norm 19.2 -> 17.1 (0.3 ns a value); the call from Python adds ~7 us.
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "bits.h"
 
+/* The sum of squares of a row (float32) */
+static inline float sum_squares(const uint16_t *xr, int n) {
+    float ss = 0.0f;
+    int i = 0;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = bf16x16_to_float(xr + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) {
+        const float v = bf16_to_float(xr[i]);
+        ss += v * v;
+    }
+    return ss;
+}
+
+/* yr = bf16(float(bf16(xr * scale)) * w) */
+static inline void scale_row(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int n, float scale) {
+    int i = 0;
+#ifdef __AVX512F__
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (; i + 16 <= n; i += 16)
+        store_bf16x16(yr + i, _mm512_mul_ps(bf16_round16(_mm512_mul_ps(bf16x16_to_float(xr + i), sv)),
+                                            bf16x16_to_float(w + i)));
+#endif
+    for (; i < n; i++) {
+        const float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * scale));
+        yr[i] = float_to_bf16(normed * bf16_to_float(w[i]));
+    }
+}
 
 void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
     for (int r = 0; r < rows; r++) {
         const uint16_t *xr = x + (int64_t)r * n;
-        uint16_t *yr = y + (int64_t)r * n;
-        float ss = 0.0f;
-        for (int i = 0; i < n; i++) {
-            const float v = bf16_to_float(xr[i]);
-            ss += v * v;
-        }
-        const float scale = 1.0f / sqrtf(ss / (float)n + eps);
-        for (int i = 0; i < n; i++) {
-            const float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * scale));
-            yr[i] = float_to_bf16(normed * bf16_to_float(w[i]));
-        }
+        scale_row(xr, w, y + (int64_t)r * n, n, 1.0f / sqrtf(sum_squares(xr, n) / (float)n + eps));
     }
 }
 
@@ -44,7 +70,12 @@ void add_rms_norm_bf16(uint16_t *h, const uint16_t *a, const uint16_t *w, uint16
     for (int r = 0; r < rows; r++) {
         uint16_t *hr = h + (int64_t)r * n;
         const uint16_t *ar = a + (int64_t)r * n;
-        for (int i = 0; i < n; i++) hr[i] = float_to_bf16(bf16_to_float(hr[i]) + bf16_to_float(ar[i]));
+        int i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= n; i += 16)
+            store_bf16x16(hr + i, _mm512_add_ps(bf16x16_to_float(hr + i), bf16x16_to_float(ar + i)));
+#endif
+        for (; i < n; i++) hr[i] = float_to_bf16(bf16_to_float(hr[i]) + bf16_to_float(ar[i]));
+        scale_row(hr, w, y + (int64_t)r * n, n, 1.0f / sqrtf(sum_squares(hr, n) / (float)n + eps));
     }
-    rms_norm_bf16(h, w, y, rows, n, eps);
 }

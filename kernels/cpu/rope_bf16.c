@@ -16,25 +16,6 @@
 
 #include "bits.h"
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-/* 16 bfloat16 -> 16 float32 (exact) */
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* 16 float32 -> 16 bfloat16, to nearest, ties to even (bits.h's float_to_bf16 lane by lane, NaN kept quiet) */
-static inline void narrow16(uint16_t *p, __m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
-}
-#endif
-
 void rope_bf16(const uint16_t *x, const float *f, uint16_t *y, int rows, int heads, int dim, int pairs,
                int64_t row_stride) {
     for (int t = 0; t < rows; t++) {
@@ -45,11 +26,11 @@ void rope_bf16(const uint16_t *x, const float *f, uint16_t *y, int rows, int hea
             int i = 0;
 #ifdef __AVX512F__
             for (; i + 8 <= pairs; i += 8) { /* 8 pairs: lanes a0 b0 a1 b1 ..., rotations c0 d0 c1 d1 ... */
-                const __m512 v = widen16(xh + 2 * i), fr = _mm512_loadu_ps(ft + 2 * i);
+                const __m512 v = bf16x16_to_float(xh + 2 * i), fr = _mm512_loadu_ps(ft + 2 * i);
                 const __m512 c = _mm512_moveldup_ps(fr), d = _mm512_movehdup_ps(fr);
                 const __m512 swapped = _mm512_permute_ps(v, 0xB1); /* b0 a0 b1 a1 ... */
                 /* even lanes a c - b d, odd lanes b c + a d */
-                narrow16(yh + 2 * i, _mm512_fmaddsub_ps(v, c, _mm512_mul_ps(swapped, d)));
+                store_bf16x16(yh + 2 * i, _mm512_fmaddsub_ps(v, c, _mm512_mul_ps(swapped, d)));
             }
 #endif
             for (; i < pairs; i++) {

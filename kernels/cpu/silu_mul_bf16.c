@@ -42,16 +42,6 @@ static inline uint16_t silu_mul(uint16_t g, uint16_t u) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* float_to_bf16 on 16 lanes, in the low halves of the 32-bit lanes (integer rounding: keeps subnormals,
- * which vcvtneps2bf16 would flush) */
-static inline __m512i round_bf16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-}
-
 /* U x 16 lanes of silu_mul: the same operations as the scalar code, lane by lane; U independent vectors
  * side by side, so the long dependency chain of one (~30 operations) overlaps the others' */
 #define U 4
@@ -75,9 +65,7 @@ static inline __attribute__((always_inline)) void silu_mul16(const uint16_t *gp,
         __m512 s = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), ek));
         const __mmask16 flush = _mm512_cmp_ps_mask(x[k], _mm512_set1_ps(-88.72283935546875f), _CMP_LT_OQ);
         s = _mm512_mask_mul_ps(s, flush, x[k], _mm512_setzero_ps());
-        const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(s), 16));
-        _mm256_storeu_si256((__m256i *)(out + 16 * k),
-                            _mm512_cvtepi32_epi16(round_bf16(_mm512_mul_ps(sr, bf16x16_to_float(up + 16 * k)))));
+        store_bf16x16(out + 16 * k, _mm512_mul_ps(bf16_round16(s), bf16x16_to_float(up + 16 * k)));
     }
 }
 #endif
