@@ -38,11 +38,15 @@ available = _KERNEL.available  # whether it builds and loads here (builds it on 
 build_error = _KERNEL.build_error  # why not, or None
 
 
-def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """`weight * rms_norm(x.float(), eps).to(bfloat16)` over x's last dim for bfloat16 x [..., n] and
-    weight [n] on the CPU, or None when the kernel cannot run this case."""
+def _run(name: str, x: torch.Tensor, weight: torch.Tensor, eps: float,
+         delta: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The kernel `name` over bfloat16 rows x [..., n] with weight [n] (and the branch `delta`, x's shape,
+    added into x first), or None, nothing touched, where it cannot run."""
     if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
             or weight.shape != x.shape[-1:] or not x.is_contiguous() or not weight.is_contiguous()):
+        return None
+    if delta is not None and (delta.dtype != torch.bfloat16 or delta.shape != x.shape or not delta.is_contiguous()
+                              or delta.device.type != "cpu"):
         return None
     lib = _KERNEL.load()
     if lib is None:
@@ -51,25 +55,18 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     n = x.shape[-1]
     rows = x.numel() // n if n else 0
     if rows:
-        lib.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, n, eps)
+        branch = () if delta is None else (delta.data_ptr(),)
+        getattr(lib, name)(x.data_ptr(), *branch, weight.data_ptr(), y.data_ptr(), rows, n, eps)
     return y
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`weight * rms_norm(x.float(), eps).to(bfloat16)` over x's last dim for bfloat16 x [..., n] and
+    weight [n] on the CPU, or None when the kernel cannot run this case."""
+    return _run("rms_norm_bf16", x, weight, eps)
 
 
 def add_rms_norm_bf16(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """`h.add_(delta)` then `rms_norm_bf16(h, weight, eps)` in one call for bfloat16 rows (h updated in place,
     bit-identical to torch's add), or None, with h untouched, when the kernel cannot run this case."""
-    if (delta.dtype != torch.bfloat16 or delta.shape != h.shape or not delta.is_contiguous()
-            or delta.device.type != "cpu"):
-        return None
-    if (h.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or h.device.type != "cpu"
-            or weight.shape != h.shape[-1:] or not h.is_contiguous() or not weight.is_contiguous()):
-        return None
-    lib = _KERNEL.load()
-    if lib is None:
-        return None
-    y = torch.empty_like(h)
-    n = h.shape[-1]
-    rows = h.numel() // n if n else 0
-    if rows:
-        lib.add_rms_norm_bf16(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, n, eps)
-    return y
+    return _run("add_rms_norm_bf16", h, weight, eps, delta)
