@@ -8,9 +8,9 @@ ran at about half that rate (measured with `edgeserve bench token-profile`); fro
 compute-bound and runs in 4 x 4 tiles, either of `vdpbf16ps` or of float32 FMAs on weights widened
 in registers (x widened once per call). Which is faster depends on the core (on the Intel Xeon VM
 measured, `vdpbf16ps` does 75 GFLOP/s a core and float32 FMAs 123; on an AMD EPYC (Zen 5) VM the
-vdpbf16ps tiles run at 90-100% of torch's own peak bfloat16 GEMM rate from 64 rows), so `tile_mode()` times both once
-per process and keeps the faster (`EDGESERVE_GEMV_TILES=dp|fma` forces one), and the row limit
-follows the choice (`MAX_ROWS_BY_TILES`). The C file has the numbers.
+vdpbf16ps tiles run at 90-100% of torch's own peak bfloat16 GEMM rate from 64 rows), so
+`tile_mode()` times both once per process and keeps the faster (`EDGESERVE_GEMV_TILES=dp|fma`
+forces one), and the row limit follows the choice (`MAX_ROWS_BY_TILES`). The C file has the numbers.
 The result is rounded to bfloat16 in C (to nearest, ties to even), as torch's bfloat16 GEMM returns
 it; it differs from torch's only in summation order.
 
