@@ -38,7 +38,7 @@ build_error = _KERNEL.build_error  # why not, or None
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     """`logits.argmax(dim=-1)` (int64 [B]) for float32 or bfloat16 logits [B, V] on the CPU, or None
     when the kernel cannot run this case."""
-    if (logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16) or logits.device.type != "cpu"
+    if (logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16) or not logits.is_cpu
             or not logits.is_contiguous() or logits.shape[1] == 0):
         return None
     lib = _KERNEL.load()

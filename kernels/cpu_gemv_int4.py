@@ -155,7 +155,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
 
 def gemv_int4(x: torch.Tensor, w: Int4Panels, threads: int | None = None) -> torch.Tensor:
     """x [M, K] bfloat16 (CPU) . W^T -> [M, N] bfloat16, W packed by `pack` (`available()` first)."""
-    if x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+    if x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.bfloat16 or not x.is_cpu:
         raise ValueError(f"INT4 GEMV: x {x.dtype} {list(x.shape)} on {x.device} is not bfloat16 [M, "
                          f"{w.in_features}] on the CPU")
     lib = _KERNEL.load()

@@ -42,11 +42,11 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, eps: float,
          delta: torch.Tensor | None = None) -> torch.Tensor | None:
     """The kernel `name` over bfloat16 rows x [..., n] with weight [n] (and the branch `delta`, x's shape,
     added into x first), or None, nothing touched, where it cannot run."""
-    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or weight.shape != x.shape[-1:] or not x.is_contiguous() or not weight.is_contiguous()):
+    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu or weight.dim() != 1
+            or x.dim() == 0 or weight.shape[0] != x.shape[-1] or not x.is_contiguous() or not weight.is_contiguous()):
         return None
     if delta is not None and (delta.dtype != torch.bfloat16 or delta.shape != x.shape or not delta.is_contiguous()
-                              or delta.device.type != "cpu"):
+                              or not delta.is_cpu):
         return None
     lib = _KERNEL.load()
     if lib is None:

@@ -37,7 +37,7 @@ def rope_bf16(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor | None:
     tables`), the rest copied: a new contiguous tensor, or None when the kernel cannot run this case."""
     rows, heads, dim = x.shape
     pairs = freqs.shape[-1]
-    if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or freqs.dtype != torch.complex64
+    if (x.dtype != torch.bfloat16 or not x.is_cpu or freqs.dtype != torch.complex64
             or x.stride(2) != 1 or x.stride(1) != dim or freqs.numel() != rows * pairs or 2 * pairs > dim
             or not freqs.is_contiguous()):
         return None

@@ -35,7 +35,7 @@ build_error = _KERNEL.build_error  # why not, or None
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
     """`F.silu(gate).mul_(up)` [T, I] for bfloat16 gate_up [T, 2I] (gate = the first I columns) on the CPU,
     or None when the kernel cannot run this case."""
-    if (gate_up.dim() != 2 or gate_up.dtype != torch.bfloat16 or gate_up.device.type != "cpu"
+    if (gate_up.dim() != 2 or gate_up.dtype != torch.bfloat16 or not gate_up.is_cpu
             or not gate_up.is_contiguous() or gate_up.shape[1] % 2):
         return None
     lib = _KERNEL.load()
