@@ -96,6 +96,9 @@ class CKernel:
 
     def load(self) -> ctypes.CDLL | None:
         """The loaded library (built on the first call), or None where it cannot be built."""
+        lib = self._lib  # loaded: no lock (every kernel call of a step asks; set once, after the build)
+        if lib is not None:
+            return lib
         with self._lock:
             if self._lib is None and self.error is None:
                 try:
