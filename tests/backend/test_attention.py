@@ -8,9 +8,9 @@ import torch
 
 import backend.attention
 from backend.attention import PrefillChunk, StepMetadata, paged_attention
-from kernels.cpu_paged_attention import available as c_kernel_available
 from backend.config import ModelConfig
 from backend.kv_cache import PagedKVCache
+from kernels.cpu_paged_attention import available as c_kernel_available
 
 PAGE = 16
 
