@@ -9,6 +9,8 @@ rounding) and returns None where it cannot run (no C compiler, not bfloat16, not
 not on the CPU, a weight that is not one row), so the caller keeps its torch path.
 `add_rms_norm_bf16` first adds a layer's residual branch into the rows in place (rounded as
 torch's bfloat16 add rounds it), so a decoder layer's `h += branch; x = norm(h)` is one call.
+Rows of a large call (a prompt chunk's) are shared out over the C kernels' helper pool in
+contiguous runs (`pool_rows` in `kernels/cpu/pool.h`); a row's arithmetic does not change.
 """
 
 from __future__ import annotations
@@ -18,20 +20,25 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
+from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["available", "build_error", "rms_norm_bf16", "add_rms_norm_bf16"]
+
+_CHUNK_VALUES = 16384  # values of x a pool chunk holds at least
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.rms_norm_bf16.argtypes = [p, p, p, i, i, ctypes.c_float]
+    q = ctypes.c_int64
+    lib.rms_norm_bf16.argtypes = [p, p, p, i, i, ctypes.c_float, i, q, i]
     lib.rms_norm_bf16.restype = None
-    lib.add_rms_norm_bf16.argtypes = [p, p, p, p, i, i, ctypes.c_float]
+    lib.add_rms_norm_bf16.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, q, i]
     lib.add_rms_norm_bf16.restype = None
 
 
 _KERNEL = CKernel("rms_norm_bf16.c", ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-                                      "-fno-math-errno"), _declare, "bfloat16 RMSNorm runs its torch ops")
+                                      "-fno-math-errno"), _declare, "bfloat16 RMSNorm runs its torch ops",
+                  uses_pool=True)
 
 
 available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
@@ -56,7 +63,8 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, eps: float,
     rows = x.numel() // n if n else 0
     if rows:
         branch = () if delta is None else (delta.data_ptr(),)
-        getattr(lib, name)(x.data_ptr(), *branch, weight.data_ptr(), y.data_ptr(), rows, n, eps)
+        getattr(lib, name)(x.data_ptr(), *branch, weight.data_ptr(), y.data_ptr(), rows, n, eps, kernel_threads(),
+                           max(1, _CHUNK_VALUES // n), int(kernels_own_threads()))
     return y
 
 

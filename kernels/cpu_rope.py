@@ -5,6 +5,8 @@ key heads, multiply by the per-token rotations, narrow to bfloat16, three passes
 The kernel does the same arithmetic in one pass (its header gives the rounding and the measured cost) and
 returns None where it cannot run (no C compiler, not bfloat16 heads on the CPU, heads not contiguous within a
 token), so the caller keeps its torch path.
+Rows of a large call (a prompt chunk's) are shared out over the C kernels' helper pool in
+contiguous runs (`pool_rows` in `kernels/cpu/pool.h`); a row's arithmetic does not change.
 """
 
 from __future__ import annotations
@@ -14,17 +16,21 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
+from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["available", "build_error", "rope_bf16"]
+
+_CHUNK_VALUES = 16384  # values of x a pool chunk holds at least
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.rope_bf16.argtypes = [p, p, p, i, i, i, i, ctypes.c_int64]
+    lib.rope_bf16.argtypes = [p, p, p, i, i, i, i, ctypes.c_int64, i, ctypes.c_int64, i]
     lib.rope_bf16.restype = None
 
 
-_KERNEL = CKernel("rope_bf16.c", ("-fno-math-errno",), _declare, "rotary embedding runs its torch ops")
+_KERNEL = CKernel("rope_bf16.c", ("-fno-math-errno",), _declare, "rotary embedding runs its torch ops",
+                  uses_pool=True)
 
 
 available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
@@ -46,5 +52,6 @@ def rope_bf16(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor | None:
         return None
     y = torch.empty(rows, heads, dim, dtype=torch.bfloat16)
     if rows and heads:  # complex64 is (cos, sin) float pairs in memory
-        lib.rope_bf16(x.data_ptr(), freqs.data_ptr(), y.data_ptr(), rows, heads, dim, pairs, x.stride(0))
+        lib.rope_bf16(x.data_ptr(), freqs.data_ptr(), y.data_ptr(), rows, heads, dim, pairs, x.stride(0),
+                      kernel_threads(), max(1, _CHUNK_VALUES // (heads * dim)), int(kernels_own_threads()))
     return y

@@ -6,6 +6,8 @@ bfloat16. The kernel does the same roundings in one pass (its header gives the a
 its bfloat16 results equal torch's but for the rare element whose float32 silu sits on a
 bfloat16 rounding boundary, one bfloat16 step off then. None where it cannot run (no C
 compiler, not a contiguous 2-D bfloat16 CPU tensor of even width): the caller keeps torch's ops.
+Rows of a large call (a prompt chunk's) are shared out over the C kernels' helper pool in
+contiguous runs (`pool_rows` in `kernels/cpu/pool.h`); a row's arithmetic does not change.
 """
 
 from __future__ import annotations
@@ -15,17 +17,21 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
+from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["available", "build_error", "silu_mul_bf16"]
 
+_CHUNK_VALUES = 16384  # output values a pool chunk holds at least (below two chunks' worth, one thread)
+
 
 def _declare(lib: ctypes.CDLL) -> None:
-    p, q = ctypes.c_void_p, ctypes.c_int64
-    lib.silu_mul_bf16.argtypes = [p, p, q, q]
+    p, q, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.silu_mul_bf16.argtypes = [p, p, q, q, i, q, i]
     lib.silu_mul_bf16.restype = None
 
 
-_KERNEL = CKernel("silu_mul_bf16.c", ("-fno-math-errno",), _declare, "SwiGLU's activation runs torch's ops")
+_KERNEL = CKernel("silu_mul_bf16.c", ("-fno-math-errno",), _declare, "SwiGLU's activation runs torch's ops",
+                  uses_pool=True)
 
 
 available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
@@ -44,5 +50,6 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(rows, inter, dtype=torch.bfloat16)
     if rows and inter:
-        lib.silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, inter)
+        lib.silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, inter, kernel_threads(),
+                          max(1, _CHUNK_VALUES // inter), int(kernels_own_threads()))
     return y

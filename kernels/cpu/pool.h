@@ -5,6 +5,8 @@
 #ifndef EDGESERVE_POOL_H
 #define EDGESERVE_POOL_H
 
+#include <stdint.h>
+
 typedef void (*chunk_fn)(void *ctx, int chunk);
 typedef int (*pool_fn)(chunk_fn fn, void *ctx, int chunks, int threads, int linger);
 
@@ -12,5 +14,34 @@ typedef int (*pool_fn)(chunk_fn fn, void *ctx, int chunks, int threads, int ling
 static pool_fn run_pool = 0; /* set by the loader (`set_pool`); without it every call runs on its caller */
 
 void set_pool(pool_fn fn) { run_pool = fn; }
+
+/* Row-wise kernels (one output row from one input row, no state across rows: SwiGLU's activation, RMSNorm,
+ * RoPE): fn(ctx, r0, r1) over rows [0, rows), cut into at most 4 chunks a thread of at least `min_chunk` rows
+ * each and run on the pool (the caller claims chunks too, so a late helper costs at most one chunk); a call
+ * too small for two chunks, or with no pool, runs on the caller. Chunks are contiguous row ranges, so each
+ * row's arithmetic is the one-threaded call's: results do not depend on the thread count. */
+typedef void (*pool_rows_fn)(void *ctx, int64_t r0, int64_t r1);
+typedef struct {
+    pool_rows_fn fn;
+    void *ctx;
+    int64_t rows;
+    int chunks;
+} PoolRowsJob;
+
+static inline void pool_rows_chunk(void *job, int i) {
+    const PoolRowsJob *j = (const PoolRowsJob *)job;
+    j->fn(j->ctx, j->rows * i / j->chunks, j->rows * (i + 1) / j->chunks);
+}
+
+static inline void pool_rows(pool_rows_fn fn, void *ctx, int64_t rows, int64_t min_chunk, int threads, int linger) {
+    int64_t chunks = min_chunk > 0 ? rows / min_chunk : rows;
+    if (chunks > 4 * (int64_t)threads) chunks = 4 * (int64_t)threads;
+    if (run_pool == 0 || threads <= 1 || chunks <= 1) {
+        if (rows > 0) fn(ctx, 0, rows);
+        return;
+    }
+    PoolRowsJob job = {fn, ctx, rows, (int)chunks};
+    run_pool(pool_rows_chunk, &job, (int)chunks, threads, linger);
+}
 #endif
 #endif

@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "bits.h"
+#include "pool.h"
 
 /* The sum of squares of a row (float32) */
 static inline float sum_squares(const uint16_t *xr, int n) {
@@ -58,24 +59,41 @@ static inline void scale_row(const uint16_t *xr, const uint16_t *w, uint16_t *yr
     }
 }
 
-void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps) {
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *xr = x + (int64_t)r * n;
-        scale_row(xr, w, y + (int64_t)r * n, n, 1.0f / sqrtf(sum_squares(xr, n) / (float)n + eps));
+typedef struct {
+    uint16_t *h; /* x of the plain norm (not written), h of the add-and-norm */
+    const uint16_t *a, *w; /* a: the branch added into h, NULL for the plain norm */
+    uint16_t *y;
+    int n;
+    float eps;
+} Job;
+
+static void norm_rows(void *ctx, int64_t r0, int64_t r1) {
+    const Job *j = (const Job *)ctx;
+    const int n = j->n;
+    for (int64_t r = r0; r < r1; r++) {
+        uint16_t *hr = j->h + r * n;
+        if (j->a) {
+            const uint16_t *ar = j->a + r * n;
+            int i = 0;
+#ifdef __AVX512F__
+            for (; i + 16 <= n; i += 16)
+                store_bf16x16(hr + i, _mm512_add_ps(bf16x16_to_float(hr + i), bf16x16_to_float(ar + i)));
+#endif
+            for (; i < n; i++) hr[i] = float_to_bf16(bf16_to_float(hr[i]) + bf16_to_float(ar[i]));
+        }
+        scale_row(hr, j->w, j->y + r * n, n, 1.0f / sqrtf(sum_squares(hr, n) / (float)n + j->eps));
     }
 }
 
+/* Both on the shared pool (pool.h's `pool_rows`) in chunks of at least `min_chunk` rows. */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps, int threads,
+                   int64_t min_chunk, int linger) {
+    Job job = {(uint16_t *)x, NULL, w, y, n, eps};
+    pool_rows(norm_rows, &job, rows, min_chunk, threads, linger);
+}
+
 void add_rms_norm_bf16(uint16_t *h, const uint16_t *a, const uint16_t *w, uint16_t *y, int rows, int n,
-                       float eps) {
-    for (int r = 0; r < rows; r++) {
-        uint16_t *hr = h + (int64_t)r * n;
-        const uint16_t *ar = a + (int64_t)r * n;
-        int i = 0;
-#ifdef __AVX512F__
-        for (; i + 16 <= n; i += 16)
-            store_bf16x16(hr + i, _mm512_add_ps(bf16x16_to_float(hr + i), bf16x16_to_float(ar + i)));
-#endif
-        for (; i < n; i++) hr[i] = float_to_bf16(bf16_to_float(hr[i]) + bf16_to_float(ar[i]));
-        scale_row(hr, w, y + (int64_t)r * n, n, 1.0f / sqrtf(sum_squares(hr, n) / (float)n + eps));
-    }
+                       float eps, int threads, int64_t min_chunk, int linger) {
+    Job job = {h, a, w, y, n, eps};
+    pool_rows(norm_rows, &job, rows, min_chunk, threads, linger);
 }

@@ -15,10 +15,24 @@
 #include <stdint.h>
 
 #include "bits.h"
+#include "pool.h"
 
-void rope_bf16(const uint16_t *x, const float *f, uint16_t *y, int rows, int heads, int dim, int pairs,
-               int64_t row_stride) {
-    for (int t = 0; t < rows; t++) {
+typedef struct {
+    const uint16_t *x;
+    const float *f;
+    uint16_t *y;
+    int heads, dim, pairs;
+    int64_t row_stride;
+} Job;
+
+static void rope_rows(void *ctx, int64_t r0, int64_t r1) {
+    const Job *j = (const Job *)ctx;
+    const uint16_t *x = j->x;
+    const float *f = j->f;
+    uint16_t *y = j->y;
+    const int heads = j->heads, dim = j->dim, pairs = j->pairs;
+    const int64_t row_stride = j->row_stride;
+    for (int64_t t = r0; t < r1; t++) {
         const float *ft = f + (int64_t)t * pairs * 2;
         for (int h = 0; h < heads; h++) {
             const uint16_t *xh = x + (int64_t)t * row_stride + (int64_t)h * dim;
@@ -42,4 +56,11 @@ void rope_bf16(const uint16_t *x, const float *f, uint16_t *y, int rows, int hea
             for (i = 2 * pairs; i < dim; i++) yh[i] = xh[i];
         }
     }
+}
+
+/* Rows on the shared pool (pool.h's `pool_rows`) in chunks of at least `min_chunk` rows. */
+void rope_bf16(const uint16_t *x, const float *f, uint16_t *y, int rows, int heads, int dim, int pairs,
+               int64_t row_stride, int threads, int64_t min_chunk, int linger) {
+    Job job = {x, f, y, heads, dim, pairs, row_stride};
+    pool_rows(rope_rows, &job, rows, min_chunk, threads, linger);
 }

@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "bits.h"
+#include "pool.h"
 
 static inline float exp_neg(float t) { /* e^t for t <= 0 (`exp_reduced`, bits.h), down into the subnormals */
     float n;
@@ -70,14 +71,29 @@ static inline __attribute__((always_inline)) void silu_mul16(const uint16_t *gp,
 }
 #endif
 
-void silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter) {
-    for (int64_t t = 0; t < rows; t++) {
-        const uint16_t *g = gate_up + t * 2 * inter, *u = g + inter;
-        uint16_t *out = y + t * inter;
+typedef struct {
+    const uint16_t *gate_up;
+    uint16_t *y;
+    int64_t inter;
+} Job;
+
+static void silu_mul_rows(void *ctx, int64_t r0, int64_t r1) {
+    const Job *j = (const Job *)ctx;
+    const int64_t inter = j->inter;
+    for (int64_t t = r0; t < r1; t++) {
+        const uint16_t *g = j->gate_up + t * 2 * inter, *u = g + inter;
+        uint16_t *out = j->y + t * inter;
         int64_t i = 0;
 #ifdef __AVX512F__
         for (; i + 16 * U <= inter; i += 16 * U) silu_mul16(g + i, u + i, out + i);
 #endif
         for (; i < inter; i++) out[i] = silu_mul(g[i], u[i]);
     }
+}
+
+/* Rows on the shared pool (pool.h's `pool_rows`) in chunks of at least `min_chunk` rows. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads,
+                   int64_t min_chunk, int linger) {
+    Job job = {gate_up, y, inter};
+    pool_rows(silu_mul_rows, &job, rows, min_chunk, threads, linger);
 }

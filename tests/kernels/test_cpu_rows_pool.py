@@ -1,0 +1,58 @@
+"""The row-wise C kernels on the helper pool (`pool_rows`, kernels/cpu/pool.h): a call large enough to be cut
+into chunks gives, bit for bit, what the same call gives on one thread, chunk edges anywhere in the rows
+(row counts that do not divide evenly), and what torch's ops give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.cpu_rms_norm as norm_kernel
+import kernels.cpu_rope as rope_kernel
+import kernels.cpu_silu_mul as silu_kernel
+from tests.kernels.test_cpu_rope import _freqs, _torch
+from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.skipif(not (silu_kernel.available() and norm_kernel.available() and rope_kernel.available()),
+                                reason="CPU kernels not built")
+
+
+def _both(fn, *args):
+    """fn(*args) with torch (so the kernels) at 2 threads, then at 1, each on fresh copies of the inputs."""
+    threads = torch.get_num_threads()
+    out = []
+    try:
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            copies = [a.clone() for a in args]
+            out.append((fn(*copies), copies))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.mark.parametrize("rows", [97, 301])
+def test_chunked_calls_equal_one_thread(rows: int, seed: int) -> None:
+    gate_up = torch.randn(rows, 2 * 1536).bfloat16()
+    (two, _), (one, _) = _both(silu_kernel.silu_mul_bf16, gate_up)
+    assert rows * 1536 >= 4 * silu_kernel._CHUNK_VALUES  # cut into chunks at 2 threads
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert torch.equal(two.view(torch.int16), one.view(torch.int16))
+    torch.testing.assert_close(two.float(), (torch.nn.functional.silu(gate).bfloat16().float() * up), rtol=2 ** -7,
+                               atol=1e-30)
+
+    h, branch, w = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 576).bfloat16(), torch.randn(576).bfloat16()
+    (two, (h2, _, _)), (one, (h1, _, _)) = _both(lambda x, b, ww: norm_kernel.add_rms_norm_bf16(x, b, ww, 1e-5), h,
+                                                 branch, w)
+    assert torch.equal(h2.view(torch.int16), h1.view(torch.int16))
+    assert torch.equal(h2.view(torch.int16), (h + branch).view(torch.int16))
+    assert torch.equal(two.view(torch.int16), one.view(torch.int16))
+    (plain, _), _ = _both(lambda x, ww: norm_kernel.rms_norm_bf16(x, ww, 1e-5), h + branch, w)
+    assert torch.equal(plain.view(torch.int16), two.view(torch.int16))
+    ref = (w.float() * torch.nn.functional.rms_norm((h + branch).float(), (576,), eps=1e-5).bfloat16().float())
+    torch.testing.assert_close(two.float(), ref, rtol=2 ** -6, atol=1e-30)
+
+    x, freqs = torch.randn(rows, 12 * 64).bfloat16().view(rows, 12, 64), _freqs(rows, 32)
+    (two, _), (one, _) = _both(rope_kernel.rope_bf16, x, freqs)
+    assert torch.equal(two.view(torch.int16), one.view(torch.int16))
+    torch.testing.assert_close(two.float(), _torch(x, freqs).float(), rtol=2 ** -7, atol=1e-30)
