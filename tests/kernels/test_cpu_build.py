@@ -47,3 +47,19 @@ def test_a_build_that_fails_leaves_the_kernel_unavailable_with_the_reason(tmp_pa
     (tmp_path / "bad.c").write_text("int answer(void) { return nope; }\n")
     k = _kernel(tmp_path / "bad.c")
     assert k.load() is None and "nope" in k.error
+
+
+def test_every_kernel_of_the_tree_builds_here() -> None:
+    """With a C compiler every C kernel of the tree builds and loads (a kernel whose build fails falls back to
+    torch and its tests skip, so a compile error, e.g. two kernels' names colliding in a shared header, would
+    otherwise pass unseen). The kernels that need a CPU feature are asked only where the CPU has it."""
+    import importlib
+
+    from backend.cpu_features import cpu_flags
+
+    names = ["cpu_argmax", "cpu_kv_store", "cpu_paged_attention", "cpu_rms_norm", "cpu_rope", "cpu_silu_mul"]
+    if "avx512_bf16" in cpu_flags():
+        names += ["cpu_gemv", "cpu_gemv_int4"]
+    for name in names:
+        module = importlib.import_module(f"kernels.{name}")
+        assert module.available(), f"{name}: {module.build_error()}"
