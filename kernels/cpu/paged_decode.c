@@ -18,8 +18,11 @@
  * order of a 64-term sum, not the result's precision, changes).
  *
  * Two copies of the loop: `attend_hd`, plain C the compiler vectorises (any head size, any CPU), and
- * `attend_vec` with AVX-512 intrinsics for head sizes 64 and 128 where the CPU has AVX-512. Threads:
- * the process's shared helper pool (kernels/cpu/pool.c) over (sequence, KV head) pairs.
+ * `attend_vec` with AVX-512 intrinsics for head sizes 64 and 128 where the CPU has AVX-512 (and a copy of
+ * it for bf16 q against bf16 pages that scores with `vdpbf16ps` where the CPU has AVX512-BF16: exact
+ * products, float32 sums in pairs, no widened K). Work items are (tile, KV head): a tile is one row, or
+ * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
+ * against each block of keys. Threads: the process's shared helper pool (kernels/cpu/pool.c) over items.
  */
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -32,8 +35,9 @@
 #include "pool.h"
 
 #define BLOCK 32 /* tokens per softmax block */
+#define FMT_BF16_DP 3 /* bf16 pages and bf16 q, scores by vdpbf16ps (attend_vec's copy for it) */
 #define MAX_HD 256
-#define MAX_G 32
+#define MAX_G 32 /* query heads a tile holds at most: G x its rows */
 
 typedef struct {
     const void *q; /* float32, or bfloat16 when `half` */
@@ -41,10 +45,14 @@ typedef struct {
     const int8_t *ke, *ve;
     const int64_t *table;
     const int32_t *lens;
+    const int32_t *tiles; /* [ntiles + 1] first row of each tile, then D; NULL: every row a tile of its own */
     void *out; /* q's type */
-    int D, KVH, G, HD, S, MAXP, fmt, half;
+    int D, KVH, G, HD, S, MAXP, fmt, half, ntiles;
     float scale;
 } Args;
+
+/* Tile t: rows tile_first(t) .. tile_first(t + 1) - 1 */
+static inline int tile_first(const Args *a, int t) { return a->tiles ? a->tiles[t] : t; }
 
 /* The G query rows of (sequence d, KV head h) as float32: in place, or widened from bfloat16 into buf. */
 static inline const float *load_q(const Args *a, int d, int h, float *buf) {
@@ -124,8 +132,8 @@ static inline __attribute__((always_inline)) void load_row(const Args *a, const 
 
 /* HD and fmt are arguments so that `attend_*` below get copies specialised for the common head sizes and
  * formats: with them known at compile time the HD loops are whole vectors with no remainder. */
-static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d, int h, const int HD,
-                                                            const int fmt) {
+static inline __attribute__((always_inline)) void attend_row(const Args *a, int d, int h, const int HD,
+                                                             const int fmt) {
     const int G = a->G, S = a->S, KVH = a->KVH;
     const int len = a->lens[d];
     float qbuf[MAX_G * MAX_HD];
@@ -170,6 +178,12 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int d
         }
     }
     for (int g = 0; g < G; g++) store_out(a, d, h, g, acc[g], 1.0f / l[g]);
+}
+
+/* A tile's rows one at a time (the generic code: any head size, any CPU). */
+static inline __attribute__((always_inline)) void attend_hd(const Args *a, int t, int h, const int HD,
+                                                            const int fmt) {
+    for (int d = tile_first(a, t); d < tile_first(a, t + 1); d++) attend_row(a, d, h, HD, fmt);
 }
 
 #ifdef __AVX512F__
@@ -254,20 +268,56 @@ static inline __attribute__((always_inline)) void accumulate_v(const Args *a, co
         for (int c = 0; c < NV; c++) _mm512_store_ps(&acc[g0 + g][16 * c], o[g][c]);
 }
 
-static inline __attribute__((always_inline)) void attend_vec(const Args *a, int d, int h, const int HD,
-                                                             const int fmt) {
+/* acc[q0 .. q0+GB) += sum over the block's tokens j of w[q][j] * V row j, the V rows already float32 (vr[j]):
+ * a tile of more query heads than one group widens each V row once for all its groups. */
+static inline __attribute__((always_inline)) void accumulate_vrows(const float *const *vr, int n,
+                                                                   float (*w)[BLOCK], float (*acc)[MAX_HD], int q0,
+                                                                   const int GB, const int HD) {
     enum { NVMAX = MAX_HD / 16 };
-    const int NV = HD / 16, G = a->G, S = a->S, KVH = a->KVH;
-    const int len = a->lens[d];
-    float qbuf[MAX_G * MAX_HD];
-    const float *q = load_q(a, d, h, qbuf);
+    const int NV = HD / 16;
+    __m512 o[4][NVMAX];
+    for (int g = 0; g < GB; g++)
+        for (int c = 0; c < NV; c++) o[g][c] = _mm512_load_ps(&acc[q0 + g][16 * c]);
+    for (int j = 0; j < n; j++) {
+        for (int g = 0; g < GB; g++) {
+            const __m512 p = _mm512_set1_ps(w[q0 + g][j]);
+            for (int c = 0; c < NV; c++) o[g][c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr[j] + 16 * c), o[g][c]);
+        }
+    }
+    for (int g = 0; g < GB; g++)
+        for (int c = 0; c < NV; c++) _mm512_store_ps(&acc[q0 + g][16 * c], o[g][c]);
+}
+
+/* One work item: KV head h of tile t, rows d .. d+R-1 (R = 1: a decode row). Its NQ = R * G query heads
+ * (row i's G heads are queries i*G .. i*G+G-1) run together against each block of keys, so a block's K and V
+ * rows are widened once for all of them; query q sees the first lens[d + q / G] keys, and in a block it
+ * reaches only in part (the causal diagonal of a prompt chunk) its scores past that are left out of the
+ * softmax and its weights there are 0. A tile's rows share their page table (rows of one prompt chunk). */
+static inline __attribute__((always_inline)) void attend_vec(const Args *a, int t, int h, const int HD,
+                                                             const int FMT) {
+    enum { NVMAX = MAX_HD / 16 };
+    const int dp = FMT == FMT_BF16_DP, fmt = dp ? 1 : FMT; /* dp: scores by vdpbf16ps from bf16 q and K */
+    const int d = tile_first(a, t), R = tile_first(a, t + 1) - d;
+    const int NV = HD / 16, G = a->G, S = a->S, KVH = a->KVH, NQ = R * G;
+    const int len = a->lens[d + R - 1]; /* rows ascend: the tile's last row sees the most keys */
+    float q[MAX_G * MAX_HD] __attribute__((aligned(64)));
+    int qlen[MAX_G];
+    uint16_t qh[MAX_G * MAX_HD] __attribute__((aligned(64))); /* dp: the queries as given (bfloat16) */
+    for (int i = 0; i < R; i++) {
+        if (dp) memcpy(qh + i * G * HD, (const uint16_t *)a->q + ((int64_t)(d + i) * a->KVH + h) * G * HD,
+                       sizeof(uint16_t) * G * HD);
+        const float *qi = load_q(a, d + i, h, q + i * G * HD);
+        if (qi != q + i * G * HD) memcpy(q + i * G * HD, qi, sizeof(float) * G * HD);
+        for (int g = 0; g < G; g++) qlen[i * G + g] = a->lens[d + i];
+    }
     float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
     float kb[BLOCK][MAX_HD] __attribute__((aligned(64)));
-    const float *kr[BLOCK];
+    float vb[BLOCK][MAX_HD] __attribute__((aligned(64)));
+    const float *kr[BLOCK], *vr[BLOCK];
     float m[MAX_G], l[MAX_G];
     float s[MAX_G][BLOCK] __attribute__((aligned(64)));
     float kmul[BLOCK];
-    for (int g = 0; g < G; g++) {
+    for (int g = 0; g < NQ; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
         for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
@@ -285,76 +335,113 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
         block_rows(pages, t0 + n, n_next, S, KVH, h, next);
         int64_t first[BLOCK];
         const int64_t *pf = next;
-        if (n_next == 0 && (h + 1 < KVH || d + 1 < a->D)) {
-            const int d2 = h + 1 < KVH ? d : d + 1, h2 = h + 1 < KVH ? h + 1 : 0;
-            n_next = a->lens[d2] < BLOCK ? a->lens[d2] : BLOCK;
+        if (n_next == 0 && (h + 1 < KVH || t + 1 < a->ntiles)) {
+            const int t2 = h + 1 < KVH ? t : t + 1, h2 = h + 1 < KVH ? h + 1 : 0;
+            const int d2 = tile_first(a, t2), len2 = a->lens[tile_first(a, t2 + 1) - 1];
+            n_next = len2 < BLOCK ? len2 : BLOCK;
             block_rows(a->table + (int64_t)d2 * a->MAXP, 0, n_next, S, KVH, h2, first);
             pf = first;
         }
         for (int j = 0; j < n; j++) {
-            kr[j] = widen_row(a->k, rows[j], kb[j], HD, fmt);
+            if (!dp) kr[j] = widen_row(a->k, rows[j], kb[j], HD, fmt);
             kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * a->scale;
         }
-        for (int g = 0; g < G; g++) {
+        for (int g = 0; g < NQ; g++) {
+            const int nq = qlen[g] - t0 < n ? qlen[g] - t0 : n; /* this query's keys in the block */
+            if (nq <= 0) { /* past its last key: no scores, weights 0 */
+                for (int j = 0; j < n; j++) s[g][j] = 0.0f;
+                continue;
+            }
             __m512 qv[NVMAX];
-            for (int c = 0; c < NV; c++) qv[c] = _mm512_loadu_ps(q + g * HD + 16 * c);
+            for (int c = 0; c < NV; c++) qv[c] = _mm512_load_ps(q + g * HD + 16 * c);
+#ifdef __AVX512BF16__
+            __m512bh qb[NVMAX / 2];
+            if (dp)
+                for (int c = 0; c < NV / 2; c++) qb[c] = (__m512bh)_mm512_load_si512(qh + g * HD + 32 * c);
+#endif
             for (int j0 = 0; j0 < n; j0 += 16) {
                 __m512 dots[16];
                 for (int jj = 0; jj < 16; jj++) {
                     const int j = j0 + jj;
                     if (g == 0 && j < n_next) prefetch_row(a->k, pf[j], HD, fmt);
-                    if (j >= n) {
+                    if (j >= nq) {
                         dots[jj] = _mm512_setzero_ps();
                         continue;
                     }
+#ifdef __AVX512BF16__
+                    if (dp) { /* 32 exact bfloat16 products a step, summed in pairs into float32 lanes */
+                        const uint16_t *kj = (const uint16_t *)a->k + rows[j] * HD;
+                        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], (__m512bh)_mm512_loadu_si512(kj));
+                        for (int c = 1; c < NV / 2; c++)
+                            t = _mm512_dpbf16_ps(t, qb[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
+                        dots[jj] = t;
+                        continue;
+                    }
+#endif
                     __m512 t = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr[j]));
                     for (int c = 1; c < NV; c++) t = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr[j] + 16 * c), t);
                     dots[jj] = t;
                 }
                 _mm512_store_ps(&s[g][j0], sum16(dots));
             }
-            for (int j = 0; j < n; j++) s[g][j] = s[g][j] * kmul[j];
-        }
-        const __mmask16 lo = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
-        const __mmask16 hi = n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
-        const __m512 ninf = _mm512_set1_ps(-INFINITY);
-        for (int g = 0; g < G; g++) { /* online softmax, as the generic code */
+            for (int j = 0; j < nq; j++) s[g][j] = s[g][j] * kmul[j];
+            /* online softmax over the query's nq keys, as the generic code */
+            const __mmask16 lo = nq >= 16 ? 0xffff : (__mmask16)((1u << nq) - 1);
+            const __mmask16 hi = nq > 16 ? (__mmask16)((1u << (nq - 16)) - 1) : 0;
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
             const __m512 mx = _mm512_max_ps(_mm512_mask_load_ps(ninf, lo, s[g]),
                                             _mm512_mask_load_ps(ninf, hi, s[g] + 16));
             const float top = _mm512_reduce_max_ps(mx);
-            softmax_step(s[g], n, top > m[g] ? top : m[g], &m[g], &l[g], acc[g], HD);
+            softmax_step(s[g], nq, top > m[g] ? top : m[g], &m[g], &l[g], acc[g], HD);
+            /* s[g][nq .. n) stays 0: those keys' dots were zero vectors */
         }
         if (fmt == 2) /* the token's 2^e into its weights */
             for (int j = 0; j < n; j++) {
                 const float mul = pow2i(a->ve[rows[j]]);
-                for (int g = 0; g < G; g++) s[g][j] *= mul;
+                for (int g = 0; g < NQ; g++) s[g][j] *= mul;
             }
         /* heads in groups that fit the registers: 4 x 4 vectors at HD 64, 2 x 8 at 128 */
         const int GB = HD == 64 ? 4 : 2;
-        for (int g0 = 0; g0 < G; g0 += GB) {
-            const int left = G - g0;
-            const int npf = g0 == 0 ? n_next : 0;
-            if (left >= 4 && GB == 4) accumulate_v(a, rows, n, s, acc, g0, 4, HD, fmt, pf, npf);
-            else if (left == 3 && GB == 4) accumulate_v(a, rows, n, s, acc, g0, 3, HD, fmt, pf, npf);
-            else if (left >= 2) accumulate_v(a, rows, n, s, acc, g0, 2, HD, fmt, pf, npf);
-            else accumulate_v(a, rows, n, s, acc, g0, 1, HD, fmt, pf, npf);
+        if (NQ > GB) { /* several groups: widen the block's V rows once, prefetching the next ones */
+            for (int j = 0; j < n; j++) {
+                if (j < n_next) prefetch_row(a->v, pf[j], HD, fmt);
+                vr[j] = widen_row(a->v, rows[j], vb[j], HD, fmt);
+            }
+            for (int g0 = 0; g0 < NQ; g0 += GB) {
+                const int left = NQ - g0;
+                if (left >= 4 && GB == 4) accumulate_vrows(vr, n, s, acc, g0, 4, HD);
+                else if (left == 3 && GB == 4) accumulate_vrows(vr, n, s, acc, g0, 3, HD);
+                else if (left >= 2) accumulate_vrows(vr, n, s, acc, g0, 2, HD);
+                else accumulate_vrows(vr, n, s, acc, g0, 1, HD);
+            }
+        } else { /* one group (a decode row of up to 4 heads, or 2 at 128): V rows straight from the pages */
+            if (NQ == 4 || (NQ == 2 && GB == 2)) accumulate_v(a, rows, n, s, acc, 0, NQ, HD, fmt, pf, n_next);
+            else if (NQ == 3) accumulate_v(a, rows, n, s, acc, 0, 3, HD, fmt, pf, n_next);
+            else if (NQ == 2) accumulate_v(a, rows, n, s, acc, 0, 2, HD, fmt, pf, n_next);
+            else accumulate_v(a, rows, n, s, acc, 0, 1, HD, fmt, pf, n_next);
         }
     }
-    for (int g = 0; g < G; g++) store_out(a, d, h, g, acc[g], 1.0f / l[g]);
+    for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / l[g]);
 }
-#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int d, int h) { attend_vec(a, d, h, hd, f); }
+#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec(a, t, h, hd, f); }
 #else
-#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int d, int h) { attend_hd(a, d, h, hd, f); }
+#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_hd(a, t, h, hd, f); }
 #endif
 SPECIALISE(64, 0) SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(128, 0) SPECIALISE(128, 1) SPECIALISE(128, 2)
-static void attend_any(const Args *a, int d, int h) { attend_hd(a, d, h, a->HD, a->fmt); }
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+SPECIALISE(64, 3) SPECIALISE(128, 3)
+#define HAVE_DP 1
+#else
+#define HAVE_DP 0
+#endif
+static void attend_any(const Args *a, int t, int h) { attend_hd(a, t, h, a->HD, a->fmt); }
 
-#define MAX_CHUNKS 4096 /* chunks of (sequence, KV head) pairs a call is cut into, at most */
+#define MAX_CHUNKS 4096 /* chunks of (tile, KV head) pairs a call is cut into, at most */
 
 typedef struct {
     Args a;
     void (*attend)(const Args *, int, int);
-    int items, chunks; /* work items (sequence, KV head) and the chunks they are cut into */
+    int items, chunks; /* work items (tile, KV head) and the chunks they are cut into */
 } Job;
 
 static void run_chunk(void *ctx, int i) {
@@ -364,17 +451,31 @@ static void run_chunk(void *ctx, int i) {
     for (int w = begin; w < end; w++) job->attend(&job->a, w / job->a.KVH, w % job->a.KVH);
 }
 
-/* Returns 0, or -1 for shapes beyond the fixed buffers (the caller falls back). q and out: float32, or
- * bfloat16 when `half` (q widened exactly, out rounded to nearest even: the float32 result's rounding).
- * Threads: the process's shared pool (kernels/cpu/pool.c), which claims (sequence, KV head) pairs one at
- * a time (up to 4096 chunks of them), so a helper that is late costs at most the pair it holds; only when
+/* Returns 0, or -1 for shapes beyond the fixed buffers or tiles the kernel cannot take (the caller falls
+ * back). q and out: float32, or bfloat16 when `half` (q widened exactly, out rounded to nearest even: the
+ * float32 result's rounding). `tiles` (NULL: every row its own): [ntiles + 1] ascending first rows, 0 first
+ * and D last; a tile's rows share the first row's page table and see non-decreasing key counts, and a tile
+ * holds at most MAX_G query heads (rows x G).
+ * Threads: the process's shared pool (kernels/cpu/pool.c), which claims (tile, KV head) pairs one at a
+ * time (up to 4096 chunks of them), so a helper that is late costs at most the pair it holds; only when
  * the call has at least `min_threaded_rows` (sequence, KV head, key) rows; `linger` as pool_run's. */
 int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, const int8_t *ve,
-                 const int64_t *table, const int32_t *lens, void *out, int D, int KVH, int G, int HD, int S,
-                 int MAXP, int fmt, int half, float scale, int threads, int64_t min_threaded_rows, int linger) {
+                 const int64_t *table, const int32_t *lens, const int32_t *tiles, int ntiles, void *out, int D,
+                 int KVH, int G, int HD, int S, int MAXP, int fmt, int half, float scale, int threads,
+                 int64_t min_threaded_rows, int linger) {
     if (HD > MAX_HD || G > MAX_G || HD <= 0 || G <= 0) return -1;
-    Job job = {{q, k, v, ke, ve, table, lens, out, D, KVH, G, HD, S, MAXP, fmt, half, scale}, attend_any, D * KVH,
-               0};
+    if (tiles) {
+        if (ntiles <= 0 || tiles[0] != 0 || tiles[ntiles] != D) return -1;
+        for (int t = 0; t < ntiles; t++) {
+            if (tiles[t + 1] <= tiles[t] || (tiles[t + 1] - tiles[t]) * G > MAX_G) return -1;
+            for (int d = tiles[t] + 1; d < tiles[t + 1]; d++)
+                if (lens[d] < lens[d - 1]) return -1;
+        }
+    } else {
+        ntiles = D;
+    }
+    Job job = {{q, k, v, ke, ve, table, lens, tiles, out, D, KVH, G, HD, S, MAXP, fmt, half, ntiles, scale},
+               attend_any, ntiles * KVH, 0};
     if (threads > 1) {
         int64_t rows = 0;
         for (int d = 0; d < D; d++) rows += lens[d];
@@ -382,6 +483,10 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
     }
     if (HD == 64) job.attend = fmt == 0 ? attend_64_0 : fmt == 1 ? attend_64_1 : attend_64_2;
     if (HD == 128) job.attend = fmt == 0 ? attend_128_0 : fmt == 1 ? attend_128_1 : attend_128_2;
+#if HAVE_DP
+    if (fmt == 1 && half && HD == 64) job.attend = attend_64_3;
+    if (fmt == 1 && half && HD == 128) job.attend = attend_128_3;
+#endif
     job.chunks = job.items < MAX_CHUNKS ? job.items : MAX_CHUNKS;
     if (run_pool != 0) { /* one thread or one chunk: the pool runs them on this thread */
         run_pool(run_chunk, &job, job.chunks, threads, linger);

@@ -63,11 +63,21 @@ def test_scores_spread_far_apart(spread: float, rtol: float, seed: int) -> None:
                         paged_decode_attention_ref(q, *paged.with_abs_v(), 0.125), rtol, seed)
 
 
+def _bf16_dot_scores(fmt: str, head_dim: int) -> bool:
+    """Whether the kernel scores bf16 queries against bf16 pages with `vdpbf16ps` here (AVX512-BF16, head
+    sizes 64 and 128): float32 sums in another order than the widened call's."""
+    from backend.cpu_features import cpu_flags
+
+    return fmt == "bf16" and head_dim in (64, 128) and "avx512_bf16" in cpu_flags()
+
+
 @pytest.mark.parametrize("head_dim", [64, 96])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_bfloat16_queries_give_the_float32_result_rounded(fmt: str, head_dim: int) -> None:
     """bf16 q in, bf16 out: exactly the float32 call on the widened q, rounded to nearest even as torch
-    rounds (the AVX-512 copy at 64, the generic one at 96), with ties and a NaN query row included."""
+    rounds (the AVX-512 copy at 64, the generic one at 96), with ties and a NaN query row included. Where
+    bf16 pages are scored with `vdpbf16ps` (exact products, float32 sums paired otherwise), within one
+    bfloat16 step of it instead."""
     lens = [3, 40, 77]
     num_pages, page_table = random_layout(lens)
     paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FORMATS[fmt], num_pages, page_table,
@@ -79,7 +89,11 @@ def test_bfloat16_queries_give_the_float32_result_rounded(fmt: str, head_dim: in
         half = paged_decode_attention_cpu(q, *paged, 0.125, threads=threads)
         assert half.dtype == torch.bfloat16 and wide.dtype == torch.float32
         finite = ~wide.isnan()
-        assert torch.equal(half[finite].view(torch.int16), wide[finite].bfloat16().view(torch.int16))
+        if _bf16_dot_scores(fmt, head_dim):
+            step = wide[finite].abs() * 2.0 ** -7
+            assert ((half[finite].float() - wide[finite]).abs() <= step).all()
+        else:
+            assert torch.equal(half[finite].view(torch.int16), wide[finite].bfloat16().view(torch.int16))
         assert torch.equal(half.isnan(), wide.isnan()) and wide[1, 2].isnan().all() and not wide[0].isnan().any()
 
 
@@ -104,3 +118,79 @@ def test_declines_what_it_cannot_run() -> None:
     assert paged_decode_attention_cpu(torch.randn(1, 1, 320), *paged, 1.0) is None
     f16 = paged._replace(k_cache=paged.k_cache.half(), v_cache=paged.v_cache.half())
     assert paged_decode_attention_cpu(torch.randn(1, 1, 320), *f16, 1.0) is None
+
+
+def _prompt_rows(paged, lens: list[int], chunk: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as a mixed step lays them out: a decode row per sequence but the first, whose rows `chunk`
+    (positions start .. end-1) are a prompt chunk; returns every row's page table and key count."""
+    start, end = chunk
+    tables = [paged.page_table[i:i + 1] for i in range(1, len(lens))] + [paged.page_table[:1].expand(end - start, -1)]
+    keys = [torch.tensor(lens[1:], dtype=torch.int32), torch.arange(start + 1, end + 1, dtype=torch.int32)]
+    return torch.cat(tables), torch.cat(keys)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("group,head_dim,per_tile", [(3, 64, 10), (1, 64, 32), (3, 64, 7), (2, 128, 16),
+                                                      (3, 96, 8)])
+def test_prompt_tiles_match_the_rows_one_by_one(fmt: str, group: int, head_dim: int, per_tile: int,
+                                                seed: int) -> None:
+    """A prompt chunk's rows in tiles (each block of keys against all of a tile's query heads, the causal
+    diagonal masked per query) give what each row alone gives, and the reference: tiles that end inside a
+    block and across one, a last tile shorter than the rest, decode rows alone in between. 96 runs the
+    generic code, which takes a tile row by row."""
+    lens = [83, 40, 5]
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FORMATS[fmt], num_pages, page_table,
+                        "cpu")
+    table, keys = _prompt_rows(paged, lens, (17, 83))
+    rows = paged._replace(page_table=table, context_lens=keys)
+    q = torch.randn(len(keys), 2 * group, head_dim)
+    decode = len(lens) - 1
+    tiles = torch.tensor([*range(decode), *range(decode, len(keys), per_tile), len(keys)], dtype=torch.int32)
+    for threads in (1, 2):
+        tiled = paged_decode_attention_cpu(q, *rows, 0.125, threads=threads, tiles=tiles)
+        alone = paged_decode_attention_cpu(q, *rows, 0.125, threads=threads)
+        assert tiled is not None and alone is not None
+        torch.testing.assert_close(tiled, alone, rtol=1e-5, atol=1e-6)
+        assert_close_in_mag(tiled, paged_decode_attention_ref(q, *rows, 0.125),
+                            paged_decode_attention_ref(q, *rows.with_abs_v(), 0.125), 1e-5, seed)
+
+
+def test_prompt_tiles_it_cannot_take_are_declined() -> None:
+    """Tiles of more query heads than the kernel holds, rows whose key counts fall, or first rows that do not
+    cover the rows: None (the caller runs the rows without tiles), never a wrong answer."""
+    lens = [60]
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(random_sequences(lens, 1, 64), 1, 64, torch.float32, num_pages, page_table, "cpu")
+    table, keys = _prompt_rows(paged, lens, (20, 60))
+    rows = paged._replace(page_table=table, context_lens=keys)
+    q = torch.randn(40, 4, 64)
+    good = torch.tensor([0, 8, 16, 24, 32, 40])
+    assert paged_decode_attention_cpu(q, *rows, 0.1, tiles=good) is not None
+    assert paged_decode_attention_cpu(q, *rows, 0.1, tiles=torch.tensor([0, 9, 16, 24, 32, 40])) is None  # 9 x 4 > 32
+    assert paged_decode_attention_cpu(q, *rows, 0.1, tiles=torch.tensor([0, 8, 16, 24, 32, 39])) is None
+    assert paged_decode_attention_cpu(q, *rows, 0.1, tiles=torch.tensor([1, 8, 16, 24, 32, 40])) is None
+    assert paged_decode_attention_cpu(q, *rows, 0.1, tiles=torch.tensor([0, 16, 8, 24, 32, 40])) is None
+    falling = rows._replace(context_lens=keys.flip(0).contiguous())
+    assert paged_decode_attention_cpu(q, *falling, 0.1, tiles=good) is None
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_bfloat16_scores_by_dot_product_match_the_reference(head_dim: int, tiled: bool, seed: int) -> None:
+    """bf16 queries against bf16 pages (the served bf16 model's case; `vdpbf16ps` where the CPU has it):
+    decode rows and a prompt chunk in tiles against the reference on the same bf16 values, within the
+    output's bfloat16 rounding."""
+    lens = [150, 33, 7]
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, torch.bfloat16, num_pages, page_table,
+                        "cpu")
+    table, keys = _prompt_rows(paged, lens, (90, 150))
+    rows = paged._replace(page_table=table, context_lens=keys)
+    q = torch.randn(len(keys), 6, head_dim).bfloat16()
+    tiles = torch.tensor([0, 1, *range(2, len(keys), 10), len(keys)], dtype=torch.int32) if tiled else None
+    out = paged_decode_attention_cpu(q, *rows, 0.125, threads=2, tiles=tiles)
+    assert out is not None and out.dtype == torch.bfloat16
+    ref = paged_decode_attention_ref(q.float(), *rows, 0.125)
+    mag = paged_decode_attention_ref(q.float(), *rows.with_abs_v(), 0.125)
+    assert_close_in_mag(out.float(), ref, mag, 2.0 ** -8, seed)
