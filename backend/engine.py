@@ -44,7 +44,7 @@ import time
 import uuid
 from array import array
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -100,6 +100,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     prefill_chunk_size: int = 256
     max_waiting: int = 256
+    # tokens a step with decode rows holds at most (scheduler.py); None: `cpu_gemv.max_rows()` where every linear
+    # runs the bf16 C GEMV, else no cap; 0: no cap
+    mixed_step_tokens: int | None = None
     num_threads: int | None = None  # torch intra-op threads (None: leave as is)
     prefix_caching: bool = False  # share full prompt blocks between requests (prefill and unified roles)
     held_timeout_s: float = 60.0  # prefill role: pages of a request whose KV is never collected are freed
@@ -150,6 +153,11 @@ class LLMEngine:
             PrefixCachePool(self.allocator, config.page_size, self._record_kv_event) if config.prefix_caching
             else None)
         self.runner = ModelRunner(model, self.cache)
+        mixed = config.mixed_step_tokens
+        if mixed is None and self.runner.gemv_decode:
+            mixed = cpu_gemv.max_rows()
+        if mixed:
+            self.scheduler.config = replace(self.scheduler.config, mixed_step_tokens=mixed)
         self.group: Collectives | None = model.group  # rank 0 of a tensor-parallel group, or None
         self.kv_exchange: Any = None  # with a group: KV transfers read/write every rank's heads (kv_exchange.py)
         if self.group is not None:

@@ -5,6 +5,12 @@ its prompt contributes one token, then the remaining token budget
 (`max_num_batched_tokens`) goes to prompt chunks (at most `prefill_chunk_size`
 tokens each), first of sequences already prefilling, then of newly admitted ones.
 So a long prompt is split over steps and running decodes never stall behind it.
+Where the engine sets `mixed_step_tokens`, a step that carries decode rows holds at
+most that many tokens: on a CPU whose bf16 linears run the C GEMV up to
+`cpu_gemv.max_rows()` rows, a step just past that limit runs torch's GEMM at a worse
+rate per row, so a new prompt arriving among running decodes is cut to fit (its
+rest goes in the next steps, which also decode); with no decode rows, or too little
+room left for prompts (`MIN_MIXED_PROMPT_TOKENS`), the full budget applies.
 
 Admission reserves every page a request may need (prompt + max_tokens) up front,
 first come first served, and stops at the first request that does not fit: the
@@ -61,6 +67,9 @@ __all__ = ["SchedulerConfig", "ScheduledBatch", "Scheduler"]
 log = logging.getLogger(__name__)
 
 
+MIN_MIXED_PROMPT_TOKENS = 32  # below this room for prompts a mixed step is not capped (prompts would crawl)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_model_len: int  # context limit: prompt + output tokens
@@ -68,6 +77,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens per step, decode + prefill
     prefill_chunk_size: int = 256
     max_waiting: int = 256  # bounded wait queue
+    # tokens a step that carries decode rows holds at most (None: max_num_batched_tokens), while that leaves
+    # prompt chunks at least MIN_MIXED_PROMPT_TOKENS; the engine sets it where steps up to that size run a
+    # faster kernel (the bf16 C GEMV: module docstring)
+    mixed_step_tokens: int | None = None
 
 
 class ScheduledBatch(NamedTuple):
@@ -294,7 +307,10 @@ class Scheduler:
         cfg = self.config
         aborted = self._reap_aborted()
         decode = [s for s in self.running if not s.is_prefilling]
-        budget = cfg.max_num_batched_tokens - len(decode)
+        limit = cfg.max_num_batched_tokens
+        if decode and cfg.mixed_step_tokens and cfg.mixed_step_tokens - len(decode) >= MIN_MIXED_PROMPT_TOKENS:
+            limit = min(limit, cfg.mixed_step_tokens)
+        budget = limit - len(decode)
         prefill: list[tuple[Sequence, int]] = []
         for s in self.running:
             if budget <= 0:

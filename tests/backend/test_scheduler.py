@@ -86,6 +86,37 @@ def test_long_prompt_is_chunked_and_decodes_keep_running(tiny_dir: Path) -> None
     assert steps == 10  # 80 prompt tokens in chunks of 8
 
 
+def test_steps_with_decode_rows_are_capped_at_mixed_step_tokens(tiny_dir: Path) -> None:
+    """With `mixed_step_tokens`, a prompt arriving among running decodes is cut so the step holds at most that
+    many tokens (the rest goes in the next steps, which decode too); a step with no decode rows keeps the full
+    budget, and where the cap leaves prompts less than MIN_MIXED_PROMPT_TOKENS it does not apply."""
+    from backend.scheduler import MIN_MIXED_PROMPT_TOKENS
+
+    cap = MIN_MIXED_PROMPT_TOKENS + 8
+    e = make_engine(tiny_dir, num_pages=256, max_num_batched_tokens=256, prefill_chunk_size=256,
+                    mixed_step_tokens=cap)
+    first = e.add_request(list(range(3, 203)), SamplingParams(max_tokens=40, **GREEDY))
+    e.step()  # no decode rows: the whole budget, the 200-token prompt at once
+    assert not first.is_prefilling and len(first.output_ids) == 1
+    second = e.add_request(list(range(5, 105)), SamplingParams(max_tokens=40, **GREEDY))
+    done = []
+    while second.is_prefilling:
+        before = second.num_computed_tokens
+        e.step()
+        done.append(second.num_computed_tokens - before)
+    assert done == [cap - 1, cap - 1, 100 - 2 * (cap - 1)]  # beside one decode row (`first`) each time
+    shorts = [e.add_request([7, 8, 9], SamplingParams(max_tokens=40, **GREEDY)) for _ in range(cap - MIN_MIXED_PROMPT_TOKENS - 1)]
+    e.step()  # the short prompts fit the capped step beside the 2 decode rows
+    assert not any(s.is_prefilling for s in shorts)
+    assert cap - (2 + len(shorts)) < MIN_MIXED_PROMPT_TOKENS
+    third = e.add_request(list(range(9, 159)), SamplingParams(max_tokens=4, **GREEDY))
+    e.step()  # so many decode rows leave less than MIN_MIXED_PROMPT_TOKENS under the cap: not capped
+    assert not third.is_prefilling
+    uncapped = make_engine(tiny_dir, num_pages=64, max_num_batched_tokens=64, prefill_chunk_size=64,
+                           mixed_step_tokens=0)
+    assert uncapped.scheduler.config.mixed_step_tokens is None  # 0: no cap (float32 here: no auto cap either)
+
+
 def test_abort_returns_pages_at_the_next_step(tiny_dir: Path) -> None:
     e = make_engine(tiny_dir, num_pages=8)
     running = e.add_request(list(range(3, 30)), SamplingParams(max_tokens=30, **GREEDY))
