@@ -415,7 +415,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
                 else accumulate_vrows(vr, n, s, acc, g0, 1, HD);
             }
         } else { /* one group (a decode row of up to 4 heads, or 2 at 128): V rows straight from the pages */
-            if (NQ == 4 || (NQ == 2 && GB == 2)) accumulate_v(a, rows, n, s, acc, 0, NQ, HD, fmt, pf, n_next);
+            if (NQ == 4) accumulate_v(a, rows, n, s, acc, 0, 4, HD, fmt, pf, n_next);
             else if (NQ == 3) accumulate_v(a, rows, n, s, acc, 0, 3, HD, fmt, pf, n_next);
             else if (NQ == 2) accumulate_v(a, rows, n, s, acc, 0, 2, HD, fmt, pf, n_next);
             else accumulate_v(a, rows, n, s, acc, 0, 1, HD, fmt, pf, n_next);
