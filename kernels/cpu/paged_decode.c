@@ -20,9 +20,10 @@
  * Two copies of the loop: `attend_hd`, plain C the compiler vectorises (any head size, any CPU), and
  * `attend_vec` with AVX-512 intrinsics for head sizes 64 and 128 where the CPU has AVX-512 (and a copy of
  * it for bf16 q against bf16 pages that scores with `vdpbf16ps` where the CPU has AVX512-BF16: exact
- * products, float32 sums in pairs, no widened K). Work items are (tile, KV head): a tile is one row, or
+ * products, float32 sums in pairs, no widened K). Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
- * against each block of keys. Threads: the process's shared helper pool (kernels/cpu/pool.c) over items.
+ * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few).
+ * Threads: the process's shared helper pool (kernels/cpu/pool.c) over items.
  */
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -436,19 +437,22 @@ SPECIALISE(64, 3) SPECIALISE(128, 3)
 #endif
 static void attend_any(const Args *a, int t, int h) { attend_hd(a, t, h, a->HD, a->fmt); }
 
-#define MAX_CHUNKS 4096 /* chunks of (tile, KV head) pairs a call is cut into, at most */
+#define MAX_CHUNKS 4096 /* chunks of work items a call is cut into, at most */
 
 typedef struct {
     Args a;
     void (*attend)(const Args *, int, int);
-    int items, chunks; /* work items (tile, KV head) and the chunks they are cut into */
+    int heads;         /* KV heads an item holds: all of its tile's (KVH), or one */
+    int items, chunks; /* work items (a tile's KV heads, or one of them) and the chunks they are cut into */
 } Job;
 
 static void run_chunk(void *ctx, int i) {
     const Job *job = (const Job *)ctx;
     const int begin = (int)((int64_t)job->items * i / job->chunks);
     const int end = (int)((int64_t)job->items * (i + 1) / job->chunks);
-    for (int w = begin; w < end; w++) job->attend(&job->a, w / job->a.KVH, w % job->a.KVH);
+    for (int w = begin; w < end; w++)
+        for (int h = w * job->heads % job->a.KVH, e = h + job->heads; h < e; h++)
+            job->attend(&job->a, w * job->heads / job->a.KVH, h);
 }
 
 /* Returns 0, or -1 for shapes beyond the fixed buffers or tiles the kernel cannot take (the caller falls
@@ -456,9 +460,12 @@ static void run_chunk(void *ctx, int i) {
  * float32 result's rounding). `tiles` (NULL: every row its own): [ntiles + 1] ascending first rows, 0 first
  * and D last; a tile's rows share the first row's page table and see non-decreasing key counts, and a tile
  * holds at most MAX_G query heads (rows x G).
- * Threads: the process's shared pool (kernels/cpu/pool.c), which claims (tile, KV head) pairs one at a
- * time (up to 4096 chunks of them), so a helper that is late costs at most the pair it holds; only when
- * the call has at least `min_threaded_rows` (sequence, KV head, key) rows; `linger` as pool_run's. */
+ * Threads: the process's shared pool (kernels/cpu/pool.c), which claims work items one at a time (up to
+ * 4096 chunks of them), so a helper that is late costs at most the item it holds; only when the call has
+ * at least `min_threaded_rows` (sequence, KV head, key) rows. An item is a tile with all its KV heads, one
+ * after the other on one thread (a token's rows of the heads lie side by side in a page: measured in c = 32
+ * SmolLM2 decode steps, 4 pairs alternating with one head an item, the attention's time per step 0.78x),
+ * or, where there are fewer than 4 tiles a thread, one KV head of a tile. `linger` as pool_run's. */
 int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, const int8_t *ve,
                  const int64_t *table, const int32_t *lens, const int32_t *tiles, int ntiles, void *out, int D,
                  int KVH, int G, int HD, int S, int MAXP, int fmt, int half, float scale, int threads,
@@ -475,11 +482,15 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
         ntiles = D;
     }
     Job job = {{q, k, v, ke, ve, table, lens, tiles, out, D, KVH, G, HD, S, MAXP, fmt, half, ntiles, scale},
-               attend_any, ntiles * KVH, 0};
+               attend_any, KVH, ntiles, 0};
     if (threads > 1) {
         int64_t rows = 0;
         for (int d = 0; d < D; d++) rows += lens[d];
         if (rows * KVH < min_threaded_rows) threads = 1;
+    }
+    if (threads > 1 && ntiles < 4 * threads) { /* too few tiles to share out: one KV head an item */
+        job.heads = 1;
+        job.items = ntiles * KVH;
     }
     if (HD == 64) job.attend = fmt == 0 ? attend_64_0 : fmt == 1 ? attend_64_1 : attend_64_2;
     if (HD == 128) job.attend = fmt == 0 ? attend_128_0 : fmt == 1 ? attend_128_1 : attend_128_2;
