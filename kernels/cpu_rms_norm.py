@@ -24,15 +24,12 @@ from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["available", "build_error", "rms_norm_bf16", "add_rms_norm_bf16"]
 
-_CHUNK_VALUES = 16384  # values of x a pool chunk holds at least
-
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    q = ctypes.c_int64
-    lib.rms_norm_bf16.argtypes = [p, p, p, i, i, ctypes.c_float, i, q, i]
+    lib.rms_norm_bf16.argtypes = [p, p, p, i, i, ctypes.c_float, i, i]
     lib.rms_norm_bf16.restype = None
-    lib.add_rms_norm_bf16.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, q, i]
+    lib.add_rms_norm_bf16.argtypes = [p, p, p, p, i, i, ctypes.c_float, i, i]
     lib.add_rms_norm_bf16.restype = None
 
 
@@ -64,7 +61,7 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         branch = () if delta is None else (delta.data_ptr(),)
         getattr(lib, name)(x.data_ptr(), *branch, weight.data_ptr(), y.data_ptr(), rows, n, eps, kernel_threads(),
-                           max(1, _CHUNK_VALUES // n), int(kernels_own_threads()))
+                           int(kernels_own_threads()))
     return y
 
 

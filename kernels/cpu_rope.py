@@ -20,12 +20,10 @@ from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["available", "build_error", "rope_bf16"]
 
-_CHUNK_VALUES = 16384  # values of x a pool chunk holds at least
-
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.rope_bf16.argtypes = [p, p, p, i, i, i, i, ctypes.c_int64, i, ctypes.c_int64, i]
+    lib.rope_bf16.argtypes = [p, p, p, i, i, i, i, ctypes.c_int64, i, i]
     lib.rope_bf16.restype = None
 
 
@@ -53,5 +51,5 @@ def rope_bf16(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty(rows, heads, dim, dtype=torch.bfloat16)
     if rows and heads:  # complex64 is (cos, sin) float pairs in memory
         lib.rope_bf16(x.data_ptr(), freqs.data_ptr(), y.data_ptr(), rows, heads, dim, pairs, x.stride(0),
-                      kernel_threads(), max(1, _CHUNK_VALUES // (heads * dim)), int(kernels_own_threads()))
+                      kernel_threads(), int(kernels_own_threads()))
     return y

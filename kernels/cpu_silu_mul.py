@@ -21,12 +21,10 @@ from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["available", "build_error", "silu_mul_bf16"]
 
-_CHUNK_VALUES = 16384  # output values a pool chunk holds at least (below two chunks' worth, one thread)
-
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, q, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.silu_mul_bf16.argtypes = [p, p, q, q, i, q, i]
+    lib.silu_mul_bf16.argtypes = [p, p, q, q, i, i]
     lib.silu_mul_bf16.restype = None
 
 
@@ -50,6 +48,5 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(rows, inter, dtype=torch.bfloat16)
     if rows and inter:
-        lib.silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, inter, kernel_threads(),
-                          max(1, _CHUNK_VALUES // inter), int(kernels_own_threads()))
+        lib.silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, inter, kernel_threads(), int(kernels_own_threads()))
     return y

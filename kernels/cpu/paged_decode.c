@@ -303,12 +303,15 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
     const int len = a->lens[d + R - 1]; /* rows ascend: the tile's last row sees the most keys */
     float q[MAX_G * MAX_HD] __attribute__((aligned(64)));
     int qlen[MAX_G];
-    uint16_t qh[MAX_G * MAX_HD] __attribute__((aligned(64))); /* dp: the queries as given (bfloat16) */
-    for (int i = 0; i < R; i++) {
-        if (dp) memcpy(qh + i * G * HD, (const uint16_t *)a->q + ((int64_t)(d + i) * a->KVH + h) * G * HD,
-                       sizeof(uint16_t) * G * HD);
-        const float *qi = load_q(a, d + i, h, q + i * G * HD);
-        if (qi != q + i * G * HD) memcpy(q + i * G * HD, qi, sizeof(float) * G * HD);
+    uint16_t qh[MAX_G * MAX_HD] __attribute__((aligned(64)));
+    for (int i = 0; i < R; i++) { /* dp: the bf16 queries as given; else as float32 */
+        if (dp) {
+            memcpy(qh + i * G * HD, (const uint16_t *)a->q + ((int64_t)(d + i) * a->KVH + h) * G * HD,
+                   sizeof(uint16_t) * G * HD);
+        } else {
+            const float *qi = load_q(a, d + i, h, q + i * G * HD);
+            if (qi != q + i * G * HD) memcpy(q + i * G * HD, qi, sizeof(float) * G * HD);
+        }
         for (int g = 0; g < G; g++) qlen[i * G + g] = a->lens[d + i];
     }
     float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
@@ -354,7 +357,8 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
                 continue;
             }
             __m512 qv[NVMAX];
-            for (int c = 0; c < NV; c++) qv[c] = _mm512_load_ps(q + g * HD + 16 * c);
+            if (!dp)
+                for (int c = 0; c < NV; c++) qv[c] = _mm512_load_ps(q + g * HD + 16 * c);
 #ifdef __AVX512BF16__
             __m512bh qb[NVMAX / 2];
             if (dp)

@@ -16,10 +16,12 @@ static pool_fn run_pool = 0; /* set by the loader (`set_pool`); without it every
 void set_pool(pool_fn fn) { run_pool = fn; }
 
 /* Row-wise kernels (one output row from one input row, no state across rows: SwiGLU's activation, RMSNorm,
- * RoPE): fn(ctx, r0, r1) over rows [0, rows), cut into at most 4 chunks a thread of at least `min_chunk` rows
- * each and run on the pool (the caller claims chunks too, so a late helper costs at most one chunk); a call
+ * RoPE): fn(ctx, r0, r1) over rows [0, rows) of `row_values` values each, cut into at most 4 chunks a thread
+ * of at least POOL_ROWS_MIN_VALUES values each (smaller ones cost more to hand out than they save) and run
+ * on the pool (the caller claims chunks too, so a late helper costs at most one chunk); a call
  * too small for two chunks, or with no pool, runs on the caller. Chunks are contiguous row ranges, so each
  * row's arithmetic is the one-threaded call's: results do not depend on the thread count. */
+#define POOL_ROWS_MIN_VALUES 16384
 typedef void (*pool_rows_fn)(void *ctx, int64_t r0, int64_t r1);
 typedef struct {
     pool_rows_fn fn;
@@ -33,8 +35,11 @@ static inline void pool_rows_chunk(void *job, int i) {
     j->fn(j->ctx, j->rows * i / j->chunks, j->rows * (i + 1) / j->chunks);
 }
 
-static inline void pool_rows(pool_rows_fn fn, void *ctx, int64_t rows, int64_t min_chunk, int threads, int linger) {
-    int64_t chunks = min_chunk > 0 ? rows / min_chunk : rows;
+static inline void pool_rows(pool_rows_fn fn, void *ctx, int64_t rows, int64_t row_values, int threads,
+                             int linger) {
+    const int64_t per_row = row_values > 0 ? row_values : 1;
+    const int64_t min_chunk = per_row >= POOL_ROWS_MIN_VALUES ? 1 : POOL_ROWS_MIN_VALUES / per_row; /* rows */
+    int64_t chunks = rows / min_chunk;
     if (chunks > 4 * (int64_t)threads) chunks = 4 * (int64_t)threads;
     if (run_pool == 0 || threads <= 1 || chunks <= 1) {
         if (rows > 0) fn(ctx, 0, rows);

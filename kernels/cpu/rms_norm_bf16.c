@@ -85,15 +85,15 @@ static void norm_rows(void *ctx, int64_t r0, int64_t r1) {
     }
 }
 
-/* Both on the shared pool (pool.h's `pool_rows`) in chunks of at least `min_chunk` rows. */
+/* Both on the shared pool (pool.h's `pool_rows`) where the call is large enough. */
 void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps, int threads,
-                   int64_t min_chunk, int linger) {
+                   int linger) {
     Job job = {(uint16_t *)x, NULL, w, y, n, eps};
-    pool_rows(norm_rows, &job, rows, min_chunk, threads, linger);
+    pool_rows(norm_rows, &job, rows, n, threads, linger);
 }
 
 void add_rms_norm_bf16(uint16_t *h, const uint16_t *a, const uint16_t *w, uint16_t *y, int rows, int n,
-                       float eps, int threads, int64_t min_chunk, int linger) {
+                       float eps, int threads, int linger) {
     Job job = {h, a, w, y, n, eps};
-    pool_rows(norm_rows, &job, rows, min_chunk, threads, linger);
+    pool_rows(norm_rows, &job, rows, n, threads, linger);
 }

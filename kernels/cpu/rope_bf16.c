@@ -58,9 +58,9 @@ static void rope_rows(void *ctx, int64_t r0, int64_t r1) {
     }
 }
 
-/* Rows on the shared pool (pool.h's `pool_rows`) in chunks of at least `min_chunk` rows. */
+/* Rows on the shared pool (pool.h's `pool_rows`) where the call is large enough. */
 void rope_bf16(const uint16_t *x, const float *f, uint16_t *y, int rows, int heads, int dim, int pairs,
-               int64_t row_stride, int threads, int64_t min_chunk, int linger) {
+               int64_t row_stride, int threads, int linger) {
     Job job = {x, f, y, heads, dim, pairs, row_stride};
-    pool_rows(rope_rows, &job, rows, min_chunk, threads, linger);
+    pool_rows(rope_rows, &job, rows, (int64_t)heads * dim, threads, linger);
 }

@@ -91,9 +91,8 @@ static void silu_mul_rows(void *ctx, int64_t r0, int64_t r1) {
     }
 }
 
-/* Rows on the shared pool (pool.h's `pool_rows`) in chunks of at least `min_chunk` rows. */
-void silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads,
-                   int64_t min_chunk, int linger) {
+/* Rows on the shared pool (pool.h's `pool_rows`) where the call is large enough. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads, int linger) {
     Job job = {gate_up, y, inter};
-    pool_rows(silu_mul_rows, &job, rows, min_chunk, threads, linger);
+    pool_rows(silu_mul_rows, &job, rows, inter, threads, linger);
 }

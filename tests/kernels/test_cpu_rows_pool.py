@@ -35,7 +35,7 @@ def _both(fn, *args):
 def test_chunked_calls_equal_one_thread(rows: int, seed: int) -> None:
     gate_up = torch.randn(rows, 2 * 1536).bfloat16()
     (two, _), (one, _) = _both(silu_kernel.silu_mul_bf16, gate_up)
-    assert rows * 1536 >= 4 * silu_kernel._CHUNK_VALUES  # cut into chunks at 2 threads
+    assert rows * 1536 >= 4 * 16384  # cut into chunks at 2 threads (pool.h's POOL_ROWS_MIN_VALUES)
     gate, up = gate_up.float().chunk(2, dim=-1)
     assert torch.equal(two.view(torch.int16), one.view(torch.int16))
     torch.testing.assert_close(two.float(), (torch.nn.functional.silu(gate).bfloat16().float() * up), rtol=2 ** -7,
