@@ -22,6 +22,7 @@ BENCHES: dict[str, str] = {
     "e2e": "ops.bench.e2e",
     "kv-capacity": "ops.bench.kv",
     "kernels": "ops.bench.kernels",
+    "cpu-kernels": "ops.bench.cpu_kernels",
     "integrity": "ops.bench.integrity",
     "gateway": "ops.bench.gateway",
     "routing": "ops.bench.routing",

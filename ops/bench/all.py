@@ -8,11 +8,11 @@ gateway, Redis) is stopped with it (`stop_group`), and the next one still runs. 
 another: two benchmarks at once would measure each other.
 
 The summary (JSON at ``--json``, markdown beside it with the ``.md`` suffix) has one
-row per benchmark: its status (ok, failed with the exit status, timed out, or ran
-without writing a report), wall seconds, the commit its report recorded (with
-"+dirty" when the tree had uncommitted changes), its headline figures (the report's
-``headline`` when it has one, else the keys listed in `HEADLINE_KEYS`) and its
-target verdicts, read from whichever shape its ``targets`` take (`targets_of`).
+row per benchmark: its status (ok; ok with the parts it skipped and why, from the report's
+``skipped``; failed with the exit status; timed out; or ran without writing a report), wall
+seconds, the commit its report recorded (with "+dirty" when the tree had uncommitted changes),
+its headline figures (the report's ``headline`` when it has one, else the keys listed in
+`HEADLINE_KEYS`) and its target verdicts, read from whichever shape its ``targets`` take (`targets_of`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ MAX_FIGURES = 8  # per benchmark in the table (the JSON keeps them all)
 @dataclass
 class BenchOutcome:
     name: str
-    status: str  # "ok" | "failed (exit N)" | "timed out" | "no report"
+    status: str  # "ok" | "ok; skipped PART (why), ..." | "failed (exit N)" | "timed out" | "no report"
     seconds: float
     command: list[str]
     report_path: str
@@ -137,6 +137,8 @@ def run_one(name: str, command: list[str], report_path: Path, log_path: Path, ti
         outcome.status = f"failed (exit {rc})"
     elif report is None:
         outcome.status = "no report"
+    if report is not None and outcome.status == "ok" and report.get("skipped"):
+        outcome.status = "ok; skipped " + ", ".join(f"{part} ({why})" for part, why in report["skipped"].items())
     if report is not None:
         prov = report.get("provenance") or {}
         outcome.commit, outcome.dirty = prov.get("commit") or report.get("commit"), prov.get("dirty")
@@ -205,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {md_path}")
     write_report(str(summary_path), {
         "benchmarks": [asdict(o) for o in outcomes],
-        "failed": [o.name for o in outcomes if o.status != "ok"],
+        "failed": [o.name for o in outcomes if not o.status.startswith("ok")],
         "targets_not_met": {o.name: {k: v for k, v in o.targets.items() if v != "met"} for o in outcomes
                             if any(v != "met" for v in o.targets.values())},
         "total_s": sum(o.seconds for o in outcomes),

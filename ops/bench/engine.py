@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ops.bench.harness.machine import measure_machine
 from ops.bench.harness.progress import log
 from ops.bench.harness.prompts import TOPICS
 from ops.bench.harness.stats import percentile, rotated, spread
@@ -177,36 +178,6 @@ def bench_hf(model, reqs: list[tuple[list[int], int]], batch: int, pad_id: int) 
             if n > 1:
                 tpot.append((step_times[n - 1] - step_times[0]) / (n - 1))
     return Timings(time.perf_counter() - t0, tokens, len(reqs), ttft, tpot)
-
-
-def _gemm_rate(dtype: torch.dtype) -> float:
-    """GFLOP/s of the fastest of 5 2048^3 GEMMs (the machine's capability, not its busiest moment)."""
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * 2048**3 / best / 1e9
-
-
-def measure_machine(dtype: torch.dtype) -> dict[str, float]:
-    """Read bandwidth (GB/s) from reducing a 1 GiB tensor; 2048^3 GEMM rates (GFLOP/s) in
-    the compute dtype, in BF16 and in float32; ``bound_gemm_gflop_s`` is the best of the compute
-    dtype's and float32's (bfloat16 weights run float32 GEMMs where that is faster,
-    `backend/gemm_widen.py`), the rate the GEMM bound uses."""
-    big = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
-    big.sum()
-    reps, t = 5, time.perf_counter()
-    for _ in range(reps):
-        big.sum()
-    bandwidth = reps * big.numel() * 4 / (time.perf_counter() - t) / 1e9
-    del big
-    rates = {"gemm_gflop_s": _gemm_rate(dtype), "bf16_gemm_gflop_s": _gemm_rate(torch.bfloat16),
-             "float32_gemm_gflop_s": _gemm_rate(torch.float32)}
-    return {"read_gb_s": bandwidth, **rates,
-            "bound_gemm_gflop_s": max(rates["gemm_gflop_s"], rates["float32_gemm_gflop_s"])}
 
 
 def systems_at(c: int, with_hf: bool) -> list[str]:

@@ -1,7 +1,9 @@
 """CUDA kernels: paged decode attention (FP8 vs BF16 pages), the fused MoE (vs torch), MLA decode.
 
 `--parts attention,moe,mla` chooses the sections (attention and moe by default); `--parts mla`
-also runs without a GPU, timing the torch reference only.
+also runs without a GPU, timing the torch reference only, and is what the default run does on a
+host without one (the report lists the other parts under ``skipped``). The CPU's C kernels have
+their own benchmark, `edgeserve bench cpu-kernels`.
 
 **attention**: each row times `paged_decode_attention` (bf16 queries, automatic num_splits) over
 pages laid out in a random order, with CUDA events (`triton.testing.do_bench`,
@@ -45,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=32, help="query heads (Llama-3-8B shape by default)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--parts", default="attention,moe", help="sections to run: attention, moe, mla")
+    p.add_argument("--parts", default=None, help="sections to run: attention, moe, mla (default: attention,moe "
+                   "with a CUDA device, else mla, the others reported as skipped)")
     p.add_argument("--moe-tokens", default="1,16,128,1024")
     p.add_argument("--moe-shape", default="4096,1408,128,8", help="hidden, moe intermediate, experts, top-k")
     p.add_argument("--moe-formats", default="bf16,fp8,int4")
@@ -240,11 +243,18 @@ def _bench_mla(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    parts = args.parts.split(",")
-    if not torch.cuda.is_available() and parts != ["mla"]:
+    cuda = torch.cuda.is_available()
+    report: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
+    if args.parts is None and not cuda:  # the default run on a CPU host: what can run, and what could not
+        parts = ["mla"]
+        report["skipped"] = {"attention": "no CUDA device", "moe": "no CUDA device"}
+        print("bench kernels: attention and moe need a CUDA device (skipped); the CPU's own kernels are "
+              "`edgeserve bench cpu-kernels`")
+    else:
+        parts = (args.parts or "attention,moe").split(",")
+    if not cuda and parts != ["mla"]:
         print("bench kernels needs a CUDA device (without one, only --parts mla runs: the torch reference)")
         return 1
-    report: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if "attention" in parts:
         report.update(_bench_attention(args))
     if "moe" in parts:

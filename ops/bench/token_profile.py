@@ -143,7 +143,7 @@ def _decode_steps(engine: Any, steps: int) -> float:
 def run(args: argparse.Namespace) -> int:
     from backend.cpu_features import cpu_flags, resolve_dtype, resolve_kv_format
     from backend.engine import EngineConfig, LLMEngine
-    from ops.bench.engine import measure_machine
+    from ops.bench.harness.machine import measure_machine
     from ops.pull import resolve_model
 
     if args.threads:

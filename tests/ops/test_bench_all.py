@@ -74,6 +74,10 @@ def test_run_one_reads_the_report_and_reports_failures(tmp_path: Path) -> None:
     assert out.status == "failed (exit 3)" and out.headline == {} and not report.exists()
     silent = _script(tmp_path, "pass\n")
     assert bench_all.run_one("x", silent, report, log, timeout_s=60).status == "no report"
+    partial = _script(tmp_path, "import json, sys\njson.dump({'skipped': {'moe': 'no CUDA device'}}, "
+                                "open(sys.argv[1], 'w'))\n")  # ran what it could: ok, saying what it left out
+    assert bench_all.run_one("x", partial + [str(report)], report, log, timeout_s=60).status == \
+        "ok; skipped moe (no CUDA device)"
     hang = _script(tmp_path, "import time\ntime.sleep(30)\n")
     assert bench_all.run_one("x", hang, report, log, timeout_s=0.5).status == "timed out after 0.5 s"
 

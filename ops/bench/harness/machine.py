@@ -3,7 +3,8 @@
 Other people's processes share these cores, so a benchmark records how loaded the machine
 was before and after (and refuses, or waits, when too little memory is free to start its
 workers without the kernel's OOM killer picking a process). CPU model and flags are
-`ops.cluster.machine_info`'s.
+`ops.cluster.machine_info`'s; `measure_machine` measures what the engine benchmarks compare
+against (read bandwidth, GEMM rates).
 """
 
 from __future__ import annotations
@@ -11,9 +12,14 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["load_average", "load_average_text", "mem_available_gib", "uptime"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["load_average", "load_average_text", "mem_available_gib", "uptime", "measure_machine"]
 
 
 def load_average(ndigits: int | None = None) -> list[float]:
@@ -41,3 +47,37 @@ def uptime() -> str:
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         return subprocess.run(["uptime"], check=True, capture_output=True, text=True).stdout.strip()
     return ""
+
+
+def _gemm_rate(dtype: torch.dtype) -> float:
+    """GFLOP/s of the fastest of 5 2048^3 GEMMs (the machine's capability, not its busiest moment)."""
+    import torch
+
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * 2048**3 / best / 1e9
+
+
+def measure_machine(dtype: torch.dtype) -> dict[str, float]:
+    """Read bandwidth (GB/s) from reducing a 1 GiB tensor; 2048^3 GEMM rates (GFLOP/s) in
+    the compute dtype, in BF16 and in float32; ``bound_gemm_gflop_s`` is the best of the compute
+    dtype's and float32's (bfloat16 weights run float32 GEMMs where that is faster,
+    `backend/gemm_widen.py`), the rate the GEMM bound uses."""
+    import torch
+
+    big = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
+    big.sum()
+    reps, t = 5, time.perf_counter()
+    for _ in range(reps):
+        big.sum()
+    bandwidth = reps * big.numel() * 4 / (time.perf_counter() - t) / 1e9
+    del big
+    rates = {"gemm_gflop_s": _gemm_rate(dtype), "bf16_gemm_gflop_s": _gemm_rate(torch.bfloat16),
+             "float32_gemm_gflop_s": _gemm_rate(torch.float32)}
+    return {"read_gb_s": bandwidth, **rates,
+            "bound_gemm_gflop_s": max(rates["gemm_gflop_s"], rates["float32_gemm_gflop_s"])}

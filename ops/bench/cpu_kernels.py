@@ -1,0 +1,325 @@
+"""The CPU's C kernels against the torch ops they replace, at a model's decode shapes.
+
+Every C kernel of `kernels/cpu/` stands in for torch ops the engine would otherwise run
+(`backend/linear.py`, `backend/attention.py`, `backend/layers/norm.py`, `backend/rope.py`,
+the MLP's activation, greedy sampling). This benchmark times each against that torch path on
+the same random inputs, in the shapes one decode step of `--model` gives them (its config
+only: no weights are read), so the figures the kernels' own comments quote can be re-run.
+
+- **linear**: one step's linear layers, every layer's own weights (the fused QKV and gate/up
+  projections, the output and down projections, the LM head; random bfloat16), at `--rows`
+  rows: `kernels.cpu_gemv.gemv_bf16` against `F.linear` in bfloat16. Each timed pass goes over
+  all the layers, so the weights stream from memory as in a step. GFLOP/s and the share of the
+  machine's GEMM bound (torch's best 2048^3 GEMM, measured in the same run, the rate
+  `bench engine`'s "% of GEMM bound" uses); the weights' bytes a second and their share of the
+  read bandwidth measured in the same run (what bounds a step of one row).
+- **int4**: the same pass with INT4 weights (group `--int4-group-size`):
+  `kernels.cpu_gemv_int4.gemv_int4` against torch's `_weight_int4pack_mm_for_cpu`.
+- **attention**: decode rows (`--attention-rows` sequences of `--context` keys each, the
+  model's query and KV heads, pages in a shuffled order, one pool per layer):
+  `paged_decode_attention_cpu` against the engine's torch path (gather the pages, dequantise
+  fp8, SDPA under the additive mask), for bf16 and fp8_e4m3 pages. GB/s = KV bytes / time.
+- **rows**: the element-wise kernels at 1 and `max(--rows)` rows: residual add + RMSNorm,
+  SwiGLU's activation, RoPE, argmax over the vocabulary, against their torch expressions. The
+  input is the same tensor every call (in a step it was just written, so it is in cache).
+
+The C kernels run as in a decode step, inside `torch_single_threaded` (torch at one thread,
+the C kernels' helper pool on the other cores); the torch ops at torch's own thread count, as
+the engine runs them where a kernel is missing. Within a section the two sides alternate pass
+by pass (`--reps` rounds, who goes first rotating, a pause before each pass so that torch's spinning
+OpenMP workers do not slow the pass after theirs); each figure is the median pass, `torch/C` the
+ratio of medians (> 1: the kernel is faster) and, beside it, the lowest and highest ratio of one
+round's two passes (the JSON keeps every pass). A kernel that does not build here (no compiler, no AVX512-BF16
+for the GEMV) is reported as unavailable, with the reason, and its rows are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ops.bench.harness.machine import measure_machine
+from ops.bench.harness.progress import log
+from ops.bench.report import write_report
+
+__all__ = ["add_arguments", "run", "alternate"]
+
+PAGE_SIZE = 16  # the engine's default (`EngineConfig.page_size`)
+# a pause before each timed pass: torch's OpenMP workers spin for milliseconds after a parallel region
+# (kernels/cpu_threads.py), which would slow whichever pass follows a torch pass
+SETTLE_S = 0.05
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="model whose config gives the shapes")
+    p.add_argument("--sections", default="linear,int4,attention,rows")
+    p.add_argument("--rows", default=None, help="rows (tokens) of a linear call (default 1,8,32,128; quick 1,32)")
+    p.add_argument("--attention-rows", type=int, default=32, help="decode sequences of the attention section")
+    p.add_argument("--context", type=int, default=None, help="keys per sequence (default 512; quick 256)")
+    p.add_argument("--int4-group-size", type=int, default=32, help="INT4 group (divides the in-features)")
+    p.add_argument("--reps", type=int, default=None, help="alternating pairs of passes (default 7; quick 3)")
+
+
+def alternate(calls: dict[str, Callable[[], Any]], reps: int, settle_s: float = SETTLE_S) -> dict[str, list[float]]:
+    """Seconds of each call in each of `reps` rounds (after one untimed round), the calls taking turns (who goes
+    first rotates) with a pause of `settle_s` before each timed call."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(reps):
+        names = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
+        for name in names:
+            time.sleep(settle_s)
+            t = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def _in_step(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn run as a decode step runs the C kernels: torch's threads handed over to their pool."""
+    from kernels.cpu_threads import torch_single_threaded
+
+    def call() -> Any:
+        with torch_single_threaded():
+            return fn()
+    return call
+
+
+def _row(key: str, section: str, kernel: str, shape: str, runs: dict[str, list[float]], work: float = 0.0,
+         unit: str = "") -> dict[str, Any]:
+    """One result from `alternate`'s runs: median times, their ratio and the spread of the rounds' own ratios;
+    `key` names it in the headline; `work` (FLOP or bytes) over the median times gives the rates."""
+    c, t = statistics.median(runs["c"]), statistics.median(runs["torch"])
+    per_round = [b / a for a, b in zip(runs["c"], runs["torch"], strict=True)]
+    out = {"key": key, "section": section, "kernel": kernel, "shape": shape, "c_ms": c * 1e3, "torch_ms": t * 1e3,
+           "torch_over_c": t / c, "torch_over_c_rounds": [min(per_round), max(per_round)],
+           "c_ms_runs": [x * 1e3 for x in runs["c"]], "torch_ms_runs": [x * 1e3 for x in runs["torch"]]}
+    if unit:
+        out.update({"unit": unit, "c_rate": work / c / 1e9, "torch_rate": work / t / 1e9})
+    return out
+
+
+def _linear_shapes(cfg: Any) -> list[tuple[int, int]]:
+    """(N, K) of one step's linears in order: each layer's fused QKV, output, fused gate/up, down; the LM head."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    layer = [((cfg.num_heads + 2 * cfg.num_kv_heads) * hd, h), (h, cfg.num_heads * hd),
+             (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+    return layer * cfg.num_layers + [(cfg.vocab_size, h)]
+
+
+def _bench_linear(cfg: Any, rows: list[int], reps: int, machine: dict[str, float]) -> list[dict[str, Any]]:
+    from kernels import cpu_gemv
+
+    shapes = _linear_shapes(cfg)
+    weights = [torch.randn(n, k).mul_(k ** -0.5).bfloat16() for n, k in shapes]
+    params = sum(n * k for n, k in shapes)
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in shapes}}
+        times = alternate({"c": _in_step(lambda: [cpu_gemv.gemv_bf16(xs[w.shape[1]], w) for w in weights]),
+                           "torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}, reps)
+        row = _row(f"linear_{m}", "linear", "gemv_bf16", f"{m} rows x {len(weights)} linears", times,
+                   2 * m * params, "GFLOP/s")
+        gb_s = 2 * params / (row["c_ms"] * 1e-3) / 1e9
+        row.update(rows=m, weight_bytes=2 * params, c_weight_gb_s=gb_s,
+                   pct_of_read_bw=100 * gb_s / machine["read_gb_s"],
+                   pct_of_gemm_bound=100 * row["c_rate"] / machine["bound_gemm_gflop_s"])
+        out.append(row)
+        log(f"  linear {m} rows: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms")
+    return out
+
+
+def _bench_int4(cfg: Any, rows: list[int], reps: int, group: int) -> list[dict[str, Any]]:
+    from kernels import cpu_gemv_int4
+
+    packed, theirs = [], []
+    shapes = _linear_shapes(cfg)
+    for n, k in shapes:
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        scales = (torch.rand(n, k // group) * 0.01 + 1e-3).bfloat16()
+        zeros = (torch.randn(n, k // group) * 0.01).bfloat16()
+        packed.append(cpu_gemv_int4.pack(codes, scales, zeros, group))
+        theirs.append((torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1),
+                       torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()))
+    params = sum(n * k for n, k in shapes)
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in shapes}}
+        times = alternate({
+            "c": _in_step(lambda: [cpu_gemv_int4.gemv_int4(xs[w.in_features], w) for w in packed]),
+            "torch": lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], w, group, sz)
+                              for (w, sz), (_, k) in zip(theirs, shapes, strict=True)]}, reps)
+        row = _row(f"int4_{m}", "int4", "gemv_int4", f"{m} rows x {len(shapes)} linears, g{group}", times,
+                   2 * m * params, "GFLOP/s")
+        row.update(rows=m, weight_bytes=sum(p.nbytes for p in packed))
+        out.append(row)
+        log(f"  int4 {m} rows: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms")
+    return out
+
+
+def _torch_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """The engine's decode attention without the C kernel: gather the pages (fp8 dequantised), SDPA (attention.py)."""
+    from kernels.kv_store import dequantize_fp8_table
+
+    d, heads, hd = q.shape
+    table = pool["table"]
+    kvh = pool["k"].shape[2]
+    flat = table.reshape(-1)
+    shape = (d, table.shape[1] * PAGE_SIZE, kvh, hd)
+    k, v = pool["k"].index_select(0, flat).view(shape), pool["v"].index_select(0, flat).view(shape)
+    if "ke" in pool:
+        k = dequantize_fp8_table(k.view(torch.uint8), pool["ke"].index_select(0, flat).view(*shape[:3], 1), q.dtype)
+        v = dequantize_fp8_table(v.view(torch.uint8), pool["ve"].index_select(0, flat).view(*shape[:3], 1), q.dtype)
+    qd = q.view(d, kvh, heads // kvh, hd)
+    return F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+
+
+def _page_pool(fmt: str, d: int, context: int, kvh: int, hd: int) -> dict[str, torch.Tensor]:
+    pages_per_seq = -(-context // PAGE_SIZE)
+    shape = (d * pages_per_seq, PAGE_SIZE, kvh, hd)
+    pool = {"table": torch.randperm(shape[0]).view(d, pages_per_seq)}
+    for name in ("k", "v"):
+        x = torch.randn(shape)
+        if fmt == "fp8_e4m3":
+            pool[name] = x.mul_(64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+            pool[name + "e"] = torch.randint(-8, 0, shape[:3], dtype=torch.int8)
+        else:
+            pool[name] = x.bfloat16()
+    return pool
+
+
+def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str, Any]]:
+    from backend.model_runner import decode_mask
+    from kernels.cpu_paged_attention import paged_decode_attention_cpu
+
+    heads, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    scale = hd ** -0.5
+    lens = torch.full((d,), context, dtype=torch.int32)
+    q = torch.randn(d, heads, hd).bfloat16()
+    out = []
+    for fmt in ("bf16", "fp8_e4m3"):
+        pools = [_page_pool(fmt, d, context, kvh, hd) for _ in range(cfg.num_layers)]
+        mask = decode_mask(lens, pools[0]["table"].shape[1], PAGE_SIZE, q.dtype)
+
+        def ours(pools: list = pools) -> list:
+            return [paged_decode_attention_cpu(q, p["k"], p["v"], p.get("ke"), p.get("ve"), p["table"], lens, scale)
+                    for p in pools]
+
+        def theirs(pools: list = pools, mask: torch.Tensor = mask) -> list:
+            return [_torch_attention(q, p, mask, scale) for p in pools]
+
+        times = alternate({"c": _in_step(ours), "torch": theirs}, reps)
+        kv_bytes = cfg.num_layers * 2 * d * context * kvh * (hd * (1 if fmt == "fp8_e4m3" else 2) + (fmt != "bf16"))
+        row = _row(f"attention_{fmt}", "attention", "paged_decode_attention_cpu",
+                   f"{fmt} pages, {d} seq x {context} keys x {cfg.num_layers} layers", times, kv_bytes, "GB/s")
+        row.update(format=fmt, rows=d, context=context)
+        out.append(row)
+        log(f"  attention {fmt}: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms")
+        del pools
+    return out
+
+
+def _bench_rows(cfg: Any, rows: list[int], reps: int) -> list[dict[str, Any]]:
+    from kernels.cpu_argmax import argmax_rows
+    from kernels.cpu_rms_norm import add_rms_norm_bf16
+    from kernels.cpu_rope import rope_bf16
+    from kernels.cpu_silu_mul import silu_mul_bf16
+
+    h, inter, hd, eps = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.rms_norm_eps
+    heads = cfg.num_heads + cfg.num_kv_heads
+    layers = cfg.num_layers
+    out = []
+    for m in rows:
+        hs, delta, w = torch.randn(m, h).bfloat16(), torch.randn(m, h).bfloat16(), torch.randn(h).bfloat16()
+        gate_up = torch.randn(m, 2 * inter).bfloat16()
+        x = torch.randn(m, heads, hd).bfloat16()
+        freqs = torch.polar(torch.ones(m, 1, hd // 2), torch.rand(m, 1, hd // 2) * 6.28)
+        logits = torch.randn(m, cfg.vocab_size).bfloat16()
+
+        def torch_rope() -> torch.Tensor:  # RotaryEmbedding.apply's torch path
+            pairs = torch.view_as_complex(x.float().reshape(m, heads, hd // 2, 2))
+            return torch.view_as_real(pairs * freqs).reshape(m, heads, hd).to(x.dtype)
+
+        cases = [  # kernel, C call, torch call, calls per step
+            ("add_rms_norm_bf16", lambda: add_rms_norm_bf16(hs, delta, w, eps),
+             lambda: w * F.rms_norm(hs.add_(delta).float(), (h,), eps=eps).to(hs.dtype), 2 * layers),
+            ("silu_mul_bf16", lambda: silu_mul_bf16(gate_up),
+             lambda: F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]), layers),
+            ("rope_bf16", lambda: rope_bf16(x, freqs), torch_rope, layers),
+            ("argmax_rows", lambda: argmax_rows(logits), lambda: logits.argmax(dim=-1), 1),
+        ]
+        for kernel, c_call, torch_call, per_step in cases:
+            def repeat(f: Callable[[], Any], n: int = per_step) -> Callable[[], None]:
+                return lambda: [f() for _ in range(n)]
+            times = alternate({"c": _in_step(repeat(c_call)), "torch": repeat(torch_call)}, reps)
+            row = _row(f"{kernel}_{m}", "rows", kernel, f"{m} rows, {per_step} calls a step", times)
+            row.update(rows=m, calls_per_step=per_step, c_us_per_call=row["c_ms"] * 1e3 / per_step,
+                       torch_us_per_call=row["torch_ms"] * 1e3 / per_step)
+            out.append(row)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from backend.config import load_config
+    from ops.pull import resolve_model
+
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    rows = [int(r) for r in (args.rows or ("1,32" if args.quick else "1,8,32,128")).split(",")]
+    reps = args.reps or (3 if args.quick else 7)
+    context = args.context or (256 if args.quick else 512)
+    cfg = load_config(resolve_model(args.model))
+    torch.manual_seed(0)
+    machine = measure_machine(torch.bfloat16)
+    log(f"cpu-kernels: {args.model}, {torch.get_num_threads()} threads, GEMM bound "
+        f"{machine['bound_gemm_gflop_s']:.0f} GFLOP/s, read {machine['read_gb_s']:.1f} GB/s")
+    from kernels import cpu_argmax, cpu_gemv, cpu_gemv_int4, cpu_paged_attention, cpu_rms_norm, cpu_rope, cpu_silu_mul
+
+    needs = {"linear": [cpu_gemv], "int4": [cpu_gemv_int4], "attention": [cpu_paged_attention],
+             "rows": [cpu_rms_norm, cpu_silu_mul, cpu_rope, cpu_argmax]}
+    results: list[dict[str, Any]] = []
+    unavailable: dict[str, str] = {}
+    for section in sections:
+        missing = {m.__name__: m.build_error() or "unavailable" for m in needs[section] if not m.available()}
+        if missing:
+            unavailable[section] = "; ".join(f"{k}: {v}" for k, v in missing.items())
+            log(f"  {section}: skipped ({unavailable[section]})")
+            continue
+        log(f"{section} ...")
+        if section == "linear":
+            results += _bench_linear(cfg, rows, reps, machine)
+        elif section == "int4":
+            results += _bench_int4(cfg, rows, reps, args.int4_group_size)
+        elif section == "attention":
+            results += _bench_attention(cfg, args.attention_rows, context, reps)
+        else:
+            results += _bench_rows(cfg, sorted({1, max(rows)}), reps)
+    _print(results, unavailable)
+    headline = {f"torch_over_c.{r['key']}": round(r["torch_over_c"], 3) for r in results}
+    headline.update({f"pct_of_gemm_bound.{r['key']}": round(r["pct_of_gemm_bound"], 1)
+                     for r in results if "pct_of_gemm_bound" in r})
+    write_report(args.json_path, {"model": args.model, "threads": torch.get_num_threads(), "reps": reps,
+                                  "bench_machine": machine, "results": results, "unavailable": unavailable,
+                                  "headline": headline})
+    return 0
+
+
+def _print(results: list[dict[str, Any]], unavailable: dict[str, str]) -> None:
+    print(f"\n{'section':<10}{'kernel':<28}{'shape':<44}{'C ms':>9}{'torch ms':>10}{'torch/C':>9}"
+          f"{'rounds':>14}  C rate")
+    for r in results:
+        rate = f"{r['c_rate']:.1f} {r['unit']}" if "unit" in r else ""
+        if "pct_of_gemm_bound" in r:
+            rate += f" ({r['pct_of_gemm_bound']:.0f}% of GEMM bound, {r['pct_of_read_bw']:.0f}% of read bw)"
+        lo, hi = r["torch_over_c_rounds"]
+        print(f"{r['section']:<10}{r['kernel']:<28}{r['shape']:<44}{r['c_ms']:>9.2f}{r['torch_ms']:>10.2f}"
+              f"{r['torch_over_c']:>8.2f}x{f'[{lo:.2f}, {hi:.2f}]':>14}  {rate}")
+    for section, why in unavailable.items():
+        print(f"{section}: not run ({why})")
