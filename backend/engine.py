@@ -141,7 +141,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.cache = create_kv_cache(model.local_cfg, config.kv_format, config.kv_cache_bytes, config.page_size, model.dtype,
                                      model.embed.device)
-        self.allocator = PageAllocator(self.cache.num_pages)
+        self.allocator = PageAllocator(self.cache.num_pages, model.embed.device)  # tags where the check runs
         # prefix-cache blocks stored/removed, for the worker to publish (popleft); bounded, drops counted
         self.kv_events: deque[KVEvent] = deque(maxlen=config.kv_events_max)
         self.kv_events_dropped = 0
@@ -439,8 +439,9 @@ class LLMEngine:
                 log.warning("freed the held pages of %s: its KV was not collected in time", rid)
 
     def _check_integrity(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[StepOutput]]:
-        """One batched page-tag check over the whole step, before the model runs (on CPU the usual
-        all-current answer comes from the allocator's tag mirror; the tensor check then finds who failed).
+        """One batched page-tag check over the whole step, before the model runs. On a GPU the Triton kernel
+        (`check_pages`) reads the tags where they live, every step; on CPU the usual all-current answer
+        comes from the allocator's tag mirror, and the tensor check then finds who failed.
 
         A sequence whose pages changed hands is ended with KVIntegrityError (its
         still-owned pages returned) and dropped from the batch: it emits nothing
@@ -458,7 +459,7 @@ class LLMEngine:
             self.stats["integrity_checks"] += 1  # every page still the request's: the usual step, no tensor op
             return batch, []
         check = check_pages if tags.is_cuda else check_pages_ref
-        ok, first_bad = check(_int32(page_ids), _int32(expected), _int32(offsets), tags)
+        ok, first_bad = check(*(_int32(a).to(tags.device) for a in (page_ids, expected, offsets)), tags)
         self.stats["integrity_checks"] += 1
         if self._overwritten:
             ok = ok & self._not_overwritten(seqs).to(ok.device)

@@ -9,7 +9,9 @@ changes hands, i.e. when it is allocated and when its last reference is
 dropped (sharing a live page keeps it). An owner records the tags it was given;
 if a page it still uses was freed or handed to someone else meanwhile, the tags
 no longer match and the batched integrity check (`kernels/integrity.py`) catches
-it before the owner's next step. `tags` is the tensor that check reads.
+it before the owner's next step. `tags` is the tensor that check reads; it lives on the device
+the check runs on (the KV cache's: on a GPU the Triton check reads it there, with no copy per
+step), and a Python list mirrors it for reads on the host (`tags_of`, `all_current`).
 A decode worker reserves pages for incoming KV transfers from the event-loop
 thread while the engine thread allocates and releases, so every method that
 changes state takes one lock (uncontended in a unified worker: ~50 ns).
@@ -31,11 +33,11 @@ __all__ = ["PageAllocator"]
 class PageAllocator:
     """Hands out page ids 0..num_pages-1."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, device: torch.device | str = "cpu") -> None:
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._refs = [0] * num_pages
-        self.tags = torch.zeros(num_pages, dtype=torch.int32)  # read by the integrity check
+        self.tags = torch.zeros(num_pages, dtype=torch.int32, device=device)  # read by the integrity check
         self._tags = [0] * num_pages  # the same values, for cheap Python reads
         self._lock = threading.Lock()
 
@@ -46,7 +48,8 @@ class PageAllocator:
         new = [(self._tags[p] + 1) & 0x7FFFFFFF for p in pages]
         for p, tag in zip(pages, new):
             self._tags[p] = tag
-        self.tags[torch.tensor(pages)] = torch.tensor(new, dtype=torch.int32)
+        device = self.tags.device
+        self.tags[torch.tensor(pages).to(device)] = torch.tensor(new, dtype=torch.int32).to(device)
 
     def tags_of(self, pages: list[int]) -> list[int]:
         """Current generation tags of pages (what an owner records); -1 for an id outside the pool."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (fits a single ~8-minute run on a lent H200):
-#   1. the CUDA variants of the kernel tests, compiled for the device (no interpreter),
+#   1. the CUDA variants of the kernel and backend tests, compiled for the device (no interpreter),
 #      the fused MoE's larger shapes in every weight format among them, and the MLA latent
 #      store and decode kernels (byte-exact stores; decode at Kimi/DeepSeek shape, R 512, Dr 64);
 #   2. the kernel microbenchmark: paged decode attention, FP8 vs BF16 pages; the fused
@@ -39,7 +39,7 @@ STEPS=${STEPS:-1 2 3 4 5}
 step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 status=0
 if step 1; then
-    timeout 300 "$PY" -m pytest -m cuda tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+    timeout 300 "$PY" -m pytest -m cuda tests/kernels tests/backend -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.errors import KVIntegrityError
@@ -21,10 +23,10 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 PROMPTS = [[3 + i, 7, 9, 11 + i] * (3 + i) for i in range(5)]
 
 
-def run(tiny_dir: Path, fault=None, victim_index: int = 2, kv_format: str = "fp8_e4m3"):
+def run(tiny_dir: Path, fault=None, victim_index: int = 2, kv_format: str = "fp8_e4m3", device: str = "cpu"):
     """Five requests; after 4 steps optionally inject `fault` on one. Returns (engine, seqs, outputs per seq)."""
     engine = LLMEngine.from_pretrained(tiny_dir, EngineConfig(dtype="float32", kv_format=kv_format,
-                                                              kv_cache_bytes=2**20))
+                                                              kv_cache_bytes=2**20, device=device))
     seqs = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
     errors: dict[str, KVIntegrityError] = {}
     tokens_after_fault: list[int] = []
@@ -66,6 +68,22 @@ def test_fault_is_caught_only_the_victim_aborts_and_others_match_a_clean_run(tin
     alive = engine.allocator.num_pages - engine.allocator.num_free
     assert alive == len([p for p in range(engine.allocator.num_pages) if engine.allocator.refcount(p) > 0])
     assert 0 < alive <= 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available(),
+                    reason="needs a CUDA device and TRITON_INTERPRET=0")
+def test_on_a_gpu_the_tags_live_there_and_the_triton_check_catches_the_fault(tiny_dir: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.integrity
+
+    calls = []
+    triton_check = kernels.integrity.check_pages
+    monkeypatch.setattr(kernels.integrity, "check_pages", lambda *a: calls.append(a[-1].device) or triton_check(*a))
+    engine, seqs, errors, after = run(tiny_dir, lambda e, s: free_and_reallocate(e, s, page_index=0), device="cuda")
+    assert engine.allocator.tags.is_cuda
+    assert len(calls) == engine.stats["integrity_checks"] and all(d.type == "cuda" for d in calls)  # every step
+    assert set(errors) == {seqs[2].request_id} and after == []
 
 
 def test_tags_change_on_allocation_and_release_not_on_sharing(tiny_dir: Path) -> None:
