@@ -70,8 +70,8 @@ from ops.bench.harness.procs import busy_cpus
 from ops.parent_death import own_group_dying_with_parent
 
 __all__ = ["add_arguments", "run", "compare_end_to_end", "FORMATS", "make_prompts", "chat_body", "closed_loop",
-           "PassRow", "ratios", "spreads", "pass_order", "edgeserve_up_command", "omp_wait_policy", "end_to_end",
-           "print_table"]
+           "PassRow", "ratios", "spreads", "pass_order", "edgeserve_up_command", "edgeserve_up", "Cluster",
+           "omp_wait_policy", "end_to_end", "print_table"]
 
 # format class -> (edgeserve's extra `up` flags, llama.cpp's GGUF key in `model_ggufs`)
 FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -100,7 +100,7 @@ def omp_wait_policy(choice: str, busy: float, cpus: int) -> str:
 
 # ---------------------------------------------------------------- edgeserve as `edgeserve up`
 
-class _Cluster(NamedTuple):
+class Cluster(NamedTuple):
     chat_url: str
     headers: dict[str, str]  # the demo tenant's API token
     worker_url: str
@@ -113,8 +113,8 @@ def edgeserve_up_command(model_dir: Path, port: int, worker_port: int, extra: tu
 
 
 @contextlib.contextmanager
-def _edgeserve_up(model_dir: Path, extra: tuple[str, ...], logs: Path, timeout_s: float = 600.0
-                  ) -> Iterator[_Cluster]:
+def edgeserve_up(model_dir: Path, extra: tuple[str, ...], logs: Path, timeout_s: float = 600.0
+                 ) -> Iterator[Cluster]:
     """`edgeserve up` with its own home (the cluster record lands there), until the context exits."""
     import httpx
 
@@ -143,13 +143,13 @@ def _edgeserve_up(model_dir: Path, extra: tuple[str, ...], logs: Path, timeout_s
             with contextlib.suppress(httpx.HTTPError):
                 if record is not None and httpx.get(f"{record.gateway_url}/healthz", timeout=2).status_code != 200:
                     record = None
-        yield _Cluster(f"{record.gateway_url}/v1/chat/completions", {"authorization": f"Bearer {record.token}"},
+        yield Cluster(f"{record.gateway_url}/v1/chat/completions", {"authorization": f"Bearer {record.token}"},
                        record.worker_urls[0], token)
     finally:
         stop_process(proc, timeout_s=60)
 
 
-async def _worker_ms_per_token(cluster: _Cluster, model_dir: Path, prompts: list[str], max_tokens: int) -> float:
+async def _worker_ms_per_token(cluster: Cluster, model_dir: Path, prompts: list[str], max_tokens: int) -> float:
     """Mean in-worker decode ms/token of `prompts` sent at once to the worker's /v1/generate."""
     import httpx
     import msgspec
@@ -228,7 +228,7 @@ def compare_end_to_end(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         for fmt in formats:
             extra, gguf_key = FORMATS[fmt]
             log(f"[{fmt}] starting edgeserve up {' '.join(extra)}".rstrip())
-            with _edgeserve_up(model_dir, extra, logs) as cluster:
+            with edgeserve_up(model_dir, extra, logs) as cluster:
                 for ci, c in enumerate(levels):
                     with llama_server(build, ggufs[gguf_key], c, args.e2e_slot_context,
                                       logs / f"llama-{fmt}-c{c}.log", threads=args.llamacpp_threads, log=log,

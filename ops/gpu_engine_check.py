@@ -1,0 +1,257 @@
+"""The engine on a GPU end to end: step 6 of `ops/gpu_check.sh`, one JSON report (`--json`).
+
+A lent GPU machine reaches no model hub and takes at most 64 MiB of carried files, so unless a
+model is given (`--model`) or SmolLM2-135M is pulled there, the model is SmolLM2-135M's own config
+and tokenizer (`--skeleton`, a few MB, written by `python -m ops.gpu_engine_check --write-skeleton
+DIR` where the model is pulled) with random bfloat16 weights (`random_checkpoint`): the shapes,
+kernels and serving path are SmolLM2's, the text is noise. Four parts, each recorded on its own
+(a part that fails records its error and the next one runs):
+
+- **parity**: greedy tokens of 4 prompts x 32 tokens from the engine on the device in float32
+  (fp32 KV pages) against the engine on the CPU in float32: equal token for token, else the
+  first position where each prompt's tokens part.
+- **served**: `edgeserve up --device D --dtype bfloat16 --kv-format fp8_e4m3 --decode-weights int4`
+  streams one chat completion through the gateway (SSE chunks, `[DONE]`, a finish reason).
+- **decode**: decode tok/s in process at c = 1 and 32 (closed loops, 64-token prompts, 128 output
+  tokens), bf16 weights and KV against fp8 KV pages with INT4 decode weights, the two engines
+  stepped in turn (`ops.bench.harness.loops`), `--rounds` rounds.
+- **w4a16** (CUDA only): the INT4 GEMV (`kernels.w4a16_gemm`, group 128) against torch's bf16
+  GEMV at M = 1 over Llama-3-8B's projection shapes, CUDA-event medians (`triton.testing.do_bench`);
+  the target is >= 3x.
+
+On a CPU (`--device cpu`) every part but w4a16 runs the same code: that is how its test checks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["random_checkpoint", "write_skeleton", "parity", "served", "decode", "w4a16", "main"]
+
+SKELETON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+PARTS = ("parity", "served", "decode", "w4a16")
+
+
+def write_skeleton(model_dir: Path, dst: Path) -> Path:
+    """Copy a model's config and tokenizer files (no weights) to `dst`."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in SKELETON_FILES:
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, dst / name)
+    return dst
+
+
+def random_checkpoint(skeleton: Path, dst: Path, seed: int = 0) -> Path:
+    """A Llama-layout checkpoint of `skeleton`'s config with random bfloat16 weights (std 0.02, norms near 1),
+    written with the skeleton's files to `dst`."""
+    from safetensors.torch import save_file
+
+    write_skeleton(skeleton, dst)
+    cfg = json.loads((skeleton / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hd = cfg.get("head_dim") or h // heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def dense(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).bfloat16()
+
+    def norm() -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16()
+
+    tensors = {"model.embed_tokens.weight": dense(cfg["vocab_size"], h), "model.norm.weight": norm()}
+    if not cfg.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = dense(cfg["vocab_size"], h)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": dense(heads * hd, h), p + "self_attn.k_proj.weight": dense(kv_heads * hd, h),
+            p + "self_attn.v_proj.weight": dense(kv_heads * hd, h), p + "self_attn.o_proj.weight": dense(h, heads * hd),
+            p + "mlp.gate_proj.weight": dense(inter, h), p + "mlp.up_proj.weight": dense(inter, h),
+            p + "mlp.down_proj.weight": dense(h, inter), p + "input_layernorm.weight": norm(),
+            p + "post_attention_layernorm.weight": norm()})
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def _generate(model_dir: Path, config: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    from backend.engine import LLMEngine
+    from backend.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_pretrained(model_dir, config)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+            for p in prompts]
+    while engine.has_work():
+        engine.step()
+    return [list(s.output_ids) for s in seqs]
+
+
+def parity(model_dir: Path, device: str, tokens: int = 32) -> dict[str, Any]:
+    """Greedy tokens on `device` in float32 against the CPU's (module doc)."""
+    from backend.engine import EngineConfig
+    from ops.bench.harness.prompts import random_prompts
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(vocab, 4, 24, seed=7)
+    runs = {dev: _generate(model_dir, EngineConfig(dtype="float32", kv_format="fp32", device=dev,
+                                                   kv_cache_bytes=64 << 20), prompts, tokens)
+            for dev in dict.fromkeys(("cpu", device))}
+    ours, cpu = runs[device], runs["cpu"]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, cpu, strict=True)]
+    return {"equal": ours == cpu, "first_mismatch": first, "tokens": tokens, "device_tokens": ours, "cpu_tokens": cpu}
+
+
+def served(model_dir: Path, device: str, logs: Path, max_tokens: int = 16) -> dict[str, Any]:
+    """One streamed chat completion through `edgeserve up` with FP8 KV pages and INT4 decode weights."""
+    import httpx
+
+    from ops.bench.e2e import edgeserve_up
+    from ops.bench.e2e_load import MODEL
+
+    extra = ("--device", device, "--dtype", "bfloat16", "--kv-format", "fp8_e4m3", "--decode-weights", "int4",
+             "--int4-group-size", "32", "--kv-cache-bytes", "256M")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    chunks, text, finish, usage, done = 0, "", None, None, False
+    started = time.perf_counter()
+    with edgeserve_up(model_dir, extra, logs, timeout_s=300) as cluster:
+        up_s = time.perf_counter() - started
+        with httpx.stream("POST", cluster.chat_url, json=body, headers=cluster.headers, timeout=120) as resp:
+            status = resp.status_code
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[len("data: "):])
+                chunks += 1
+                for choice in event.get("choices", []):
+                    text += (choice.get("delta") or {}).get("content") or ""
+                    finish = choice.get("finish_reason") or finish
+                usage = event.get("usage") or usage
+    ok = status == 200 and done and finish in ("length", "stop") and bool(usage) \
+        and usage.get("completion_tokens", 0) >= 1
+    return {"ok": ok, "status": status, "chunks": chunks, "done": done, "finish_reason": finish, "usage": usage,
+            "text": text, "startup_s": round(up_s, 1), "flags": list(extra)}
+
+
+def decode(model_dir: Path, device: str, levels: tuple[int, ...] = (1, 32), prompt_len: int = 64,
+           output_tokens: int = 128, rounds: int = 2) -> dict[str, Any]:
+    """Decode tok/s, bf16 against FP8 KV + INT4 decode weights, closed loops stepped in turn (module doc)."""
+    from backend.engine import EngineConfig, LLMEngine
+    from ops.bench.harness.loops import ClosedLoop, step_in_turn
+    from ops.bench.harness.prompts import random_prompts
+
+    arms = {"bf16": dict(kv_format="bf16"), "fp8_kv+int4": dict(kv_format="fp8_e4m3", decode_weights="int4",
+                                                                 int4_group_size=32)}
+    engines = {name: LLMEngine.from_pretrained(model_dir, EngineConfig(
+        dtype="bfloat16", device=device, kv_cache_bytes=512 << 20, max_num_seqs=max(levels), **kw))
+        for name, kw in arms.items()}
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    out: dict[str, Any] = {"prompt_tokens": prompt_len, "output_tokens": output_tokens, "rounds": rounds, "levels": {}}
+    for c in levels:
+        prompts = random_prompts(vocab, 2 * c, prompt_len, seed=c)
+        tokens = dict.fromkeys(arms, 0)
+        clock = dict.fromkeys(arms, 0.0)
+        for _ in range(rounds):
+            loops = [ClosedLoop(engine, name, prompts, c, 2 * c, output_tokens) for name, engine in engines.items()]
+            step_in_turn(loops)
+            for loop in loops:
+                tokens[loop.kv] += loop.tokens
+                clock[loop.kv] += loop.clock
+        tok_s = {name: tokens[name] / clock[name] for name in arms}
+        out["levels"][str(c)] = {"tok_s": tok_s, "ratio": tok_s["fp8_kv+int4"] / tok_s["bf16"]}
+    return out
+
+
+def w4a16(shapes: tuple[tuple[int, int], ...] = ((4096, 4096), (14336, 4096), (4096, 14336)),
+          group: int = 128) -> dict[str, Any]:
+    """The Triton INT4 GEMV against torch's bf16 GEMV at M = 1 (CUDA only)."""
+    from triton.testing import do_bench
+
+    from kernels.w4a16_gemm import quantize_int4_ref, w4a16_gemm
+
+    rows = []
+    for n, k in shapes:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        q, s, z = quantize_int4_ref(w, group)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        int4_ms = do_bench(lambda: w4a16_gemm(x, q, s, z, group))
+        bf16_ms = do_bench(lambda: x @ w.t())
+        int4_bytes = q.numel() + 2 * (s.numel() + z.numel())
+        rows.append({"n": n, "k": k, "int4_us": int4_ms * 1e3, "bf16_us": bf16_ms * 1e3, "speedup": bf16_ms / int4_ms,
+                     "int4_gb_s": int4_bytes / (int4_ms * 1e-3) / 1e9, "bf16_gb_s": 2 * n * k / (bf16_ms * 1e-3) / 1e9})
+    return {"group_size": group, "results": rows, "speedup_min": min(r["speedup"] for r in rows),
+            "target_3x_met": min(r["speedup"] for r in rows) >= 3.0}
+
+
+def _model(args: argparse.Namespace, scratch: Path) -> tuple[Path, str]:
+    """The model to run and where it came from (module doc)."""
+    if args.model:
+        return Path(args.model), "given"
+    pulled = Path.home() / ".cache/edgeserve/models/smollm2-135m"
+    if (pulled / "model.safetensors").exists():
+        return pulled, "pulled smollm2-135m"
+    return random_checkpoint(Path(args.skeleton), scratch / "model"), f"random weights on {args.skeleton}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--json", default="bench-results/gpu_engine.json")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--model", default=None, help="a model folder (default: the pulled SmolLM2, else --skeleton)")
+    p.add_argument("--skeleton", default=".gpu/smollm2-135m", help="config and tokenizer for random weights")
+    p.add_argument("--write-skeleton", default=None, metavar="DIR", help="write the pulled SmolLM2's skeleton to DIR")
+    p.add_argument("--levels", default="1,32")
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.write_skeleton:
+        from ops.pull import resolve_model
+
+        print(f"wrote {write_skeleton(resolve_model('smollm2-135m'), Path(args.write_skeleton))}")
+        return 0
+    from ops.bench.report import write_report
+
+    parts = [s for s in args.parts.split(",") if s]
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    with tempfile.TemporaryDirectory(prefix="edgeserve-gpu-") as tmp:
+        scratch = Path(tmp)
+        model_dir, report["model"] = _model(args, scratch)
+        runs: dict[str, Callable[[], dict[str, Any]]] = {
+            "parity": lambda: parity(model_dir, args.device),
+            "served": lambda: served(model_dir, args.device, scratch),
+            "decode": lambda: decode(model_dir, args.device, tuple(int(c) for c in args.levels.split(",")),
+                                     output_tokens=args.output_tokens, rounds=args.rounds),
+            "w4a16": lambda: w4a16() if args.device == "cuda" else {"skipped": "needs CUDA"}}
+        for part in parts:
+            started = time.perf_counter()
+            try:
+                report[part] = runs[part]()
+            except Exception as exc:  # noqa: BLE001 - recorded, and the next part runs
+                report[part] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            report[part]["seconds"] = round(time.perf_counter() - started, 1)
+            print(f"{part}: {json.dumps({k: v for k, v in report[part].items() if 'tokens' not in k})[:600]}",
+                  flush=True)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    write_report(args.json, report)
+    failed = [p for p in parts if "error" in report[p] or report[p].get("ok") is False
+              or report[p].get("equal") is False]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
