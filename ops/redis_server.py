@@ -23,14 +23,27 @@ from pathlib import Path
 
 from backend.errors import EdgeServeError
 
-__all__ = ["redis_server_binary", "run_redis_server", "RedisServer", "free_port", "stop_process", "pause_process"]
+__all__ = ["redis_server_binary", "run_redis_server", "RedisServer", "free_port", "free_ports", "stop_process",
+           "pause_process"]
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports on 127.0.0.1 that nothing listens on right now, for processes started before any
+    of them binds: the sockets are held open together while the ports are chosen, where `free_port()` twice in
+    a row may return the same port (a benchmark's gateway and its stand-in worker once did)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:

@@ -121,14 +121,14 @@ def edgeserve_up(model_dir: Path, extra: tuple[str, ...], logs: Path, timeout_s:
     from backend.worker_auth import TOKEN_ENV
     from ops.cluster import log_tail
     from ops.cluster_record import read_record
-    from ops.redis_server import free_port, stop_process
+    from ops.redis_server import free_ports, stop_process
 
     home = logs / f"home-{len(list(logs.glob('home-*')))}"
     log_path = home.with_suffix(".log")
     token = secrets.token_hex(16)
     env = {**os.environ, "EDGESERVE_HOME": str(home), TOKEN_ENV: token}
     env.pop("REDIS_URL", None)  # a fresh redis-server of its own
-    argv = edgeserve_up_command(model_dir, free_port(), free_port(), extra)
+    argv = edgeserve_up_command(model_dir, *free_ports(2), extra)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 preexec_fn=own_group_dying_with_parent)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ops.pull import edgeserve_home, resolve_model
-from ops.redis_server import free_port
+from ops.redis_server import free_ports
 from tests.ops.test_up import read_banner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def cluster(tmp_path_factory) -> Iterator[tuple[dict[str, str], int, str]]:
     resolve_model("smollm2-135m")  # pulled once into the shared cache
     home = tmp_path_factory.mktemp("home")
     (home / "models").symlink_to(edgeserve_home() / "models")
-    port, worker_port = free_port(), free_port()
+    port, worker_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "EDGESERVE_TOKEN", "EDGESERVE_URL")}
     env.update(EDGESERVE_HOME=str(home), EDGESERVE_NO_REEXEC="1")
     proc = subprocess.Popen([*serve_recipe(), "--port", str(port), "--worker-port", str(worker_port)], env=env,

@@ -21,7 +21,7 @@ from backend.protocol import GenerateRequest
 from backend.registration import WorkerRecord, record_key
 from backend.sampling_params import SamplingParams
 from ops.cluster import MooncakeMaster
-from ops.redis_server import free_port
+from ops.redis_server import free_ports
 from prefix_cache.hashing import block_hashes
 from prefix_cache.kv_events import store_block_key
 from tests.backend.tiny_models import write_tiny_model
@@ -41,7 +41,7 @@ def serve_args(model_dir: Path, port: int, redis_url: str, master: str) -> list[
 
 @pytest.fixture
 def two_workers(model_dir: Path, redis_url: str, mooncake_master: MooncakeMaster) -> Iterator[list[str]]:
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     procs = [start(serve_args(model_dir, p, redis_url, mooncake_master.address)) for p in ports]
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]

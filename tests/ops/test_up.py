@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from ops.redis_server import free_port
+from ops.redis_server import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def read_banner(proc: subprocess.Popen, timeout_s: float) -> str:
 
 
 def test_up_serves_records_itself_and_ctrl_c_stops_every_child_quietly(tiny_chat_dir, tmp_path: Path) -> None:
-    port, worker_port = free_port(), free_port()
+    port, worker_port = free_ports(2)
     argv = ["up", "--model", str(tiny_chat_dir), "--served-name", "tiny-chat", "--port", str(port),
             "--worker-port", str(worker_port), "--kv-cache-bytes", "4M", "--threads", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "ops.cli", *argv], cwd=ROOT, env=_env(tmp_path),

@@ -85,11 +85,12 @@ def start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Pat
                    baseline_ref: str | None, log: Callable[[str], None]) -> tuple[list[Target], str, str | None]:
     """Start Redis, the stand-in, the gateway (with two tenants), the baseline's gateway and LiteLLM if
     asked; stopped by `stack`. Returns the targets, LiteLLM's note and the baseline's short commit."""
-    from ops.redis_server import free_port, run_redis_server
+    from ops.redis_server import free_ports, run_redis_server
 
     logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgeserve-bench-gateway-")))
     redis_url = stack.enter_context(run_redis_server())
-    standin_url = f"http://127.0.0.1:{free_port()}"
+    ports = iter(free_ports(4))  # stand-in, gateway, baseline gateway, LiteLLM: distinct before any binds
+    standin_url = f"http://127.0.0.1:{next(ports)}"
     standin = stack.enter_context(child_process(
         [sys.executable, "-m", "ops.bench.gateway.standin_per_token", "--port", standin_url.rsplit(":", 1)[1],
          "--tokens", str(num_tokens)], logs / "standin.log"))
@@ -98,7 +99,7 @@ def start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Pat
     gateways: dict[str, tuple[subprocess.Popen, str]] = {}
     baseline = None if baseline_ref is None else _source_tree(baseline_ref, logs / "baseline")
     for suffix, tree in (("", None), *((() if baseline is None else ((f"@{baseline}", logs / "baseline"),)))):
-        port = free_port()
+        port = next(ports)
         # The baseline's packages first on sys.path (they shadow this checkout's), then its CLI as `-m` would run.
         argv = ([sys.executable, "-m", "ops.cli"] if tree is None else [
             sys.executable, "-c", f"import runpy, sys; sys.path.insert(0, {str(tree)!r}); "
@@ -108,7 +109,7 @@ def start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Pat
         gateways[suffix] = proc, f"http://127.0.0.1:{port}"
     litellm = None
     if litellm_exe is not None:  # starts while the others come up; it is the slowest
-        litellm_port, master_key = free_port(), "sk-bench-" + secrets.token_hex(8)
+        litellm_port, master_key = next(ports), "sk-bench-" + secrets.token_hex(8)
         _litellm_config(logs / "litellm.yaml", standin_url, master_key)
         litellm = stack.enter_context(child_process(
             [str(litellm_exe), "--config", str(logs / "litellm.yaml"), "--host", "127.0.0.1",
