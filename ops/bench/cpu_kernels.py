@@ -26,11 +26,12 @@ only: no weights are read), so the figures the kernels' own comments quote can b
 The C kernels run as in a decode step, inside `torch_single_threaded` (torch at one thread,
 the C kernels' helper pool on the other cores); the torch ops at torch's own thread count, as
 the engine runs them where a kernel is missing. Within a section the two sides alternate pass
-by pass (`--reps` rounds, who goes first rotating, a pause before each pass so that torch's spinning
-OpenMP workers do not slow the pass after theirs); each figure is the median pass, `torch/C` the
-ratio of medians (> 1: the kernel is faster) and, beside it, the lowest and highest ratio of one
-round's two passes (the JSON keeps every pass). A kernel that does not build here (no compiler, no AVX512-BF16
-for the GEMV) is reported as unavailable, with the reason, and its rows are left out.
+by pass (`--reps` rounds, who goes first rotating, a pause before each pass so that torch's
+spinning OpenMP workers do not slow the pass after theirs); each figure is the median pass,
+`torch/C` the ratio of medians (> 1: the kernel is faster) and, beside it, the lowest and highest
+ratio of one round's two passes (the JSON keeps every pass). A kernel that does not build here (no
+compiler, no AVX512-BF16 for the GEMV) is reported as unavailable, with the reason, and its rows
+are left out.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-rows", type=int, default=32, help="decode sequences of the attention section")
     p.add_argument("--context", type=int, default=None, help="keys per sequence (default 512; quick 256)")
     p.add_argument("--int4-group-size", type=int, default=32, help="INT4 group (divides the in-features)")
-    p.add_argument("--reps", type=int, default=None, help="alternating pairs of passes (default 7; quick 3)")
+    p.add_argument("--reps", type=int, default=None, help="rounds of one C and one torch pass (default 7; quick 3)")
 
 
 def alternate(calls: dict[str, Callable[[], Any]], reps: int, settle_s: float = SETTLE_S) -> dict[str, list[float]]:
