@@ -16,9 +16,10 @@ only: no weights are read), so the figures the kernels' own comments quote can b
 - **int4**: the same pass with INT4 weights (group `--int4-group-size`):
   `kernels.cpu_gemv_int4.gemv_int4` against torch's `_weight_int4pack_mm_for_cpu`.
 - **attention**: decode rows (`--attention-rows` sequences of `--context` keys each, the
-  model's query and KV heads, pages in a shuffled order, one pool per layer):
-  `paged_decode_attention_cpu` against the engine's torch path (gather the pages, dequantise
-  fp8, SDPA under the additive mask), for bf16 and fp8_e4m3 pages. GB/s = KV bytes / time.
+  model's query and KV heads, pages in a shuffled order) over every layer of the engine's own
+  page pool (`PagedKVCache`, random contents): `paged_decode_attention_cpu` against the engine's
+  torch path (`PagedKVCache.gather`, which dequantises fp8, then SDPA under the additive mask),
+  for bf16 and fp8_e4m3 pages. GB/s = KV bytes / time.
 - **rows**: the element-wise kernels at 1 and `max(--rows)` rows: residual add + RMSNorm,
   SwiGLU's activation, RoPE, argmax over the vocabulary, against their torch expressions. The
   input is the same tensor every call (in a step it was just written, so it is in cache).
@@ -165,66 +166,53 @@ def _bench_int4(cfg: Any, rows: list[int], reps: int, group: int) -> list[dict[s
     return out
 
 
-def _torch_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """The engine's decode attention without the C kernel: gather the pages (fp8 dequantised), SDPA (attention.py)."""
-    from kernels.kv_store import dequantize_fp8_table
+def _random_cache(cfg: Any, fmt: str, num_pages: int) -> Any:
+    """The engine's own page pool (`PagedKVCache`, every layer) filled with random keys and values."""
+    from backend.kv_cache import PagedKVCache
 
-    d, heads, hd = q.shape
-    table = pool["table"]
-    kvh = pool["k"].shape[2]
-    flat = table.reshape(-1)
-    shape = (d, table.shape[1] * PAGE_SIZE, kvh, hd)
-    k, v = pool["k"].index_select(0, flat).view(shape), pool["v"].index_select(0, flat).view(shape)
-    if "ke" in pool:
-        k = dequantize_fp8_table(k.view(torch.uint8), pool["ke"].index_select(0, flat).view(*shape[:3], 1), q.dtype)
-        v = dequantize_fp8_table(v.view(torch.uint8), pool["ve"].index_select(0, flat).view(*shape[:3], 1), q.dtype)
-    qd = q.view(d, kvh, heads // kvh, hd)
-    return F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-
-
-def _page_pool(fmt: str, d: int, context: int, kvh: int, hd: int) -> dict[str, torch.Tensor]:
-    pages_per_seq = -(-context // PAGE_SIZE)
-    shape = (d * pages_per_seq, PAGE_SIZE, kvh, hd)
-    pool = {"table": torch.randperm(shape[0]).view(d, pages_per_seq)}
-    for name in ("k", "v"):
-        x = torch.randn(shape)
-        if fmt == "fp8_e4m3":
-            pool[name] = x.mul_(64).clamp_(-448, 448).to(torch.float8_e4m3fn)
-            pool[name + "e"] = torch.randint(-8, 0, shape[:3], dtype=torch.int8)
-        else:
-            pool[name] = x.bfloat16()
-    return pool
+    cache = PagedKVCache(cfg, fmt, num_pages, PAGE_SIZE, torch.bfloat16)
+    x = torch.randn(cache.pages.shape)
+    if cache.quantised:
+        cache.pages.copy_(x.mul_(64).clamp_(-448, 448).to(torch.float8_e4m3fn))
+        cache.scales.copy_(torch.randint(-8, 0, cache.scales.shape, dtype=torch.int8))
+    else:
+        cache.pages.copy_(x)
+    return cache
 
 
 def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str, Any]]:
     from backend.model_runner import decode_mask
     from kernels.cpu_paged_attention import paged_decode_attention_cpu
 
-    heads, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    heads, kvh, hd, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     scale = hd ** -0.5
+    pages_per_seq = -(-context // PAGE_SIZE)
+    table = torch.randperm(d * pages_per_seq).view(d, pages_per_seq)  # pages in a shuffled order
     lens = torch.full((d,), context, dtype=torch.int32)
     q = torch.randn(d, heads, hd).bfloat16()
+    mask = decode_mask(lens, pages_per_seq, PAGE_SIZE, q.dtype)
     out = []
     for fmt in ("bf16", "fp8_e4m3"):
-        pools = [_page_pool(fmt, d, context, kvh, hd) for _ in range(cfg.num_layers)]
-        mask = decode_mask(lens, pools[0]["table"].shape[1], PAGE_SIZE, q.dtype)
+        cache = _random_cache(cfg, fmt, d * pages_per_seq)
 
-        def ours(pools: list = pools) -> list:
-            return [paged_decode_attention_cpu(q, p["k"], p["v"], p.get("ke"), p.get("ve"), p["table"], lens, scale)
-                    for p in pools]
+        def ours(cache: Any = cache) -> list:
+            return [paged_decode_attention_cpu(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, lens, scale)
+                    for kv in map(cache.layer, range(layers))]
 
-        def theirs(pools: list = pools, mask: torch.Tensor = mask) -> list:
-            return [_torch_attention(q, p, mask, scale) for p in pools]
+        def theirs(cache: Any = cache) -> list:  # backend/attention.py's path without the kernel
+            qd = q.view(d, kvh, heads // kvh, hd)
+            return [F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                                   scale=scale)
+                    for k, v in (cache.gather(i, table) for i in range(layers))]
 
         times = alternate({"c": _in_step(ours), "torch": theirs}, reps)
-        kv_bytes = cfg.num_layers * 2 * d * context * kvh * (hd * (1 if fmt == "fp8_e4m3" else 2) + (fmt != "bf16"))
+        kv_bytes = layers * 2 * d * context * kvh * (hd * (1 if cache.quantised else 2) + cache.quantised)
         row = _row(f"attention_{fmt}", "attention", "paged_decode_attention_cpu",
-                   f"{fmt} pages, {d} seq x {context} keys x {cfg.num_layers} layers", times, kv_bytes, "GB/s")
+                   f"{fmt} pages, {d} seq x {context} keys x {layers} layers", times, kv_bytes, "GB/s")
         row.update(format=fmt, rows=d, context=context)
         out.append(row)
         log(f"  attention {fmt}: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms")
-        del pools
+        del cache
     return out
 
 
