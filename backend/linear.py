@@ -137,9 +137,16 @@ class Linear:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
+    def takes_gemv(self, rows: int) -> bool:
+        """Whether a call of `rows` bfloat16 rows runs the C GEMV (`kernels/cpu_gemv.py`)."""
+        return self.gemv and rows <= cpu_gemv.max_rows() and not self._widens(rows)
+
+    def _widens(self, rows: int) -> bool:
+        return self.widen and rows >= WIDEN_MIN_ROWS and widening_pays()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.widen and rows >= WIDEN_MIN_ROWS and widening_pays():
+        if self._widens(rows):
             return widened_linear(x, self.weight_t, self.bias)
         if x.dtype != self.weight.dtype:  # e.g. bf16 weights under float32 compute
             return self(x.to(self.weight.dtype)).to(x.dtype)

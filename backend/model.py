@@ -59,6 +59,7 @@ from backend.attention import StepMetadata
 from backend.config import ModelConfig, load_config
 from backend.kv_cache import PagedKVCache
 from backend.layers.attention import attention, run_linear
+from backend.layers.fused_decode import enabled_by_env, fused_layers, runs_step
 from backend.layers.loader import WeightLoader
 from backend.layers.mla import MLAWeights, mla_attention
 from backend.layers.mlp import mlp
@@ -168,6 +169,8 @@ class DecoderModel:
         self.step_channel: StepChannel | None = None  # rank 0 of a group: sends each step to the others
         self.vocab_start, self.vocab_shard = 0, cfg.vocab_size  # this rank's first token id, rows per shard
         self.kv_heads: list[range] = [range(cfg.num_kv_heads)]  # per rank, the KV heads its pool holds
+        self.fused_decode = enabled_by_env()  # decode steps may run every layer in one C call (fused_decode.py)
+        self.fused_steps = 0  # steps that did
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype = torch.float32,
@@ -233,11 +236,33 @@ class DecoderModel:
         self.steps_by_phase[rows] += 1
         split = d if phase is None and rows == "mixed" and not self.shares_weights else 0
         layers = self.phase_layers[phase or ("decode" if rows == "decode" else "prefill")]
-        decode_layers = self.phase_layers["decode"]
         h = F.embedding(input_ids, self.embed) if group is None else self._embed_shard(input_ids)  # [T, hidden]
         freqs = self.rope.tables(meta.positions)  # [T, 1, rotary_dim / 2]
         x = rms_norm(h, layers[0].input_norm, cfg.rms_norm_eps)
-        for i, (layer, dec) in enumerate(zip(layers, decode_layers)):
+        fused = fused_layers(self, cache) if rows == "decode" and phase in (None, "decode") else None
+        if fused is not None and runs_step(self, d):  # every layer in one C call (backend/layers/fused_decode.py)
+            h.add_(fused.run(h, x, freqs, meta.slots, meta.decode_page_table, meta.decode_context_lens,
+                             cfg.head_dim ** -0.5))
+            self.fused_steps += 1
+        else:
+            self._run_layers(h, x, layers, split, freqs, cache, meta)
+        h = rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
+        if split and h.shape[0] > split:  # decode rows and completed prompts: the LM head per group too
+            logits = _linear(self.lm_head, self.lm_head, h, split)
+        else:
+            logits = self.lm_head(h)
+        if group is not None:
+            full = group.gather_columns(logits, self.cfg.vocab_size, self.vocab_shard)  # [R, vocab] on rank 0
+            logits = logits if full is None else full
+        return logits.float() if float_logits else logits
+
+    def _run_layers(self, h: torch.Tensor, x: torch.Tensor, layers: list[LayerWeights], split: int,
+                    freqs: torch.Tensor, cache: PagedKVCache, meta: StepMetadata) -> None:
+        """The decoder layers over h [T, hidden] (the residual stream, updated in place) from x, the first
+        layer's input norm of h: `layers` for the rows' phase, the decode layers for a mixed step's first
+        `split` rows."""
+        cfg, group = self.local_cfg, self.group
+        for i, (layer, dec) in enumerate(zip(layers, self.phase_layers["decode"])):
             if layer.mla is not None:
                 a = self._mla(layer.mla, dec.mla, x, split, freqs, cache, i, meta)
             else:
@@ -254,15 +279,6 @@ class DecoderModel:
                 x = add_rms_norm(h, m, layers[i + 1].input_norm, cfg.rms_norm_eps)
             else:
                 h.add_(m)
-        h = rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
-        if split and h.shape[0] > split:  # decode rows and completed prompts: the LM head per group too
-            logits = _linear(self.lm_head, self.lm_head, h, split)
-        else:
-            logits = self.lm_head(h)
-        if group is not None:
-            full = group.gather_columns(logits, self.cfg.vocab_size, self.vocab_shard)  # [R, vocab] on rank 0
-            logits = logits if full is None else full
-        return logits.float() if float_logits else logits
 
     def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel embedding [T, hidden]: each rank looks up the ids in its rows (zeros for the

@@ -108,6 +108,12 @@ class CKernel:
                     log.warning("CPU kernel %s unavailable (%s); %s", self.source.name, exc, self.fallback)
             return self._lib
 
+    def address(self, symbol: str) -> int | None:
+        """The address of the loaded kernel's function `symbol` (for C code that calls it: the fused decode
+        layers, `cpu_decode_layers`), or None where the kernel is unavailable."""
+        lib = self.load()
+        return None if lib is None else ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
+
 
 def _declare_pool(lib: ctypes.CDLL) -> None:
     lib.pool_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]

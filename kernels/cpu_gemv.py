@@ -40,8 +40,8 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "gemv_bf16", "max_rows", "MAX_ROWS_BY_TILES", "PER_ROW_MAX", "TILE_MODES",
-           "tile_mode", "measure_tiles"]
+__all__ = ["KERNEL", "available", "build_error", "call_plan", "gemv_bf16", "max_rows", "MAX_ROWS_BY_TILES",
+           "PER_ROW_MAX", "TILE_MODES", "tile_mode", "measure_tiles"]
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemv_bf16.restype = ctypes.c_int
 
 
-_KERNEL = CKernel("gemv_bf16.c", (), _declare, "bfloat16 decode GEMVs run torch's GEMM", uses_pool=True)
+KERNEL = CKernel("gemv_bf16.c", (), _declare, "bfloat16 decode GEMVs run torch's GEMM", uses_pool=True)
 
 
-available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
-build_error = _KERNEL.build_error  # why not, or None
+available = KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = KERNEL.build_error  # why not, or None
 
 
 PER_ROW_MAX = 6  # rows the C file's per-row code takes (its CHUNK); more take the tiles
@@ -121,19 +121,26 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,
     """x [M, K] . weight [N, K]^T -> [M, N] bfloat16, for contiguous bfloat16 CPU tensors and
     any M (one pass over the weights; `Linear` calls it up to `max_rows()`; `available()` first).
     `tiles` picks the kernel for more than PER_ROW_MAX rows (`TILE_MODES`; default: `tile_mode()`)."""
-    lib = _KERNEL.load()
+    lib = KERNEL.load()
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m == 0:  # a prefill chunk that completes no prompt has no logits rows
         return y
     x = x.contiguous()
+    threads, chunks, fma = call_plan(m, n, k, threads, tiles)
+    if lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads, chunks, fma) != 0:
+        raise MemoryError(f"bf16 GEMV: no memory to widen a [{m}, {k}] input")
+    return y
+
+
+def call_plan(m: int, n: int, k: int, threads: int | None = None, tiles: str | None = None) -> tuple[int, int, int]:
+    """(threads, chunks, fma) of a call with x [m, k] and weight [n, k]: the threads by the weights' bytes
+    (`threads` if given), chunks of about `_CHUNK_BYTES`, and 1 for the FMA tiles (`tiles`, else `tile_mode()`,
+    past PER_ROW_MAX rows). `gemv_bf16` and the fused decode layers (`cpu_decode_layers`) split alike."""
     nbytes = n * k * 2
     if threads is None:
         floor = _THREADED_BYTES if kernels_own_threads() else _SHARED_THREADED_BYTES
         threads = kernel_threads() if nbytes >= floor else 1
     chunks = max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1
-    fma = m > PER_ROW_MAX and (tiles or tile_mode()) == "fma"
-    if lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, threads, chunks, int(fma)) != 0:
-        raise MemoryError(f"bf16 GEMV: no memory to widen a [{m}, {k}] input")
-    return y
+    return threads, chunks, int(m > PER_ROW_MAX and (tiles or tile_mode()) == "fma")

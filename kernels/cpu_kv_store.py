@@ -32,7 +32,7 @@ import torch
 
 from kernels.cpu_build import CKernel
 
-__all__ = ["available", "store_kv_fp8_cpu", "store_kv_rows_cpu", "build_error"]
+__all__ = ["KERNEL", "ROWS_KERNEL", "available", "store_kv_fp8_cpu", "store_kv_rows_cpu", "build_error"]
 
 _INPUTS = {torch.float32: 0, torch.bfloat16: 1}
 _MAX_HEAD_DIM = 1024  # the kernel's row buffer (MAX_HD)
@@ -44,7 +44,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.store_kv_fp8.restype = ctypes.c_int
 
 
-_KERNEL = CKernel("kv_store_fp8.c", (), _declare, "the FP8 KV store runs its torch ops instead")
+KERNEL = CKernel("kv_store_fp8.c", (), _declare, "the FP8 KV store runs its torch ops instead")
 
 
 def _declare_rows(lib: ctypes.CDLL) -> None:
@@ -53,11 +53,11 @@ def _declare_rows(lib: ctypes.CDLL) -> None:
     lib.store_kv_rows.restype = ctypes.c_int
 
 
-_ROWS = CKernel("kv_store_rows.c", (), _declare_rows, "the plain KV store runs index_copy_ instead")
+ROWS_KERNEL = CKernel("kv_store_rows.c", (), _declare_rows, "the plain KV store runs index_copy_ instead")
 
 
-available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
-build_error = _KERNEL.build_error  # why not, or None
+available = KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = KERNEL.build_error  # why not, or None
 
 
 def store_kv_fp8_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -74,7 +74,7 @@ def store_kv_fp8_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
             or slots.dtype != torch.int64 or not slots.is_contiguous()
             or not all(t.is_contiguous() for t in (k_cache, v_cache, k_scale, v_scale))):
         return False
-    lib = _KERNEL.load()
+    lib = KERNEL.load()
     if lib is None:
         return False
     t, heads, dim = k.shape
@@ -99,7 +99,7 @@ def store_kv_rows_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
             or slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != k.shape[0]
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return False
-    lib = _ROWS.load()
+    lib = ROWS_KERNEL.load()
     if lib is None:
         return False
     t, heads, dim = k.shape

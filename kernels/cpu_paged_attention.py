@@ -51,10 +51,10 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "paged_decode_attention_cpu", "build_error", "tile_rows"]
+__all__ = ["KERNEL", "available", "paged_decode_attention_cpu", "build_error", "tile_rows", "THREADED_ROWS"]
 
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
-_THREADED_ROWS = 4096  # (sequence, KV head, token) rows below which one thread does the whole step
+THREADED_ROWS = 4096  # (sequence, KV head, token) rows below which one thread does the whole step
 _TILE_QUERIES = 32  # query heads of one tile, at most (the kernel's MAX_G)
 
 
@@ -65,13 +65,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.restype = ctypes.c_int
 
 
-_KERNEL = CKernel("paged_decode.c", ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+KERNEL = CKernel("paged_decode.c", ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
                                      "-fno-math-errno"), _declare, "decode attention gathers pages instead",
                   uses_pool=True)
 
 
-available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
-build_error = _KERNEL.build_error  # why not, or None
+available = KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = KERNEL.build_error  # why not, or None
 
 
 def tile_rows(group: int) -> int:
@@ -89,13 +89,13 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     fp8_e4m3 with exponents [P, PAGE_SIZE, kv_heads]), page_table [D, maxP] and context_lens [D] (each
     >= 1). bfloat16 q is widened exactly and the float32 result rounded to nearest even, as
     `.to(torch.bfloat16)` would, in the kernel (two torch copies per layer fewer). `threads`: None
-    lets the kernel use `kernel_threads()` when the call has at least `_THREADED_ROWS` key rows.
+    lets the kernel use `kernel_threads()` when the call has at least `THREADED_ROWS` key rows.
     `tiles` (int32 [n + 1], first rows of n tiles then D; None: every row alone): rows a tile holds
     share their page table and see non-decreasing key counts (a prompt chunk's rows), and run together
     against each block of keys (`tile_rows` says how many rows a tile may hold).
     None when the kernel cannot run this case (not built, another page dtype, a head_dim over 256):
     the caller takes the torch path."""
-    lib = _KERNEL.load()
+    lib = KERNEL.load()
     fmt = _FORMATS.get(k_pages.dtype)
     d, heads, hd = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
@@ -111,7 +111,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     if fmt == 2:
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     out = torch.empty(d, heads, hd, dtype=q.dtype)
-    min_rows = 0 if threads is not None else _THREADED_ROWS
+    min_rows = 0 if threads is not None else THREADED_ROWS
     rc = lib.paged_decode(q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
                           k_scale.data_ptr() if fmt == 2 else None, v_scale.data_ptr() if fmt == 2 else None,
                           table.data_ptr(), lens.data_ptr(), None if tiles is None else tiles.data_ptr(),

@@ -22,7 +22,7 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "rms_norm_bf16", "add_rms_norm_bf16"]
+__all__ = ["KERNEL", "available", "build_error", "rms_norm_bf16", "add_rms_norm_bf16"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -33,13 +33,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.add_rms_norm_bf16.restype = None
 
 
-_KERNEL = CKernel("rms_norm_bf16.c", ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+KERNEL = CKernel("rms_norm_bf16.c", ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
                                       "-fno-math-errno"), _declare, "bfloat16 RMSNorm runs its torch ops",
                   uses_pool=True)
 
 
-available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
-build_error = _KERNEL.build_error  # why not, or None
+available = KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = KERNEL.build_error  # why not, or None
 
 
 def _run(name: str, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -52,7 +52,7 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, eps: float,
     if delta is not None and (delta.dtype != torch.bfloat16 or delta.shape != x.shape or not delta.is_contiguous()
                               or not delta.is_cpu):
         return None
-    lib = _KERNEL.load()
+    lib = KERNEL.load()
     if lib is None:
         return None
     y = torch.empty_like(x)

@@ -18,7 +18,7 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "rope_bf16"]
+__all__ = ["KERNEL", "available", "build_error", "rope_bf16"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -27,12 +27,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rope_bf16.restype = None
 
 
-_KERNEL = CKernel("rope_bf16.c", ("-fno-math-errno",), _declare, "rotary embedding runs its torch ops",
+KERNEL = CKernel("rope_bf16.c", ("-fno-math-errno",), _declare, "rotary embedding runs its torch ops",
                   uses_pool=True)
 
 
-available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
-build_error = _KERNEL.build_error  # why not, or None
+available = KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = KERNEL.build_error  # why not, or None
 
 
 def rope_bf16(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor | None:
@@ -45,7 +45,7 @@ def rope_bf16(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor | None:
             or x.stride(2) != 1 or x.stride(1) != dim or freqs.numel() != rows * pairs or 2 * pairs > dim
             or not freqs.is_contiguous()):
         return None
-    lib = _KERNEL.load()
+    lib = KERNEL.load()
     if lib is None:
         return None
     y = torch.empty(rows, heads, dim, dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "silu_mul_bf16"]
+__all__ = ["KERNEL", "available", "build_error", "silu_mul_bf16"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -28,12 +28,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul_bf16.restype = None
 
 
-_KERNEL = CKernel("silu_mul_bf16.c", ("-fno-math-errno",), _declare, "SwiGLU's activation runs torch's ops",
+KERNEL = CKernel("silu_mul_bf16.c", ("-fno-math-errno",), _declare, "SwiGLU's activation runs torch's ops",
                   uses_pool=True)
 
 
-available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
-build_error = _KERNEL.build_error  # why not, or None
+available = KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = KERNEL.build_error  # why not, or None
 
 
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -42,7 +42,7 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
     if (gate_up.dim() != 2 or gate_up.dtype != torch.bfloat16 or not gate_up.is_cpu
             or not gate_up.is_contiguous() or gate_up.shape[1] % 2):
         return None
-    lib = _KERNEL.load()
+    lib = KERNEL.load()
     if lib is None:
         return None
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2

@@ -58,7 +58,7 @@ def test_zero_rows_compute_and_write_nothing(threads: int) -> None:
     lin = Linear(w)
     assert lin.gemv and lin(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 4096)
     assert gemv_bf16(torch.empty(0, 64, dtype=torch.bfloat16), w, threads).shape == (0, 4096)
-    lib = cpu_gemv._KERNEL.load()
+    lib = cpu_gemv.KERNEL.load()
     x = torch.full((6, 64), float("nan"), dtype=torch.bfloat16)
     y = torch.full((6, 4096), 7.0, dtype=torch.bfloat16)
     for fma in (0, 1):

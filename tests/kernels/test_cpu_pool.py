@@ -72,7 +72,7 @@ def test_two_kernels_from_two_threads_share_the_pool(linger: bool, seed: int) ->
 
 
 def test_a_kernel_handed_no_pool_runs_every_chunk_itself(seed: int) -> None:
-    lib = cpu_paged_attention._KERNEL.load()
+    lib = cpu_paged_attention.KERNEL.load()
     q, paged, ref, mag = _attention_case()
     lib.set_pool(None)
     try:

@@ -1,0 +1,82 @@
+"""Which decode steps run every decoder layer in one C call, and the per-model object that does it.
+
+`kernels/cpu_decode_layers.py` runs a dense bfloat16 model's layers (attention and SwiGLU MLP) for a
+step of decode rows by calling the same C kernels as the Python layers, in the same order, with the
+same threads: bit for bit the same logits and KV pages, without ~10 Python-to-C crossings a layer.
+A model takes it when all of these hold, checked once per model and KV cache (`fused_layers`):
+bfloat16 compute on the CPU, one process (no tensor parallelism), every layer dense GQA attention
+without q/k norms or biases and a SwiGLU MLP, each linear a bfloat16 `Linear` that runs the C GEMV,
+KV pages in bfloat16 or FP8, and every kernel built here; and per step (`runs_step`): decode rows
+only, no more than the GEMV takes. Everything else (prompt rows, MoE, MLA, INT4 or float32
+weights, other hosts) runs the Python layers as before. `EDGESERVE_FUSED_DECODE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from backend.linear import Linear
+from kernels import cpu_decode_layers
+from kernels.cpu_decode_layers import DecodeLayers, LayerTensors
+
+if TYPE_CHECKING:
+    from backend.kv_cache import PagedKVCache
+    from backend.model import DecoderModel
+
+__all__ = ["enabled_by_env", "fused_layers", "runs_step"]
+
+
+def enabled_by_env() -> bool:
+    """Whether `EDGESERVE_FUSED_DECODE` leaves the fused path on (any value but 0)."""
+    return os.environ.get("EDGESERVE_FUSED_DECODE", "1") != "0"
+
+
+def _linears(layer: Any) -> list[Any]:
+    return [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+
+
+def _eligible_layer(layer: Any) -> bool:
+    if layer.mla is not None or layer.moe is not None or layer.qk_norm is not None or layer.gate_up is None:
+        return False
+    return all(isinstance(w, Linear) and w.gemv and w.bias is None for w in _linears(layer))
+
+
+def fused_layers(model: DecoderModel, cache: PagedKVCache) -> DecodeLayers | None:
+    """The model's layers over `cache` as one C call, or None where the model, the cache or this host does
+    not take it (module docstring). Built on first use per cache and kept on the model."""
+    held = getattr(model, "_fused", None)
+    if held is not None and held[0] is cache:
+        return held[1]
+    fused = _build(model, cache)
+    model._fused = (cache, fused)
+    return fused
+
+
+def _build(model: DecoderModel, cache: Any) -> DecodeLayers | None:
+    layers = model.phase_layers["decode"]
+    if (not model.fused_decode or model.group is not None or model.dtype != torch.bfloat16
+            or model.embed.device.type != "cpu" or not all(_eligible_layer(layer) for layer in layers)
+            or not hasattr(cache, "layer") or getattr(cache, "compute_dtype", None) != torch.bfloat16
+            or not cpu_decode_layers.available()):
+        return None
+    kv = [cache.layer(i) for i in range(len(layers))]
+    if any(k.k.dtype not in (torch.bfloat16, torch.float8_e4m3fn) for k in kv):
+        return None
+    fp8 = kv[0].k.dtype == torch.float8_e4m3fn
+    cfg = model.local_cfg
+    tensors = [LayerTensors(layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight,
+                            layer.post_norm, layers[i + 1].input_norm if i + 1 < len(layers) else None,
+                            k.k, k.v, k.k_scale if fp8 else None, k.v_scale if fp8 else None)
+               for i, (layer, k) in enumerate(zip(layers, kv))]
+    try:
+        return DecodeLayers(tensors, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+    except ValueError:  # shapes or layouts the kernels do not take
+        return None
+
+
+def runs_step(model: DecoderModel, rows: int) -> bool:
+    """Whether a step of `rows` decode rows runs the fused call: every linear takes the C GEMV at that count."""
+    return all(w.takes_gemv(rows) for w in _linears(model.phase_layers["decode"][0]))

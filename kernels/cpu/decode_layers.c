@@ -1,0 +1,149 @@
+/* Every decoder layer of a decode step of a dense bfloat16 model in one call: the kernels the Python layers
+ * call one by one (kernels/cpu/*.c), called here in the same order on the same buffers' values, so the
+ * results are bit for bit those of the Python path; what goes is the Python between them: a step of
+ * SmolLM2 made ~300 kernel calls from Python (30 layers x 10), each with its wrapper's checks, a tensor
+ * allocation and a ctypes crossing (6-15 us a call), ~5 ms of a 17 ms step at one decode row.
+ * Built and loaded by kernels/cpu_decode_layers.py, which hands in the other kernels' entry points
+ * (`Kernels`: each stays its own shared object, with its own tests) and per layer its weights and pages.
+ *
+ * Per layer, from x = the layer's input norm of the residual rows h [M, hidden]:
+ *   qkv = x . Wqkv^T                         [M, (H + 2 KVH) HD]   gemv_bf16
+ *   q = rope(qkv's q heads), k = rope(k heads)  [M, H, HD], [M, KVH, HD]  rope_bf16 (twice: same arithmetic
+ *                                                                   per element as one call over both)
+ *   store k and qkv's v heads at `slots`      store_kv_rows (bf16 pages) or store_kv_fp8 (fp8 pages)
+ *   o = attention(q, pages)                   [M, H HD]             paged_decode (one decode row a tile)
+ *   a = o . Wo^T; h += a; x = post_norm(h)    gemv_bf16, add_rms_norm_bf16
+ *   g = x . Wgu^T; s = silu(gate) * up        gemv_bf16, silu_mul_bf16
+ *   m = s . Wdown^T                           gemv_bf16
+ *   h += m; x = next input_norm(h)            add_rms_norm_bf16; on the last layer m is left in `mlp_out`
+ *                                             for the caller (which adds it and runs the final norm)
+ * Threads and chunks of each call are the caller's (the Python wrappers' own rules, computed once per
+ * step), so the pool splits every call as the unfused path does.
+ */
+#include <stdint.h>
+#include <time.h>
+
+typedef int (*gemv_fn)(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int threads,
+                       int chunks, int fma);
+typedef void (*rope_fn)(const uint16_t *x, const float *f, uint16_t *y, int rows, int heads, int dim, int pairs,
+                        int64_t row_stride, int threads, int linger);
+typedef int (*store_rows_fn)(const char *k, const char *v, int64_t k_stride_t, int64_t k_stride_h,
+                             int64_t v_stride_t, int64_t v_stride_h, char *kc, char *vc, const int64_t *slots, int T,
+                             int KVH, int HD, int elem, int64_t nslots);
+typedef int (*store_fp8_fn)(const void *k, const void *v, int64_t k_stride_t, int64_t k_stride_h,
+                            int64_t v_stride_t, int64_t v_stride_h, void *kc, void *vc, int8_t *ke, int8_t *ve,
+                            const int64_t *slots, int T, int KVH, int HD, int64_t nslots, int fmt);
+typedef int (*attend_fn)(const void *q, const void *k, const void *v, const int8_t *ke, const int8_t *ve,
+                         const int64_t *table, const int32_t *lens, const int32_t *tiles, int ntiles, void *out,
+                         int D, int KVH, int G, int HD, int S, int MAXP, int fmt, int half, float scale, int threads,
+                         int64_t min_threaded_rows, int linger);
+typedef void (*add_norm_fn)(uint16_t *h, const uint16_t *a, const uint16_t *w, uint16_t *y, int rows, int n,
+                            float eps, int threads, int linger);
+typedef void (*silu_fn)(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads,
+                        int linger);
+
+typedef struct {
+    gemv_fn gemv;
+    rope_fn rope;
+    store_rows_fn store_rows;
+    store_fp8_fn store_fp8;
+    attend_fn attend;
+    add_norm_fn add_norm;
+    silu_fn silu;
+} Kernels;
+
+typedef struct {
+    const uint16_t *qkv, *o, *gate_up, *down; /* [N, K] bfloat16 weights, row-major */
+    const uint16_t *post_norm, *next_norm;    /* [hidden]; next_norm: the next layer's input norm (NULL: last) */
+    void *k_pages, *v_pages;                  /* [P, S, KVH, HD] bf16, or fp8 bytes */
+    int8_t *k_exps, *v_exps;                  /* fp8 pages: [P, S, KVH] exponents; NULL for bf16 pages */
+} Layer;
+
+enum { QKV, O, GATE_UP, DOWN, LINEARS };
+
+typedef struct {
+    int M, hidden, H, KVH, HD, pairs, inter; /* decode rows, model dims; pairs: rotary pairs a head */
+    int threads[LINEARS], chunks[LINEARS], fma[LINEARS];
+    int row_threads, linger;     /* the row-wise kernels' and the attention's threads; pool linger */
+    int64_t attend_min_rows;     /* the attention's threshold for threads (its wrapper's) */
+    float eps, scale;
+    int fp8;                     /* pages: 0 bfloat16, 1 fp8_e4m3 with exponents */
+    const float *freqs;          /* [M, pairs] (cos, sin) pairs */
+    const int64_t *slots;        /* [M] */
+    int64_t nslots;
+    const int64_t *table;        /* [M, maxp] */
+    const int32_t *lens;         /* [M] */
+    int maxp, page_size;
+    uint16_t *h, *x;             /* [M, hidden]: the residual rows (updated in place), the normed rows */
+    uint16_t *qkv, *q, *k, *attn; /* [M, (H + 2 KVH) HD], [M, H, HD], [M, KVH, HD], [M, H HD] */
+    uint16_t *branch, *gate_up, *act, *mlp_out; /* [M, hidden], [M, 2 inter], [M, inter], [M, hidden] */
+    double *seconds;             /* NULL, or 6 accumulators: gemv, attention, rope, kv store, norms, silu */
+} Step;
+
+enum { T_GEMV, T_ATTEND, T_ROPE, T_STORE, T_NORM, T_SILU };
+
+static double now_s(const Step *s) {
+    if (!s->seconds) return 0.0;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void charge(const Step *s, int what, double *since) {
+    if (!s->seconds) return;
+    const double t = now_s(s);
+    s->seconds[what] += t - *since;
+    *since = t;
+}
+
+/* Returns 0; -1 when a GEMV could not allocate its widened input, -2 when a slot is outside the pool,
+ * -3 when the attention refused the shapes (the caller checks them first: neither happens at layer 0
+ * after any state changed, as every layer gets the same slots and shapes). */
+int decode_layers(const Kernels *kn, const Layer *layers, int nlayers, const Step *s) {
+    const int M = s->M, hidden = s->hidden, HD = s->HD, H = s->H, KVH = s->KVH;
+    const int qkv_n = (H + 2 * KVH) * HD, rt = s->row_threads, ln = s->linger;
+    const int64_t row_bytes = (int64_t)qkv_n * 2;
+    double t = now_s(s);
+    for (int i = 0; i < nlayers; i++) {
+        const Layer *L = &layers[i];
+        if (kn->gemv(s->x, L->qkv, s->qkv, M, qkv_n, hidden, s->threads[QKV], s->chunks[QKV], s->fma[QKV])) return -1;
+        charge(s, T_GEMV, &t);
+        kn->rope(s->qkv, s->freqs, s->q, M, H, HD, s->pairs, qkv_n, rt, ln);
+        kn->rope(s->qkv + (int64_t)H * HD, s->freqs, s->k, M, KVH, HD, s->pairs, qkv_n, rt, ln);
+        charge(s, T_ROPE, &t);
+        const uint16_t *v = s->qkv + (int64_t)(H + KVH) * HD;
+        int rc;
+        if (s->fp8)
+            rc = kn->store_fp8(s->k, v, (int64_t)KVH * HD, HD, qkv_n, HD, L->k_pages, L->v_pages, L->k_exps, L->v_exps,
+                               s->slots, M, KVH, HD, s->nslots, 1);
+        else
+            rc = kn->store_rows((const char *)s->k, (const char *)v, (int64_t)KVH * HD * 2, (int64_t)HD * 2,
+                                row_bytes, (int64_t)HD * 2, L->k_pages, L->v_pages, s->slots, M, KVH, HD, 2,
+                                s->nslots);
+        if (rc) return -2;
+        charge(s, T_STORE, &t);
+        if (kn->attend(s->q, L->k_pages, L->v_pages, L->k_exps, L->v_exps, s->table, s->lens, 0, 0, s->attn, M, KVH,
+                       H / KVH, HD, s->page_size, s->maxp, s->fp8 ? 2 : 1, 1, s->scale, rt, s->attend_min_rows, ln))
+            return -3;
+        charge(s, T_ATTEND, &t);
+        if (kn->gemv(s->attn, L->o, s->branch, M, hidden, H * HD, s->threads[O], s->chunks[O], s->fma[O])) return -1;
+        charge(s, T_GEMV, &t);
+        kn->add_norm(s->h, s->branch, L->post_norm, s->x, M, hidden, s->eps, rt, ln);
+        charge(s, T_NORM, &t);
+        if (kn->gemv(s->x, L->gate_up, s->gate_up, M, 2 * s->inter, hidden, s->threads[GATE_UP], s->chunks[GATE_UP],
+                     s->fma[GATE_UP]))
+            return -1;
+        charge(s, T_GEMV, &t);
+        kn->silu(s->gate_up, s->act, M, s->inter, rt, ln);
+        charge(s, T_SILU, &t);
+        if (kn->gemv(s->act, L->down, s->mlp_out, M, hidden, s->inter, s->threads[DOWN], s->chunks[DOWN],
+                     s->fma[DOWN]))
+            return -1;
+        charge(s, T_GEMV, &t);
+        if (L->next_norm) {
+            kn->add_norm(s->h, s->mlp_out, L->next_norm, s->x, M, hidden, s->eps, rt, ln);
+            charge(s, T_NORM, &t);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,113 @@
+"""Decode steps that run every layer in one C call (`backend/layers/fused_decode.py`) give the Python
+layers' results bit for bit, take only the steps and models they can, and lose nothing when they refuse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.engine import EngineConfig, LLMEngine
+from backend.sampling_params import SamplingParams
+from kernels import cpu_decode_layers
+from kernels.cpu_decode_layers import DecodeLayers, LayerTensors
+from tests.backend.engine_spy import record_sampled_logits
+from tests.backend.tiny_models import write_tiny_model
+
+needs_kernels = pytest.mark.skipif(not cpu_decode_layers.available(),
+                                   reason=f"fused decode layers unavailable: {cpu_decode_layers.build_error()}")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # head_dim 64, as the attention kernel's vector path takes; 3 query heads a KV head as SmolLM2
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "llama", seed=11, hidden_size=192,
+                            num_attention_heads=3, num_key_value_heads=1, intermediate_size=256)
+
+
+def generate(model_dir: Path, fused: bool, dtype: str = "bfloat16", kv_format: str = "bf16"
+             ) -> tuple[LLMEngine, list[list[int]], list[list[torch.Tensor]]]:
+    """Nine prompts of different lengths (steps of up to 9 decode rows: the GEMV's per-row code and its
+    tiles), 12 greedy tokens each; the engine, every request's tokens and every sampled step's logits."""
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(dtype=dtype, kv_format=kv_format,
+                                                               kv_cache_bytes=4 * 2**20))
+    engine.model.fused_decode = fused
+    seqs = [engine.add_request([1, 2 + i, 3, 4 + 7 * i] * (2 + i), SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                  ignore_eos=True))
+            for i in range(9)]
+    seen = record_sampled_logits(engine)
+    while engine.has_work():
+        engine.step()
+    return engine, [s.output_ids for s in seqs], [seen[s.request_id] for s in seqs]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
+def test_fused_steps_equal_the_python_layers_bit_for_bit(tiny_dir: Path, kv_format: str) -> None:
+    fused, tokens, logits = generate(tiny_dir, True, kv_format=kv_format)
+    plain, tokens_ref, logits_ref = generate(tiny_dir, False, kv_format=kv_format)
+    assert plain.model.fused_steps == 0
+    # every pure decode step took the fused call, no prompt step did
+    assert fused.model.fused_steps == fused.model.steps_by_phase["decode"] >= 11
+    assert tokens == tokens_ref
+    for ours, ref in zip(logits, logits_ref):
+        assert len(ours) == len(ref) == 12
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b)
+    # the KV pages the steps wrote (and the FP8 exponents) are the same bytes
+    assert torch.equal(fused.cache.pages.view(torch.uint8), plain.cache.pages.view(torch.uint8))
+    if kv_format == "fp8_e4m3":
+        assert torch.equal(fused.cache.scales, plain.cache.scales)
+
+
+@needs_kernels
+def test_models_the_fused_call_does_not_take_run_the_python_layers(tmp_path: Path) -> None:
+    biased = write_tiny_model(tmp_path / "qwen2", "qwen2", seed=3, hidden_size=192, num_attention_heads=3,
+                              num_key_value_heads=1)  # q/k/v biases
+    engine, tokens, _ = generate(biased, True)
+    assert engine.model.fused_steps == 0 and engine.model.steps_by_phase["decode"] > 0
+    assert all(len(t) == 12 for t in tokens)
+    engine, _, _ = generate(biased, True, dtype="float32", kv_format="fp32")  # float32 compute
+    assert engine.model.fused_steps == 0
+
+
+def test_the_environment_switch_turns_it_off(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGESERVE_FUSED_DECODE", "0")
+    engine = LLMEngine.from_pretrained(tiny_dir, EngineConfig(dtype="bfloat16", kv_format="bf16",
+                                                              kv_cache_bytes=2**20))
+    assert engine.model.fused_decode is False
+    monkeypatch.setenv("EDGESERVE_FUSED_DECODE", "1")
+    assert LLMEngine.from_pretrained(tiny_dir, EngineConfig(dtype="bfloat16", kv_format="bf16",
+                                                            kv_cache_bytes=2**20)).model.fused_decode is True
+
+
+def random_layers(n: int, hidden: int, heads: int, kv_heads: int, hd: int, inter: int, pages: int,
+                  page_size: int) -> list[LayerTensors]:
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape) * 0.05).to(torch.bfloat16)
+
+    return [LayerTensors(w((heads + 2 * kv_heads) * hd, hidden), w(hidden, heads * hd), w(2 * inter, hidden),
+                         w(hidden, inter), 1 + w(hidden), 1 + w(hidden) if i + 1 < n else None,
+                         torch.zeros(pages, page_size, kv_heads, hd, dtype=torch.bfloat16),
+                         torch.zeros(pages, page_size, kv_heads, hd, dtype=torch.bfloat16)) for i in range(n)]
+
+
+@needs_kernels
+def test_a_slot_outside_the_pool_raises_before_anything_changes() -> None:
+    layers = random_layers(2, 64, 2, 1, 64, 96, pages=4, page_size=16)
+    fused = DecodeLayers(layers, 2, 1, 64, 1e-5)
+    h = torch.randn(2, 64).to(torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    before = h.clone()
+    freqs = torch.polar(torch.ones(2, 1, 32), torch.randn(2, 1, 32))
+    table = torch.tensor([[0], [1]], dtype=torch.int64)
+    with pytest.raises(IndexError):
+        fused.run(h, x, freqs, torch.tensor([3, 64], dtype=torch.int64), table, torch.tensor([4, 1]), 0.125)
+    assert torch.equal(h, before)  # the residual stream is untouched
+    assert all(not layer.k_pages.any() and not layer.v_pages.any() for layer in layers)  # nothing stored
+
+
+def test_shapes_beyond_the_attention_kernel_are_refused_at_build() -> None:
+    with pytest.raises(ValueError):
+        DecodeLayers(random_layers(1, 64, 2, 1, 512, 96, pages=2, page_size=16), 2, 1, 512, 1e-5)
