@@ -21,30 +21,33 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_gemv, cpu_kv_store, cpu_paged_attention, cpu_rms_norm, cpu_rope, cpu_silu_mul
+from kernels import cpu_gemv, cpu_gemv_int4, cpu_kv_store, cpu_paged_attention, cpu_rms_norm, cpu_rope, cpu_silu_mul
 from kernels.cpu_build import CKernel
+from kernels.cpu_gemv_int4 import Int4Panels
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "DecodeLayers", "LayerTensors", "TIMED_PARTS"]
+__all__ = ["available", "build_error", "DecodeLayers", "LayerTensors", "TIMED_PARTS", "Weight"]
 
 TIMED_PARTS = ("gemv", "attention", "rope", "kv_store", "norms", "silu")  # the C file's `seconds` accumulators
+Weight = torch.Tensor | Int4Panels  # a linear's weight: bfloat16 [N, K], or INT4 panels
 _MAX_HEAD_DIM, _MAX_GROUP = 256, 32  # the attention kernel's MAX_HD and MAX_G
 
 _p, _i, _q, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(n, _p) for n in ("gemv", "rope", "store_rows", "store_fp8", "attend", "add_norm", "silu")]
+    _fields_ = [(n, _p) for n in ("gemv", "gemv_int4", "rope", "store_rows", "store_fp8", "attend", "add_norm",
+                                  "silu")]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(n, _p) for n in ("qkv", "o", "gate_up", "down", "post_norm", "next_norm", "k_pages", "v_pages",
-                                  "k_exps", "v_exps")]
+    _fields_ = [("w", _p * 4), ("sz", _p * 4),
+                *((n, _p) for n in ("post_norm", "next_norm", "k_pages", "v_pages", "k_exps", "v_exps"))]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [*((n, _i) for n in ("M", "hidden", "H", "KVH", "HD", "pairs", "inter")),
-                ("threads", _i * 4), ("chunks", _i * 4), ("fma", _i * 4), ("row_threads", _i), ("linger", _i),
+                ("threads", _i * 4), ("chunks", _i * 4), ("fma", _i * 4), ("group", _i * 4), ("row_threads", _i), ("linger", _i),
                 ("attend_min_rows", _q), ("eps", _f), ("scale", _f), ("fp8", _i), ("freqs", _p), ("slots", _p),
                 ("nslots", _q), ("table", _p), ("lens", _p), ("maxp", _i), ("page_size", _i),
                 *((n, _p) for n in ("h", "x", "qkv", "q", "k", "attn", "branch", "gate_up", "act", "mlp_out",
@@ -57,7 +60,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 KERNEL = CKernel("decode_layers.c", (), _declare, "a decode step calls each layer's kernels from Python")
-_PARTS = ((cpu_gemv.KERNEL, "gemv_bf16"), (cpu_rope.KERNEL, "rope_bf16"),
+_PARTS = ((cpu_gemv.KERNEL, "gemv_bf16"), (cpu_gemv_int4.KERNEL, "gemv_int4"), (cpu_rope.KERNEL, "rope_bf16"),
           (cpu_kv_store.ROWS_KERNEL, "store_kv_rows"), (cpu_kv_store.KERNEL, "store_kv_fp8"),
           (cpu_paged_attention.KERNEL, "paged_decode"), (cpu_rms_norm.KERNEL, "add_rms_norm_bf16"),
           (cpu_silu_mul.KERNEL, "silu_mul_bf16"))
@@ -65,11 +68,12 @@ _PARTS = ((cpu_gemv.KERNEL, "gemv_bf16"), (cpu_rope.KERNEL, "rope_bf16"),
 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> _Kernels | None:
-    """The entry points the fused file calls, or None where one of them (or the file) does not build."""
+    """The entry points the fused file calls, or None where one of them (or the file) does not build (the INT4
+    GEMV may be missing: then `DecodeLayers` takes no INT4 weights)."""
     if KERNEL.load() is None:
         return None
     addresses = [k.address(symbol) for k, symbol in _PARTS]
-    return None if None in addresses else _Kernels(*addresses)
+    return None if None in addresses[:1] + addresses[2:] else _Kernels(*addresses)
 
 
 def available() -> bool:
@@ -79,7 +83,7 @@ def available() -> bool:
 
 def build_error() -> str | None:
     """Why not (the first kernel that does not build), or None."""
-    for k in (KERNEL, *(k for k, _ in _PARTS)):
+    for k in (KERNEL, *(k for k, _ in _PARTS if k is not cpu_gemv_int4.KERNEL)):
         if k.load() is None:
             return f"{k.source.name}: {k.error}"
     return None
@@ -87,13 +91,14 @@ def build_error() -> str | None:
 
 @dataclass
 class LayerTensors:
-    """One layer's tensors as the fused call reads them: bfloat16 weights [N, K] (contiguous), norms [hidden],
-    and its KV pages [P, S, KVH, HD] (bfloat16, or fp8_e4m3 with exponents [P, S, KVH])."""
+    """One layer's tensors as the fused call reads them: its linears' weights, each bfloat16 [N, K] (contiguous)
+    or INT4 panels (`cpu_gemv_int4.pack`, K a multiple of 8), norms [hidden], and its KV pages [P, S, KVH, HD]
+    (bfloat16, or fp8_e4m3 with exponents [P, S, KVH])."""
 
-    qkv: torch.Tensor
-    o_proj: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: Weight
+    o_proj: Weight
+    gate_up: Weight
+    down: Weight
     post_norm: torch.Tensor
     next_norm: torch.Tensor | None  # the next layer's input norm; None on the last layer
     k_pages: torch.Tensor
@@ -106,6 +111,24 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _shape(w: Weight) -> tuple[int, int]:
+    """[N, K] of a weight in either format."""
+    return (w.out_features, w.in_features) if isinstance(w, Int4Panels) else tuple(w.shape)
+
+
+def _format(w: Weight) -> int:
+    """0 for bfloat16, else the INT4 group size."""
+    return w.group_size if isinstance(w, Int4Panels) else 0
+
+
+def _check(w: Weight) -> None:
+    if isinstance(w, Int4Panels):
+        if w.in_features % 8 or not cpu_gemv_int4.available():
+            raise ValueError("INT4 weights the fused layers cannot take (K not a multiple of 8, or no INT4 GEMV)")
+    elif w.dtype != torch.bfloat16 or not w.is_contiguous() or not w.is_cpu:
+        raise ValueError("the fused decode layers need contiguous bfloat16 CPU weights")
+
+
 class DecodeLayers:
     """The layers of one model over one KV cache, for `run` once per decode step."""
 
@@ -113,23 +136,35 @@ class DecodeLayers:
                  eps: float) -> None:
         first = layers[0]
         self.H, self.KVH, self.HD, self.eps = num_heads, num_kv_heads, head_dim, eps
-        self.hidden, self.inter = first.o_proj.shape[0], first.down.shape[1]
+        self.hidden, self.inter = _shape(first.o_proj)[0], _shape(first.down)[1]
         self.fp8 = first.k_pages.dtype == torch.float8_e4m3fn
-        for t in layers:
-            tensors = (t.qkv, t.o_proj, t.gate_up, t.down, t.post_norm, t.k_pages, t.v_pages)
-            if not all(x.is_contiguous() and x.is_cpu for x in tensors):
-                raise ValueError("the fused decode layers need contiguous CPU tensors")
+        self._weights = [(t.qkv, t.o_proj, t.gate_up, t.down) for t in layers]
+        self._formats = [_format(w) for w in self._weights[0]]  # per linear: 0 bfloat16, else INT4's group
+        for t, ws in zip(layers, self._weights):
+            for w in ws:
+                _check(w)
+            if [_format(w) for w in ws] != self._formats or [_shape(w) for w in ws] != [_shape(w) for w in
+                                                                                      self._weights[0]]:
+                raise ValueError("the fused decode layers need every layer in one format and shape")
+            if not all(x.is_contiguous() and x.is_cpu for x in (t.post_norm, t.k_pages, t.v_pages)):
+                raise ValueError("the fused decode layers need contiguous CPU norms and pages")
         if head_dim > _MAX_HEAD_DIM or num_heads % num_kv_heads or num_heads // num_kv_heads > _MAX_GROUP:
             raise ValueError(f"attention shape beyond the kernel's (head_dim {head_dim}, heads {num_heads}/"
                              f"{num_kv_heads})")
+
+        def codes(w: Weight) -> int:
+            return w.codes.data_ptr() if isinstance(w, Int4Panels) else w.data_ptr()
+
+        def scales(w: Weight) -> int | None:
+            return w.scales_zeros.data_ptr() if isinstance(w, Int4Panels) else None
+
         self._layers = (_Layer * len(layers))(*(
-            _Layer(*map(_ptr, (t.qkv, t.o_proj, t.gate_up, t.down, t.post_norm, t.next_norm, t.k_pages, t.v_pages,
-                               t.k_exps, t.v_exps))) for t in layers))
+            _Layer((_p * 4)(*map(codes, ws)), (_p * 4)(*map(scales, ws)),
+                   *map(_ptr, (t.post_norm, t.next_norm, t.k_pages, t.v_pages, t.k_exps, t.v_exps)))
+            for t, ws in zip(layers, self._weights)))
         self._keep = list(layers)  # the addresses above stay valid while this object lives
         self.page_size = first.k_pages.shape[1]
         self.nslots = first.k_pages.shape[0] * self.page_size
-        self._shapes = [(t.qkv.shape[0], self.hidden), (self.hidden, num_heads * head_dim),
-                        (t.gate_up.shape[0], self.hidden), (self.hidden, self.inter)]
         self.seconds: list[float] | None = None  # set to [0.0] * 6 to accumulate TIMED_PARTS (token-profile)
 
     def run(self, h: torch.Tensor, x: torch.Tensor, freqs: torch.Tensor, slots: torch.Tensor,
@@ -148,14 +183,15 @@ class DecodeLayers:
                 "k": torch.empty(m, self.KVH * hd, dtype=bf), "attn": torch.empty(m, self.H * hd, dtype=bf),
                 "branch": torch.empty(m, self.hidden, dtype=bf), "gate_up": torch.empty(m, 2 * self.inter, dtype=bf),
                 "act": torch.empty(m, self.inter, dtype=bf), "mlp_out": torch.empty(m, self.hidden, dtype=bf)}
-        plans = [cpu_gemv.call_plan(m, n, k) for n, k in self._shapes]
+        plans = [(*cpu_gemv_int4.call_plan(m, w), 0) if isinstance(w, Int4Panels) else cpu_gemv.call_plan(m, *_shape(w))
+                 for w in self._weights[0]]
         table = page_table.to(torch.int64).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         slots = slots.contiguous()
         seconds = (ctypes.c_double * len(TIMED_PARTS))() if self.seconds is not None else None
         step = _Step(m, self.hidden, self.H, self.KVH, hd, freqs.shape[-1], self.inter,
                      (_i * 4)(*(p[0] for p in plans)), (_i * 4)(*(p[1] for p in plans)),
-                     (_i * 4)(*(p[2] for p in plans)), kernel_threads(), int(kernels_own_threads()),
+                     (_i * 4)(*(p[2] for p in plans)), (_i * 4)(*self._formats), kernel_threads(), int(kernels_own_threads()),
                      cpu_paged_attention.THREADED_ROWS, self.eps, scale, int(self.fp8), freqs.data_ptr(),
                      slots.data_ptr(), self.nslots, table.data_ptr(), lens.data_ptr(), table.shape[1],
                      self.page_size, h.data_ptr(), x.data_ptr(),

@@ -38,7 +38,8 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "Int4Panels", "pack", "gemv_int4", "PANEL", "measure", "pays"]
+__all__ = ["KERNEL", "available", "build_error", "call_plan", "Int4Panels", "pack", "gemv_int4", "PANEL", "measure",
+           "pays"]
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemv_int4.restype = ctypes.c_int
 
 
-_KERNEL = CKernel("gemv_int4.c", (), _declare, "INT4 linears run torch's INT4 GEMM", uses_pool=True)
+KERNEL = CKernel("gemv_int4.c", (), _declare, "INT4 linears run torch's INT4 GEMM", uses_pool=True)
 
-available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
-build_error = _KERNEL.build_error  # why not, or None
+available = KERNEL.available  # whether it builds and loads here (builds it on the first call)
+build_error = KERNEL.build_error  # why not, or None
 
 
 _PROBE = ((1, 16), 576, 1536, 32)  # rows, in_features, out_features, group size of the timed calls
@@ -158,19 +159,26 @@ def gemv_int4(x: torch.Tensor, w: Int4Panels, threads: int | None = None) -> tor
     if x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.bfloat16 or not x.is_cpu:
         raise ValueError(f"INT4 GEMV: x {x.dtype} {list(x.shape)} on {x.device} is not bfloat16 [M, "
                          f"{w.in_features}] on the CPU")
-    lib = _KERNEL.load()
+    lib = KERNEL.load()
     m = x.shape[0]
     n, k8 = w.out_features, w.k8
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if m == 0 or n == 0:
         return y
     x = x.contiguous() if x.shape[1] == k8 else torch.nn.functional.pad(x, (0, k8 - x.shape[1])).contiguous()
-    nbytes = w.codes.numel()
-    if threads is None:  # by the work: the weights' bytes once per x row (a prompt's rows share any weight)
-        floor = _THREADED_BYTES if kernels_own_threads() else _SHARED_THREADED_BYTES
-        threads = kernel_threads() if nbytes * m >= floor else 1
-    chunks = max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1
+    threads, chunks = call_plan(m, w, threads)
     if lib.gemv_int4(x.data_ptr(), w.codes.data_ptr(), w.scales_zeros.data_ptr(), y.data_ptr(), m, n, k8,
                      w.group_size, threads, chunks) != 0:
         raise MemoryError(f"INT4 GEMV: no memory for the group sums of a [{m}, {k8}] input")
     return y
+
+
+def call_plan(m: int, w: Int4Panels, threads: int | None = None) -> tuple[int, int]:
+    """(threads, chunks) of a call with m rows of x: the threads by the work, the weights' bytes once per x row
+    (`threads` if given; a prompt's rows share any weight), chunks of about `_CHUNK_BYTES`. `gemv_int4` and
+    the fused decode layers (`cpu_decode_layers`) split alike."""
+    nbytes = w.codes.numel()
+    if threads is None:
+        floor = _THREADED_BYTES if kernels_own_threads() else _SHARED_THREADED_BYTES
+        threads = kernel_threads() if nbytes * m >= floor else 1
+    return threads, max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1

@@ -5,10 +5,11 @@ step of decode rows by calling the same C kernels as the Python layers, in the s
 same threads: bit for bit the same logits and KV pages, without ~10 Python-to-C crossings a layer.
 A model takes it when all of these hold, checked once per model and KV cache (`fused_layers`):
 bfloat16 compute on the CPU, one process (no tensor parallelism), every layer dense GQA attention
-without q/k norms or biases and a SwiGLU MLP, each linear a bfloat16 `Linear` that runs the C GEMV,
+without q/k norms or biases and a SwiGLU MLP, each linear on a C GEMV (bfloat16 or INT4),
 KV pages in bfloat16 or FP8, and every kernel built here; and per step (`runs_step`): decode rows
-only, no more than the GEMV takes. Everything else (prompt rows, MoE, MLA, INT4 or float32
-weights, other hosts) runs the Python layers as before. `EDGESERVE_FUSED_DECODE=0` turns it off.
+only, no more than the GEMV takes. The decode weights may be INT4 (`Int4Linear` on its C GEMV) as well
+as bfloat16. Everything else (prompt rows, MoE, MLA, float32 weights, other hosts) runs the Python
+layers as before. `EDGESERVE_FUSED_DECODE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backend.linear import Linear
+from backend.linear import Int4Linear, Linear
+from kernels import cpu_gemv
 from kernels import cpu_decode_layers
 from kernels.cpu_decode_layers import DecodeLayers, LayerTensors
 
@@ -38,10 +40,20 @@ def _linears(layer: Any) -> list[Any]:
     return [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
 
 
+def _c_weight(w: Any) -> Any:
+    """The weight the C GEMVs read for linear w (bfloat16 [N, K] or INT4 panels), or None where w runs
+    something else (torch's GEMM, a bias, another format)."""
+    if isinstance(w, Linear) and w.gemv and w.bias is None:
+        return w.weight
+    if isinstance(w, Int4Linear) and not w.cuda and w.panels is not None and w.bias is None:
+        return w.panels
+    return None
+
+
 def _eligible_layer(layer: Any) -> bool:
     if layer.mla is not None or layer.moe is not None or layer.qk_norm is not None or layer.gate_up is None:
         return False
-    return all(isinstance(w, Linear) and w.gemv and w.bias is None for w in _linears(layer))
+    return all(_c_weight(w) is not None for w in _linears(layer))
 
 
 def fused_layers(model: DecoderModel, cache: PagedKVCache) -> DecodeLayers | None:
@@ -67,8 +79,7 @@ def _build(model: DecoderModel, cache: Any) -> DecodeLayers | None:
         return None
     fp8 = kv[0].k.dtype == torch.float8_e4m3fn
     cfg = model.local_cfg
-    tensors = [LayerTensors(layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight,
-                            layer.post_norm, layers[i + 1].input_norm if i + 1 < len(layers) else None,
+    tensors = [LayerTensors(*map(_c_weight, _linears(layer)), layer.post_norm, layers[i + 1].input_norm if i + 1 < len(layers) else None,
                             k.k, k.v, k.k_scale if fp8 else None, k.v_scale if fp8 else None)
                for i, (layer, k) in enumerate(zip(layers, kv))]
     try:
@@ -78,5 +89,7 @@ def _build(model: DecoderModel, cache: Any) -> DecodeLayers | None:
 
 
 def runs_step(model: DecoderModel, rows: int) -> bool:
-    """Whether a step of `rows` decode rows runs the fused call: every linear takes the C GEMV at that count."""
-    return all(w.takes_gemv(rows) for w in _linears(model.phase_layers["decode"][0]))
+    """Whether a step of `rows` decode rows runs the fused call: every linear takes its C GEMV at that count
+    (INT4 at any count; a step of more than `cpu_gemv.max_rows()` keeps torch's threads, so not there)."""
+    return rows <= cpu_gemv.max_rows() and all(w.takes_gemv(rows) for w in _linears(model.phase_layers["decode"][0])
+                                               if isinstance(w, Linear))

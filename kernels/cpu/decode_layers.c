@@ -7,7 +7,7 @@
  * (`Kernels`: each stays its own shared object, with its own tests) and per layer its weights and pages.
  *
  * Per layer, from x = the layer's input norm of the residual rows h [M, hidden]:
- *   qkv = x . Wqkv^T                         [M, (H + 2 KVH) HD]   gemv_bf16
+ *   qkv = x . Wqkv^T                         [M, (H + 2 KVH) HD]   gemv_bf16, or gemv_int4 (INT4 weights)
  *   q = rope(qkv's q heads), k = rope(k heads)  [M, H, HD], [M, KVH, HD]  rope_bf16 (twice: same arithmetic
  *                                                                   per element as one call over both)
  *   store k and qkv's v heads at `slots`      store_kv_rows (bf16 pages) or store_kv_fp8 (fp8 pages)
@@ -25,6 +25,8 @@
 
 typedef int (*gemv_fn)(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int threads,
                        int chunks, int fma);
+typedef int (*gemv_int4_fn)(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *y, int M, int N,
+                            int K, int group, int threads, int chunks);
 typedef void (*rope_fn)(const uint16_t *x, const float *f, uint16_t *y, int rows, int heads, int dim, int pairs,
                         int64_t row_stride, int threads, int linger);
 typedef int (*store_rows_fn)(const char *k, const char *v, int64_t k_stride_t, int64_t k_stride_h,
@@ -44,6 +46,7 @@ typedef void (*silu_fn)(const uint16_t *gate_up, uint16_t *y, int64_t rows, int6
 
 typedef struct {
     gemv_fn gemv;
+    gemv_int4_fn gemv_int4; /* NULL where that kernel does not build (then no layer is INT4) */
     rope_fn rope;
     store_rows_fn store_rows;
     store_fp8_fn store_fp8;
@@ -52,18 +55,19 @@ typedef struct {
     silu_fn silu;
 } Kernels;
 
+enum { QKV, O, GATE_UP, DOWN, LINEARS };
+
 typedef struct {
-    const uint16_t *qkv, *o, *gate_up, *down; /* [N, K] bfloat16 weights, row-major */
-    const uint16_t *post_norm, *next_norm;    /* [hidden]; next_norm: the next layer's input norm (NULL: last) */
+    const void *w[LINEARS];            /* qkv, o, gate_up, down: [N, K] bfloat16, or INT4 panels' codes */
+    const uint16_t *sz[LINEARS];       /* INT4: the panels' scales and zeros; NULL for bfloat16 */
+    const uint16_t *post_norm, *next_norm; /* [hidden]; next_norm: the next layer's input norm (NULL: last) */
     void *k_pages, *v_pages;                  /* [P, S, KVH, HD] bf16, or fp8 bytes */
     int8_t *k_exps, *v_exps;                  /* fp8 pages: [P, S, KVH] exponents; NULL for bf16 pages */
 } Layer;
 
-enum { QKV, O, GATE_UP, DOWN, LINEARS };
-
 typedef struct {
     int M, hidden, H, KVH, HD, pairs, inter; /* decode rows, model dims; pairs: rotary pairs a head */
-    int threads[LINEARS], chunks[LINEARS], fma[LINEARS];
+    int threads[LINEARS], chunks[LINEARS], fma[LINEARS], group[LINEARS]; /* group: INT4's group size */
     int row_threads, linger;     /* the row-wise kernels' and the attention's threads; pool linger */
     int64_t attend_min_rows;     /* the attention's threshold for threads (its wrapper's) */
     float eps, scale;
@@ -96,6 +100,16 @@ static void charge(const Step *s, int what, double *since) {
     *since = t;
 }
 
+/* y [M, N] = x [M, K] . W^T for linear `which` of layer L, bfloat16 or INT4 (the kernel of its format) */
+static int linear(const Kernels *kn, const Step *s, const Layer *L, int which, const uint16_t *x, uint16_t *y, int N,
+                  int K) {
+    if (L->sz[which])
+        return kn->gemv_int4(x, (const uint8_t *)L->w[which], L->sz[which], y, s->M, N, K, s->group[which],
+                             s->threads[which], s->chunks[which]);
+    return kn->gemv(x, (const uint16_t *)L->w[which], y, s->M, N, K, s->threads[which], s->chunks[which],
+                    s->fma[which]);
+}
+
 /* Returns 0; -1 when a GEMV could not allocate its widened input, -2 when a slot is outside the pool,
  * -3 when the attention refused the shapes (the caller checks them first: neither happens at layer 0
  * after any state changed, as every layer gets the same slots and shapes). */
@@ -106,7 +120,7 @@ int decode_layers(const Kernels *kn, const Layer *layers, int nlayers, const Ste
     double t = now_s(s);
     for (int i = 0; i < nlayers; i++) {
         const Layer *L = &layers[i];
-        if (kn->gemv(s->x, L->qkv, s->qkv, M, qkv_n, hidden, s->threads[QKV], s->chunks[QKV], s->fma[QKV])) return -1;
+        if (linear(kn, s, L, QKV, s->x, s->qkv, qkv_n, hidden)) return -1;
         charge(s, T_GEMV, &t);
         kn->rope(s->qkv, s->freqs, s->q, M, H, HD, s->pairs, qkv_n, rt, ln);
         kn->rope(s->qkv + (int64_t)H * HD, s->freqs, s->k, M, KVH, HD, s->pairs, qkv_n, rt, ln);
@@ -126,19 +140,15 @@ int decode_layers(const Kernels *kn, const Layer *layers, int nlayers, const Ste
                        H / KVH, HD, s->page_size, s->maxp, s->fp8 ? 2 : 1, 1, s->scale, rt, s->attend_min_rows, ln))
             return -3;
         charge(s, T_ATTEND, &t);
-        if (kn->gemv(s->attn, L->o, s->branch, M, hidden, H * HD, s->threads[O], s->chunks[O], s->fma[O])) return -1;
+        if (linear(kn, s, L, O, s->attn, s->branch, hidden, H * HD)) return -1;
         charge(s, T_GEMV, &t);
         kn->add_norm(s->h, s->branch, L->post_norm, s->x, M, hidden, s->eps, rt, ln);
         charge(s, T_NORM, &t);
-        if (kn->gemv(s->x, L->gate_up, s->gate_up, M, 2 * s->inter, hidden, s->threads[GATE_UP], s->chunks[GATE_UP],
-                     s->fma[GATE_UP]))
-            return -1;
+        if (linear(kn, s, L, GATE_UP, s->x, s->gate_up, 2 * s->inter, hidden)) return -1;
         charge(s, T_GEMV, &t);
         kn->silu(s->gate_up, s->act, M, s->inter, rt, ln);
         charge(s, T_SILU, &t);
-        if (kn->gemv(s->act, L->down, s->mlp_out, M, hidden, s->inter, s->threads[DOWN], s->chunks[DOWN],
-                     s->fma[DOWN]))
-            return -1;
+        if (linear(kn, s, L, DOWN, s->act, s->mlp_out, hidden, s->inter)) return -1;
         charge(s, T_GEMV, &t);
         if (L->next_norm) {
             kn->add_norm(s->h, s->mlp_out, L->next_norm, s->x, M, hidden, s->eps, rt, ln);

@@ -10,7 +10,7 @@ import torch
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.sampling_params import SamplingParams
-from kernels import cpu_decode_layers
+from kernels import cpu_decode_layers, cpu_gemv_int4
 from kernels.cpu_decode_layers import DecodeLayers, LayerTensors
 from tests.backend.engine_spy import record_sampled_logits
 from tests.backend.tiny_models import write_tiny_model
@@ -26,12 +26,13 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             num_attention_heads=3, num_key_value_heads=1, intermediate_size=256)
 
 
-def generate(model_dir: Path, fused: bool, dtype: str = "bfloat16", kv_format: str = "bf16"
-             ) -> tuple[LLMEngine, list[list[int]], list[list[torch.Tensor]]]:
+def generate(model_dir: Path, fused: bool, dtype: str = "bfloat16", kv_format: str = "bf16",
+             decode_weights: str | None = None) -> tuple[LLMEngine, list[list[int]], list[list[torch.Tensor]]]:
     """Nine prompts of different lengths (steps of up to 9 decode rows: the GEMV's per-row code and its
     tiles), 12 greedy tokens each; the engine, every request's tokens and every sampled step's logits."""
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(dtype=dtype, kv_format=kv_format,
-                                                               kv_cache_bytes=4 * 2**20))
+                                                               kv_cache_bytes=4 * 2**20, decode_weights=decode_weights,
+                                                               int4_group_size=32))
     engine.model.fused_decode = fused
     seqs = [engine.add_request([1, 2 + i, 3, 4 + 7 * i] * (2 + i), SamplingParams(max_tokens=12, temperature=0.0,
                                                                                   ignore_eos=True))
@@ -43,10 +44,13 @@ def generate(model_dir: Path, fused: bool, dtype: str = "bfloat16", kv_format: s
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
-def test_fused_steps_equal_the_python_layers_bit_for_bit(tiny_dir: Path, kv_format: str) -> None:
-    fused, tokens, logits = generate(tiny_dir, True, kv_format=kv_format)
-    plain, tokens_ref, logits_ref = generate(tiny_dir, False, kv_format=kv_format)
+@pytest.mark.parametrize("kv_format,decode_weights", [("bf16", None), ("fp8_e4m3", None), ("fp8_e4m3", "int4")])
+def test_fused_steps_equal_the_python_layers_bit_for_bit(tiny_dir: Path, kv_format: str,
+                                                         decode_weights: str | None) -> None:
+    if decode_weights == "int4" and not cpu_gemv_int4.pays():
+        pytest.skip("INT4 linears run torch's INT4 GEMM on this host, which the fused call does not take")
+    fused, tokens, logits = generate(tiny_dir, True, kv_format=kv_format, decode_weights=decode_weights)
+    plain, tokens_ref, logits_ref = generate(tiny_dir, False, kv_format=kv_format, decode_weights=decode_weights)
     assert plain.model.fused_steps == 0
     # every pure decode step took the fused call, no prompt step did
     assert fused.model.fused_steps == fused.model.steps_by_phase["decode"] >= 11
