@@ -29,6 +29,12 @@ in the wrapped C kernels' times too (their Python wrappers make torch ops: 1.3x 
 window's time for the small ones at c = 1 and 32), so every C kernel is also timed over the
 plain window, ``c_kernels_plain_ms`` (the wrappers' own cost there: under a microsecond a call).
 
+Where a step runs every decoder layer in one C call (`backend/layers/fused_decode.py`: dense bfloat16
+models, the default where the kernels build; ``--unfused`` runs the layers from Python instead), the
+call times its own kernels (`cpu_decode_layers.TIMED_PARTS`) and those times go to the same
+categories: its GEMVs to ``linear``, its attention to ``attention``, its RoPE, KV stores, norms and
+SwiGLU to ``other_ops`` (``C fused ...``); ``fused_decode_steps`` counts the steps that took it.
+
 End to end (gateway, worker HTTP, client) is `edgeserve bench e2e`'s business: its
 in-process column is the worker's per-token time to set against this table.
 """
@@ -44,6 +50,7 @@ from typing import Any
 
 import torch
 
+from kernels.cpu_decode_layers import TIMED_PARTS
 from ops.bench.harness.progress import log
 from ops.bench.report import write_report
 
@@ -61,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, as serve)")
     p.add_argument("--steps", type=int, default=None, help="decode steps measured (default 48; quick 16)")
+    p.add_argument("--unfused", action="store_true",
+                   help="run the decoder layers from Python (as EDGESERVE_FUSED_DECODE=0), not in one C call")
 
 
 def categorise(self_us: dict[str, float], attention_us: float, wall_us: float, gemv_us: float = 0.0
@@ -115,6 +124,29 @@ class _CallTimer:
         setattr(self.module, self.name, self.inner)
 
 
+class _FusedSeconds(dict):
+    """Seconds per part (`cpu_decode_layers.TIMED_PARTS`) inside the fused decode call over a window: the C
+    file times its kernel calls when asked (the profiler cannot see into it)."""
+
+    def __init__(self, fused: Any) -> None:
+        super().__init__()
+        self.fused = fused
+
+    def __enter__(self) -> _FusedSeconds:
+        if self.fused is not None:
+            self.fused.seconds = [0.0] * len(TIMED_PARTS)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fused is not None:
+            self.update(zip(TIMED_PARTS, self.fused.seconds))
+            self.fused.seconds = None
+
+
+def _fused_seconds(stack: contextlib.ExitStack, fused: Any) -> _FusedSeconds:
+    return stack.enter_context(_FusedSeconds(fused))
+
+
 def _requests(engine: Any, c: int, n: int, seed: int) -> None:
     from backend.sampling_params import SamplingParams
 
@@ -143,6 +175,7 @@ def _decode_steps(engine: Any, steps: int) -> float:
 def run(args: argparse.Namespace) -> int:
     from backend.cpu_features import cpu_flags, resolve_dtype, resolve_kv_format
     from backend.engine import EngineConfig, LLMEngine
+    from backend.layers.fused_decode import fused_layers
     from ops.bench.harness.machine import measure_machine
     from ops.pull import resolve_model
 
@@ -160,24 +193,34 @@ def run(args: argparse.Namespace) -> int:
     log(f"token-profile: {dtype}, kv {kv}, decode weights {args.decode_weights or 'as stored'} "
         f"({decode_bytes / 1e6:.0f} MB per step), c={c}, {torch.get_num_threads()} threads")
 
+    engine.model.fused_decode = not args.unfused
     _requests(engine, c, 3 * steps + 8, seed=1)
     _decode_steps(engine, 4)  # prefill + warm-up
+    fused = fused_layers(engine.model, engine.cache)  # the layers' one C call, when the steps take it
+    fused_before = engine.model.fused_steps
     from torch.profiler import ProfilerActivity, profile
 
     with contextlib.ExitStack() as stack:  # C kernels timed without the profiler, whose per-op cost inflates them
         plain_timers = _c_timers(stack)
+        plain_fused = _fused_seconds(stack, fused)
         plain_s = _decode_steps(engine, steps)
     with contextlib.ExitStack() as stack:
         timers = _c_timers(stack)
+        in_fused = _fused_seconds(stack, fused)
         prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU]))
         profiled_s = _decode_steps(engine, steps)
+    fused_steps = engine.model.fused_steps - fused_before
     self_us: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
         self_us[e.key] += e.self_cpu_time_total
     for _, name in _OTHER_C_KERNELS:
         self_us[f"C {name}"] = timers[name].total_s * 1e6
+    for part in ("rope", "kv_store", "norms", "silu"):  # the fused call's row-wise kernels: other_ops, as above
+        if in_fused.get(part):
+            self_us[f"C fused {part}"] = in_fused[part] * 1e6
     attention, gemv, gemv_int4 = timers["paged_decode_attention_cpu"], timers["gemv_bf16"], timers["gemv_int4"]
-    split = categorise(self_us, attention.total_s * 1e6, profiled_s * 1e6, (gemv.total_s + gemv_int4.total_s) * 1e6)
+    split = categorise(self_us, (attention.total_s + in_fused.get("attention", 0.0)) * 1e6, profiled_s * 1e6,
+                       (gemv.total_s + gemv_int4.total_s + in_fused.get("gemv", 0.0)) * 1e6)
     per_step = {k: v / steps / 1e3 for k, v in split.items()}  # ms
     step_ms = profiled_s / steps * 1e3
     bound_ms = decode_bytes / (machine["read_gb_s"] * 1e9) * 1e3
@@ -191,7 +234,9 @@ def run(args: argparse.Namespace) -> int:
         "per_step_ms": per_step, "share": {k: v / step_ms for k, v in per_step.items()},
         "bound_ms": bound_ms, "linear_vs_bound": per_step["linear"] / bound_ms,
         "gemv_ms": gemv.total_s / steps * 1e3, "gemv_int4_ms": gemv_int4.total_s / steps * 1e3,
-        "c_kernels_plain_ms": {k: t.total_s / steps * 1e3 for k, t in plain_timers.items()},
+        "fused_decode_steps": fused_steps, "fused_ms": {k: v / steps * 1e3 for k, v in in_fused.items()},
+        "c_kernels_plain_ms": {**{k: t.total_s / steps * 1e3 for k, t in plain_timers.items()},
+                               **{f"fused {k}": v / steps * 1e3 for k, v in plain_fused.items()}},
         "top_ops_ms_per_step": {k: v / steps / 1e3 for v, k in top},
     }
     report["headline"] = {"step_ms": round(step_ms, 2), **{f"{k}_share": round(v, 3) for k, v in
@@ -199,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
                           "linear_vs_bound": round(report["linear_vs_bound"], 2)}
     print(f"\nedgeserve bench token-profile  {dtype}, kv {kv}, decode weights {args.decode_weights or 'as stored'}, "
           f"c={c}, {torch.get_num_threads()} threads; {steps} steps")
+    print(f"decoder layers: {'one fused C call' if fused_steps else 'called from Python'} "
+          f"({fused_steps} of {2 * steps} measured steps fused)")
     print(f"step {step_ms:.2f} ms profiled ({report['plain_step_ms']:.2f} ms plain); weights read once at "
           f"{machine['read_gb_s']:.1f} GB/s: {bound_ms:.2f} ms")
     for k, v in per_step.items():

@@ -44,6 +44,15 @@ def test_a_run_on_a_tiny_model_accounts_for_the_step(tiny_chat_dir: Path, tmp_pa
     assert (report["gemv_ms"] > 0) == gemv_runs  # the bf16 GEMV's calls were timed, as linear time
     if gemv_runs:
         assert parts["linear"] >= report["gemv_ms"]
+    from kernels.cpu_decode_layers import available as fused_available
+
+    if gemv_runs and fused_available():  # every decode step ran its layers in one C call, timed from inside
+        assert report["fused_decode_steps"] == 8
+        assert report["c_kernels_plain_ms"]["fused gemv"] > 0 and report["c_kernels_plain_ms"]["fused attention"] > 0
+        assert parts["linear"] >= report["gemv_ms"] + report["fused_ms"]["gemv"] > report["gemv_ms"]
+        assert parts["attention"] == pytest.approx(report["fused_ms"]["attention"], rel=1e-6)
+    else:
+        assert report["fused_decode_steps"] == 0
     assert sum(parts.values()) == pytest.approx(report["step_ms"], rel=1e-6)
     assert report["steps"] == 4 and report["concurrency"] == 2 and report["kv_format"] == kv
     assert report["provenance"]["commit"]
