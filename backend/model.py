@@ -171,6 +171,7 @@ class DecoderModel:
         self.kv_heads: list[range] = [range(cfg.num_kv_heads)]  # per rank, the KV heads its pool holds
         self.fused_decode = enabled_by_env()  # decode steps may run every layer in one C call (fused_decode.py)
         self.fused_steps = 0  # steps that did
+        self.fused_for_cache: tuple[Any, Any] | None = None  # (KV cache, its fused layers or None): fused_decode.py
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype = torch.float32,

@@ -47,7 +47,8 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [*((n, _i) for n in ("M", "hidden", "H", "KVH", "HD", "pairs", "inter")),
-                ("threads", _i * 4), ("chunks", _i * 4), ("fma", _i * 4), ("group", _i * 4), ("row_threads", _i), ("linger", _i),
+                ("threads", _i * 4), ("chunks", _i * 4), ("fma", _i * 4), ("group", _i * 4), ("row_threads", _i),
+                ("linger", _i),
                 ("attend_min_rows", _q), ("eps", _f), ("scale", _f), ("fp8", _i), ("freqs", _p), ("slots", _p),
                 ("nslots", _q), ("table", _p), ("lens", _p), ("maxp", _i), ("page_size", _i),
                 *((n, _p) for n in ("h", "x", "qkv", "q", "k", "attn", "branch", "gate_up", "act", "mlp_out",
@@ -177,21 +178,29 @@ class DecodeLayers:
         if kernels is None:
             raise RuntimeError(f"the fused decode layers are unavailable: {build_error()}")
         m, hd = h.shape[0], self.HD
+        pairs = freqs.shape[-1]
+        rows = (h, x)  # the C file trusts these shapes: a wrong one would read or write past a buffer
+        if (any(t.shape != (m, self.hidden) or t.dtype != torch.bfloat16 or not t.is_contiguous() for t in rows)
+                or freqs.dtype != torch.complex64 or not freqs.is_contiguous() or freqs.numel() != m * pairs
+                or 2 * pairs > hd or slots.dtype != torch.int64 or slots.numel() != m
+                or page_table.dim() != 2 or page_table.shape[0] != m or context_lens.numel() != m):
+            raise ValueError("fused decode layers: step tensors of the wrong shape, dtype or layout")
         qkv_n = (self.H + 2 * self.KVH) * hd
         bf = torch.bfloat16
         bufs = {"qkv": torch.empty(m, qkv_n, dtype=bf), "q": torch.empty(m, self.H * hd, dtype=bf),
                 "k": torch.empty(m, self.KVH * hd, dtype=bf), "attn": torch.empty(m, self.H * hd, dtype=bf),
                 "branch": torch.empty(m, self.hidden, dtype=bf), "gate_up": torch.empty(m, 2 * self.inter, dtype=bf),
                 "act": torch.empty(m, self.inter, dtype=bf), "mlp_out": torch.empty(m, self.hidden, dtype=bf)}
-        plans = [(*cpu_gemv_int4.call_plan(m, w), 0) if isinstance(w, Int4Panels) else cpu_gemv.call_plan(m, *_shape(w))
-                 for w in self._weights[0]]
+        plans = [(*cpu_gemv_int4.call_plan(m, w), 0) if isinstance(w, Int4Panels)
+                 else cpu_gemv.call_plan(m, *_shape(w)) for w in self._weights[0]]
         table = page_table.to(torch.int64).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         slots = slots.contiguous()
         seconds = (ctypes.c_double * len(TIMED_PARTS))() if self.seconds is not None else None
-        step = _Step(m, self.hidden, self.H, self.KVH, hd, freqs.shape[-1], self.inter,
+        step = _Step(m, self.hidden, self.H, self.KVH, hd, pairs, self.inter,
                      (_i * 4)(*(p[0] for p in plans)), (_i * 4)(*(p[1] for p in plans)),
-                     (_i * 4)(*(p[2] for p in plans)), (_i * 4)(*self._formats), kernel_threads(), int(kernels_own_threads()),
+                     (_i * 4)(*(p[2] for p in plans)), (_i * 4)(*self._formats), kernel_threads(),
+                     int(kernels_own_threads()),
                      cpu_paged_attention.THREADED_ROWS, self.eps, scale, int(self.fp8), freqs.data_ptr(),
                      slots.data_ptr(), self.nslots, table.data_ptr(), lens.data_ptr(), table.shape[1],
                      self.page_size, h.data_ptr(), x.data_ptr(),

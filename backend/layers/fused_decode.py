@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from backend.linear import Int4Linear, Linear
-from kernels import cpu_gemv
-from kernels import cpu_decode_layers
+from kernels import cpu_decode_layers, cpu_gemv
 from kernels.cpu_decode_layers import DecodeLayers, LayerTensors
 
 if TYPE_CHECKING:
@@ -59,17 +58,19 @@ def _eligible_layer(layer: Any) -> bool:
 def fused_layers(model: DecoderModel, cache: PagedKVCache) -> DecodeLayers | None:
     """The model's layers over `cache` as one C call, or None where the model, the cache or this host does
     not take it (module docstring). Built on first use per cache and kept on the model."""
-    held = getattr(model, "_fused", None)
+    if not model.fused_decode:
+        return None
+    held = model.fused_for_cache
     if held is not None and held[0] is cache:
         return held[1]
     fused = _build(model, cache)
-    model._fused = (cache, fused)
+    model.fused_for_cache = (cache, fused)
     return fused
 
 
 def _build(model: DecoderModel, cache: Any) -> DecodeLayers | None:
     layers = model.phase_layers["decode"]
-    if (not model.fused_decode or model.group is not None or model.dtype != torch.bfloat16
+    if (model.group is not None or model.dtype != torch.bfloat16
             or model.embed.device.type != "cpu" or not all(_eligible_layer(layer) for layer in layers)
             or not hasattr(cache, "layer") or getattr(cache, "compute_dtype", None) != torch.bfloat16
             or not cpu_decode_layers.available()):
@@ -79,9 +80,10 @@ def _build(model: DecoderModel, cache: Any) -> DecodeLayers | None:
         return None
     fp8 = kv[0].k.dtype == torch.float8_e4m3fn
     cfg = model.local_cfg
-    tensors = [LayerTensors(*map(_c_weight, _linears(layer)), layer.post_norm, layers[i + 1].input_norm if i + 1 < len(layers) else None,
-                            k.k, k.v, k.k_scale if fp8 else None, k.v_scale if fp8 else None)
-               for i, (layer, k) in enumerate(zip(layers, kv))]
+    next_norms = [layer.input_norm for layer in layers[1:]] + [None]
+    tensors = [LayerTensors(*map(_c_weight, _linears(layer)), layer.post_norm, nxt, k.k, k.v,
+                            k.k_scale if fp8 else None, k.v_scale if fp8 else None)
+               for layer, nxt, k in zip(layers, next_norms, kv)]
     try:
         return DecodeLayers(tensors, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
     except ValueError:  # shapes or layouts the kernels do not take
@@ -91,5 +93,5 @@ def _build(model: DecoderModel, cache: Any) -> DecodeLayers | None:
 def runs_step(model: DecoderModel, rows: int) -> bool:
     """Whether a step of `rows` decode rows runs the fused call: every linear takes its C GEMV at that count
     (INT4 at any count; a step of more than `cpu_gemv.max_rows()` keeps torch's threads, so not there)."""
-    return rows <= cpu_gemv.max_rows() and all(w.takes_gemv(rows) for w in _linears(model.phase_layers["decode"][0])
-                                               if isinstance(w, Linear))
+    linears = _linears(model.phase_layers["decode"][0])
+    return rows <= cpu_gemv.max_rows() and all(w.takes_gemv(rows) for w in linears if isinstance(w, Linear))

@@ -115,3 +115,20 @@ def test_a_slot_outside_the_pool_raises_before_anything_changes() -> None:
 def test_shapes_beyond_the_attention_kernel_are_refused_at_build() -> None:
     with pytest.raises(ValueError):
         DecodeLayers(random_layers(1, 64, 2, 1, 512, 96, pages=2, page_size=16), 2, 1, 512, 1e-5)
+
+
+@needs_kernels
+def test_step_tensors_of_the_wrong_shape_are_refused_before_the_c_call() -> None:
+    fused = DecodeLayers(random_layers(1, 64, 2, 1, 64, 96, pages=4, page_size=16), 2, 1, 64, 1e-5)
+    h, x = torch.randn(2, 64).to(torch.bfloat16), torch.randn(2, 64).to(torch.bfloat16)
+    before = h.clone()
+    freqs = torch.polar(torch.ones(2, 1, 32), torch.randn(2, 1, 32))
+    slots, table, lens = torch.tensor([0, 16]), torch.tensor([[0], [1]]), torch.tensor([1, 1])
+    for bad in (dict(x=x[:1]), dict(freqs=freqs[:1]), dict(slots=slots[:1]), dict(table=table[:1]),
+                dict(h=h.float())):
+        args = dict(h=h, x=x, freqs=freqs, slots=slots, table=table) | bad
+        with pytest.raises(ValueError):
+            fused.run(args["h"], args["x"], args["freqs"], args["slots"], args["table"], lens, 0.125)
+    assert torch.equal(h, before)
+    fused.run(h, x, freqs, slots, table, lens, 0.125)  # the same step with its own tensors runs
+    assert not torch.equal(h, before)
