@@ -60,6 +60,8 @@ from backend.config import ModelConfig, load_config
 from backend.kv_cache import PagedKVCache
 from backend.layers.attention import attention, run_linear
 from backend.layers.fused_decode import enabled_by_env, fused_layers, runs_step
+from kernels.cpu_decode_layers import Refused
+from kernels.cpu_paged_attention import tile_rows
 from backend.layers.loader import WeightLoader
 from backend.layers.mla import MLAWeights, mla_attention
 from backend.layers.mlp import mlp
@@ -240,12 +242,7 @@ class DecoderModel:
         h = F.embedding(input_ids, self.embed) if group is None else self._embed_shard(input_ids)  # [T, hidden]
         freqs = self.rope.tables(meta.positions)  # [T, 1, rotary_dim / 2]
         x = rms_norm(h, layers[0].input_norm, cfg.rms_norm_eps)
-        fused = fused_layers(self, cache) if rows == "decode" and phase in (None, "decode") else None
-        if fused is not None and runs_step(self, d):  # every layer in one C call (backend/layers/fused_decode.py)
-            h.add_(fused.run(h, x, freqs, meta.slots, meta.decode_page_table, meta.decode_context_lens,
-                             cfg.head_dim ** -0.5))
-            self.fused_steps += 1
-        else:
+        if not self._run_fused(h, x, layers, split, freqs, cache, meta):
             self._run_layers(h, x, layers, split, freqs, cache, meta)
         h = rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
         if split and h.shape[0] > split:  # decode rows and completed prompts: the LM head per group too
@@ -256,6 +253,28 @@ class DecoderModel:
             full = group.gather_columns(logits, self.cfg.vocab_size, self.vocab_shard)  # [R, vocab] on rank 0
             logits = logits if full is None else full
         return logits.float() if float_logits else logits
+
+    def _run_fused(self, h: torch.Tensor, x: torch.Tensor, layers: list[LayerWeights], split: int,
+                   freqs: torch.Tensor, cache: PagedKVCache, meta: StepMetadata) -> bool:
+        """Every layer in one C call (backend/layers/fused_decode.py) where the step takes it: all rows on the
+        decode weights (a decode step, or any step when both phases share them) and few enough for the C
+        GEMVs. False, nothing touched, where it does not."""
+        if split or layers is not self.phase_layers["decode"] or not runs_step(self, h.shape[0]):
+            return False
+        fused = fused_layers(self, cache)
+        if fused is None:
+            return False
+        if meta.prefills:  # prompt rows: each row's pages and keys, the rows of a chunk in the kernel's tiles
+            (table, lens), kv_heads = meta.row_pages, self.local_cfg.num_kv_heads
+            tiles = meta.row_tiles(tile_rows(self.local_cfg.num_heads // kv_heads))
+        else:
+            table, lens, tiles = meta.decode_page_table, meta.decode_context_lens, None
+        try:
+            h.add_(fused.run(h, x, freqs, meta.slots, table, lens, self.local_cfg.head_dim ** -0.5, tiles))
+        except Refused:
+            return False
+        self.fused_steps += 1
+        return True
 
     def _run_layers(self, h: torch.Tensor, x: torch.Tensor, layers: list[LayerWeights], split: int,
                     freqs: torch.Tensor, cache: PagedKVCache, meta: StepMetadata) -> None:

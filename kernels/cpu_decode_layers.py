@@ -1,4 +1,4 @@
-"""Every decoder layer of a dense bfloat16 decode step in one C call (`kernels/cpu/decode_layers.c`).
+"""Every decoder layer of a dense bfloat16 model's step in one C call (`kernels/cpu/decode_layers.c`).
 
 A decode step of SmolLM2 on the CPU was ~300 calls from Python into the C kernels (per layer: four
 GEMVs, two RoPE passes in one call, the KV store, the paged attention, two residual add + norms,
@@ -8,7 +8,7 @@ file calls the same kernels in the same order with the same threads and chunks, 
 results are bit for bit the Python path's (tested); what it saves is the Python between them.
 
 `DecodeLayers` is built once per model and KV cache (the layers' weight and page addresses) and
-run once per step with that step's rows; `available()` says whether every kernel it calls builds
+run once per step with that step's rows (decode rows, and prompt rows in the attention's tiles); `available()` says whether every kernel it calls builds
 here (each is its own shared object: the fused file gets their entry points).
 """
 
@@ -26,7 +26,7 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_gemv_int4 import Int4Panels
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "DecodeLayers", "LayerTensors", "TIMED_PARTS", "Weight"]
+__all__ = ["available", "build_error", "DecodeLayers", "LayerTensors", "Refused", "TIMED_PARTS", "Weight"]
 
 TIMED_PARTS = ("gemv", "attention", "rope", "kv_store", "norms", "silu")  # the C file's `seconds` accumulators
 Weight = torch.Tensor | Int4Panels  # a linear's weight: bfloat16 [N, K], or INT4 panels
@@ -50,7 +50,8 @@ class _Step(ctypes.Structure):
                 ("threads", _i * 4), ("chunks", _i * 4), ("fma", _i * 4), ("group", _i * 4), ("row_threads", _i),
                 ("linger", _i),
                 ("attend_min_rows", _q), ("eps", _f), ("scale", _f), ("fp8", _i), ("freqs", _p), ("slots", _p),
-                ("nslots", _q), ("table", _p), ("lens", _p), ("maxp", _i), ("page_size", _i),
+                ("nslots", _q), ("table", _p), ("lens", _p), ("tiles", _p), ("ntiles", _i), ("maxp", _i),
+                ("page_size", _i),
                 *((n, _p) for n in ("h", "x", "qkv", "q", "k", "attn", "branch", "gate_up", "act", "mlp_out",
                                     "seconds"))]
 
@@ -130,6 +131,10 @@ def _check(w: Weight) -> None:
         raise ValueError("the fused decode layers need contiguous bfloat16 CPU weights")
 
 
+class Refused(RuntimeError):
+    """The fused call did not take the step (nothing the caller holds changed: run it another way)."""
+
+
 class DecodeLayers:
     """The layers of one model over one KV cache, for `run` once per decode step."""
 
@@ -169,11 +174,14 @@ class DecodeLayers:
         self.seconds: list[float] | None = None  # set to [0.0] * 6 to accumulate TIMED_PARTS (token-profile)
 
     def run(self, h: torch.Tensor, x: torch.Tensor, freqs: torch.Tensor, slots: torch.Tensor,
-            page_table: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """All layers over decode rows h [M, hidden] (the residual stream, updated in place) from x [M, hidden]
-        (the first layer's input norm of h): returns the last layer's MLP output [M, hidden], which the caller
-        adds into h. freqs [M, 1, pairs] complex64 (`RotaryEmbedding.tables`), slots [M] int64, page_table
-        [M, P] int64, context_lens [M] (keys each row sees, this token's included)."""
+            page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+            tiles: torch.Tensor | None = None) -> torch.Tensor:
+        """All layers over rows h [M, hidden] (the residual stream, updated in place) from x [M, hidden] (the
+        first layer's input norm of h): returns the last layer's MLP output [M, hidden], which the caller adds
+        into h. freqs [M, 1, pairs] complex64 (`RotaryEmbedding.tables`), slots [M] int64, page_table [M, P]
+        int64, context_lens [M] (keys each row sees, this token's included), tiles: the attention's tiles of
+        prompt rows (`cpu_paged_attention.paged_decode_attention_cpu`'s; None: every row alone, decode rows).
+        `Refused` (h and x untouched) where the attention kernel does not take the step's tiles."""
         kernels = _kernels()
         if kernels is None:
             raise RuntimeError(f"the fused decode layers are unavailable: {build_error()}")
@@ -193,6 +201,7 @@ class DecodeLayers:
                 "act": torch.empty(m, self.inter, dtype=bf), "mlp_out": torch.empty(m, self.hidden, dtype=bf)}
         plans = [(*cpu_gemv_int4.call_plan(m, w), 0) if isinstance(w, Int4Panels)
                  else cpu_gemv.call_plan(m, *_shape(w)) for w in self._weights[0]]
+        tiles = None if tiles is None else tiles.to(torch.int32).contiguous()
         table = page_table.to(torch.int64).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         slots = slots.contiguous()
@@ -202,7 +211,9 @@ class DecodeLayers:
                      (_i * 4)(*(p[2] for p in plans)), (_i * 4)(*self._formats), kernel_threads(),
                      int(kernels_own_threads()),
                      cpu_paged_attention.THREADED_ROWS, self.eps, scale, int(self.fp8), freqs.data_ptr(),
-                     slots.data_ptr(), self.nslots, table.data_ptr(), lens.data_ptr(), table.shape[1],
+                     slots.data_ptr(), self.nslots, table.data_ptr(), lens.data_ptr(),
+                     None if tiles is None else tiles.data_ptr(), 0 if tiles is None else tiles.numel() - 1,
+                     table.shape[1],
                      self.page_size, h.data_ptr(), x.data_ptr(),
                      *(bufs[n].data_ptr() for n in ("qkv", "q", "k", "attn", "branch", "gate_up", "act", "mlp_out")),
                      ctypes.cast(seconds, ctypes.c_void_p) if seconds is not None else None)
@@ -214,5 +225,5 @@ class DecodeLayers:
         if rc == -2:
             raise IndexError(f"a KV slot is outside the pool's {self.nslots} slots")
         if rc != 0:
-            raise RuntimeError(f"the fused decode layers refused the step (code {rc})")
+            raise Refused(f"the attention kernel refused the step's shapes or tiles (code {rc})")
         return bufs["mlp_out"]

@@ -1,15 +1,17 @@
-"""Which decode steps run every decoder layer in one C call, and the per-model object that does it.
+"""Which steps run every decoder layer in one C call, and the per-model object that does it.
 
 `kernels/cpu_decode_layers.py` runs a dense bfloat16 model's layers (attention and SwiGLU MLP) for a
-step of decode rows by calling the same C kernels as the Python layers, in the same order, with the
-same threads: bit for bit the same logits and KV pages, without ~10 Python-to-C crossings a layer.
+step by calling the same C kernels as the Python layers, in the same order, with the same threads:
+bit for bit the same logits and KV pages, without ~10 Python-to-C crossings a layer.
 A model takes it when all of these hold, checked once per model and KV cache (`fused_layers`):
 bfloat16 compute on the CPU, one process (no tensor parallelism), every layer dense GQA attention
 without q/k norms or biases and a SwiGLU MLP, each linear on a C GEMV (bfloat16 or INT4),
-KV pages in bfloat16 or FP8, and every kernel built here; and per step (`runs_step`): decode rows
-only, no more than the GEMV takes. The decode weights may be INT4 (`Int4Linear` on its C GEMV) as well
-as bfloat16. Everything else (prompt rows, MoE, MLA, float32 weights, other hosts) runs the Python
-layers as before. `EDGESERVE_FUSED_DECODE=0` turns it off.
+KV pages in bfloat16 or FP8, and every kernel built here; and per step (`DecoderModel._run_fused`,
+`runs_step`): every row on the decode weights (a decode step; a step with prompt rows too where both
+phases share one format, its prompt chunks' rows in the attention kernel's tiles) and no more rows
+than the C GEMV takes. The decode weights may be INT4 (`Int4Linear` on its C GEMV) as well as
+bfloat16. Everything else (MoE, MLA, float32 weights, a mixed step over two weight formats, larger
+steps, other hosts) runs the Python layers as before. `EDGESERVE_FUSED_DECODE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _build(model: DecoderModel, cache: Any) -> DecodeLayers | None:
 
 
 def runs_step(model: DecoderModel, rows: int) -> bool:
-    """Whether a step of `rows` decode rows runs the fused call: every linear takes its C GEMV at that count
+    """Whether a step of `rows` rows may run the fused call: every linear takes its C GEMV at that count
     (INT4 at any count; a step of more than `cpu_gemv.max_rows()` keeps torch's threads, so not there)."""
     linears = _linears(model.phase_layers["decode"][0])
     return rows <= cpu_gemv.max_rows() and all(w.takes_gemv(rows) for w in linears if isinstance(w, Linear))

@@ -1,4 +1,5 @@
-/* Every decoder layer of a decode step of a dense bfloat16 model in one call: the kernels the Python layers
+/* Every decoder layer of a step of a dense bfloat16 model in one call (decode rows, and prompt rows where the step
+ * runs every row on one set of weights): the kernels the Python layers
  * call one by one (kernels/cpu/*.c), called here in the same order on the same buffers' values, so the
  * results are bit for bit those of the Python path; what goes is the Python between them: a step of
  * SmolLM2 made ~300 kernel calls from Python (30 layers x 10), each with its wrapper's checks, a tensor
@@ -11,7 +12,8 @@
  *   q = rope(qkv's q heads), k = rope(k heads)  [M, H, HD], [M, KVH, HD]  rope_bf16 (twice: same arithmetic
  *                                                                   per element as one call over both)
  *   store k and qkv's v heads at `slots`      store_kv_rows (bf16 pages) or store_kv_fp8 (fp8 pages)
- *   o = attention(q, pages)                   [M, H HD]             paged_decode (one decode row a tile)
+ *   o = attention(q, pages)                   [M, H HD]             paged_decode (a decode row alone, prompt
+ *                                                                   rows in the caller's tiles)
  *   a = o . Wo^T; h += a; x = post_norm(h)    gemv_bf16, add_rms_norm_bf16
  *   g = x . Wgu^T; s = silu(gate) * up        gemv_bf16, silu_mul_bf16
  *   m = s . Wdown^T                           gemv_bf16
@@ -77,6 +79,8 @@ typedef struct {
     int64_t nslots;
     const int64_t *table;        /* [M, maxp] */
     const int32_t *lens;         /* [M] */
+    const int32_t *tiles;        /* [ntiles + 1] the attention's tiles (prompt rows), or NULL: every row alone */
+    int ntiles;
     int maxp, page_size;
     uint16_t *h, *x;             /* [M, hidden]: the residual rows (updated in place), the normed rows */
     uint16_t *qkv, *q, *k, *attn; /* [M, (H + 2 KVH) HD], [M, H, HD], [M, KVH, HD], [M, H HD] */
@@ -111,8 +115,8 @@ static int linear(const Kernels *kn, const Step *s, const Layer *L, int which, c
 }
 
 /* Returns 0; -1 when a GEMV could not allocate its widened input, -2 when a slot is outside the pool,
- * -3 when the attention refused the shapes (the caller checks them first: neither happens at layer 0
- * after any state changed, as every layer gets the same slots and shapes). */
+ * -3 when the attention refused the shapes or tiles. The last two happen at layer 0 if at all (every layer
+ * gets the same slots, shapes and tiles), before h or x changed: the caller can run the step another way. */
 int decode_layers(const Kernels *kn, const Layer *layers, int nlayers, const Step *s) {
     const int M = s->M, hidden = s->hidden, HD = s->HD, H = s->H, KVH = s->KVH;
     const int qkv_n = (H + 2 * KVH) * HD, rt = s->row_threads, ln = s->linger;
@@ -136,8 +140,9 @@ int decode_layers(const Kernels *kn, const Layer *layers, int nlayers, const Ste
                                 s->nslots);
         if (rc) return -2;
         charge(s, T_STORE, &t);
-        if (kn->attend(s->q, L->k_pages, L->v_pages, L->k_exps, L->v_exps, s->table, s->lens, 0, 0, s->attn, M, KVH,
-                       H / KVH, HD, s->page_size, s->maxp, s->fp8 ? 2 : 1, 1, s->scale, rt, s->attend_min_rows, ln))
+        if (kn->attend(s->q, L->k_pages, L->v_pages, L->k_exps, L->v_exps, s->table, s->lens, s->tiles, s->ntiles,
+                       s->attn, M, KVH, H / KVH, HD, s->page_size, s->maxp, s->fp8 ? 2 : 1, 1, s->scale, rt,
+                       s->attend_min_rows, ln))
             return -3;
         charge(s, T_ATTEND, &t);
         if (linear(kn, s, L, O, s->attn, s->branch, hidden, H * HD)) return -1;
