@@ -25,6 +25,12 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
 
 
+def _near_midpoint(v: torch.Tensor, rel: float = 2.0 ** -17) -> torch.Tensor:
+    """Whether float32 v lies within `rel` (relative) of the midpoint between the two bfloat16 values around it."""
+    mid = torch.bitwise_or(torch.bitwise_and(v.view(torch.int32), -65536), 0x8000).view(torch.float32)
+    return (v - mid).abs() <= rel * v.abs()
+
+
 @pytest.mark.parametrize("n", [576, 960, 7, 2048])
 @pytest.mark.parametrize("rows", [1, 3, 32])
 def test_matches_the_torch_ops(rows: int, n: int, seed: int) -> None:
@@ -35,8 +41,12 @@ def test_matches_the_torch_ops(rows: int, n: int, seed: int) -> None:
         ulps = _ulps(y, ref)
         # the normalised row is rounded to bfloat16 before the weight: one ulp there can be two in the product
         assert int(ulps.max()) <= 2, f"seed {seed}, scale {scale}: {int(ulps.max())} ulps"
-        differing = int((ulps > 0).sum())
-        assert differing <= max(1, ulps.numel() // 200), f"seed {seed}, scale {scale}: {differing} differ"
+        # equal except where the float32 normalised value sits on a bfloat16 rounding midpoint (the sums' order
+        # moves the normaliser by a few float32 ulps, which decides such a tie): bfloat16 has 256 mantissas, so
+        # one tie flips every element of that mantissa at once (seen: 18 of 2048 at scale 10, all x = ±103·2^k)
+        off_tie = (ulps > 0) & ~_near_midpoint(F.rms_norm(x.float(), (n,), eps=1e-5))
+        differing = int(off_tie.sum())
+        assert differing <= max(1, ulps.numel() // 200), f"seed {seed}, scale {scale}: {differing} differ off ties"
 
 
 def test_zero_rows_nan_and_shapes() -> None:
