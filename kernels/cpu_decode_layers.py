@@ -221,7 +221,7 @@ class DecodeLayers:
         if seconds is not None:
             self.seconds = [a + b for a, b in zip(self.seconds, seconds)]
         if rc == -1:
-            raise MemoryError(f"bf16 GEMV: no memory to widen a [{m}, *] input")
+            raise MemoryError(f"a GEMV found no memory for its working copy of a [{m}, *] input")
         if rc == -2:
             raise IndexError(f"a KV slot is outside the pool's {self.nslots} slots")
         if rc != 0:
