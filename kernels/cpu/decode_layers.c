@@ -1,11 +1,11 @@
-/* Every decoder layer of a step of a dense bfloat16 model in one call (decode rows, and prompt rows where the step
- * runs every row on one set of weights): the kernels the Python layers
- * call one by one (kernels/cpu/*.c), called here in the same order on the same buffers' values, so the
- * results are bit for bit those of the Python path; what goes is the Python between them: a step of
- * SmolLM2 made ~300 kernel calls from Python (30 layers x 10), each with its wrapper's checks, a tensor
- * allocation and a ctypes crossing (6-15 us a call), ~5 ms of a 17 ms step at one decode row.
- * Built and loaded by kernels/cpu_decode_layers.py, which hands in the other kernels' entry points
- * (`Kernels`: each stays its own shared object, with its own tests) and per layer its weights and pages.
+/* Every decoder layer of a step of a dense bfloat16 model in one call: decode rows, and prompt rows where the
+ * step runs every row on one set of weights. The kernels the Python layers call one by one (kernels/cpu/*.c)
+ * are called here in the same order on the same values, so the results are bit for bit those of the Python
+ * path; what goes is the Python between them: a step of SmolLM2 made ~300 kernel calls from Python (30
+ * layers x 10), each with its wrapper's checks, a tensor allocation and a ctypes crossing (6-15 us a call),
+ * ~5 ms of a 17 ms step at one decode row. Built and loaded by kernels/cpu_decode_layers.py, which hands in
+ * the other kernels' entry points (`Kernels`: each stays its own shared object, with its own tests) and per
+ * layer its weights and pages.
  *
  * Per layer, from x = the layer's input norm of the residual rows h [M, hidden]:
  *   qkv = x . Wqkv^T                         [M, (H + 2 KVH) HD]   gemv_bf16, or gemv_int4 (INT4 weights)
@@ -36,7 +36,7 @@ typedef int (*store_rows_fn)(const char *k, const char *v, int64_t k_stride_t, i
                              int KVH, int HD, int elem, int64_t nslots);
 typedef int (*store_fp8_fn)(const void *k, const void *v, int64_t k_stride_t, int64_t k_stride_h,
                             int64_t v_stride_t, int64_t v_stride_h, void *kc, void *vc, int8_t *ke, int8_t *ve,
-                            const int64_t *slots, int T, int KVH, int HD, int64_t nslots, int fmt);
+                            const int64_t *slots, int T, int KVH, int HD, int64_t nslots, int bf16);
 typedef int (*attend_fn)(const void *q, const void *k, const void *v, const int8_t *ke, const int8_t *ve,
                          const int64_t *table, const int32_t *lens, const int32_t *tiles, int ntiles, void *out,
                          int D, int KVH, int G, int HD, int S, int MAXP, int fmt, int half, float scale, int threads,
@@ -68,7 +68,7 @@ typedef struct {
 } Layer;
 
 typedef struct {
-    int M, hidden, H, KVH, HD, pairs, inter; /* decode rows, model dims; pairs: rotary pairs a head */
+    int M, hidden, H, KVH, HD, pairs, inter; /* the step's rows, model dims; pairs: rotary pairs a head */
     int threads[LINEARS], chunks[LINEARS], fma[LINEARS], group[LINEARS]; /* group: INT4's group size */
     int row_threads, linger;     /* the row-wise kernels' and the attention's threads; pool linger */
     int64_t attend_min_rows;     /* the attention's threshold for threads (its wrapper's) */
