@@ -1,6 +1,8 @@
 """Linear-layer weight formats (INT4, FP8, BF16, FP32): checkpoint sizes, decode and prefill speed, quality.
 
-Model: SmolLM2-135M-Instruct (BF16 source), float32 compute (the CPU default), FP32 KV.
+Model: SmolLM2-135M-Instruct (BF16 source), float32 compute and FP32 KV (the CPU default when this
+benchmark was written; `--dtype bfloat16` or `auto` measures the formats under bfloat16 compute with
+BF16 KV, the default on AVX-512 BF16 hosts, where decode steps run every layer in one C call).
 One engine per format F with ``prefill_weights = decode_weights = F`` (one copy each);
 ``int4`` is group 128 unless named ``int4_g32``. On CPU the formats run (see
 `backend/weight_formats.py`): ``fp32`` the MKL-packed float32 GEMM (our default),
@@ -201,6 +203,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ppl-windows", type=int, default=None, help="windows scored (default 20; quick 1)")
     p.add_argument("--calib-tokens", type=int, default=None, help="GPTQ calibration tokens (default 8192; quick 2048)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="compute dtype of every engine (default float32; auto: the host's default); KV pages in it")
 
 
 def _output_tokens(c: int, quick: bool) -> int:
@@ -212,6 +216,7 @@ def _output_tokens(c: int, quick: bool) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from backend.config import load_config
+    from backend.cpu_features import resolve_dtype
     from backend.engine import EngineConfig, LLMEngine
     from backend.kv_cache import kv_bytes_per_token
     from backend.tokenizer import Tokenizer
@@ -221,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
     from ops.pull import resolve_model
 
     quick = args.quick
+    dtype = resolve_dtype(args.dtype)
+    kv_format = "fp32" if dtype == "float32" else "bf16"
     points = [int(c) for c in args.concurrency.split(",")] if args.concurrency else ([1, 8] if quick
                                                                                       else [1, 8, 16, 32, 64])
     prompt_tokens = args.prompt_tokens or (48 if quick else 64)
@@ -243,11 +250,11 @@ def run(args: argparse.Namespace) -> int:
     # -- engines: one per format, one copy of the weights each
     max_c = max(points)
     kv_tokens = max(max_c * (prompt_tokens + _output_tokens(max_c, quick)), prefill_tokens + 16) + 16 * max_c
-    kv_bytes = kv_tokens * kv_bytes_per_token(load_config(model_dir), "fp32")  # every request admitted at once
+    kv_bytes = kv_tokens * kv_bytes_per_token(load_config(model_dir), kv_format)  # every request admitted at once
 
     def engine(fmt: str | None, group: int, path: Path = model_dir) -> LLMEngine:
         """An engine with `fmt` for both phases (None: the checkpoint's stored format)."""
-        cfg = EngineConfig(dtype="float32", kv_format="fp32", prefill_weights=fmt, decode_weights=fmt,
+        cfg = EngineConfig(dtype=dtype, kv_format=kv_format, prefill_weights=fmt, decode_weights=fmt,
                            int4_group_size=group, kv_cache_bytes=kv_bytes,
                            max_num_seqs=max_c, max_num_batched_tokens=max(2048, prefill_tokens),
                            prefill_chunk_size=max(2048, prefill_tokens), max_model_len=max(2048, prefill_tokens) + 64)
@@ -345,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
         "int4_gptq_g128_ppl_within_3pct_of_fp8": ratios["int4_gptq_g128_over_fp8_ppl"] <= 1.03,
     }
     prefill_default = max(prefill, key=prefill.get)
-    print(f"\nedgeserve bench weights  model={args.model} compute=float32 kv=fp32 threads={torch.get_num_threads()}"
+    print(f"\nedgeserve bench weights  model={args.model} compute={dtype} kv={kv_format} "
+          f"threads={torch.get_num_threads()}"
           f"{' (quick)' if quick else ''}; load {' '.join(load_before)} -> {' '.join(load_after)}")
     print(f"\n{'format':<10}{'checkpoint':>14}{'linear layers':>15}")
     for name in ("fp32", "bf16", "fp8", "int4", "int4_g32"):
@@ -374,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"took {timings['total_s']:.0f} s")
 
     report = {
-        "model": args.model, "compute_dtype": "float32", "kv_format": "fp32", "threads": torch.get_num_threads(),
+        "model": args.model, "compute_dtype": dtype, "kv_format": kv_format, "threads": torch.get_num_threads(),
         "quick": quick, "load_avg_before": load_before, "load_avg_after": load_after,
         "config": {"concurrency": points, "prompt_tokens": prompt_tokens,
                    "output_tokens": {str(c): _output_tokens(c, quick) for c in points},
