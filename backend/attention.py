@@ -98,6 +98,14 @@ class StepMetadata:
             self._tiles[per_tile] = torch.tensor(starts + [end], dtype=torch.int32)
         return self._tiles[per_tile]
 
+    def kernel_rows(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the CPU attention kernel takes for this step's rows with `group` query heads a KV head: page
+        table, keys per row and tiles; a step of decode rows only: their own table and lengths, no tiles."""
+        if not self.prefills:
+            return self.decode_page_table, self.decode_context_lens, None
+        table, lens = self.row_pages
+        return table, lens, self.row_tiles(tile_rows(group))
+
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: StepMetadata,
                     scale: float) -> torch.Tensor:
@@ -108,9 +116,8 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
     d = meta.num_decode
     if meta.prefills and not q.is_cuda:  # prompt rows too: one C call for the whole step (module docstring)
         kv = cache.layer(layer)
-        table, lens = meta.row_pages
-        o = paged_decode_attention_cpu(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, lens, scale,
-                                       tiles=meta.row_tiles(tile_rows(group)))
+        table, lens, tiles = meta.kernel_rows(group)
+        o = paged_decode_attention_cpu(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, lens, scale, tiles=tiles)
         if o is not None:
             return o.to(q.dtype)
     if d and q.is_cuda:  # Triton: pages read (and dequantised) inside the kernel, no gather

@@ -73,7 +73,6 @@ from backend.models import architecture_module
 from backend.rope import RotaryEmbedding
 from backend.weight_formats import WeightFormat
 from kernels.cpu_decode_layers import Refused
-from kernels.cpu_paged_attention import tile_rows
 
 if TYPE_CHECKING:
     from backend.distributed.collectives import Collectives
@@ -263,16 +262,12 @@ class DecoderModel:
         """Every layer in one C call (backend/layers/fused_decode.py) where the step takes it: all rows on the
         decode weights (a decode step, or any step when both phases share them) and few enough for the C
         GEMVs. False, nothing touched, where it does not."""
-        if split or layers is not self.phase_layers["decode"] or not runs_step(self, h.shape[0]):
+        if split or layers is not self.phase_layers["decode"]:
             return False
-        fused = fused_layers(self, cache)
-        if fused is None:
+        fused = fused_layers(self, cache)  # None (kept) for a model, cache or host that does not take it
+        if fused is None or not runs_step(self, h.shape[0]):
             return False
-        if meta.prefills:  # prompt rows: each row's pages and keys, the rows of a chunk in the kernel's tiles
-            (table, lens), kv_heads = meta.row_pages, self.local_cfg.num_kv_heads
-            tiles = meta.row_tiles(tile_rows(self.local_cfg.num_heads // kv_heads))
-        else:
-            table, lens, tiles = meta.decode_page_table, meta.decode_context_lens, None
+        table, lens, tiles = meta.kernel_rows(self.local_cfg.num_heads // self.local_cfg.num_kv_heads)
         try:
             h.add_(fused.run(h, x, freqs, meta.slots, table, lens, self.local_cfg.head_dim ** -0.5, tiles))
         except Refused:

@@ -74,8 +74,9 @@ def _kernels() -> _Kernels | None:
     GEMV may be missing: then `DecodeLayers` takes no INT4 weights)."""
     if KERNEL.load() is None:
         return None
-    addresses = [k.address(symbol) for k, symbol in _PARTS]
-    return None if None in addresses[:1] + addresses[2:] else _Kernels(*addresses)
+    addresses = {symbol: k.address(symbol) for k, symbol in _PARTS}
+    required = [a for symbol, a in addresses.items() if symbol != "gemv_int4"]
+    return None if None in required else _Kernels(*addresses.values())
 
 
 def available() -> bool:

@@ -143,10 +143,6 @@ class _FusedSeconds(dict):
             self.fused.seconds = None
 
 
-def _fused_seconds(stack: contextlib.ExitStack, fused: Any) -> _FusedSeconds:
-    return stack.enter_context(_FusedSeconds(fused))
-
-
 def _requests(engine: Any, c: int, n: int, seed: int) -> None:
     from backend.sampling_params import SamplingParams
 
@@ -202,11 +198,11 @@ def run(args: argparse.Namespace) -> int:
 
     with contextlib.ExitStack() as stack:  # C kernels timed without the profiler, whose per-op cost inflates them
         plain_timers = _c_timers(stack)
-        plain_fused = _fused_seconds(stack, fused)
+        plain_fused = stack.enter_context(_FusedSeconds(fused))
         plain_s = _decode_steps(engine, steps)
     with contextlib.ExitStack() as stack:
         timers = _c_timers(stack)
-        in_fused = _fused_seconds(stack, fused)
+        in_fused = stack.enter_context(_FusedSeconds(fused))
         prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU]))
         profiled_s = _decode_steps(engine, steps)
     fused_steps = engine.model.fused_steps - fused_before
