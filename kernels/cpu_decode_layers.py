@@ -145,13 +145,14 @@ class DecodeLayers:
         self.H, self.KVH, self.HD, self.eps = num_heads, num_kv_heads, head_dim, eps
         self.hidden, self.inter = _shape(first.o_proj)[0], _shape(first.down)[1]
         self.fp8 = first.k_pages.dtype == torch.float8_e4m3fn
-        self._weights = [(t.qkv, t.o_proj, t.gate_up, t.down) for t in layers]
-        self._formats = [_format(w) for w in self._weights[0]]  # per linear: 0 bfloat16, else INT4's group
-        for t, ws in zip(layers, self._weights):
+        weights = [(t.qkv, t.o_proj, t.gate_up, t.down) for t in layers]
+        self._first = weights[0]  # every layer's linears share these formats and shapes (checked): the call plans
+        self._formats = [_format(w) for w in self._first]  # per linear: 0 bfloat16, else INT4's group
+        shapes = [_shape(w) for w in self._first]
+        for t, ws in zip(layers, weights):
             for w in ws:
                 _check(w)
-            if [_format(w) for w in ws] != self._formats or [_shape(w) for w in ws] != [_shape(w) for w in
-                                                                                      self._weights[0]]:
+            if [_format(w) for w in ws] != self._formats or [_shape(w) for w in ws] != shapes:
                 raise ValueError("the fused decode layers need every layer in one format and shape")
             if not all(x.is_contiguous() and x.is_cpu for x in (t.post_norm, t.k_pages, t.v_pages)):
                 raise ValueError("the fused decode layers need contiguous CPU norms and pages")
@@ -168,7 +169,7 @@ class DecodeLayers:
         self._layers = (_Layer * len(layers))(*(
             _Layer((_p * 4)(*map(codes, ws)), (_p * 4)(*map(scales, ws)),
                    *map(_ptr, (t.post_norm, t.next_norm, t.k_pages, t.v_pages, t.k_exps, t.v_exps)))
-            for t, ws in zip(layers, self._weights)))
+            for t, ws in zip(layers, weights)))
         self._keep = list(layers)  # the addresses above stay valid while this object lives
         self.page_size = first.k_pages.shape[1]
         self.nslots = first.k_pages.shape[0] * self.page_size
@@ -201,7 +202,7 @@ class DecodeLayers:
                 "branch": torch.empty(m, self.hidden, dtype=bf), "gate_up": torch.empty(m, 2 * self.inter, dtype=bf),
                 "act": torch.empty(m, self.inter, dtype=bf), "mlp_out": torch.empty(m, self.hidden, dtype=bf)}
         plans = [(*cpu_gemv_int4.call_plan(m, w), 0) if isinstance(w, Int4Panels)
-                 else cpu_gemv.call_plan(m, *_shape(w)) for w in self._weights[0]]
+                 else cpu_gemv.call_plan(m, *_shape(w)) for w in self._first]
         tiles = None if tiles is None else tiles.to(torch.int32).contiguous()
         table = page_table.to(torch.int64).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
