@@ -18,9 +18,10 @@
  * order of a 64-term sum, not the result's precision, changes).
  *
  * Two copies of the loop: `attend_hd`, plain C the compiler vectorises (any head size, any CPU), and
- * `attend_vec` with AVX-512 intrinsics for head sizes 64 and 128 where the CPU has AVX-512 (and a copy of
- * it for bf16 q against bf16 pages that scores with `vdpbf16ps` where the CPU has AVX512-BF16: exact
- * products, float32 sums in pairs, no widened K). Queries come in tiles: one row, or
+ * `attend_vec` with AVX-512 intrinsics for head sizes 64 and 128 where the CPU has AVX-512 (and copies of
+ * it for bf16 q against bf16 or fp8 pages that score with `vdpbf16ps` where the CPU has AVX512-BF16: exact
+ * products, float32 sums in pairs, no widened K; fp8 keys become their exact bfloat16 values in registers,
+ * `fp8x32_to_bf16`). Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
  * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few).
  * Threads: the process's shared helper pool (kernels/cpu/pool.c) over items.
@@ -37,6 +38,7 @@
 
 #define BLOCK 32 /* tokens per softmax block */
 #define FMT_BF16_DP 3 /* bf16 pages and bf16 q, scores by vdpbf16ps (attend_vec's copy for it) */
+#define FMT_FP8_DP 4  /* fp8 pages and bf16 q, the K rows made bfloat16 in registers for vdpbf16ps */
 #define MAX_HD 256
 #define MAX_G 32 /* query heads a tile holds at most: G x its rows */
 
@@ -203,7 +205,11 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int t
  * next (the item's next block, or the next item's first) are prefetched into L2 a few per token while
  * the current block is computed. Measured over 30 layers' own page pools (32 sequences, G = 3, HD = 64,
  * random page tables), alternating with the kernel without it, same VM: bf16 pages 0.54-0.73x the
- * time at 80-600 keys (1 and 2 threads), fp8 0.69-0.70x; into L1 instead (the first try): 0.78-1.0x. */
+ * time at 80-600 keys (1 and 2 threads), fp8 0.69-0.70x; into L1 instead (the first try): 0.78-1.0x.
+ * fp8 pages with bf16 q: 30 layers' pools, 32 sequences x 200 keys, 2 threads, same VM, the two page formats
+ * alternating in one process: widened K (float32 FMAs) took 1.42-1.48x bf16's time, `vdpbf16ps` on the
+ * converted K 1.11-1.17x (bf16 pages read at ~13 GB/s; fp8 is still bound by the conversions, not its
+ * half as many bytes). */
 static inline __m512 sum16(const __m512 v[16]) { /* lane j: the sum of v[j]'s 16 lanes */
     __m512 a[8], b[4];
     for (int k = 0; k < 8; k++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of v[2k] = x, v[2k+1] = y */
@@ -223,11 +229,29 @@ static inline __attribute__((always_inline)) __m512 widen16(const void *base, in
                                                             const int fmt) {
     if (fmt == 0) return _mm512_loadu_ps((const float *)base + row * HD + c);
     if (fmt == 1) return bf16x16_to_float((const uint16_t *)base + row * HD + c);
-    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + row * HD + c)));
-    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24),
-                                         _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20));
+    /* sign-extended, shifted by 20: the sign lands on bit 31 and on 27-30 (cleared), eeee mmm on 23-26 and 20-22 */
+    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + row * HD + c)));
+    const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(x, 20), _mm512_set1_epi32((int)0x87FFFFFFu));
     return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
 }
+
+#ifdef __AVX512BF16__
+/* 32 fp8_e4m3 values at src as bfloat16 bits, exactly (the true values, no 2^120): for e > 0 the bits
+ * move into place and the exponent is rebiased (+120); e = 0 (zero and the subnormals m 2^-9, normal
+ * numbers in bfloat16) comes from a table by m, where the bit placement would make bfloat16 subnormals
+ * that `vdpbf16ps` reads as zero. Nine simple instructions per 32 values. */
+static inline __m512i fp8x32_to_bf16(const uint8_t *src) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
+    const __m512i normal = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x07F0)),
+                                            _mm512_set1_epi16(120 << 7));
+    /* m 2^-9 for m = 0..7 (indexed by w's low 5 bits, which are m where e = 0, signed or not) */
+    const __m512i sub = _mm512_permutexvar_epi16(w, _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                     0, 0, 0, 0, 0, 0, 0, 0x3C60, 0x3C40, 0x3C20,
+                                                                     0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0));
+    const __m512i mag = _mm512_mask_mov_epi16(normal, _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78)), sub);
+    return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(w, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
+}
+#endif
 
 /* Prefetch page row `row` of `base` (HD values of 4, 2 or 1 bytes by fmt: whole 64-byte lines) into L2. */
 static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t row, const int HD,
@@ -297,7 +321,8 @@ static inline __attribute__((always_inline)) void accumulate_vrows(const float *
 static inline __attribute__((always_inline)) void attend_vec(const Args *a, int t, int h, const int HD,
                                                              const int FMT) {
     enum { NVMAX = MAX_HD / 16 };
-    const int dp = FMT == FMT_BF16_DP, fmt = dp ? 1 : FMT; /* dp: scores by vdpbf16ps from bf16 q and K */
+    /* dp: scores by vdpbf16ps from bf16 q and bf16 (or fp8 made bf16) K */
+    const int dp = FMT == FMT_BF16_DP || FMT == FMT_FP8_DP, fmt = FMT == FMT_BF16_DP ? 1 : FMT == FMT_FP8_DP ? 2 : FMT;
     const int d = tile_first(a, t), R = tile_first(a, t + 1) - d;
     const int NV = HD / 16, G = a->G, S = a->S, KVH = a->KVH, NQ = R * G;
     const int len = a->lens[d + R - 1]; /* rows ascend: the tile's last row sees the most keys */
@@ -375,10 +400,16 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
                     }
 #ifdef __AVX512BF16__
                     if (dp) { /* 32 exact bfloat16 products a step, summed in pairs into float32 lanes */
-                        const uint16_t *kj = (const uint16_t *)a->k + rows[j] * HD;
-                        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], (__m512bh)_mm512_loadu_si512(kj));
-                        for (int c = 1; c < NV / 2; c++)
-                            t = _mm512_dpbf16_ps(t, qb[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
+                        __m512 t = _mm512_setzero_ps();
+                        if (fmt == 1) {
+                            const uint16_t *kj = (const uint16_t *)a->k + rows[j] * HD;
+                            for (int c = 0; c < NV / 2; c++)
+                                t = _mm512_dpbf16_ps(t, qb[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
+                        } else {
+                            const uint8_t *kj = (const uint8_t *)a->k + rows[j] * HD;
+                            for (int c = 0; c < NV / 2; c++)
+                                t = _mm512_dpbf16_ps(t, qb[c], (__m512bh)fp8x32_to_bf16(kj + 32 * c));
+                        }
                         dots[jj] = t;
                         continue;
                     }
@@ -434,12 +465,23 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
 #endif
 SPECIALISE(64, 0) SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(128, 0) SPECIALISE(128, 1) SPECIALISE(128, 2)
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-SPECIALISE(64, 3) SPECIALISE(128, 3)
+SPECIALISE(64, 3) SPECIALISE(128, 3) SPECIALISE(64, 4) SPECIALISE(128, 4)
 #define HAVE_DP 1
 #else
 #define HAVE_DP 0
 #endif
 static void attend_any(const Args *a, int t, int h) { attend_hd(a, t, h, a->HD, a->fmt); }
+
+/* fp8x32_to_bf16 over n codes (a multiple of 32), for the tests; returns -1 where the CPU has no AVX512-BF16 copy */
+int fp8_to_bf16(const uint8_t *src, uint16_t *dst, int n) {
+#if HAVE_DP
+    for (int i = 0; i + 32 <= n; i += 32) _mm512_storeu_si512(dst + i, fp8x32_to_bf16(src + i));
+    return 0;
+#else
+    (void)src, (void)dst, (void)n;
+    return -1;
+#endif
+}
 
 #define MAX_CHUNKS 4096 /* chunks of work items a call is cut into, at most */
 
@@ -501,6 +543,8 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
 #if HAVE_DP
     if (fmt == 1 && half && HD == 64) job.attend = attend_64_3;
     if (fmt == 1 && half && HD == 128) job.attend = attend_128_3;
+    if (fmt == 2 && half && HD == 64) job.attend = attend_64_4;
+    if (fmt == 2 && half && HD == 128) job.attend = attend_128_4;
 #endif
     job.chunks = job.items < MAX_CHUNKS ? job.items : MAX_CHUNKS;
     if (run_pool != 0) { /* one thread or one chunk: the pool runs them on this thread */

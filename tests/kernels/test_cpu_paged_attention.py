@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_paged_attention import available, build_error, paged_decode_attention_cpu
+from kernels.cpu_paged_attention import available, build_error, fp8_as_bf16, paged_decode_attention_cpu
 from kernels.paged_attention import paged_decode_attention_ref
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 from tests.kernels.test_paged_attention import (FP8, LENS, assert_close_in_mag, build_paged, random_layout,
@@ -64,11 +64,11 @@ def test_scores_spread_far_apart(spread: float, rtol: float, seed: int) -> None:
 
 
 def _bf16_dot_scores(fmt: str, head_dim: int) -> bool:
-    """Whether the kernel scores bf16 queries against bf16 pages with `vdpbf16ps` here (AVX512-BF16, head
-    sizes 64 and 128): float32 sums in another order than the widened call's."""
+    """Whether the kernel scores bf16 queries against bf16 or fp8 pages with `vdpbf16ps` here (AVX512-BF16,
+    head sizes 64 and 128): float32 sums in another order than the widened call's."""
     from backend.cpu_features import cpu_flags
 
-    return fmt == "bf16" and head_dim in (64, 128) and "avx512_bf16" in cpu_flags()
+    return fmt in ("bf16", "fp8_e4m3") and head_dim in (64, 128) and "avx512_bf16" in cpu_flags()
 
 
 @pytest.mark.parametrize("head_dim", [64, 96])
@@ -76,7 +76,7 @@ def _bf16_dot_scores(fmt: str, head_dim: int) -> bool:
 def test_bfloat16_queries_give_the_float32_result_rounded(fmt: str, head_dim: int) -> None:
     """bf16 q in, bf16 out: exactly the float32 call on the widened q, rounded to nearest even as torch
     rounds (the AVX-512 copy at 64, the generic one at 96), with ties and a NaN query row included. Where
-    bf16 pages are scored with `vdpbf16ps` (exact products, float32 sums paired otherwise), within one
+    bf16 or fp8 pages are scored with `vdpbf16ps` (exact products, float32 sums paired otherwise), within one
     bfloat16 step of it instead."""
     lens = [3, 40, 77]
     num_pages, page_table = random_layout(lens)
@@ -175,15 +175,16 @@ def test_prompt_tiles_it_cannot_take_are_declined() -> None:
     assert paged_decode_attention_cpu(q, *falling, 0.1, tiles=good) is None
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("tiled", [False, True])
-def test_bfloat16_scores_by_dot_product_match_the_reference(head_dim: int, tiled: bool, seed: int) -> None:
-    """bf16 queries against bf16 pages (the served bf16 model's case; `vdpbf16ps` where the CPU has it):
-    decode rows and a prompt chunk in tiles against the reference on the same bf16 values, within the
+def test_bfloat16_scores_by_dot_product_match_the_reference(fmt: str, head_dim: int, tiled: bool, seed: int) -> None:
+    """bf16 queries against bf16 or fp8 pages (the served bf16 model's case; `vdpbf16ps` where the CPU has
+    it): decode rows and a prompt chunk in tiles against the reference on the same page values, within the
     output's bfloat16 rounding."""
     lens = [150, 33, 7]
     num_pages, page_table = random_layout(lens)
-    paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, torch.bfloat16, num_pages, page_table,
+    paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FORMATS[fmt], num_pages, page_table,
                         "cpu")
     table, keys = _prompt_rows(paged, lens, (90, 150))
     rows = paged._replace(page_table=table, context_lens=keys)
@@ -194,3 +195,17 @@ def test_bfloat16_scores_by_dot_product_match_the_reference(head_dim: int, tiled
     ref = paged_decode_attention_ref(q.float(), *rows, 0.125)
     mag = paged_decode_attention_ref(q.float(), *rows.with_abs_v(), 0.125)
     assert_close_in_mag(out.float(), ref, mag, 2.0 ** -8, seed)
+
+
+def test_fp8_keys_become_their_exact_bfloat16_values() -> None:
+    """Every fp8_e4m3 code but the two NaNs (which the store never writes) as the kernel scores it: the exact
+    value, as torch converts it, subnormals (e = 0, which a bit placement alone would make bfloat16 subnormals
+    that `vdpbf16ps` reads as zero) and both zeros included."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = fp8_as_bf16(codes)
+    if got is None:
+        pytest.skip("no AVX512-BF16 copy here: fp8 keys are widened to float32 (the tests above)")
+    want = codes.view(FP8).to(torch.bfloat16)
+    finite = ~want.isnan()
+    assert int(finite.sum()) == 254
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
