@@ -57,6 +57,14 @@ class PrefillChunk:
     page_table: torch.Tensor  # [1, P] int64, pages covering context_len
 
 
+def context_mask(context_lens: torch.Tensor, num_pages: int, page_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask [D, 1, 1, num_pages * page_size] in `dtype`: 0 for keys within each row's
+    context length, -inf past it."""
+    beyond = torch.arange(num_pages * page_size, device=context_lens.device).view(1, 1, 1, -1) \
+        >= context_lens.view(-1, 1, 1, 1)
+    return torch.zeros(beyond.shape, dtype=dtype, device=context_lens.device).masked_fill_(beyond, float("-inf"))
+
+
 @dataclass
 class StepMetadata:
     """Everything the layers need to know about the step's batch."""
@@ -65,11 +73,23 @@ class StepMetadata:
     slots: torch.Tensor  # [T] int64, where each token's K/V is written
     num_decode: int  # decode rows: rows 0..num_decode-1 of the flat batch, prompt chunks after them
     decode_page_table: torch.Tensor | None  # [D, P] int64 (padded with page 0)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, P*PAGE_SIZE] additive (0 or -inf), compute dtype
     decode_context_lens: torch.Tensor | None  # [D] int32, keys each decoding sequence attends to
     prefills: list[PrefillChunk]
     logits_rows: torch.Tensor  # [R] int64, rows whose logits are sampled: the decode rows first, in order (then any scored prompt rows)
+    page_size: int = 0  # the cache's tokens per page (`decode_mask`'s width: P * page_size)
+    mask_dtype: torch.dtype = torch.float32  # the compute dtype (`decode_mask`'s)
     _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor | None:
+        """The decode rows' additive attention mask [D, 1, 1, P * page_size] (0, or -inf for keys past each
+        row's context length), for the paths that take one (SDPA over gathered pages, MLA): built on first
+        use, once per step (SDPA would convert a bool mask in every layer), and not at all in a step the C
+        kernel or the Triton kernel runs (they read the lengths)."""
+        if not self.num_decode:
+            return None
+        return context_mask(self.decode_context_lens, self.decode_page_table.shape[1], self.page_size,
+                            self.mask_dtype)
 
     @cached_property
     def row_pages(self) -> tuple[torch.Tensor, torch.Tensor]:

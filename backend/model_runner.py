@@ -9,15 +9,7 @@ from backend.kv_cache import PagedKVCache
 from backend.model import DecoderModel
 from backend.scheduler import ScheduledBatch
 
-__all__ = ["ModelRunner", "decode_mask"]
-
-
-def decode_mask(context_lens: torch.Tensor, num_pages: int, page_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """The decode rows' additive attention mask [D, 1, 1, num_pages * page_size] (0, or -inf for keys
-    past each row's context length), built once per step: SDPA would convert a bool mask in every layer."""
-    beyond = torch.arange(num_pages * page_size, device=context_lens.device).view(1, 1, 1, -1) \
-        >= context_lens.view(-1, 1, 1, 1)
-    return torch.zeros(beyond.shape, dtype=dtype, device=context_lens.device).masked_fill_(beyond, float("-inf"))
+__all__ = ["ModelRunner"]
 
 
 class ModelRunner:
@@ -53,14 +45,13 @@ class ModelRunner:
             tokens.append(s.token_at(pos))
             positions.append(pos)
             slots.append(self._slot(s.page_ids, pos))
-        decode_table = mask = decode_lens = None
+        decode_table = decode_lens = None
         if batch.decode:
             ctx = [s.num_tokens for s in batch.decode]
             num_pages = -(-max(ctx) // ps)
             table = [s.page_ids[:num_pages] + [0] * (num_pages - len(s.page_ids[:num_pages])) for s in batch.decode]
             decode_table = torch.tensor(table, dtype=torch.int64, device=self.device)  # [D, P]
             decode_lens = torch.tensor(ctx, dtype=torch.int32, device=self.device)  # [D]
-            mask = decode_mask(decode_lens, num_pages, ps, self.model.dtype)
         chunks: list[PrefillChunk] = []
         scored_rows: list[int] = []  # prompt positions scored for prompt logprobs, after the sampled rows
         for s, n in batch.prefill:
@@ -80,10 +71,11 @@ class ModelRunner:
             slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_decode=len(batch.decode),
             decode_page_table=decode_table,
-            decode_mask=mask,
             decode_context_lens=decode_lens,
             prefills=chunks,
             logits_rows=torch.tensor(logits_rows + scored_rows, dtype=torch.int64, device=self.device),
+            page_size=ps,
+            mask_dtype=self.model.dtype,
         )
         return torch.tensor(tokens, dtype=torch.int64, device=self.device), meta
 

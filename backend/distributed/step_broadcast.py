@@ -34,7 +34,6 @@ import torch
 
 from backend.attention import PrefillChunk, StepMetadata
 from backend.distributed.collectives import Collectives
-from backend.model_runner import decode_mask
 
 __all__ = ["StepMessage", "Message", "StepChannel", "encode_step", "decode_step", "STEP", "STOP", "HEADER"]
 
@@ -89,16 +88,16 @@ def decode_step(header: torch.Tensor, payload: torch.Tensor, page_size: int, dty
         return payload[at - n: at]
 
     input_ids, positions, slots = take(t), take(t), take(t)
-    table = lens = mask = None
+    table = lens = None
     if d:
         table = take(d * p).view(d, p)
         lens = take(d).to(torch.int32)
-        mask = decode_mask(lens, p, page_size, dtype)
     rows = take(4 * c).view(c, 4).tolist()
     chunks = [PrefillChunk(token_start=a, num_tokens=n, context_len=ctx, page_table=take(pages).view(1, pages))
               for a, n, ctx, pages in rows]
-    meta = StepMetadata(positions=positions, slots=slots, num_decode=d, decode_page_table=table, decode_mask=mask,
-                        decode_context_lens=lens, prefills=chunks, logits_rows=take(r))
+    meta = StepMetadata(positions=positions, slots=slots, num_decode=d, decode_page_table=table,
+                        decode_context_lens=lens, prefills=chunks, logits_rows=take(r), page_size=page_size,
+                        mask_dtype=dtype)
     return StepMessage(input_ids, meta, _PHASE_NAMES[phase])
 
 

@@ -181,7 +181,7 @@ def _random_cache(cfg: Any, fmt: str, num_pages: int) -> Any:
 
 
 def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str, Any]]:
-    from backend.model_runner import decode_mask
+    from backend.attention import context_mask
     from kernels.cpu_paged_attention import paged_decode_attention_cpu
 
     heads, kvh, hd, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
@@ -190,7 +190,7 @@ def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str
     table = torch.randperm(d * pages_per_seq).view(d, pages_per_seq)  # pages in a shuffled order
     lens = torch.full((d,), context, dtype=torch.int32)
     q = torch.randn(d, heads, hd).bfloat16()
-    mask = decode_mask(lens, pages_per_seq, PAGE_SIZE, q.dtype)
+    mask = context_mask(lens, pages_per_seq, PAGE_SIZE, q.dtype)
     out = []
     for fmt in ("bf16", "fp8_e4m3"):
         cache = _random_cache(cfg, fmt, d * pages_per_seq)

@@ -74,13 +74,14 @@ def test_prefill_chunk_and_decode_rows_match_dense_attention(fmt: str, group: in
     cache.store(0, slots(pages_b, ctx_b), k_b, v_b)
     q = torch.randn(1 + new, heads, head_dim)  # row 0: B's decode token, rows 1..: A's chunk
     table_b = torch.tensor([pages_b])
-    mask = torch.zeros(1, 1, 1, table_b.shape[1] * PAGE)
-    mask[..., ctx_b:] = float("-inf")
     meta = StepMetadata(positions=torch.zeros(1 + new, dtype=torch.int64), slots=torch.zeros(1 + new, dtype=torch.int64),
-                        num_decode=1, decode_page_table=table_b, decode_mask=mask,
+                        num_decode=1, decode_page_table=table_b,
                         decode_context_lens=torch.tensor([ctx_b], dtype=torch.int32),
                         prefills=[PrefillChunk(1, new, ctx_a, torch.tensor([pages_a]))],
-                        logits_rows=torch.tensor([0]))
+                        logits_rows=torch.tensor([0]), page_size=PAGE)
+    mask = torch.zeros(1, 1, 1, table_b.shape[1] * PAGE)
+    mask[..., ctx_b:] = float("-inf")
+    assert torch.equal(meta.decode_mask, mask)  # what the SDPA fallback takes, built from the lengths
     scale = head_dim ** -0.5
     out = paged_attention(q, cache, 0, meta, scale)
     path, calls = kernel_calls
@@ -131,13 +132,11 @@ def test_a_step_of_several_decode_rows_and_chunks(fmt: str, kernel_calls: tuple[
     width = max(len(p) for p in pages[:2])
     table = torch.tensor([p + [0] * (width - len(p)) for p in pages[:2]])
     lens = torch.tensor([seqs[0][0], seqs[1][0]], dtype=torch.int32)
-    mask = torch.zeros(2, 1, 1, width * PAGE).masked_fill_(
-        torch.arange(width * PAGE).view(1, 1, 1, -1) >= lens.view(-1, 1, 1, 1), float("-inf"))
     meta = StepMetadata(positions=torch.zeros(rows, dtype=torch.int64), slots=torch.zeros(rows, dtype=torch.int64),
-                        num_decode=2, decode_page_table=table, decode_mask=mask, decode_context_lens=lens,
+                        num_decode=2, decode_page_table=table, decode_context_lens=lens,
                         prefills=[PrefillChunk(2, 23, 23, torch.tensor([pages[2]])),
                                   PrefillChunk(25, 12, 52, torch.tensor([pages[3]]))],
-                        logits_rows=torch.tensor([0, 1]))
+                        logits_rows=torch.tensor([0, 1]), page_size=PAGE)
     scale = head_dim ** -0.5
     out = paged_attention(q, cache, 0, meta, scale)
     assert kernel_calls[1][0] == rows
