@@ -1,7 +1,8 @@
 """FP8 vs BF16 KV pages at one byte budget: capacity, throughput under load, quality.
 
 What is measured, per KV format (``bf16`` and ``fp8`` = ``fp8_e4m3``; compute dtype
-float32 by default, the fast one on this CPU; weights identical):
+by default what `serve` picks on the host, ``--dtype``: bfloat16 where the CPU has
+AVX512-BF16, float32 otherwise; weights identical):
 
 1. **Capacity.** Every request is P prompt + O output tokens, so admission (which
    reserves ``ceil((P + O) / PAGE_SIZE)`` pages up front) admits exactly
@@ -177,7 +178,8 @@ def perplexity(engine, windows: list[list[int]]) -> tuple[float, int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (auto: what `serve` picks on this host, backend/cpu_features.py)")
     p.add_argument("--requests", type=int, default=None,
                    help="N: requests the BF16 pool admits (default 8; quick 4); FP8 admits 2N")
     p.add_argument("--prompt-tokens", type=int, default=None, help="P (default 128; quick 64)")
@@ -228,6 +230,7 @@ def _plot(rows: list[SweepRow], caps: dict[str, int], title: str, path: Path) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    from backend.cpu_features import resolve_dtype
     from backend.engine import DTYPES, EngineConfig, LLMEngine
     from backend.model import LlamaModel
     from backend.tokenizer import Tokenizer
@@ -237,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     _defaults(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.dtype = resolve_dtype(args.dtype)
     started = time.perf_counter()
     timings: dict[str, float] = {}
 
