@@ -34,12 +34,15 @@
  * panel in L1; past MBLOCK rows (a prompt) the rows go in blocks, so x stays in L2.
  * Same harness, against torch's `_weight_int4pack_mm_for_cpu` at g = 32, one thread: 0.82x its time at
  * 1 row, 0.68x at 4, 0.52-0.58x at 8-64, 0.43-0.51x at 64-1,024 (prompt shapes); against the bfloat16
- * GEMV (4 times the bytes): 0.56x at 1 row, 0.95x at 8, 1.1-1.3x at 16-64 (compute-bound there:
- * decoding the codes is ~20% of the instructions at 8 rows a tile). Tried and dropped, same harness:
- * prefetching 1, 3, 4 or 8 KB ahead instead of 2 (within noise; 3-4 KB with the layout below, 1.4x
- * slower), into L1 (within noise), each group's scales stored after its codes in the one stream
- * (0.85-0.90x at 1-2 rows, 1.04-1.16x at 8-16). At one row a thread reads ~10-15 GB/s, where the
- * bfloat16 GEMV reads ~15-20.
+ * GEMV (4 times the bytes): 0.56x at 1 row, 0.95x at 8, 1.1-1.3x at 16-64, before the broadcasts were
+ * folded into the products (`dp_pair`: ~0.7x at 8 rows and ~1.0x at 32 since). Tried and dropped, same
+ * harness: prefetching 1, 3, 4 or 8 KB ahead instead of 2 (within noise; 3-4 KB with the layout below,
+ * 1.4x slower), into L1 (within noise), each group's scales stored after its codes in the one stream
+ * (0.85-0.90x at 1-2 rows, 1.04-1.16x at 8-16); at 32 rows, before the fold: tiles of 12 rows with one
+ * chain each (INT4 / bf16 time 1.26-1.28, where 8-row tiles with two chains took 1.19-1.21), and each
+ * panel decoded once into a buffer that every x tile loads (1.56-1.60: more loads for less decoding, the
+ * wrong way; the fold took one instruction per product away instead). At one row a thread reads ~10-15
+ * GB/s, where the bfloat16 GEMV reads ~15-20.
  *
  * Threads: the shared pool (kernels/cpu/pool.c): chunks of panels claimed one at a time, as in gemv_bf16.c.
  */
