@@ -72,6 +72,7 @@ from backend.linear import Linear, LinearOp
 from backend.models import architecture_module
 from backend.rope import RotaryEmbedding
 from backend.weight_formats import WeightFormat
+from kernels import cpu_gemv
 from kernels.cpu_decode_layers import Refused
 
 if TYPE_CHECKING:
@@ -259,19 +260,39 @@ class DecoderModel:
 
     def _run_fused(self, h: torch.Tensor, x: torch.Tensor, layers: list[LayerWeights], split: int,
                    freqs: torch.Tensor, cache: PagedKVCache, meta: StepMetadata) -> bool:
-        """Every layer in one C call (backend/layers/fused_decode.py) where the step takes it: all rows on the
-        decode weights (a decode step, or any step when both phases share them) and few enough for the C
-        GEMVs. False, nothing touched, where it does not."""
-        if split or layers is not self.phase_layers["decode"]:
+        """Every layer in one C call per weight format (backend/layers/fused_decode.py) where the step takes
+        it: rows all on one phase's weights (a decode or prompt step, or any step when both phases share
+        them), or a step over two formats (`split` decode rows first) as two calls, the prompt rows' and
+        then the decode rows'; and few enough rows for the C GEMVs. False, nothing touched, where it does
+        not."""
+        n = h.shape[0]
+        cfg = self.local_cfg
+        if not split:
+            phase = "decode" if layers is self.phase_layers["decode"] else "prefill"
+            fused = fused_layers(self, cache, phase)
+            if fused is None or not runs_step(self, n, phase):
+                return False
+            table, lens, tiles = meta.kernel_rows(cfg.num_heads // cfg.num_kv_heads)
+            try:
+                h.add_(fused.run(h, x, freqs, meta.slots, table, lens, cfg.head_dim ** -0.5, tiles))
+            except Refused:
+                return False
+            self.fused_steps += 1
+            return True
+        prompt, decode = fused_layers(self, cache, "prefill"), fused_layers(self, cache, "decode")
+        if (prompt is None or decode is None or n > cpu_gemv.max_rows() or not runs_step(self, n - split, "prefill")
+                or not runs_step(self, split, "decode")):
             return False
-        fused = fused_layers(self, cache)  # None (kept) for a model, cache or host that does not take it
-        if fused is None or not runs_step(self, h.shape[0]):
-            return False
-        table, lens, tiles = meta.kernel_rows(self.local_cfg.num_heads // self.local_cfg.num_kv_heads)
-        try:
-            h.add_(fused.run(h, x, freqs, meta.slots, table, lens, self.local_cfg.head_dim ** -0.5, tiles))
+        table, lens, tiles = meta.kernel_rows(cfg.num_heads // cfg.num_kv_heads)
+        hp = h[split:]
+        try:  # the only call with tiles, so the only one the attention kernel may refuse: first, h untouched
+            hp.add_(prompt.run(hp, x[split:], freqs[split:], meta.slots[split:], table[split:], lens[split:],
+                               cfg.head_dim ** -0.5, tiles[split:] - split))
         except Refused:
             return False
+        hd = h[:split]  # decode rows alone, no tiles: nothing the kernel refuses (shapes checked at build)
+        hd.add_(decode.run(hd, x[:split], freqs[:split], meta.slots[:split], meta.decode_page_table,
+                           meta.decode_context_lens, cfg.head_dim ** -0.5))
         self.fused_steps += 1
         return True
 

@@ -7,11 +7,15 @@ A model takes it when all of these hold, checked once per model and KV cache (`f
 bfloat16 compute on the CPU, one process (no tensor parallelism), every layer dense GQA attention
 without q/k norms or biases and a SwiGLU MLP, each linear on a C GEMV (bfloat16 or INT4),
 KV pages in bfloat16 or FP8, and every kernel built here; and per step (`DecoderModel._run_fused`,
-`runs_step`): every row on the decode weights (a decode step; a step with prompt rows too where both
-phases share one format, its prompt chunks' rows in the attention kernel's tiles) and no more rows
-than the C GEMV takes. The decode weights may be INT4 (`Int4Linear` on its C GEMV) as well as
-bfloat16. Everything else (MoE, MLA, float32 weights, a mixed step over two weight formats, larger
-steps, other hosts) runs the Python layers as before. `EDGESERVE_FUSED_DECODE=0` turns it off.
+`runs_step`): no more rows than the C GEMV takes, every row on one phase's weights (a decode step, a
+prompt step, or any step where both phases share one format; prompt chunks' rows in the attention
+kernel's tiles). Each phase's layers get their own call (`fused_layers(model, cache, phase)`), so a
+worker whose decode weights are INT4 and prompt weights bfloat16 runs a step of both kinds of rows as
+two calls, the prompt rows' and then the decode rows': rows of different sequences, so neither call
+reads what the other writes, and each row's arithmetic is the Python layers' (which also run each
+part's linears on its own rows). The decode weights may be INT4 (`Int4Linear` on its C GEMV) as well
+as bfloat16. Everything else (MoE, MLA, float32 weights, larger steps, other hosts) runs the Python
+layers as before. `EDGESERVE_FUSED_DECODE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -57,21 +61,21 @@ def _eligible_layer(layer: Any) -> bool:
     return all(_c_weight(w) is not None for w in _linears(layer))
 
 
-def fused_layers(model: DecoderModel, cache: PagedKVCache) -> DecodeLayers | None:
-    """The model's layers over `cache` as one C call, or None where the model, the cache or this host does
-    not take it (module docstring). Built on first use per cache and kept on the model."""
+def fused_layers(model: DecoderModel, cache: PagedKVCache, phase: str = "decode") -> DecodeLayers | None:
+    """The model's `phase` layers ("decode" or "prefill") over `cache` as one C call, or None where the
+    model, the cache or this host does not take it (module docstring). Built on first use per cache and
+    phase and kept on the model."""
     if not model.fused_decode:
         return None
     held = model.fused_for_cache
-    if held is not None and held[0] is cache:
-        return held[1]
-    fused = _build(model, cache)
-    model.fused_for_cache = (cache, fused)
-    return fused
+    if held is None or held[0] is not cache:
+        held = model.fused_for_cache = (cache, {})
+    if phase not in held[1]:
+        held[1][phase] = _build(model, cache, model.phase_layers[phase])
+    return held[1][phase]
 
 
-def _build(model: DecoderModel, cache: Any) -> DecodeLayers | None:
-    layers = model.phase_layers["decode"]
+def _build(model: DecoderModel, cache: Any, layers: list[Any]) -> DecodeLayers | None:
     if (model.group is not None or model.dtype != torch.bfloat16
             or model.embed.device.type != "cpu" or not all(_eligible_layer(layer) for layer in layers)
             or not hasattr(cache, "layer") or getattr(cache, "compute_dtype", None) != torch.bfloat16
@@ -92,8 +96,9 @@ def _build(model: DecoderModel, cache: Any) -> DecodeLayers | None:
         return None
 
 
-def runs_step(model: DecoderModel, rows: int) -> bool:
-    """Whether a step of `rows` rows may run the fused call: every linear takes its C GEMV at that count
-    (INT4 at any count; a step of more than `cpu_gemv.max_rows()` keeps torch's threads, so not there)."""
-    linears = _linears(model.phase_layers["decode"][0])
+def runs_step(model: DecoderModel, rows: int, phase: str = "decode") -> bool:
+    """Whether `rows` rows on the `phase` weights may run the fused call: every linear takes its C GEMV at
+    that count (INT4 at any count; a step of more than `cpu_gemv.max_rows()` keeps torch's threads, so not
+    there)."""
+    linears = _linears(model.phase_layers[phase][0])
     return rows <= cpu_gemv.max_rows() and all(w.takes_gemv(rows) for w in linears if isinstance(w, Linear))

@@ -11,7 +11,7 @@ import torch
 from backend.engine import EngineConfig, LLMEngine
 from backend.sampling_params import SamplingParams
 from kernels import cpu_decode_layers, cpu_gemv_int4
-from kernels.cpu_decode_layers import DecodeLayers, LayerTensors
+from kernels.cpu_decode_layers import DecodeLayers, LayerTensors, Refused
 from tests.backend.engine_spy import record_sampled_logits
 from tests.backend.tiny_models import write_tiny_model
 
@@ -55,13 +55,14 @@ def test_fused_steps_equal_the_python_layers_bit_for_bit(tiny_dir: Path, kv_form
     fused, tokens, logits = generate(tiny_dir, True, kv_format=kv_format, decode_weights=decode_weights)
     plain, tokens_ref, logits_ref = generate(tiny_dir, False, kv_format=kv_format, decode_weights=decode_weights)
     assert plain.model.fused_steps == 0
-    # every decode step took the fused call, and so did the steps of decode and prompt rows and the first
-    # prompt step (108 rows; both phases share the weights, and the steps fit the GEMV); not over two formats
+    # every step took the fused call: the decode steps, the steps of decode and prompt rows and the first
+    # prompt step (108 rows, within the GEMV's); with INT4 decode weights, whose prompt rows run the bf16
+    # prefill weights, the mixed steps as two calls (prompt rows, then decode rows)
     phases = fused.model.steps_by_phase
-    if decode_weights is None:
-        assert fused.model.fused_steps == sum(phases.values()) and phases["mixed"] >= 1 and phases["prefill"] >= 1
-    else:
-        assert fused.model.fused_steps == phases["decode"] >= 11
+    assert fused.model.fused_steps == sum(phases.values()) and phases["mixed"] >= 1 and phases["prefill"] >= 1
+    assert phases["decode"] >= 11
+    two_formats = fused.model.phase_layers["decode"] is not fused.model.phase_layers["prefill"]
+    assert two_formats == (decode_weights == "int4")
     assert tokens == tokens_ref
     for ours, ref in zip(logits, logits_ref):
         assert len(ours) == len(ref) == 12
@@ -71,6 +72,33 @@ def test_fused_steps_equal_the_python_layers_bit_for_bit(tiny_dir: Path, kv_form
     assert torch.equal(fused.cache.pages.view(torch.uint8), plain.cache.pages.view(torch.uint8))
     if kv_format == "fp8_e4m3":
         assert torch.equal(fused.cache.scales, plain.cache.scales)
+
+
+@needs_kernels
+def test_a_refused_prompt_call_leaves_a_two_format_step_untouched(tiny_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step over two formats runs its prompt rows' call first, the one call the attention kernel may refuse
+    (tiles): refused there, the step runs the Python layers from the state it found, and every logit and
+    page byte is still the plain run's (a decode call first would have added its rows' layers twice)."""
+    if not cpu_gemv_int4.pays():
+        pytest.skip("INT4 linears run torch's INT4 GEMM on this host, which the fused call does not take")
+    real, refused = DecodeLayers.run, []
+
+    def refuse_tiles(self, h, x, freqs, slots, table, lens, scale, tiles=None):  # noqa: ANN001, ANN202
+        if tiles is not None:
+            refused.append(h.shape[0])
+            raise Refused("refused for the test")
+        return real(self, h, x, freqs, slots, table, lens, scale, tiles)
+
+    monkeypatch.setattr(DecodeLayers, "run", refuse_tiles)
+    fused, tokens, logits = generate(tiny_dir, True, kv_format="fp8_e4m3", decode_weights="int4")
+    monkeypatch.undo()
+    plain, tokens_ref, logits_ref = generate(tiny_dir, False, kv_format="fp8_e4m3", decode_weights="int4")
+    phases = fused.model.steps_by_phase
+    assert len(refused) == phases["mixed"] + phases["prefill"] and fused.model.fused_steps == phases["decode"]
+    assert tokens == tokens_ref
+    assert all(torch.equal(a, b) for ours, ref in zip(logits, logits_ref) for a, b in zip(ours, ref))
+    assert torch.equal(fused.cache.pages.view(torch.uint8), plain.cache.pages.view(torch.uint8))
 
 
 @needs_kernels
