@@ -76,8 +76,8 @@ class StepMetadata:
     decode_context_lens: torch.Tensor | None  # [D] int32, keys each decoding sequence attends to
     prefills: list[PrefillChunk]
     logits_rows: torch.Tensor  # [R] int64, rows whose logits are sampled: the decode rows first, in order (then any scored prompt rows)
-    page_size: int = 0  # the cache's tokens per page (`decode_mask`'s width: P * page_size)
-    mask_dtype: torch.dtype = torch.float32  # the compute dtype (`decode_mask`'s)
+    page_size: int  # the cache's tokens per page (`decode_mask`'s width: P * page_size)
+    mask_dtype: torch.dtype  # the compute dtype (`decode_mask`'s)
     _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @cached_property

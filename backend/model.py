@@ -63,7 +63,7 @@ from backend.attention import StepMetadata
 from backend.config import ModelConfig, load_config
 from backend.kv_cache import PagedKVCache
 from backend.layers.attention import attention, run_linear
-from backend.layers.fused_decode import enabled_by_env, fused_layers, runs_step
+from backend.layers.fused_decode import enabled_by_env, fused_layers, runs_split_step, runs_step
 from backend.layers.loader import WeightLoader
 from backend.layers.mla import MLAWeights, mla_attention
 from backend.layers.mlp import mlp
@@ -72,7 +72,6 @@ from backend.linear import Linear, LinearOp
 from backend.models import architecture_module
 from backend.rope import RotaryEmbedding
 from backend.weight_formats import WeightFormat
-from kernels import cpu_gemv
 from kernels.cpu_decode_layers import Refused
 
 if TYPE_CHECKING:
@@ -265,34 +264,33 @@ class DecoderModel:
         them), or a step over two formats (`split` decode rows first) as two calls, the prompt rows' and
         then the decode rows'; and few enough rows for the C GEMVs. False, nothing touched, where it does
         not."""
-        n = h.shape[0]
         cfg = self.local_cfg
+        scale = cfg.head_dim ** -0.5
         if not split:
             phase = "decode" if layers is self.phase_layers["decode"] else "prefill"
             fused = fused_layers(self, cache, phase)
-            if fused is None or not runs_step(self, n, phase):
+            if fused is None or not runs_step(self, h.shape[0], phase):
                 return False
             table, lens, tiles = meta.kernel_rows(cfg.num_heads // cfg.num_kv_heads)
             try:
-                h.add_(fused.run(h, x, freqs, meta.slots, table, lens, cfg.head_dim ** -0.5, tiles))
+                h.add_(fused.run(h, x, freqs, meta.slots, table, lens, scale, tiles))
             except Refused:
                 return False
             self.fused_steps += 1
             return True
         prompt, decode = fused_layers(self, cache, "prefill"), fused_layers(self, cache, "decode")
-        if (prompt is None or decode is None or n > cpu_gemv.max_rows() or not runs_step(self, n - split, "prefill")
-                or not runs_step(self, split, "decode")):
+        if prompt is None or decode is None or not runs_split_step(self, h.shape[0], split):
             return False
         table, lens, tiles = meta.kernel_rows(cfg.num_heads // cfg.num_kv_heads)
         hp = h[split:]
         try:  # the only call with tiles, so the only one the attention kernel may refuse: first, h untouched
-            hp.add_(prompt.run(hp, x[split:], freqs[split:], meta.slots[split:], table[split:], lens[split:],
-                               cfg.head_dim ** -0.5, tiles[split:] - split))
+            hp.add_(prompt.run(hp, x[split:], freqs[split:], meta.slots[split:], table[split:], lens[split:], scale,
+                               tiles[split:] - split))
         except Refused:
             return False
         hd = h[:split]  # decode rows alone, no tiles: nothing the kernel refuses (shapes checked at build)
         hd.add_(decode.run(hd, x[:split], freqs[:split], meta.slots[:split], meta.decode_page_table,
-                           meta.decode_context_lens, cfg.head_dim ** -0.5))
+                           meta.decode_context_lens, scale))
         self.fused_steps += 1
         return True
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from backend.kv_cache import PagedKVCache
     from backend.model import DecoderModel
 
-__all__ = ["enabled_by_env", "fused_layers", "runs_step"]
+__all__ = ["enabled_by_env", "fused_layers", "runs_step", "runs_split_step"]
 
 
 def enabled_by_env() -> bool:
@@ -102,3 +102,11 @@ def runs_step(model: DecoderModel, rows: int, phase: str = "decode") -> bool:
     there)."""
     linears = _linears(model.phase_layers[phase][0])
     return rows <= cpu_gemv.max_rows() and all(w.takes_gemv(rows) for w in linears if isinstance(w, Linear))
+
+
+def runs_split_step(model: DecoderModel, rows: int, split: int) -> bool:
+    """Whether a step of `rows` rows over two formats, its first `split` on the decode weights and the rest on
+    the prefill weights, may run as two fused calls: each part takes its C GEMVs, and the whole step stays
+    within `cpu_gemv.max_rows()` (the engine keeps torch's threads for larger steps)."""
+    return (rows <= cpu_gemv.max_rows() and runs_step(model, split, "decode")
+            and runs_step(model, rows - split, "prefill"))

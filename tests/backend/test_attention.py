@@ -78,7 +78,7 @@ def test_prefill_chunk_and_decode_rows_match_dense_attention(fmt: str, group: in
                         num_decode=1, decode_page_table=table_b,
                         decode_context_lens=torch.tensor([ctx_b], dtype=torch.int32),
                         prefills=[PrefillChunk(1, new, ctx_a, torch.tensor([pages_a]))],
-                        logits_rows=torch.tensor([0]), page_size=PAGE)
+                        logits_rows=torch.tensor([0]), page_size=PAGE, mask_dtype=torch.float32)
     mask = torch.zeros(1, 1, 1, table_b.shape[1] * PAGE)
     mask[..., ctx_b:] = float("-inf")
     assert torch.equal(meta.decode_mask, mask)  # what the SDPA fallback takes, built from the lengths
@@ -136,7 +136,7 @@ def test_a_step_of_several_decode_rows_and_chunks(fmt: str, kernel_calls: tuple[
                         num_decode=2, decode_page_table=table, decode_context_lens=lens,
                         prefills=[PrefillChunk(2, 23, 23, torch.tensor([pages[2]])),
                                   PrefillChunk(25, 12, 52, torch.tensor([pages[3]]))],
-                        logits_rows=torch.tensor([0, 1]), page_size=PAGE)
+                        logits_rows=torch.tensor([0, 1]), page_size=PAGE, mask_dtype=torch.float32)
     scale = head_dim ** -0.5
     out = paged_attention(q, cache, 0, meta, scale)
     assert kernel_calls[1][0] == rows

@@ -123,7 +123,8 @@ def run_steps(cfg: ModelConfig, weights: object, seqs: list[tuple[torch.Tensor, 
         meta = StepMetadata(positions=torch.cat(positions), slots=torch.cat(slot_list), num_decode=d,
                             decode_page_table=torch.stack([tables[b] for b in decode]) if d else None,
                             decode_context_lens=torch.tensor([sa] * d, dtype=torch.int32) if d else None,
-                            prefills=prefills, logits_rows=torch.arange(0))
+                            prefills=prefills, logits_rows=torch.arange(0), page_size=PAGE,
+                            mask_dtype=torch.float32)
         sel = IndexerStep(cfg, meta, cache, rope.tables(meta.positions)).selector(0, weights)(
             torch.cat(xs), torch.cat(qs))
         if d:
