@@ -24,7 +24,7 @@ from tests.backend.tiny_models import reference_model, write_tiny_glm4_moe
 
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig  # noqa: E402
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
@@ -101,7 +101,7 @@ def test_zero_point_packing_round_trips_and_bad_zeros_are_refused() -> None:
 def test_edgeserve_quantize_writes_zero_points_that_our_loader_and_the_package_agree_on(tmp_path: Path) -> None:
     """rtn and gptq on the zero-point grid write the same tensors (differing in values); our loader reads
     the config as the zero-point format and its float32 logits equal transformers' on the package's
-    decompression (float32 scales, bfloat16-rounded zeros aside)."""
+    decompression (float32 scales; zeros rounded to bfloat16 as ours are, see `_package_dense_zp`)."""
     from ops.quantize import quantize_checkpoint
 
     src = write_tiny_glm4_moe(tmp_path / "src", seed=21)
@@ -123,11 +123,15 @@ def test_edgeserve_quantize_writes_zero_points_that_our_loader_and_the_package_a
     with torch.no_grad():
         expected = reference_model(dense)(torch.tensor([ids])).logits[0]
     exact = _logits(ct, ids, prefill_weights="fp32", decode_weights="fp32")
-    assert (exact - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
+    assert (exact - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
 
 
 def _package_dense_zp(ct: Path, dst: Path) -> Path:
-    """The package's decompression of every packed module of `ct` (with zero points), as a dense checkpoint."""
+    """The package's decompression of every packed module of `ct` (with zero points), as a dense checkpoint,
+    with one documented change: our format stores each group's zero as bfloat16(-zp * scale), so the package's
+    -zp * scale term (zp from its own unpacking) is swapped for that rounding. Without it, the up to 1/32 of a
+    step it moves a weight flips near-tied MoE routing on some hosts' GPTQ draws (0.24 of 0.66 in logits on an
+    AVX2 host), which says nothing about the packing this checks."""
     from safetensors.torch import save_file
 
     qc = QuantizationConfig.model_validate(json.loads((ct / "config.json").read_text())["quantization_config"])
@@ -139,8 +143,11 @@ def _package_dense_zp(ct: Path, dst: Path) -> Path:
         if name.endswith(".weight_packed"):
             m = name.removesuffix(".weight_packed")
             sd = {s: tensors[f"{m}.{s}"] for s in suffixes}
-            dense[f"{m}.weight"] = PackedQuantizationCompressor.decompress(
-                {**sd, "weight_scale": sd["weight_scale"].float()}, scheme)["weight"]
+            scale = sd["weight_scale"].float()
+            w = PackedQuantizationCompressor.decompress({**sd, "weight_scale": scale}, scheme)["weight"]
+            zp = unpack_from_int32(sd["weight_zero_point"], 4, scale.shape, packed_dim=0).float()
+            exact, rounded = -zp * scale, (-zp * scale).bfloat16().float()
+            dense[f"{m}.weight"] = w + (rounded - exact).repeat_interleave(w.shape[1] // scale.shape[1], dim=1)
         elif not name.endswith(suffixes[1:]):
             dense[name] = t
     dst.mkdir()
