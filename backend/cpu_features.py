@@ -15,8 +15,18 @@ hosts this project has measured (2 cores each, SmolLM2-135M):
   (`edgeserve bench e2e`, `edgeserve up` through /v1/chat/completions, 2 cores, SmolLM2)
   bfloat16 ran 1.45x float32 at 1 request (22.7 vs 15.6 tok/s), 2.2x at 8 and 1.8x at 32
   (256 vs 140 tok/s); prefill 462 vs 401 tok/s (`bench weights`). -> bfloat16.
-- **No BF16 units** (older Xeons, most laptops): bfloat16 GEMMs are emulated, 51-64
-  GFLOP/s against 200-240 in float32. -> float32.
+- **AVX2 and FMA, no AVX-512** (AMD Zen 2/3, Intel client cores): no bfloat16 multiplies, and torch's
+  bfloat16 GEMM is emulated (~1.2 GFLOP/s for a 512^3 GEMM on a 2-core Zen 3 VM, 16 at SmolLM2's shapes).
+  But the decode GEMV has an AVX2 copy (`kernels/cpu/gemv_bf16_avx2.h`: bfloat16 weights widened in
+  registers, float32 FMAs) that reads half of float32's bytes, and the prompt's GEMMs of >= 128 rows run
+  widened to float32 (`backend/gemm_widen.py`), so bfloat16 weights leave no GEMM on the emulated path. On
+  that VM (`edgeserve bench engine --skip-hf --no-llamacpp --concurrency 1,8,32 --rounds 2 --dtype D`,
+  SmolLM2) bfloat16 ran 39.6 / 96.6 / 104.9 tok/s at 1 / 8 / 32 requests against float32's 8.8 / 24.5 /
+  59.7 (4.5x / 3.9x / 1.8x). -> bfloat16, where that GEMV builds (`bf16_gemv`; without it every bfloat16
+  linear would run the emulated GEMM -> float32).
+- **AVX-512 without BF16 units** (Intel Skylake to Ice Lake): bfloat16 GEMMs are emulated, 51-64 GFLOP/s
+  against 200-240 in float32; the AVX2 GEMV would build there but has not been measured. -> float32.
+- **No AVX2** (older or non-x86 CPUs). -> float32.
 - **CUDA**: bfloat16.
 
 SmolLM2's checkpoint is bfloat16, so bfloat16 weights hold it exactly; what bfloat16
@@ -31,7 +41,7 @@ import functools
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["cpu_flags", "has_amx_bf16", "has_avx512_bf16", "auto_dtype", "auto_kv_format", "resolve_dtype",
+__all__ = ["cpu_flags", "has_amx_bf16", "has_avx512_bf16", "has_avx2_only", "auto_dtype", "auto_kv_format", "resolve_dtype",
            "resolve_kv_format"]
 
 
@@ -59,11 +69,27 @@ def has_avx512_bf16(flags: Iterable[str] | None = None) -> bool:
     return "avx512_bf16" in (cpu_flags() if flags is None else set(flags))
 
 
-def auto_dtype(device: str = "cpu", flags: Iterable[str] | None = None) -> str:
-    """The compute dtype `--dtype auto` means on `device` (see the module docstring for why)."""
+def has_avx2_only(flags: Iterable[str] | None = None) -> bool:
+    """Whether the CPU has AVX2 and FMA but no AVX-512 (the AVX2 copy of the decode GEMV, measured there)."""
+    have = set(cpu_flags() if flags is None else flags)
+    return {"avx2", "fma"} <= have and "avx512f" not in have
+
+
+def auto_dtype(device: str = "cpu", flags: Iterable[str] | None = None, bf16_gemv: bool | None = None) -> str:
+    """The compute dtype `--dtype auto` means on `device` (see the module docstring for why). `bf16_gemv`:
+    whether the decode GEMV runs here (None: build it and ask, which `EDGESERVE_BF16_GEMV=0` answers no);
+    it decides on AVX2 hosts only."""
     if device == "cuda":
         return "bfloat16"
-    return "bfloat16" if has_amx_bf16(flags) or has_avx512_bf16(flags) else "float32"
+    if has_amx_bf16(flags) or has_avx512_bf16(flags):
+        return "bfloat16"
+    if has_avx2_only(flags):
+        if bf16_gemv is None:
+            from backend.linear import bf16_gemv_available
+
+            bf16_gemv = bf16_gemv_available()
+        return "bfloat16" if bf16_gemv else "float32"
+    return "float32"
 
 
 def auto_kv_format(dtype: str) -> str:

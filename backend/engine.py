@@ -100,8 +100,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     prefill_chunk_size: int = 256
     max_waiting: int = 256
-    # tokens a step with decode rows holds at most (scheduler.py); None: `cpu_gemv.max_rows()` where every linear
-    # runs the bf16 C GEMV, else no cap; 0: no cap
+    # tokens a step with decode rows holds at most (scheduler.py); None: `cpu_gemv.mixed_step_tokens()` where every
+    # linear runs the bf16 C GEMV, else no cap; 0: no cap
     mixed_step_tokens: int | None = None
     num_threads: int | None = None  # torch intra-op threads (None: leave as is)
     prefix_caching: bool = False  # share full prompt blocks between requests (prefill and unified roles)
@@ -155,7 +155,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache)
         mixed = config.mixed_step_tokens
         if mixed is None and self.runner.gemv_decode:
-            mixed = cpu_gemv.max_rows()
+            mixed = cpu_gemv.mixed_step_tokens()
         if mixed:
             self.scheduler.config = replace(self.scheduler.config, mixed_step_tokens=mixed)
         self.group: Collectives | None = model.group  # rank 0 of a tensor-parallel group, or None

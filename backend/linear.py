@@ -27,10 +27,10 @@ Each bucket costs one extra copy of the weight in memory (for SmolLM2-135M in
 float32: ~0.54 GB per bucket). Buckets are used only for float32 weights on a
 CPU build with MKL; everything else uses the plain GEMM.
 
-Bfloat16 weights on a CPU with AVX512-BF16: calls of at most `cpu_gemv.max_rows()` rows (a
-decode step's requests, and a short prompt chunk where the CPU's tiles are fast) run the C kernel
-of `kernels/cpu_gemv.py`, which reads the weight at close to the memory's rate where torch's
-bfloat16 GEMM reached about half of it; same products, float32 sums in another order, rounded to
+Bfloat16 weights on a CPU with AVX512-BF16, or AVX2 and FMA: calls of at most `cpu_gemv.max_rows()`
+rows (a decode step's requests, and a short prompt chunk where the CPU's tiles are fast) run the C
+kernel of `kernels/cpu_gemv.py`, which reads the weight at close to the memory's rate where torch's
+bfloat16 GEMM reached about half of it (and where it is emulated, without BF16 units, a tenth); same products, float32 sums in another order, rounded to
 bfloat16 as torch's result is. Calls of at least `gemm_widen.WIDEN_MIN_ROWS` rows (prefill) run in
 float32 on a float32 copy of the weight made per call, where this CPU's float32 GEMM measured faster
 (`backend/gemm_widen.py`).
@@ -46,7 +46,8 @@ import torch
 from backend.gemm_widen import WIDEN_MIN_ROWS, widened_linear, widening_pays
 from kernels import cpu_gemv  # builds nothing at import (the C build runs on first use)
 
-__all__ = ["LinearOp", "Linear", "Int4Linear", "Fp8Linear", "mkl_packing_available", "DEFAULT_BUCKETS"]
+__all__ = ["LinearOp", "Linear", "Int4Linear", "Fp8Linear", "bf16_gemv_available", "mkl_packing_available",
+           "DEFAULT_BUCKETS"]
 
 DEFAULT_BUCKETS: tuple[int, ...] = (8, 32, 128)
 _UNPACKED_MAX_ROWS = 4
@@ -62,8 +63,9 @@ class LinearOp(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-def _bf16_gemv_available() -> bool:
-    """Whether the AVX512-BF16 decode GEMV is built for this CPU (`EDGESERVE_BF16_GEMV=0` turns it off)."""
+def bf16_gemv_available() -> bool:
+    """Whether the bfloat16 decode GEMV (AVX512-BF16, or its AVX2 copy) is built for this CPU
+    (`EDGESERVE_BF16_GEMV=0` turns it off)."""
     import os
 
     if os.environ.get("EDGESERVE_BF16_GEMV", "1") == "0":
@@ -112,7 +114,7 @@ class Linear:
         self.buckets = tuple(sorted(buckets)) if use else ()
         self.packs = {b: torch.ops.mkl._mkl_reorder_linear_weight(weight, b) for b in self.buckets}
         self.gemv = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous() \
-            and _bf16_gemv_available()
+            and bf16_gemv_available()
         self.widen = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"  # if widening_pays()
 
     @property

@@ -1,4 +1,4 @@
-"""The decode GEMV of bfloat16 linear layers on CPUs with AVX512-BF16 (C, built on first use).
+"""The decode GEMV of bfloat16 linear layers on CPUs with AVX512-BF16 or AVX2 (C, built on first use).
 
 `kernels/cpu/gemv_bf16.c` computes y = x . W^T for bfloat16 x [M, K] and W [N, K] with
 `vdpbf16ps` (exact bfloat16 products, float32 sums), reading the weights once at close to
@@ -23,8 +23,10 @@ that is asleep or preempted costs at most one chunk (the C file's header). A thr
 call (before) lost to one thread at every layer size on a 2-core VM (starting it took longer than
 its share); a static OpenMP split won in process and lost end to end, waiting on a worker the OS
 had given to another process.
-The build needs AVX512-BF16: elsewhere it fails, `available()` is False and `Linear` keeps
-torch's GEMM.
+Without AVX512-BF16 the build takes the AVX2 copy (`kernels/cpu/gemv_bf16_avx2.h`: float32 FMAs on 8
+lanes, its own tiles, x widened every call; `tile_mode()` is then "fma" unmeasured and `max_rows()` is
+`AVX2_MAX_ROWS`). With neither AVX512-BF16 nor AVX2 and FMA the build fails, `available()` is False and
+`Linear` keeps torch's GEMM.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ import time
 
 import torch
 
+from backend.cpu_features import has_avx512_bf16
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["KERNEL", "available", "build_error", "call_plan", "gemv_bf16", "max_rows", "MAX_ROWS_BY_TILES",
-           "PER_ROW_MAX", "TILE_MODES", "tile_mode", "measure_tiles"]
+__all__ = ["KERNEL", "available", "build_error", "call_plan", "gemv_bf16", "max_rows", "mixed_step_tokens",
+           "AVX2_MAX_ROWS", "AVX2_MIXED_STEP_TOKENS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX", "TILE_MODES", "tile_mode", "measure_tiles"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,20 @@ log = logging.getLogger(__name__)
 # alternating step by step in one engine (31 decode rows plus a prompt chunk, medians of 8): 0.79-0.92x at 63-128
 # tokens, 0.97x at 159, 1.09x at 255. So vdpbf16ps hosts take the kernel up to 128 rows.
 MAX_ROWS_BY_TILES = {"dp": 128, "fma": 32}
+# The AVX2 copy (gemv_bf16_avx2.h: CPUs without AVX512-BF16), against torch on SmolLM2's four linear shapes on a
+# 2-core AMD EPYC VM with AVX2 only (Zen 3 by its flags), 2 threads, bfloat16 GEMM time / float32 GEMM (MKL, on
+# float32 copies of the weights) / the kernel's: 1 row 0.71 / 0.61 / 0.47 ms, 4 rows 3.1 / 1.6 / 0.67, 16 rows
+# 10.5 / 3.2 / 2.7, 32 rows 16.1 / 4.7 / 3.8, 64 rows 32 / 9.4 / 7.5, 128 rows 65 / 12.9 / 15.6 (torch's
+# bfloat16 GEMM is emulated there, ~16 GFLOP/s; from 128 rows bfloat16 GEMMs run widened to float32 where that
+# pays, backend/gemm_widen.py). So it takes every call below the widened GEMMs' rows.
+AVX2_MAX_ROWS = 128
+# Tokens a step with decode rows holds by default (`mixed_step_tokens`). Where the tiles are the fastest path up to
+# max_rows (AVX512-BF16 hosts, measured above) that is max_rows: decode rows and a prompt chunk share a step in the
+# kernel's range. On the AVX2 host the tiles run ~65 GFLOP/s at 128 rows where float32 GEMMs on widened weights
+# run 87-100 from 128 rows, so a larger step gains more in its prompt rows than its decode rows lose: 32 requests
+# of 80 prompt and 64 output tokens took 23.0 / 24.6 s at a cap of 128 tokens, 17.0 / 19.7 / 18.7 s at 256,
+# 20.1 s at 384, 20.5 s uncapped (512).
+AVX2_MIXED_STEP_TOKENS = 256
 _THREADED_BYTES = 256 << 10  # weights below this run on the calling thread alone (too short to share)
 _SHARED_THREADED_BYTES = 16 << 20  # the same while torch's OpenMP workers may spin (outside a handover)
 _CHUNK_BYTES = 128 << 10  # of weights per chunk the threads claim (a few per thread at SmolLM2's sizes)
@@ -103,6 +120,8 @@ def tile_mode() -> str:
     forced = os.environ.get("EDGESERVE_GEMV_TILES", "auto")
     if forced in TILE_MODES:
         return forced
+    if not has_avx512_bf16():  # the AVX2 build has the FMA tiles only (the flag is ignored there)
+        return "fma"
     times = measure_tiles()
     mode = "fma" if times["dp"] >= _TILE_MARGIN * times["fma"] else "dp"
     log.info("bf16 GEMV tiles: %s (vdpbf16ps %.3f ms, float32 FMA %.3f ms, %d rows)", mode, times["dp"] * 1e3,
@@ -112,8 +131,14 @@ def tile_mode() -> str:
 
 def max_rows() -> int:
     """Rows up to which `Linear` runs the kernel and a step of that many tokens hands torch's threads over
-    (`MAX_ROWS_BY_TILES` for this CPU's tile kernel, `tile_mode()`)."""
-    return MAX_ROWS_BY_TILES[tile_mode()]
+    (`MAX_ROWS_BY_TILES` for this CPU's tile kernel, `tile_mode()`; `AVX2_MAX_ROWS` for the AVX2 copy)."""
+    return MAX_ROWS_BY_TILES[tile_mode()] if has_avx512_bf16() else AVX2_MAX_ROWS
+
+
+def mixed_step_tokens() -> int:
+    """Tokens a step with decode rows holds by default where every linear runs this kernel (the engine's
+    `mixed_step_tokens=None`): `max_rows()`, or `AVX2_MIXED_STEP_TOKENS` for the AVX2 copy."""
+    return max_rows() if has_avx512_bf16() else AVX2_MIXED_STEP_TOKENS
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,

@@ -24,15 +24,15 @@
 #include "bits.h"
 #include "pool.h"
 
-#ifndef __AVX512BF16__
-#error "needs AVX512-BF16 (this CPU does not have it: torch's GEMM runs instead)"
+#if !defined(__AVX512BF16__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "needs AVX512-BF16, or AVX2 with FMA (this CPU has neither: torch's GEMM runs instead)"
 #endif
 
 typedef struct {
     const uint16_t *x, *w;
     uint16_t *y; /* bfloat16 bits */
     int M, N, K, n0, n1;
-    const float *xf; /* fma tiles: x widened to float32, [M, K32] in split 32-column blocks (widen_x) */
+    const float *xf; /* x widened to float32 (widen_x), [M, XF_COLS(K)]: for the FMA tiles; every call on AVX2 */
 } Args;
 
 /* Weights are prefetched into L2 this many elements (4 KB) ahead of the loads: on a 2-core Intel Xeon VM
@@ -40,6 +40,13 @@ typedef struct {
  * it and 10.4 with it (1 KB ahead: 8.6; into L1: 9.8), two threads 13.2-14.4 and 18.4. */
 #define PF_DIST 2048
 #define CHUNK 6 /* x rows the per-row code takes (past it: the tiles below) */
+
+#ifndef __AVX512BF16__
+#include "gemv_bf16_avx2.h" /* the same computation in float32 FMAs on 8 lanes */
+#else
+#define XF_COLS(K) (((K) + 31) & ~31) /* the FMA tiles' widened x: K rounded up to whole 32-column blocks */
+#define WIDEN_ALWAYS 0                /* x is widened for the FMA tiles only */
+
 
 /* One weight row at a time, in memory order: the hardware prefetchers see one long stream (four
  * rows read side by side were four short ones, and ran at half the rate: 9.9 against 18.5 GB/s on one
@@ -286,6 +293,7 @@ static void rows(const Args *a) {
     else
         tiles(a);
 }
+#endif /* __AVX512BF16__ */
 
 /* ---- threads: the shared pool (kernels/cpu/pool.c, pool.h) ---------------------------------- */
 
@@ -302,15 +310,15 @@ static void run_chunk(void *ctx, int i) {
     rows(&a);
 }
 
-/* fma: 1 for the float32-FMA tiles (more than CHUNK rows only), 0 for the vdpbf16ps ones. Returns 0, or
- * -1 when the widened x could not be allocated (nothing computed). */
+/* fma: 1 for the float32-FMA tiles (more than CHUNK rows only), 0 for the vdpbf16ps ones (AVX2 builds have
+ * only FMAs and ignore it). Returns 0, or -1 when the widened x could not be allocated (nothing computed). */
 int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int threads, int chunks,
               int fma) {
     if (M <= 0 || N <= 0) return 0; /* nothing to compute: the per-row code would read and write 6 rows */
     const int blocks = (N + 3) / 4;
     float *xf = NULL;
-    if (fma && M > CHUNK) {
-        const size_t bytes = ((size_t)M * ((K + 31) & ~31) * sizeof(float) + 63) & ~(size_t)63;
+    if (WIDEN_ALWAYS || (fma && M > CHUNK)) {
+        const size_t bytes = ((size_t)M * XF_COLS(K) * sizeof(float) + 63) & ~(size_t)63;
         xf = aligned_alloc(64, bytes);
         if (!xf) return -1;
         widen_x(x, xf, M, K);

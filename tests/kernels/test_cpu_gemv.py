@@ -1,7 +1,7 @@
-"""The AVX512-BF16 decode GEMV (kernels/cpu/gemv_bf16.c) against a float64 reference, on fresh random
-inputs: K and N that are not multiples of the kernel's 32 columns or 4-row thread split, 1-6 rows (the per-row
-code) and 7-33 rows (the 4 x 4 tiles, vdpbf16ps and float32-FMA, with 1-3 rows and 1-3 weight rows left over),
-1-3 threads;
+"""The decode GEMV (kernels/cpu/gemv_bf16.c: AVX512-BF16, or its AVX2 copy in gemv_bf16_avx2.h, whichever this
+CPU builds) against a float64 reference, on fresh random inputs: K and N that are not multiples of the kernel's
+16 or 32 columns or 4-row thread split, 1-6 rows (the per-row code) and 7-33 rows (the tiles: vdpbf16ps and
+float32-FMA 4 x 4, AVX2's 3 x 4, with rows and weight rows left over), 1-3 threads;
 and `Linear` taking it for bfloat16 weights at decode row counts."""
 
 from __future__ import annotations
@@ -82,8 +82,17 @@ def tiles_env(monkeypatch: pytest.MonkeyPatch):
 def test_tile_mode_takes_the_fma_tiles_only_when_clearly_faster(tiles_env, monkeypatch: pytest.MonkeyPatch,
                                                                 times: dict[str, float], mode: str) -> None:
     tiles_env("auto")
+    monkeypatch.setattr(cpu_gemv, "has_avx512_bf16", lambda: True)
     monkeypatch.setattr(cpu_gemv, "measure_tiles", lambda: times)
     assert cpu_gemv.tile_mode() == mode
+
+
+def test_without_avx512_bf16_the_tiles_are_fma_unmeasured(tiles_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2 build has only its FMA tiles: nothing to time, and max_rows is theirs."""
+    tiles_env("auto")
+    monkeypatch.setattr(cpu_gemv, "has_avx512_bf16", lambda: False)
+    monkeypatch.setattr(cpu_gemv, "measure_tiles", lambda: pytest.fail("measured without a vdpbf16ps copy"))
+    assert cpu_gemv.tile_mode() == "fma" and cpu_gemv.max_rows() == cpu_gemv.AVX2_MAX_ROWS
 
 
 @pytest.mark.parametrize("mode", TILE_MODES)
@@ -104,8 +113,10 @@ def test_linear_takes_it_up_to_the_tiles_row_limit(tiles_env, monkeypatch: pytes
     """`Linear` runs the kernel up to `max_rows()` rows, which follows the tile kernel chosen, and torch's GEMM
     past it; both right."""
     tiles_env(mode)
+    monkeypatch.setenv("EDGESERVE_BF16_WIDEN", "0")  # the limit is under test (128 rows widen where that pays)
     limit = cpu_gemv.max_rows()
-    assert limit == MAX_ROWS_BY_TILES[mode] and MAX_ROWS_BY_TILES["dp"] > MAX_ROWS_BY_TILES["fma"] >= 32
+    expected = MAX_ROWS_BY_TILES[mode] if cpu_gemv.has_avx512_bf16() else cpu_gemv.AVX2_MAX_ROWS
+    assert limit == expected and MAX_ROWS_BY_TILES["dp"] > MAX_ROWS_BY_TILES["fma"] >= 32
     calls: list[int] = []
     kernel = cpu_gemv.gemv_bf16
     monkeypatch.setattr(cpu_gemv, "gemv_bf16", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))

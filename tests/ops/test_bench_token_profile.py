@@ -38,9 +38,9 @@ def test_a_run_on_a_tiny_model_accounts_for_the_step(tiny_chat_dir: Path, tmp_pa
     from kernels.cpu_paged_attention import available
 
     assert (parts["attention"] > 0) == available()  # the C kernel's calls were timed when it runs
-    from backend.linear import _bf16_gemv_available
+    from backend.linear import bf16_gemv_available
 
-    gemv_runs = dtype == "bfloat16" and _bf16_gemv_available()
+    gemv_runs = dtype == "bfloat16" and bf16_gemv_available()
     assert (report["gemv_ms"] > 0) == gemv_runs  # the bf16 GEMV's calls were timed, as linear time
     if gemv_runs:
         assert parts["linear"] >= report["gemv_ms"]
