@@ -6,8 +6,9 @@ under `$EDGESERVE_HOME/kernels/` keyed by the source, the shared headers (`cpu/*
 compiler and CPU flags, so a source or header change or another host rebuilds it; it is
 written under a temporary name and renamed, so concurrent builders never load a half-written
 file. Without a C compiler, or when the build fails (e.g. a kernel that needs an instruction
-set this CPU lacks), `load()` returns None, the reason is logged once and kept in `error`, and
-callers take their torch path.
+set this CPU lacks), `load()` returns None, the reason is logged once (a warning; info where the
+source's own `#error` says this CPU lacks what it needs) and kept in `error`, and callers take their
+torch path.
 
 Threads: a kernel built with `uses_pool=True` gets the process's one pool of helper threads
 (`kernels/cpu/pool.c`, itself built here) through its `set_pool` at load time, so every such
@@ -105,7 +106,10 @@ class CKernel:
                     self._lib = self._build()
                 except OSError as exc:
                     self.error = str(exc)
-                    log.warning("CPU kernel %s unavailable (%s); %s", self.source.name, exc, self.fallback)
+                    # a source's own `#error` says this CPU lacks what it needs: expected on such hosts, so not
+                    # a warning (quiet by default); any other failure (no compiler, a broken build) is one
+                    level = logging.INFO if "#error" in self.error else logging.WARNING
+                    log.log(level, "CPU kernel %s unavailable (%s); %s", self.source.name, exc, self.fallback)
             return self._lib
 
     def address(self, symbol: str) -> int | None:

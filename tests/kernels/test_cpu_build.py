@@ -5,6 +5,7 @@ build; a source that does not compile leaves the kernel unavailable with the com
 from __future__ import annotations
 
 import ctypes
+import logging
 import shutil
 from pathlib import Path
 
@@ -42,11 +43,17 @@ def test_a_header_change_rebuilds_and_an_unchanged_tree_reuses(tmp_path: Path, m
 
 
 def test_a_build_that_fails_leaves_the_kernel_unavailable_with_the_reason(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("EDGESERVE_HOME", str(tmp_path / "home"))
     (tmp_path / "bad.c").write_text("int answer(void) { return nope; }\n")
     k = _kernel(tmp_path / "bad.c")
-    assert k.load() is None and "nope" in k.error
+    with caplog.at_level(logging.INFO, logger="kernels.cpu_build"):
+        assert k.load() is None and "nope" in k.error
+        # a source refusing this CPU by its own #error is expected there: info, not a warning (quiet by default)
+        (tmp_path / "needs.c").write_text('#error "needs a CPU feature this one lacks"\n')
+        assert _kernel(tmp_path / "needs.c").load() is None
+    assert [(r.levelname, "nope" in r.getMessage()) for r in caplog.records] == [("WARNING", True), ("INFO", False)]
 
 
 def test_every_kernel_of_the_tree_builds_here() -> None:
