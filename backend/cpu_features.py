@@ -41,8 +41,8 @@ import functools
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["cpu_flags", "has_amx_bf16", "has_avx512_bf16", "has_avx2_only", "auto_dtype", "auto_kv_format", "resolve_dtype",
-           "resolve_kv_format"]
+__all__ = ["cpu_flags", "has_amx_bf16", "has_avx512_bf16", "has_avx2_only", "auto_dtype", "auto_kv_format",
+           "resolve_dtype", "resolve_kv_format"]
 
 
 @functools.lru_cache(maxsize=1)

@@ -44,7 +44,8 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "available", "build_error", "call_plan", "gemv_bf16", "max_rows", "mixed_step_tokens",
-           "AVX2_MAX_ROWS", "AVX2_MIXED_STEP_TOKENS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX", "TILE_MODES", "tile_mode", "measure_tiles"]
+           "AVX2_MAX_ROWS", "AVX2_MIXED_STEP_TOKENS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX", "TILE_MODES", "tile_mode",
+           "measure_tiles"]
 
 log = logging.getLogger(__name__)
 

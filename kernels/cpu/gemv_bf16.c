@@ -47,7 +47,6 @@ typedef struct {
 #define XF_COLS(K) (((K) + 31) & ~31) /* the FMA tiles' widened x: K rounded up to whole 32-column blocks */
 #define WIDEN_ALWAYS 0                /* x is widened for the FMA tiles only */
 
-
 /* One weight row at a time, in memory order: the hardware prefetchers see one long stream (four
  * rows read side by side were four short ones, and ran at half the rate: 9.9 against 18.5 GB/s on one
  * core over SmolLM2's linears). Each 32-column weight vector is loaded once and multiplied with every
