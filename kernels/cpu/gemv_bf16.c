@@ -41,6 +41,10 @@ typedef struct {
 #define PF_DIST 2048
 #define CHUNK 6 /* x rows the per-row code takes (past it: the tiles below) */
 
+/* defined after both copies, on each copy's rows_m and ftile */
+static void rows_chunk(const Args *a);                /* at most CHUNK x rows */
+static void ftile_blocks(const Args *a, int nfull); /* the FMA tiles over weight rows n0..nfull */
+
 #ifndef __AVX512BF16__
 #include "gemv_bf16_avx2.h" /* the same computation in float32 FMAs on 8 lanes */
 #else
@@ -87,17 +91,6 @@ static inline __attribute__((always_inline)) void rows_m(const Args *a, const in
         }
         for (int m = 0; m < M; m++)
             a->y[(int64_t)m * a->N + n] = float_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])));
-    }
-}
-
-static void rows_chunk(const Args *a) { /* at most CHUNK x rows: a specialisation per count */
-    switch (a->M) {
-    case 1: rows_m(a, 1); break;
-    case 2: rows_m(a, 2); break;
-    case 3: rows_m(a, 3); break;
-    case 4: rows_m(a, 4); break;
-    case 5: rows_m(a, 5); break;
-    default: rows_m(a, 6); break;
     }
 }
 
@@ -261,21 +254,7 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
 
 static void fma_tiles(const Args *a) {
     const int nfull = a->n0 + (a->n1 - a->n0) / NR * NR;
-    for (int b = a->n0; b < nfull; b += FNB) {
-        const int bend = b + FNB < nfull ? b + FNB : nfull;
-        int m = 0;
-        for (; m + MR <= a->M; m += MR) /* the first x tile reads the block from memory: prefetch ahead */
-            for (int n = b; n < bend; n += NR)
-                ftile(a, n, m, MR, m == 0 && n + 2 * NR <= nfull ? a->w + (int64_t)(n + NR) * a->K : NULL);
-        for (int n = b; n < bend; n += NR) {
-            switch (a->M - m) {
-            case 1: ftile(a, n, m, 1, NULL); break;
-            case 2: ftile(a, n, m, 2, NULL); break;
-            case 3: ftile(a, n, m, 3, NULL); break;
-            default: break;
-            }
-        }
-    }
+    ftile_blocks(a, nfull);
     if (nfull < a->n1) { /* the last N % 4 weight rows, by the per-row code */
         Args b = *a;
         b.n0 = nfull;
@@ -293,6 +272,37 @@ static void rows(const Args *a) {
         tiles(a);
 }
 #endif /* __AVX512BF16__ */
+
+static void rows_chunk(const Args *a) { /* a specialisation of rows_m per count */
+    switch (a->M) {
+    case 1: rows_m(a, 1); break;
+    case 2: rows_m(a, 2); break;
+    case 3: rows_m(a, 3); break;
+    case 4: rows_m(a, 4); break;
+    case 5: rows_m(a, 5); break;
+    default: rows_m(a, 6); break;
+    }
+}
+
+/* The FMA tiles over weight rows n0..nfull (a multiple of NR): blocks of FNB weight rows (kept in L2) by x
+ * tiles of MR rows by NR weight rows; the first x tile reads a block from memory and prefetches ahead. */
+static void ftile_blocks(const Args *a, int nfull) {
+    for (int b = a->n0; b < nfull; b += FNB) {
+        const int bend = b + FNB < nfull ? b + FNB : nfull;
+        int m = 0;
+        for (; m + MR <= a->M; m += MR) /* the first x tile reads the block from memory: prefetch ahead */
+            for (int n = b; n < bend; n += NR)
+                ftile(a, n, m, MR, m == 0 && n + 2 * NR <= nfull ? a->w + (int64_t)(n + NR) * a->K : NULL);
+        for (int n = b; n < bend; n += NR) {
+            switch (a->M - m) {
+            case 1: ftile(a, n, m, 1, NULL); break;
+            case 2: ftile(a, n, m, 2, NULL); break;
+            case 3: ftile(a, n, m, 3, NULL); break;
+            default: break;
+            }
+        }
+    }
+}
 
 /* ---- threads: the shared pool (kernels/cpu/pool.c, pool.h) ---------------------------------- */
 

@@ -14,7 +14,7 @@
  *
  * Up to CHUNK x rows: one weight row at a time in memory order (one long stream for the prefetchers), two
  * accumulators per x row (even and odd columns: two chains in flight per row, 2 M + 2 + 1 of the 16 ymm
- * registers at M = 6). More rows: tiles of NR2 = 2 weight rows by MR = 4 x rows (8 accumulators, both rows'
+ * registers at M = 6). More rows: tiles of NR = 2 weight rows by MR = 4 x rows (8 accumulators, both rows'
  * widened halves and one x row's two vectors: 14 registers and the mask), so each x vector is loaded once for
  * two weight rows (10 loads per 16 FMAs; 3 x 4 tiles with x from memory per FMA, 28 per 24, ran 40-47 GFLOP/s
  * on two cores where float32 MKL ran 79); weight blocks of FNB rows kept in L2 while every x tile passes over
@@ -77,18 +77,7 @@ static inline __attribute__((always_inline)) void rows_m(const Args *a, const in
     }
 }
 
-static void rows_chunk(const Args *a) { /* at most CHUNK x rows: a specialisation per count */
-    switch (a->M) {
-    case 1: rows_m(a, 1); break;
-    case 2: rows_m(a, 2); break;
-    case 3: rows_m(a, 3); break;
-    case 4: rows_m(a, 4); break;
-    case 5: rows_m(a, 5); break;
-    default: rows_m(a, 6); break;
-    }
-}
-
-#define NR2 2
+#define NR 2
 #define MR 4
 #define FNB 64
 
@@ -100,12 +89,12 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
     const uint16_t *w0 = a->w + (int64_t)n * K, *w1 = w0 + K;
     const float *x = a->xf + (int64_t)m0 * K16;
     uint16_t buf[16];
-    __m256 acc[MR][NR2];
+    __m256 acc[MR][NR];
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < NR2; j++) acc[m][j] = _mm256_setzero_ps();
+        for (int j = 0; j < NR; j++) acc[m][j] = _mm256_setzero_ps();
     for (int k = 0; k < K16; k += 16) {
         if (prefetch && (k & 31) == 0) /* the next 2 weight rows, one line of each per 32 columns */
-            for (int j = 0; j < NR2; j++) _mm_prefetch((const char *)(prefetch + (int64_t)j * K + k), _MM_HINT_T1);
+            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(prefetch + (int64_t)j * K + k), _MM_HINT_T1);
         const __m256i v0 = k < full16 ? _mm256_loadu_si256((const __m256i *)(w0 + k)) : tail_block(w0, k, K, buf);
         const __m256i v1 = k < full16 ? _mm256_loadu_si256((const __m256i *)(w1 + k)) : tail_block(w1, k, K, buf);
         const __m256 we0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
@@ -120,7 +109,7 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
         }
     }
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < NR2; j++) a->y[(int64_t)(m0 + m) * a->N + n + j] = float_to_bf16(hsum8(acc[m][j]));
+        for (int j = 0; j < NR; j++) a->y[(int64_t)(m0 + m) * a->N + n + j] = float_to_bf16(hsum8(acc[m][j]));
 }
 
 static void rows(const Args *a) {
@@ -128,22 +117,8 @@ static void rows(const Args *a) {
         rows_chunk(a);
         return;
     }
-    const int nfull = a->n0 + (a->n1 - a->n0) / NR2 * NR2;
-    for (int b = a->n0; b < nfull; b += FNB) {
-        const int bend = b + FNB < nfull ? b + FNB : nfull;
-        int m = 0;
-        for (; m + MR <= a->M; m += MR) /* the first x tile reads the block from memory: prefetch ahead */
-            for (int n = b; n < bend; n += NR2)
-                ftile(a, n, m, MR, m == 0 && n + 2 * NR2 <= nfull ? a->w + (int64_t)(n + NR2) * a->K : NULL);
-        for (int n = b; n < bend; n += NR2) {
-            switch (a->M - m) {
-            case 1: ftile(a, n, m, 1, NULL); break;
-            case 2: ftile(a, n, m, 2, NULL); break;
-            case 3: ftile(a, n, m, 3, NULL); break;
-            default: break;
-            }
-        }
-    }
+    const int nfull = a->n0 + (a->n1 - a->n0) / NR * NR;
+    ftile_blocks(a, nfull);
     if (nfull < a->n1) { /* the last weight row of an odd N, by the per-row code in chunks of x rows */
         for (int m0 = 0; m0 < a->M; m0 += CHUNK) {
             Args c = *a;
