@@ -1,6 +1,7 @@
 /* y[M, N] (bfloat16) = x[M, K] . w[N, K]^T for bfloat16 x and w and up to a few dozen rows M: the decode
- * GEMV / small GEMM of bfloat16 linear layers on CPUs with AVX512-BF16. Built and loaded by
- * kernels/cpu_gemv.py.
+ * GEMV / small GEMM of bfloat16 linear layers on CPUs with AVX512-BF16 (this file's code), or with AVX2 and
+ * FMA (gemv_bf16_avx2.h's, included below in its place; the pool and entry point here serve both). Built
+ * and loaded by kernels/cpu_gemv.py.
  *
  * At M = 1 a GEMV reads every weight once and does one multiply-add per weight, so it should run at
  * the memory's read rate; torch's bfloat16 GEMM converts to float32 and reached about half of it
