@@ -31,9 +31,9 @@ Bfloat16 weights on a CPU with AVX512-BF16, or AVX2 and FMA: calls of at most `c
 rows (a decode step's requests, and a short prompt chunk where the CPU's tiles are fast) run the C
 kernel of `kernels/cpu_gemv.py`, which reads the weight at close to the memory's rate where torch's
 bfloat16 GEMM reached about half of it (where it is emulated, without BF16 units, far less); same
-products, float32 sums in another order, rounded to bfloat16 as torch's result is. Calls of at least `gemm_widen.WIDEN_MIN_ROWS` rows (prefill) run in
-float32 on a float32 copy of the weight made per call, where this CPU's float32 GEMM measured faster
-(`backend/gemm_widen.py`).
+products, float32 sums in another order, rounded to bfloat16 as torch's result is. Calls of at least
+`gemm_widen.WIDEN_MIN_ROWS` rows (prefill) run in float32 on a float32 copy of the weight made per call,
+where this CPU's float32 GEMM measured faster (`backend/gemm_widen.py`).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ call (before) lost to one thread at every layer size on a 2-core VM (starting it
 its share); a static OpenMP split won in process and lost end to end, waiting on a worker the OS
 had given to another process.
 Without AVX512-BF16 the build takes the AVX2 copy (`kernels/cpu/gemv_bf16_avx2.h`: float32 FMAs on 8
-lanes, its own tiles, x widened every call; `tile_mode()` is then "fma" unmeasured and `max_rows()` is
-`AVX2_MAX_ROWS`). With neither AVX512-BF16 nor AVX2 and FMA the build fails, `available()` is False and
+lanes, its own tiles, x widened every call; `tile_mode()` is then "avx2", unmeasured, with its own row
+limit). With neither AVX512-BF16 nor AVX2 and FMA the build fails, `available()` is False and
 `Linear` keeps torch's GEMM.
 """
 
@@ -44,8 +44,7 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "available", "build_error", "call_plan", "gemv_bf16", "max_rows", "mixed_step_tokens",
-           "AVX2_MAX_ROWS", "AVX2_MIXED_STEP_TOKENS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX", "TILE_MODES", "tile_mode",
-           "measure_tiles"]
+           "AVX2_MIXED_STEP_TOKENS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX", "TILE_MODES", "tile_mode", "measure_tiles"]
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +58,13 @@ log = logging.getLogger(__name__)
 # torch's threads for its other ops (the prompt's attention), so the limit is set by whole steps, the limits
 # alternating step by step in one engine (31 decode rows plus a prompt chunk, medians of 8): 0.79-0.92x at 63-128
 # tokens, 0.97x at 159, 1.09x at 255. So vdpbf16ps hosts take the kernel up to 128 rows.
-MAX_ROWS_BY_TILES = {"dp": 128, "fma": 32}
 # The AVX2 copy (gemv_bf16_avx2.h: CPUs without AVX512-BF16), against torch on SmolLM2's four linear shapes on a
 # 2-core AMD EPYC VM with AVX2 only (Zen 3 by its flags), 2 threads, bfloat16 GEMM time / float32 GEMM (MKL, on
 # float32 copies of the weights) / the kernel's: 1 row 0.71 / 0.61 / 0.47 ms, 4 rows 3.1 / 1.6 / 0.67, 16 rows
 # 10.5 / 3.2 / 2.7, 32 rows 16.1 / 4.7 / 3.8, 64 rows 32 / 9.4 / 7.5, 128 rows 65 / 12.9 / 15.6 (torch's
 # bfloat16 GEMM is emulated there, ~16 GFLOP/s; from 128 rows bfloat16 GEMMs run widened to float32 where that
-# pays, backend/gemm_widen.py). So it takes every call below the widened GEMMs' rows.
-AVX2_MAX_ROWS = 128
+# pays, backend/gemm_widen.py). So it takes every call below the widened GEMMs' rows: "avx2" 128.
+MAX_ROWS_BY_TILES = {"dp": 128, "fma": 32, "avx2": 128}
 # Tokens a step with decode rows holds by default (`mixed_step_tokens`). Where the tiles are the fastest path up to
 # max_rows (AVX512-BF16 hosts, measured above) that is max_rows: decode rows and a prompt chunk share a step in the
 # kernel's range. On the AVX2 host the tiles run ~65 GFLOP/s at 128 rows where float32 GEMMs on widened weights
@@ -121,8 +119,8 @@ def tile_mode() -> str:
     forced = os.environ.get("EDGESERVE_GEMV_TILES", "auto")
     if forced in TILE_MODES:
         return forced
-    if not has_avx512_bf16():  # the AVX2 build has the FMA tiles only (the flag is ignored there)
-        return "fma"
+    if not has_avx512_bf16():  # the AVX2 build: its own tiles, nothing to choose (the C call ignores `fma`)
+        return "avx2"
     times = measure_tiles()
     mode = "fma" if times["dp"] >= _TILE_MARGIN * times["fma"] else "dp"
     log.info("bf16 GEMV tiles: %s (vdpbf16ps %.3f ms, float32 FMA %.3f ms, %d rows)", mode, times["dp"] * 1e3,
@@ -132,14 +130,14 @@ def tile_mode() -> str:
 
 def max_rows() -> int:
     """Rows up to which `Linear` runs the kernel and a step of that many tokens hands torch's threads over
-    (`MAX_ROWS_BY_TILES` for this CPU's tile kernel, `tile_mode()`; `AVX2_MAX_ROWS` for the AVX2 copy)."""
-    return MAX_ROWS_BY_TILES[tile_mode()] if has_avx512_bf16() else AVX2_MAX_ROWS
+    (`MAX_ROWS_BY_TILES` for this CPU's tile kernel, `tile_mode()`)."""
+    return MAX_ROWS_BY_TILES[tile_mode()]
 
 
 def mixed_step_tokens() -> int:
     """Tokens a step with decode rows holds by default where every linear runs this kernel (the engine's
     `mixed_step_tokens=None`): `max_rows()`, or `AVX2_MIXED_STEP_TOKENS` for the AVX2 copy."""
-    return max_rows() if has_avx512_bf16() else AVX2_MIXED_STEP_TOKENS
+    return AVX2_MIXED_STEP_TOKENS if tile_mode() == "avx2" else max_rows()
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,

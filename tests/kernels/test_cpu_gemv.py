@@ -87,12 +87,13 @@ def test_tile_mode_takes_the_fma_tiles_only_when_clearly_faster(tiles_env, monke
     assert cpu_gemv.tile_mode() == mode
 
 
-def test_without_avx512_bf16_the_tiles_are_fma_unmeasured(tiles_env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An AVX2 build has only its FMA tiles: nothing to time, and max_rows is theirs."""
+def test_without_avx512_bf16_the_tiles_are_avx2_unmeasured(tiles_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2 build has only its own tiles: nothing to time, and the row limit and step cap are theirs."""
     tiles_env("auto")
     monkeypatch.setattr(cpu_gemv, "has_avx512_bf16", lambda: False)
     monkeypatch.setattr(cpu_gemv, "measure_tiles", lambda: pytest.fail("measured without a vdpbf16ps copy"))
-    assert cpu_gemv.tile_mode() == "fma" and cpu_gemv.max_rows() == cpu_gemv.AVX2_MAX_ROWS
+    assert cpu_gemv.tile_mode() == "avx2" and cpu_gemv.max_rows() == MAX_ROWS_BY_TILES["avx2"]
+    assert cpu_gemv.mixed_step_tokens() == cpu_gemv.AVX2_MIXED_STEP_TOKENS
 
 
 @pytest.mark.parametrize("mode", TILE_MODES)
@@ -115,8 +116,7 @@ def test_linear_takes_it_up_to_the_tiles_row_limit(tiles_env, monkeypatch: pytes
     tiles_env(mode)
     monkeypatch.setenv("EDGESERVE_BF16_WIDEN", "0")  # the limit is under test (128 rows widen where that pays)
     limit = cpu_gemv.max_rows()
-    expected = MAX_ROWS_BY_TILES[mode] if cpu_gemv.has_avx512_bf16() else cpu_gemv.AVX2_MAX_ROWS
-    assert limit == expected and MAX_ROWS_BY_TILES["dp"] > MAX_ROWS_BY_TILES["fma"] >= 32
+    assert limit == MAX_ROWS_BY_TILES[mode] and MAX_ROWS_BY_TILES["dp"] > MAX_ROWS_BY_TILES["fma"] >= 32
     calls: list[int] = []
     kernel = cpu_gemv.gemv_bf16
     monkeypatch.setattr(cpu_gemv, "gemv_bf16", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
