@@ -1,6 +1,7 @@
 /* gemv_bf16.c's compute on CPUs with AVX2 and FMA but no AVX512-BF16 (AMD Zen 2/3, Intel before Cooper Lake,
  * most laptops): the same y[M, N] = x[M, K] . w[N, K]^T for bfloat16 x and w, in float32 FMAs on 8 lanes.
- * Included by gemv_bf16.c, which keeps the pool, the entry point and the bfloat16 rounding of the result.
+ * Included by gemv_bf16.c, which keeps the pool and the entry point; results are rounded to bfloat16 by
+ * bits.h's float_to_bf16 (to nearest, ties to even), as in the AVX-512 per-row code.
  *
  * Numerics: the products of bfloat16 values are exact in float32 (8-bit by 8-bit mantissas) and the sums are
  * float32, as in the vdpbf16ps and FMA tiles of gemv_bf16.c and torch's bfloat16 GEMM; only the summation
