@@ -60,7 +60,7 @@ Runtime (the GEMM each format runs; measurements in `BENCHMARKS.md`, weights sec
   memory) what the dense compute-dtype GEMM does. The CPU has no FP8 GEMM, and
   dequantising per call would add a pass over every weight to every step. On CUDA:
   the Triton W8A16 kernel (`kernels/fp8_gemm.py`), scales applied in registers.
-- int4 on CPU with AVX512-BF16: the C kernel of `kernels/cpu_gemv_int4.py` on
+- int4 on CPU with AVX512-BF16 or AVX2: the C kernel of `kernels/cpu_gemv_int4.py` on
   bfloat16 activations, the weight repacked at load into its panels of 16 rows (same
   size): the 4-bit codes are multiplied as they are and each group's sum scaled once
   (about half the time of torch's INT4 GEMM at every row count). Elsewhere

@@ -1,6 +1,8 @@
 /* y[M, N] (bfloat16) = x[M, K] . W[N, K]^T for bfloat16 x and an INT4 group-wise W, on CPUs with
- * AVX512-BF16: the decode GEMV / small GEMM of INT4 linear layers. Built and loaded by
- * kernels/cpu_gemv_int4.py, which also packs the weights into the layout below at load.
+ * AVX512-BF16 (this file's code) or with AVX2 and FMA (gemv_int4_avx2.h's, included below in its place, on the
+ * same layout; the row blocks, pool and entry point here serve both): the decode GEMV / small GEMM of INT4
+ * linear layers. Built and loaded by kernels/cpu_gemv_int4.py, which also packs the weights into the layout
+ * below at load.
  *
  * The weight is W[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g], q in 0..15, g = k / group (weight_formats.py).
  * Nothing is dequantised: the codes themselves go into `vdpbf16ps`. A code q becomes the bfloat16 value
@@ -53,12 +55,11 @@
 #include "bits.h"
 #include "pool.h"
 
-#ifndef __AVX512BF16__
-#error "needs AVX512-BF16 (this CPU does not have it: torch's INT4 GEMM runs instead)"
+#if !defined(__AVX512BF16__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "needs AVX512-BF16, or AVX2 with FMA (this CPU has neither: torch's INT4 GEMM runs instead)"
 #endif
 
 #define PANEL 16 /* output rows per panel (one register of float32 sums) */
-#define MAXR 8   /* x rows per tile */
 #define PF_DIST 2048 /* bytes ahead of the loads prefetched into L2 (the first x tile of a panel) */
 #define MBLOCK 64    /* x rows per pass over a chunk's panels (64 x 1536 bfloat16: 192 KB) */
 
@@ -69,7 +70,29 @@ typedef struct {
     const uint16_t *sz; /* [P, G, 2, 16] bfloat16 scales and zeros */
     uint16_t *y;       /* [M, N] bfloat16 */
     int M, N, K, G, group, p0, p1;
+    const float *xf; /* [M, K]: x in float32 (AVX2 only: prepare_x) */
 } Args;
+
+#ifndef __AVX512BF16__
+#include "gemv_int4_avx2.h" /* the same computation in float32 FMAs on 8 lanes */
+#else
+#define MAXR 8  /* x rows per tile */
+#define WIDEN 0 /* x stays bfloat16 (no xf) */
+
+/* xs[m, g] = sum of x[m] over group g's columns (xf unused here) */
+static void prepare_x(const uint16_t *x, float *xs, float *xf, int M, int K, int G, int group) {
+    (void)xf;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            const int k0 = g * group, k1 = k0 + group < K ? k0 + group : K;
+            __m512 s = _mm512_setzero_ps();
+            int k = k0;
+            for (; k + 16 <= k1; k += 16) s = _mm512_add_ps(s, bf16x16_to_float(x + (int64_t)m * K + k));
+            float t = _mm512_reduce_add_ps(s);
+            for (; k < k1; k++) t += bf16_to_float(x[(int64_t)m * K + k]);
+            xs[(int64_t)m * G + g] = t;
+        }
+}
 
 typedef int32_t __attribute__((may_alias)) pair_t; /* two bfloat16 values read as one 32-bit word */
 
@@ -152,6 +175,7 @@ static void run_rows(const Args *a, int m0, int rows, int prefetch) {
     default: panels(a, m0, 8, 2, prefetch); break;
     }
 }
+#endif /* __AVX512BF16__ */
 
 /* x rows 0..M-1 of `a` over its panels: x tiles of at most MAXR rows, balanced (32 rows: 4 x 8; 12: 6 + 6),
  * panel by panel when there are several, so the later tiles find the panel in L1. */
@@ -181,6 +205,7 @@ static void rows(const Args *a) {
         Args b = *a;
         b.x = a->x + (int64_t)m0 * a->K;
         b.xs = a->xs + (int64_t)m0 * a->G;
+        b.xf = a->xf ? a->xf + (int64_t)m0 * a->K : NULL;
         b.y = a->y + (int64_t)m0 * a->N;
         b.M = a->M - m0 < MBLOCK ? a->M - m0 : MBLOCK;
         block_rows(&b);
@@ -208,19 +233,11 @@ int gemv_int4(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t 
               int threads, int chunks) {
     if (M <= 0 || N <= 0) return 0;
     const int G = (K + group - 1) / group, P = (N + PANEL - 1) / PANEL;
-    float *xs = malloc((size_t)M * G * sizeof(float));
+    float *xs = malloc(((size_t)M * G + (WIDEN ? (size_t)M * K : 0)) * sizeof(float)); /* then xf */
     if (!xs) return -1;
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {
-            const int k0 = g * group, k1 = k0 + group < K ? k0 + group : K;
-            __m512 s = _mm512_setzero_ps();
-            int k = k0;
-            for (; k + 16 <= k1; k += 16) s = _mm512_add_ps(s, bf16x16_to_float(x + (int64_t)m * K + k));
-            float t = _mm512_reduce_add_ps(s);
-            for (; k < k1; k++) t += bf16_to_float(x[(int64_t)m * K + k]);
-            xs[(int64_t)m * G + g] = t;
-        }
-    const Args a = {x, xs, q, sz, y, M, N, K, G, group, 0, P};
+    float *xf = WIDEN ? xs + (size_t)M * G : NULL;
+    prepare_x(x, xs, xf, M, K, G, group);
+    const Args a = {x, xs, q, sz, y, M, N, K, G, group, 0, P, xf};
     if (chunks > P) chunks = P;
     if (chunks > 0xfff) chunks = 0xfff;
     if (run_pool != 0 && chunks > 1) {

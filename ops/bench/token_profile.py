@@ -8,7 +8,7 @@ and the step's time is split into:
 - ``linear``: the GEMMs of the linear layers and the LM head (`aten::mm`, `addmm`,
   MKL's packed `_mkl_linear`, the INT4 `_weight_int4pack_mm_for_cpu`), self time from
   `torch.profiler`;
-  plus the AVX512-BF16 decode GEMVs (`kernels.cpu_gemv.gemv_bf16`, `kernels.cpu_gemv_int4.gemv_int4`:
+  plus the C decode GEMVs (`kernels.cpu_gemv.gemv_bf16`, `kernels.cpu_gemv_int4.gemv_int4`:
   ctypes calls the profiler cannot see, timed by wrapping them; ``gemv`` and ``gemv_int4`` in the
   JSON are those parts alone);
 - ``attention``: the paged decode attention call (also a ctypes call, so the bench wraps

@@ -79,7 +79,7 @@ def test_int4_cpu_gemm_matches_the_dequantised_weight(n: int, k: int, group: int
     from kernels.cpu_gemv_int4 import available
 
     if kernel and not available():
-        pytest.skip("the INT4 C kernel needs AVX512-BF16")
+        pytest.skip("the INT4 C kernel needs AVX512-BF16 or AVX2 with FMA")
     monkeypatch.setenv("EDGESERVE_INT4_GEMV", "1" if kernel else "0")
     fmt = Int4Format(group)
     sw = fmt.quantize(scaled_weight(n, k))

@@ -1,5 +1,6 @@
-"""The AVX512-BF16 INT4 GEMV (kernels/cpu/gemv_int4.c) against a float64 reference of the dequantised weight,
-on fresh random inputs: every x-tile shape (1-8 rows, balanced tiles past 8, row blocks past 64), N not a
+"""The INT4 GEMV (kernels/cpu/gemv_int4.c: AVX512-BF16, or its AVX2 copy in gemv_int4_avx2.h, whichever this
+CPU builds) against a float64 reference of the dequantised weight, on fresh random inputs: every x-tile
+shape (1-8 rows, 1-4 on AVX2; balanced tiles past them, row blocks past 64), N not a
 multiple of the 16-row panel, K not a multiple of the 8-column step or of the group (a partial last group),
 group sizes 8-256, 1-3 threads; weights whose groups are far from centred (the 136 s X term then cancels
 most of the sum) and all-zero scales; packing and `Int4Linear` on it."""
