@@ -91,6 +91,51 @@ static inline void store_bf16x16(uint16_t *p, __m512 f) {
 static inline __m512 bf16_round16(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(f), 16)); }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* exp_reduced on 8 lanes (AVX2 and FMA): the same operations lane by lane (the same constants). */
+static inline __m256 exp_reduced8(__m256 x, __m256 *n_out) {
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.42860682030941723e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    *n_out = n;
+    return p;
+}
+
+/* 8 bfloat16 values at p -> float32, exactly */
+static inline __m256 bf16x8_to_float(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* float_to_bf16 (below) on 8 lanes, in the low halves of the 32-bit lanes (integer rounding, as round_bf16) */
+static inline __m256i round_bf16x8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+}
+
+/* 8 lanes rounded to bfloat16 as above, stored at p */
+static inline void store_bf16x8(uint16_t *p, __m256 f) {
+    const __m256i r = round_bf16x8(f);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+/* 8 lanes rounded to bfloat16 and widened back: the float32 values the stored bfloat16 would read as */
+static inline __m256 bf16_round8(__m256 f) { return _mm256_castsi256_ps(_mm256_slli_epi32(round_bf16x8(f), 16)); }
+#endif
+
 /* float32 -> bfloat16: to nearest, ties to even, as torch rounds; NaN stays NaN (quiet, its sign kept). */
 static inline uint16_t float_to_bf16(float f) {
     const uint32_t u = float_to_bits(f);

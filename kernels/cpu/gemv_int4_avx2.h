@@ -53,11 +53,6 @@ static void prepare_x(const uint16_t *x, float *xs, float *xf, int M, int K, int
         }
 }
 
-/* 8 bfloat16 values at p -> float32, exactly */
-static inline __m256 bf16x8_to_float(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
 /* x rows m0..m0+MR-1 by panel p (compile-time MR and NA in each copy) */
 static inline __attribute__((always_inline)) void tile(const Args *a, int p, int m0, const int MR, const int NA,
                                                        const int prefetch) {

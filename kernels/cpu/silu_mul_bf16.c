@@ -15,6 +15,9 @@
  * other CPUs). Measured on a 2-core AMD EPYC VM, one thread, 320 rows of 1536: 0.62 ns an element, torch's
  * two ops 0.75-0.85 (16 lanes at a time: 0.81, the one long dependency chain per vector did not overlap);
  * a SmolLM2 layer at 32 rows 42-54 -> 37 us, at one row 10 -> 6.6 us (most of that the call itself).
+ * With AVX2 and FMA but no AVX-512, 4 x 8 lanes, the same operations again (bit for bit the scalar code's
+ * results, NaN and infinities included, checked against a build without AVX2): on a 2-core AMD EPYC VM (Zen 3),
+ * one thread, 64 rows of 1536, 1.53 ns an element where the scalar code took 9.73.
  */
 #include <math.h>
 #include <stdint.h>
@@ -69,6 +72,33 @@ static inline __attribute__((always_inline)) void silu_mul16(const uint16_t *gp,
         store_bf16x16(out + 16 * k, _mm512_mul_ps(bf16_round16(s), bf16x16_to_float(up + 16 * k)));
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* silu_mul16 on 8 lanes (AVX2 and FMA): the same operations, comparisons as all-ones lanes and blends */
+#define U 4
+static inline __attribute__((always_inline)) void silu_mul8(const uint16_t *gp, const uint16_t *up, uint16_t *out) {
+    __m256 x[U], e[U], t[U];
+    for (int k = 0; k < U; k++) {
+        x[k] = bf16x8_to_float(gp + 8 * k);
+        t[k] = _mm256_or_ps(x[k], _mm256_set1_ps(-0.0f));
+        const __m256 tc = _mm256_max_ps(t[k], _mm256_set1_ps(-104.0f)); /* -|x| >= -104 */
+        __m256 n;
+        const __m256 p = exp_reduced8(tc, &n);
+        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(100 + 127)), 23));
+        e[k] = _mm256_mul_ps(_mm256_mul_ps(p, scale), _mm256_set1_ps(0x1p-100f));
+    }
+    for (int k = 0; k < U; k++) {
+        const __m256 ek = _mm256_andnot_ps(_mm256_cmp_ps(t[k], _mm256_set1_ps(-104.0f), _CMP_LT_OQ), e[k]);
+        const __m256 neg = _mm256_cmp_ps(x[k], _mm256_setzero_ps(), _CMP_LT_OQ); /* not NaN, not +-0 */
+        const __m256 num = _mm256_blendv_ps(x[k], _mm256_mul_ps(x[k], ek), neg);
+        __m256 s = _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), ek));
+        const __m256 flush = _mm256_cmp_ps(x[k], _mm256_set1_ps(-88.72283935546875f), _CMP_LT_OQ);
+        s = _mm256_blendv_ps(s, _mm256_mul_ps(x[k], _mm256_setzero_ps()), flush);
+        store_bf16x8(out + 8 * k, _mm256_mul_ps(bf16_round8(s), bf16x8_to_float(up + 8 * k)));
+    }
+}
 #endif
 
 typedef struct {
@@ -86,6 +116,8 @@ static void silu_mul_rows(void *ctx, int64_t r0, int64_t r1) {
         int64_t i = 0;
 #ifdef __AVX512F__
         for (; i + 16 * U <= inter; i += 16 * U) silu_mul16(g + i, u + i, out + i);
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 * U <= inter; i += 8 * U) silu_mul8(g + i, u + i, out + i);
 #endif
         for (; i < inter; i++) out[i] = silu_mul(g[i], u[i]);
     }
