@@ -5,8 +5,8 @@
  * argmax ran at ~3 GB/s on one thread (1.1-1.9 ms a step for 32 rows). Here a row is read twice: a vector
  * max that also notes any NaN, then a vector compare for the first index equal to the max (the row is in
  * L2 by then). bfloat16 rows (the LM head's own output, before any float32 copy) are widened exactly on
- * load, 16 values at a time, so they give the answer of the float32 copy. Without AVX-512 both passes are
- * plain loops.
+ * load, 16 values at a time, so they give the answer of the float32 copy. With AVX2 but no AVX-512 the same
+ * passes on 8 lanes; without either, plain loops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,6 +19,13 @@
 /* 16 values from i as float32: float32 rows as they are, bfloat16 rows widened (exact) */
 static inline __attribute__((always_inline)) __m512 load16(const void *x, int64_t i, const int half) {
     return half ? bf16x16_to_float((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* 8 values from i as float32 (AVX2: the same scans on 8 lanes) */
+static inline __attribute__((always_inline)) __m256 load8(const void *x, int64_t i, const int half) {
+    return half ? bf16x8_to_float((const uint16_t *)x + i) : _mm256_loadu_ps((const float *)x + i);
 }
 #endif
 
@@ -40,6 +47,17 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, i
     }
     m = _mm512_reduce_max_ps(vm);
     nan = nans != 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 vm = _mm256_set1_ps(-INFINITY), nans = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = load8(x, i, half);
+        nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vm = _mm256_max_ps(v, vm); /* a NaN in v gives vm's lane back */
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vm);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    nan = _mm256_movemask_ps(nans) != 0;
 #endif
     for (; i < n; i++) {
         const float v = at(x, i, half);
@@ -55,6 +73,12 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, i
     const __m512 target = _mm512_set1_ps(m);
     for (; i + 16 <= n; i += 16) {
         const __mmask16 hit = _mm512_cmp_ps_mask(load16(x, i, half), target, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 target = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, i, half), target, _CMP_EQ_OQ));
         if (hit) return i + __builtin_ctz(hit);
     }
 #endif
