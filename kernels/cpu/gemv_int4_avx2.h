@@ -15,20 +15,25 @@
  * cleared column 2j + 1's. 18 integer instructions per half and 8 columns (64 products), where AVX-512 needs 7
  * for 256; each broadcast x value serves both halves (16 output rows).
  *
- * Tiles: up to MAXR x rows by one panel, NA chains of D per row and half: 8 chains in flight at 1, 2 and 4
- * rows (two FMA units of 4-cycle latency need 8); the running sums are kept in memory between groups, once per
- * group, so the registers hold the chains.
+ * Tiles: up to MAXR x rows by one panel, NA chains of D per row and half: 2 at 1-2 rows (4 and 8 chains in
+ * flight; 4 per half at one row ran 1.07x the time), 1 at 3-4 rows (6 and 8; two FMA units of 4-cycle latency
+ * need 8). The running sums are kept in memory between groups, once per group, so the registers hold the
+ * chains; each group's s D + (z - 136 s) X is formed before it joins them (gemv_int4.c's header: 1.02x the
+ * time of adding the two terms one by one, which let the running sum carry 136 s X).
  *
  * Measured on a 2-core AMD EPYC VM (Zen 3 by its flags, no AVX-512) over SmolLM2's 30 layers' linears at g = 32
  * streamed from memory, 2 threads, ms (this kernel / torch's `_weight_int4pack_mm_for_cpu` / the bfloat16
- * GEMV's AVX2 copy on 4x the bytes): 1 row 6.3 / 9.6 / 10.4; 2: 8.0 / 9.8 / 10.5; 4: 11.1 / 12.7 / 12.8;
- * 8: 17.7 / 24.4 / 19.3; 32: 62.7 / 94.2 / 60.5. In cache (one 3072 x 576 weight, one thread, 1 row) a 64-byte
- * block takes ~8 ns, ~20 cycles for its ~62 instructions: compute-bound at one row, where the bfloat16 GEMV is
- * bound by memory. Tried and dropped, same machine, the two builds alternating in one process: x broadcast
- * into memory once per call (FMAs with a memory operand instead of a broadcast per value: 0.96x the time at
- * 1-2 rows, 1.03x at 4); prefetching 4 KB ahead instead of 2 (1.05x); into L1 (within noise). In isolation a
- * layout decoded by byte unpacks (`vpunpcklbw` with 0x43 bytes) ran 0.95x this inner loop's time: not worth a
- * second packing.
+ * GEMV's AVX2 copy on 4x the bytes), one run: 1 row 8.1 / 11.8 / 13.0; 2: 8.1 / 11.4 / 13.4; 4: 11.2 / 20.6 /
+ * 16.6; 8: 18.5 / 26.9 / 23.2; 32: 74.5 / 116.4 / 77.5 (the machine's noise moves such runs by 10-25%; the
+ * ratios held). In cache (one 3072 x 576 weight, one thread, 1 row) a 64-byte block took ~8 ns, ~20 cycles for
+ * its ~62 instructions: compute-bound at one row, where the bfloat16 GEMV is bound by memory. Tried and
+ * dropped, same machine, the two builds alternating in one process, one thread: x broadcast into memory once
+ * per call (FMAs with a memory operand instead of a broadcast per value: 0.96x the time at 1-2 rows, 1.03x at
+ * 4); prefetching 4 KB ahead instead of 2 (1.05x); into L1 (within noise); tiles of at most 2 rows (1.35x at
+ * 4-32 rows); 3-4 row tiles over one half of a panel at a time with 2 chains each (1.17x at 4-32 rows: it
+ * would have made a row's bits independent of the other rows of the call, which this copy, like the AVX-512
+ * one, does not promise). In isolation a layout decoded by byte unpacks (`vpunpcklbw` with 0x43 bytes) ran
+ * 0.95x this inner loop's time: not worth a second packing.
  */
 #include <immintrin.h>
 
@@ -102,12 +107,12 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int p, int
         for (int h = 0; h < 2; h++) {
             const __m256 s = bf16x8_to_float(sz + 8 * h), z = bf16x8_to_float(sz + PANEL + 8 * h);
             const __m256 zs = _mm256_fnmadd_ps(c136, s, z); /* z - 136 s */
-            for (int m = 0; m < MR; m++) {
+            for (int m = 0; m < MR; m++) { /* the group's own sum first: acc never holds the 136 s X terms */
                 __m256 dm = d[m][h][0];
                 for (int i = 1; i < NA; i++) dm = _mm256_add_ps(dm, d[m][h][i]);
-                __m256 r = _mm256_fmadd_ps(dm, s, _mm256_load_ps(acc[m] + 8 * h));
-                r = _mm256_fmadd_ps(_mm256_broadcast_ss(a->xs + (int64_t)(m0 + m) * G + g), zs, r);
-                _mm256_store_ps(acc[m] + 8 * h, r);
+                const __m256 x = _mm256_broadcast_ss(a->xs + (int64_t)(m0 + m) * G + g);
+                const __m256 t = _mm256_fmadd_ps(dm, s, _mm256_mul_ps(x, zs));
+                _mm256_store_ps(acc[m] + 8 * h, _mm256_add_ps(_mm256_load_ps(acc[m] + 8 * h), t));
             }
         }
     }
@@ -119,7 +124,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int p, int
 /* x rows m0..m0+rows-1 (rows <= MAXR) over panels p0..p1: one specialisation per count */
 static void run_rows(const Args *a, int m0, int rows, int prefetch) {
     for (int p = a->p0; p < a->p1; p++) switch (rows) {
-        case 1: tile(a, p, m0, 1, 4, prefetch); break;
+        case 1: tile(a, p, m0, 1, 2, prefetch); break;
         case 2: tile(a, p, m0, 2, 2, prefetch); break;
         case 3: tile(a, p, m0, 3, 1, prefetch); break;
         default: tile(a, p, m0, 4, 1, prefetch); break;
