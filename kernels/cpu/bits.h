@@ -112,6 +112,13 @@ static inline __m256 exp_reduced8(__m256 x, __m256 *n_out) {
     return p;
 }
 
+/* The sum of 8 lanes (halves added, then pairs) */
+static inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
 /* 8 bfloat16 values at p -> float32, exactly */
 static inline __m256 bf16x8_to_float(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));

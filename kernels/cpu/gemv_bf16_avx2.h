@@ -45,12 +45,6 @@ static inline __m256i tail_block(const uint16_t *wr, int full16, int K, uint16_t
     return _mm256_loadu_si256((const __m256i *)buf);
 }
 
-static inline float hsum8(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 /* PF_DIST (gemv_bf16.c) weights ahead of the loads are prefetched into L2, as in the AVX-512 copy. */
 static inline __attribute__((always_inline)) void rows_m(const Args *a, const int M) {
     const int K = a->K, K16 = XF_COLS(K), full16 = K & ~15;

@@ -50,9 +50,7 @@ static void prepare_x(const uint16_t *x, float *xs, float *xf, int M, int K, int
             __m256 s = _mm256_setzero_ps();
             int k = k0;
             for (; k + 8 <= k1; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(xr + k));
-            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-            const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            float t = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+            float t = hsum8(s);
             for (; k < k1; k++) t += xr[k];
             xs[(int64_t)m * G + g] = t;
         }

@@ -44,9 +44,7 @@ static inline float sum_squares(const uint16_t *xr, int n) {
         const __m256 v = bf16x8_to_float(xr + i);
         acc = _mm256_fmadd_ps(v, v, acc);
     }
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    ss = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    ss = hsum8(acc);
 #endif
     for (; i < n; i++) {
         const float v = bf16_to_float(xr[i]);
