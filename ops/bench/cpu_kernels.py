@@ -31,7 +31,7 @@ by pass (`--reps` rounds, who goes first rotating, a pause before each pass so t
 spinning OpenMP workers do not slow the pass after theirs); each figure is the median pass,
 `torch/C` the ratio of medians (> 1: the kernel is faster) and, beside it, the lowest and highest
 ratio of one round's two passes (the JSON keeps every pass). A kernel that does not build here (no
-compiler, no AVX512-BF16 for the GEMV) is reported as unavailable, with the reason, and its rows
+compiler, neither AVX512-BF16 nor AVX2 for the GEMVs) is reported as unavailable, with the reason, and its rows
 are left out.
 """
 
