@@ -193,7 +193,7 @@ class Int4Linear:
     the weight repacked once at load into its panels (the stored format's size): the codes
     enter `vdpbf16ps` (AVX2: float32 FMAs) as they are and each group's sum is scaled once,
     about half the time of torch's INT4 GEMM from 1 to 1,024 rows on SmolLM2's shapes
-    (`BENCHMARKS.md`; 0.65-0.75x on an AVX2 host).
+    (`BENCHMARKS.md`; 0.54-0.71x at 1-32 rows on an AVX2 host).
     Elsewhere `torch.ops.aten._weight_int4pack_mm_for_cpu` on bfloat16 activations (its fast
     path; float32 activations run 20-40x slower there). Either way x is cast to bfloat16
     and y back. torch's op wants K in whole groups and N a multiple of 16. A group of g
