@@ -65,7 +65,7 @@
 
 #define PANEL 16 /* output rows per panel (one register of float32 sums) */
 #define PF_DIST 2048 /* bytes ahead of the loads prefetched into L2 (the first x tile of a panel) */
-#define MBLOCK 64    /* x rows per pass over a chunk's panels (64 x 1536 bfloat16: 192 KB) */
+#define MBLOCK 64    /* x rows per pass over a chunk's panels (64 x 1536 bfloat16: 192 KB; AVX2's float32 xf 384) */
 
 typedef struct {
     const uint16_t *x; /* [M, K] bfloat16, K a multiple of 8 */
@@ -181,8 +181,8 @@ static void run_rows(const Args *a, int m0, int rows, int prefetch) {
 }
 #endif /* __AVX512BF16__ */
 
-/* x rows 0..M-1 of `a` over its panels: x tiles of at most MAXR rows, balanced (32 rows: 4 x 8; 12: 6 + 6),
- * panel by panel when there are several, so the later tiles find the panel in L1. */
+/* x rows 0..M-1 of `a` over its panels: x tiles of at most MAXR rows (per copy), balanced (AVX-512: 32 rows as
+ * 4 x 8, 12 as 6 + 6), panel by panel when there are several, so the later tiles find the panel in L1. */
 static void block_rows(const Args *a) {
     const int tiles = (a->M + MAXR - 1) / MAXR;
     if (tiles == 1) {

@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int p, int
         for (int i = 0; i < PANEL; i++) acc[m][i] = 0.0f;
     for (int g = 0; g < G; g++) {
         const int k0 = g * a->group, k1 = k0 + a->group < K ? k0 + a->group : K;
-        __m256 d[MAXR][2][4]; /* the group's sums of (128 + q) x: per row, half and chain */
+        __m256 d[MAXR][2][2]; /* the group's sums of (128 + q) x: per row, half and chain (NA <= 2) */
         for (int m = 0; m < MR; m++)
             for (int h = 0; h < 2; h++)
                 for (int i = 0; i < NA; i++) d[m][h][i] = _mm256_setzero_ps();

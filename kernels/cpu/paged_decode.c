@@ -485,7 +485,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
  * against a row of zeros. The V rows are widened once into `vb`, each query head's output accumulated over
  * them 64 values (8 registers) at a time. Sums are float32 in another order than the generic code's (tests
  * compare both to the reference). The widened rows lie HD apart: at attend_vec's MAX_HD stride (1 KB) the
- * K rows, V rows and outputs fell into a quarter of a 32 KB L1's sets (0.81-0.86x the time once packed).
+ * K and V rows fell into a quarter of a 32 KB L1's sets (0.81-0.86x the time once packed).
  * Against the generic code it replaces, one thread, 30 layers' own page pools (32 sequences, G = 3, HD =
  * 64, page tables shuffled), the two builds alternating in one process on a 2-core AMD EPYC VM (Zen 3):
  * bf16 pages 0.79x the time at 150 keys, 0.69x at 600; fp8 0.57x and 0.48x (~44 and ~36 ns per sequence,
