@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import time
 from collections import Counter
 
 import pytest
+import torch
 
 from ops import bench
 from ops.bench import engine as bench_engine
@@ -78,3 +80,36 @@ def test_registered_with_rounds() -> None:
     args = parser.parse_args(["bench", "engine", "--quick", "--rounds", "4"])
     assert args.func.__wrapped__ is bench_engine.run and args.rounds == 4 and args.quick
     assert parser.parse_args(["bench", "engine"]).rounds is None  # the run picks 3 (quick 2)
+
+
+class _SlowIn(torch.nn.Module):
+    """A model whose forward takes longer in one dtype: the choice `pick_hf_dtype` must see."""
+
+    def __init__(self, slow: torch.dtype) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.slow = slow
+        self.calls: list[torch.dtype] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls.append(self.w.dtype)
+        time.sleep(0.02 if self.w.dtype == self.slow else 0.0)
+        return ids
+
+
+@pytest.mark.parametrize("slow, expected", [(torch.bfloat16, "float32"), (torch.float32, "bfloat16")])
+def test_pick_hf_dtype_keeps_the_faster_dtype(slow: torch.dtype, expected: str) -> None:
+    model, info = bench_engine.pick_hf_dtype(_SlowIn(slow), torch.bfloat16, "auto")
+    assert info["dtype"] == expected and model.w.dtype == getattr(torch, expected)
+    assert set(info["probe_s"]) == {"float32", "bfloat16"}
+    assert info["probe_s"]["float32" if expected == "bfloat16" else "bfloat16"] > info["probe_s"][expected]
+    assert set(model.calls) == {torch.float32, torch.bfloat16}  # both were timed
+
+
+def test_pick_hf_dtype_without_a_probe() -> None:
+    cases = (("same", torch.bfloat16, torch.bfloat16), ("float32", torch.bfloat16, torch.float32),
+             ("bfloat16", torch.float32, torch.bfloat16), ("auto", torch.float32, torch.float32))
+    for choice, dtype, expected in cases:
+        model, info = bench_engine.pick_hf_dtype(_SlowIn(torch.float32), dtype, choice)
+        assert model.w.dtype == expected and info["dtype"] == str(expected).removeprefix("torch.")
+        assert model.calls == [] and "probe_s" not in info
