@@ -204,3 +204,19 @@ def test_verdicts_and_detection() -> None:
     r = {"cpu_ci95": [0.6, 1.3], "throughput_ci95": [-2.0, 4.0]}
     assert bench_integrity.detected(r, "cpu", 1.0) and not bench_integrity.detected(r, "cpu", 1.4)
     assert not bench_integrity.detected(r, "throughput", 1.0)  # holds 1 but also 0: not resolved
+
+
+def test_own_time_p95_takes_each_steps_check_out_of_that_step() -> None:
+    def loop(steps: list[float], checks: list[float]) -> SimpleNamespace:
+        return SimpleNamespace(decode_steps=[(dt, 8) for dt in steps], check_s=checks)
+
+    flat = [loop([0.1] * 20, [0.001] * 20), loop([0.1] * 30, [0.001] * 30)]
+    r = bench_integrity.own_time_p95(flat)
+    assert r["p95_own_pct"] == pytest.approx(100 * (0.1 / 0.099 - 1))
+    assert r["p95_own_ci95"] == pytest.approx([r["p95_own_pct"]] * 2)
+    # a check that lands only on the fast steps leaves the slow 5% (and so the p95) as they were,
+    # whatever its share of the total time
+    tail = [loop([0.1] * 10 + [0.2] * 10, [0.05] * 10 + [0.0] * 10)]
+    assert bench_integrity.own_time_p95(tail)["p95_own_pct"] == pytest.approx(0.0)
+    slow = [loop([0.1] * 10 + [0.2] * 10, [0.0] * 10 + [0.01] * 10)]  # on the slow steps it shows in full
+    assert bench_integrity.own_time_p95(slow)["p95_own_pct"] == pytest.approx(100 * (0.2 / 0.19 - 1))
