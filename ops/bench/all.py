@@ -38,7 +38,7 @@ HEADLINE_KEYS: dict[str, list[str]] = {
     "weights": ["ratios"],
     "moe": ["ratios"],
     "mla": ["ratios"],
-    "structured": ["mask_us_mean", "valid_rate"],
+    "structured": ["overhead_pct", "mask_us_mean", "valid_rate"],
     "tp": ["step_ms"],
     "pd": ["ttft_p50_s"],
     "soak": ["total_s"],

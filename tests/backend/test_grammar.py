@@ -81,6 +81,21 @@ def test_apply_masks_only_touches_masked_rows() -> None:
     assert greedy[1] in allowed and greedy[0] == int(logits[0].argmax()) and greedy[2] == int(logits[2].argmax())
 
 
+def test_apply_masks_kernel_and_torch_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    import backend.grammar as grammar
+
+    logits = torch.randn(4, 1000)
+    masks = [torch.randint(-2**31, 2**31 - 1, (32,), dtype=torch.int32), None, torch.zeros(32, dtype=torch.int32),
+             torch.full((32,), -1, dtype=torch.int32)]
+    fast = apply_masks(logits, masks)
+    monkeypatch.setattr(grammar, "mask_fill_rows", lambda *_: False)  # as where the C kernel does not build
+    slow = apply_masks(logits, masks)
+    assert torch.equal(fast, slow) and fast.data_ptr() != logits.data_ptr()
+    assert torch.isinf(fast[2]).all() and torch.equal(fast[1], logits[1]) and torch.equal(fast[3], logits[3])
+    mine = logits.clone()
+    assert apply_masks(mine, masks, in_place=True) is mine and torch.equal(mine, slow)
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_chat_dir: Path) -> LLMEngine:
     return LLMEngine.from_pretrained(tiny_chat_dir, EngineConfig(dtype="float32", kv_format="fp32",

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
+
+from ops.bench import structured as bench_structured
 from ops.cli import main
 
 
@@ -17,3 +21,17 @@ def test_quick_run_writes_the_report(tiny_chat_dir: Path, tmp_path: Path) -> Non
     assert all(v > 0 for by_c in report["tok_s"].values() for v in by_c.values())
     assert report["compile_ms_p50"] > 0 and report["mask_us_mean"] > 0
     assert report["valid_rate"] == 1.0 or report["finished"] == 0
+    per_c = report["overhead"]  # over decode steps paired across the two engines, each repetition's too
+    assert set(per_c) == {"1", "2"} and report["rounds"] == 3
+    for c, v in per_c.items():
+        assert len(v["per_repeat"]) == 3 and v["pairs"] > 0 and v["advance_share_pct"] > 0
+        assert v["ci95"][0] <= v["ci95"][1] and v["pct"] == report["overhead_pct"][c]
+    assert report["targets"]["overhead_lt_10pct"]["verdict"] in ("met", "missed", "unresolved")
+
+
+def test_overhead_and_verdict() -> None:
+    free = np.array([0.10, 0.20, 0.10])
+    assert bench_structured.overhead_pct(free * 1.25, free) == pytest.approx(20.0)  # 1 - 1/1.25
+    assert bench_structured.overhead_pct(free, free) == 0.0
+    assert [bench_structured.verdict(ci, 10.0) for ci in ([2.0, 9.9], [10.5, 12.0], [8.0, 11.0])] == [
+        "met", "missed", "unresolved"]
