@@ -2,16 +2,19 @@
 
 Each row of the logits belongs to one request with its own temperature, top-k, top-p and
 (optional) seed. Greedy rows take the argmax (on the CPU the C kernel of
-`kernels/cpu_argmax.py`, torch's answer). Sampled rows invert their CDF: the softmax's
-running sum in float64, one uniform u per row, the token the first whose running sum
-exceeds u times the total (`searchsorted`), so a token of probability p is drawn with
-probability p (to float64 rounding) and one of probability 0 (cut by top-k, top-p or a
-grammar) never. A seeded request draws its u from its own `torch.Generator` (one draw
+`kernels/cpu_argmax.py`, torch's answer). Sampled rows invert their CDF with one uniform u
+per row: the token is the first whose running sum of the softmax exceeds u times the
+total, so a token of probability p is drawn with probability p (to rounding) and one of
+probability 0 (cut by top-k, top-p or a grammar) never. On the CPU the C kernel of
+`kernels/cpu_sample.py` does it in three passes over the row, from the logits as they are
+for a row that asks for nothing but a temperature (and perhaps a grammar), else from the
+float32 row torch prepared; elsewhere torch's softmax, float64 running sum and
+`searchsorted`. A seeded request draws its u from its own `torch.Generator` (one draw
 per token): the same seed gives the same tokens for the same logits whatever else is in
 the batch. (The exponential race it replaced, argmax p_i / E_i with E_i ~ Exp(1), drew a
 whole row of noise: torch's CPU `exponential_` took 47-49 ms for 32 rows of 49,152 on a
-2-core AMD EPYC VM, half a c = 32 decode step; the inverse CDF takes ~3 ms.) Penalties
-(`backend/penalties.py`) come first, on the raw logits, and read only the row's own
+2-core AMD EPYC VM, half a c = 32 decode step; torch's inverse CDF ~20 ms, the kernel ~3.)
+Penalties (`backend/penalties.py`) come first, on the raw logits, and read only the row's own
 history, so they keep that; a batch where no row asks for one skips them (no extra work
 for plain requests). A grammar row's mask (`backend/grammar.py`) comes after the
 penalties: disallowed tokens get -inf before greedy or sampled choice; rows without one,
@@ -47,6 +50,7 @@ import torch
 from backend.grammar import apply_masks, mask_words
 from backend.penalties import apply_penalties, needs_penalties
 from backend.sampling_params import SamplingParams
+from kernels import cpu_sample
 from kernels.cpu_argmax import argmax_rows
 
 __all__ = ["sample"]
@@ -76,15 +80,20 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-def _inverse_cdf(probs: torch.Tensor, params: Seq[SamplingParams],
-                 generators: Seq[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of probs [B, vocab] drawn by inverting its CDF (module docstring); a row with a
-    generator (and not greedy) draws its uniform from it, the others from torch's default generator."""
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    u = torch.rand(probs.shape[0], dtype=torch.float64)
+def _uniforms(params: Seq[SamplingParams], generators: Seq[torch.Generator | None]) -> torch.Tensor:
+    """One uniform in [0, 1) per row (float64 [B]): a sampled row with a generator draws it from that, the
+    others from torch's default generator."""
+    u = torch.rand(len(params), dtype=torch.float64)
     for row, gen in enumerate(generators):
         if gen is not None and not params[row].greedy:
             u[row] = torch.rand((), generator=gen, dtype=torch.float64)
+    return u
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [B, vocab] drawn by inverting its CDF with the row's uniform (module
+    docstring): torch's ops, where the C kernel does not run."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     past = idx >= probs.shape[1]  # u * total rounded up to the total (u within 2^-53 of 1): the last
@@ -94,19 +103,61 @@ def _inverse_cdf(probs: torch.Tensor, params: Seq[SamplingParams],
     return idx
 
 
+def _plain(p: SamplingParams, vocab: int) -> bool:
+    """A sampled row that asks for nothing but a temperature (and perhaps a grammar): the C kernel draws it
+    from the logits as they are."""
+    return not p.greedy and not p.has_penalties and not 0 < p.top_k < vocab and p.top_p >= 1.0
+
+
 def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
            prompt_ids: Seq[Seq[int]] = (), output_ids: Seq[Seq[int]] = (),
            masks: Seq[torch.Tensor | None] = ()) -> list[int]:
-    """One token id per row of logits [B, vocab] (float32, or the LM head's bfloat16: a batch of plain
-    greedy rows takes the argmax of it as it is, the same answer as of its float32 copy; any other
-    batch is widened to float32 first). `prompt_ids` / `output_ids` (each row's tokens so far) are
+    """One token id per row of logits [B, vocab] (float32, or the LM head's bfloat16: greedy rows take
+    the argmax of it as it is, the same answer as of its float32 copy; rows with a penalty, top-k or
+    top-p are widened to float32 first). `prompt_ids` / `output_ids` (each row's tokens so far) are
     read only when a row asks for a penalty; `masks` (a row's grammar bitmask or None) only when some
-    row has one."""
-    penalties, masked = needs_penalties(params), any(m is not None for m in masks)
-    if masked and not penalties and all(p.greedy for p in params):
-        greedy = argmax_rows(logits, mask_words(masks))  # the masked argmax without a masked copy
+    row has one.
+
+    Each row's token depends on its own logits, parameters and uniform only: plain temperature rows
+    (`_plain`) are drawn by the C kernel from the logits as they are, the others through torch's
+    preparation, whatever else shares the batch."""
+    masked = any(m is not None for m in masks)
+    words = mask_words(masks) if masked else None
+    if not needs_penalties(params) and all(p.greedy for p in params):
+        greedy = argmax_rows(logits, words)  # the C kernel, masked without a masked copy
         if greedy is not None:
             return greedy.tolist()
+    if all(p.greedy for p in params) or not cpu_sample.available():
+        return _sample_torch(logits, params, _uniforms(params, generators), prompt_ids, output_ids, masks)
+    vocab = logits.shape[1]
+    u = _uniforms(params, generators)
+    plain = [_plain(p, vocab) for p in params]
+    tokens = [0] * len(params)
+    rows = [i for i, ok in enumerate(plain) if ok]
+    if rows:
+        sub = rows if len(rows) < len(params) else slice(None)
+        inv_t = torch.tensor([1.0 / params[i].temperature for i in rows], dtype=torch.float32)
+        drawn = cpu_sample.sample_rows(logits[sub].contiguous(), inv_t, u[sub].contiguous(),
+                                       None if words is None else words[sub].contiguous())
+        if drawn is None:  # a case the kernel does not take (e.g. a strided or a CUDA tensor)
+            return _sample_torch(logits, params, u, prompt_ids, output_ids, masks)
+        for i, t in zip(rows, drawn.tolist(), strict=True):
+            tokens[i] = t
+    rest = [i for i, ok in enumerate(plain) if not ok]
+    if rest:
+        pick = lambda seq: [seq[i] for i in rest] if seq else seq  # noqa: E731
+        for i, t in zip(rest, _sample_torch(logits[rest], pick(params), u[rest], pick(prompt_ids),
+                                            pick(output_ids), pick(masks)), strict=True):
+            tokens[i] = t
+    return tokens
+
+
+def _sample_torch(logits: torch.Tensor, params: Seq[SamplingParams], u: torch.Tensor, prompt_ids: Seq[Seq[int]],
+                  output_ids: Seq[Seq[int]], masks: Seq[torch.Tensor | None]) -> list[int]:
+    """`sample` through torch's ops: widen, penalties, grammar masks, then the argmax for greedy rows and,
+    for sampled ones, temperature, top-k, top-p and the draw (the C kernel on the prepared float32 rows
+    where it runs, else the softmax's inverted CDF in torch)."""
+    penalties, masked = needs_penalties(params), any(m is not None for m in masks)
     widened = logits.dtype != torch.float32 and (penalties or masked or not all(p.greedy for p in params))
     if widened:
         logits = logits.float()
@@ -121,7 +172,9 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[to
         return greedy.tolist()
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).unsqueeze(1)
     x = _apply_top_k(logits / temps, [p.top_k for p in params])
-    x = _apply_top_p(x, [p.top_p for p in params])
-    sampled = _inverse_cdf(x.softmax(dim=-1), params, generators)
+    x = _apply_top_p(x, [p.top_p for p in params]).contiguous()
+    sampled = cpu_sample.sample_rows(x, torch.ones(x.shape[0], dtype=torch.float32), u.contiguous())
+    if sampled is None:
+        sampled = _inverse_cdf(x.softmax(dim=-1), u)
     is_greedy = torch.tensor([p.greedy for p in params])
-    return torch.where(is_greedy, greedy, sampled).tolist()
+    return torch.where(is_greedy, greedy.to(sampled.device), sampled).tolist()

@@ -57,7 +57,7 @@ def test_the_sampler_takes_it_for_greedy_rows(monkeypatch: pytest.MonkeyPatch) -
     from backend.sampling_params import SamplingParams
 
     calls = []
-    monkeypatch.setattr(sampler, "argmax_rows", lambda x: calls.append(x.shape) or argmax_rows(x))
+    monkeypatch.setattr(sampler, "argmax_rows", lambda x, w=None: calls.append(x.shape) or argmax_rows(x, w))
     logits = torch.randn(3, 500)
     got = sampler.sample(logits, [SamplingParams(temperature=0.0)] * 3, [None] * 3)
     assert calls == [(3, 500)] and got == logits.argmax(dim=-1).tolist()
