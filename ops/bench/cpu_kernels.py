@@ -21,7 +21,10 @@ only: no weights are read), so the figures the kernels' own comments quote can b
   torch path (`PagedKVCache.gather`, which dequantises fp8, then SDPA under the additive mask),
   for bf16 and fp8_e4m3 pages. GB/s = KV bytes / time.
 - **rows**: the element-wise kernels at 1 and `max(--rows)` rows: residual add + RMSNorm,
-  SwiGLU's activation, RoPE, argmax over the vocabulary, against their torch expressions. The
+  SwiGLU's activation, RoPE, argmax over the vocabulary, the argmax under grammar mask words
+  (half the tokens allowed) and temperature sampling, against their torch expressions (for the
+  last two, the sampler's torch path: bit unpacking and masked_fill; float32 copy, division,
+  softmax, float64 running sum and searchsorted). The
   input is the same tensor every call (in a step it was just written, so it is in cache).
 
 The C kernels run as in a decode step, inside `torch_single_threaded` (torch at one thread,
@@ -219,6 +222,7 @@ def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str
 def _bench_rows(cfg: Any, rows: list[int], reps: int) -> list[dict[str, Any]]:
     from kernels.cpu_argmax import argmax_rows
     from kernels.cpu_rms_norm import add_rms_norm_bf16
+    from kernels.cpu_sample import sample_rows
     from kernels.cpu_rope import rope_bf16
     from kernels.cpu_silu_mul import silu_mul_bf16
 
@@ -232,6 +236,17 @@ def _bench_rows(cfg: Any, rows: list[int], reps: int) -> list[dict[str, Any]]:
         x = torch.randn(m, heads, hd).bfloat16()
         freqs = torch.polar(torch.ones(m, 1, hd // 2), torch.rand(m, 1, hd // 2) * 6.28)
         logits = torch.randn(m, cfg.vocab_size).bfloat16()
+        words = torch.randint(-2**31, 2**31 - 1, (m, (cfg.vocab_size + 31) // 32), dtype=torch.int32)
+        inv_t, u = torch.full((m,), 1 / 0.7), torch.rand(m, dtype=torch.float64)
+        bit = torch.arange(32, dtype=torch.int32)  # bit i of a mask word is token 32 * word + i
+
+        def torch_masked_argmax() -> torch.Tensor:  # backend/grammar.py's apply_masks without the kernel
+            allowed = ((words.unsqueeze(-1) >> bit) & 1).flatten(1)[:, : logits.shape[1]].bool()
+            return logits.float().masked_fill(~allowed, float("-inf")).argmax(dim=-1)
+
+        def torch_sample() -> torch.Tensor:  # backend/sampler.py's torch path for plain temperature rows
+            cdf = (logits.float() * inv_t.unsqueeze(1)).softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)
+            return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)
 
         def torch_rope() -> torch.Tensor:  # RotaryEmbedding.apply's torch path
             pairs = torch.view_as_complex(x.float().reshape(m, heads, hd // 2, 2))
@@ -244,6 +259,8 @@ def _bench_rows(cfg: Any, rows: list[int], reps: int) -> list[dict[str, Any]]:
              lambda: F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]), layers),
             ("rope_bf16", lambda: rope_bf16(x, freqs), torch_rope, layers),
             ("argmax_rows", lambda: argmax_rows(logits), lambda: logits.argmax(dim=-1), 1),
+            ("argmax_rows_masked", lambda: argmax_rows(logits, words), torch_masked_argmax, 1),
+            ("sample_rows", lambda: sample_rows(logits, inv_t, u), torch_sample, 1),
         ]
         for kernel, c_call, torch_call, per_step in cases:
             def repeat(f: Callable[[], Any], n: int = per_step) -> Callable[[], None]:
@@ -269,10 +286,11 @@ def run(args: argparse.Namespace) -> int:
     machine = measure_machine(torch.bfloat16)
     log(f"cpu-kernels: {args.model}, {torch.get_num_threads()} threads, GEMM bound "
         f"{machine['bound_gemm_gflop_s']:.0f} GFLOP/s, read {machine['read_gb_s']:.1f} GB/s")
-    from kernels import cpu_argmax, cpu_gemv, cpu_gemv_int4, cpu_paged_attention, cpu_rms_norm, cpu_rope, cpu_silu_mul
+    from kernels import (cpu_argmax, cpu_gemv, cpu_gemv_int4, cpu_paged_attention, cpu_rms_norm, cpu_rope,
+                         cpu_sample, cpu_silu_mul)
 
     needs = {"linear": [cpu_gemv], "int4": [cpu_gemv_int4], "attention": [cpu_paged_attention],
-             "rows": [cpu_rms_norm, cpu_silu_mul, cpu_rope, cpu_argmax]}
+             "rows": [cpu_rms_norm, cpu_silu_mul, cpu_rope, cpu_argmax, cpu_sample]}
     results: list[dict[str, Any]] = []
     unavailable: dict[str, str] = {}
     for section in sections:
