@@ -104,6 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype for every system (auto: what `serve` picks on this host, "
                         "backend/cpu_features.py)")
     p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample every in-process request at this temperature (default 0: greedy, the targets' "
+                        "setting; the end-to-end part stays greedy)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine")
     p.add_argument("--hf-dtype", default="auto", choices=["auto", "same", "float32", "bfloat16"],
@@ -128,8 +131,8 @@ def _make_workload(tokenizer, n: int, out_lo: int, out_hi: int, seed: int) -> li
     return reqs
 
 
-def bench_ours(engine, reqs: list[tuple[list[int], int]], c: int) -> Timings:
-    """`reqs` through our engine in a closed loop at concurrency `c`."""
+def bench_ours(engine, reqs: list[tuple[list[int], int]], c: int, temperature: float = 0.0) -> Timings:
+    """`reqs` through our engine in a closed loop at concurrency `c` (greedy, or sampled at `temperature`)."""
     from backend.sampling_params import SamplingParams
 
     pending = list(reqs)
@@ -139,7 +142,7 @@ def bench_ours(engine, reqs: list[tuple[list[int], int]], c: int) -> Timings:
     while pending or inflight:
         while pending and len(inflight) < c:
             ids, n = pending.pop(0)
-            seq = engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            seq = engine.add_request(ids, SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True))
             inflight[seq.request_id] = seq
         for out in engine.step():
             if out.finished:
@@ -165,8 +168,9 @@ class _Clock:
         pass
 
 
-def bench_hf(model, reqs: list[tuple[list[int], int]], batch: int, pad_id: int) -> Timings:
-    """`reqs` through `transformers` generate in static batches of `batch` (1: one at a time)."""
+def bench_hf(model, reqs: list[tuple[list[int], int]], batch: int, pad_id: int, temperature: float = 0.0) -> Timings:
+    """`reqs` through `transformers` generate in static batches of `batch` (1: one at a time; greedy, or
+    sampled at `temperature` with its top-k filter off, as ours)."""
     ttft, tpot, tokens = [], [], 0
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch):
@@ -179,7 +183,8 @@ def bench_hf(model, reqs: list[tuple[list[int], int]], batch: int, pad_id: int) 
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                           do_sample=False, pad_token_id=pad_id, streamer=clock)
+                           do_sample=temperature > 0, pad_token_id=pad_id, streamer=clock,
+                           **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}))
         step_times = clock.times[1:]
         for _, n in group:
             tokens += n
@@ -300,8 +305,8 @@ def run(args: argparse.Namespace) -> int:
         bench_hf(hf, warm[:1], 1, pad)
     by_round: dict[tuple[str, int, int], Timings] = {}
     for r, c, system in schedule(levels, rounds, hf is not None):
-        t = (bench_ours(engine, workloads[c], c) if system == "edgeserve"
-             else bench_hf(hf, workloads[c], 1 if system == "hf_sequential" else c, pad))
+        t = (bench_ours(engine, workloads[c], c, args.temperature) if system == "edgeserve"
+             else bench_hf(hf, workloads[c], 1 if system == "hf_sequential" else c, pad, args.temperature))
         by_round[(system, c, r)] = t
         log(f"round {r} c={c:<3} {system:<14} {len(workloads[c])} requests: {t.tokens / t.wall_s:7.1f} tok/s, "
             f"{t.wall_s:.1f} s")
@@ -333,7 +338,8 @@ def run(args: argparse.Namespace) -> int:
            rounds, total_s, hf_dtype)
 
     report = {
-        "model": args.model, "dtype": args.dtype, "hf_dtype": hf_dtype, "threads": torch.get_num_threads(),
+        "model": args.model, "dtype": args.dtype, "temperature": args.temperature, "hf_dtype": hf_dtype,
+        "threads": torch.get_num_threads(),
         "quick": args.quick,
         "rounds": rounds, "machine": machine, "weight_bytes": weight_bytes,
         "workload": {str(c): {"requests": len(w), "prompt_tokens": sum(len(i) for i, _ in w),
