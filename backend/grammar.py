@@ -51,9 +51,9 @@ import llguidance
 import torch
 
 from backend.errors import InvalidSamplingParams
-from kernels.cpu_argmax import mask_fill_rows
 from backend.grammar_text import JSON_OBJECT_SCHEMA, grammar_of
 from backend.sampling_params import GrammarSpec
+from kernels.cpu_argmax import mask_fill_rows
 
 __all__ = ["grammar_of", "GrammarCompiler", "GrammarState", "apply_masks", "mask_words", "allowed_tokens",
            "JSON_OBJECT_SCHEMA"]

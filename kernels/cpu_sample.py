@@ -1,10 +1,10 @@
 """Temperature sampling of logit rows in C (`kernels/cpu/sample.c`, built on first use): the softmax's CDF
 inverted with one uniform a row, in three passes over the row and no copy of it.
 
-`backend/sampler.py` draws each sampled row's token with it: from the logits as the LM head left them
-(float32 or bfloat16, with the temperature and a grammar's mask words applied inside) when no row asks
-for top-k, top-p or a penalty, else from the float32 rows torch prepared (temperature already applied,
--inf where cut). The probabilities are those of softmax(x / T) up to float32 rounding within each word of
+`backend/sampler.py` draws each sampled row's token with it: a row that asks for nothing but a
+temperature (and perhaps a grammar) from the logits as the LM head left them (float32 or bfloat16, the
+temperature and the grammar's mask words applied inside), any other from the float32 row torch prepared
+(temperature already applied, -inf where top-k or top-p cut). The probabilities are those of softmax(x / T) up to float32 rounding within each word of
 32 tokens (their sums are added in double; see the C file). torch's path for 32 rows of 49,152 (float32
 copy, division, softmax, a float64 running sum, searchsorted) took ~20 ms on a 2-core AMD EPYC VM.
 None where it cannot run (no C compiler, not a contiguous 2-D float32 or bfloat16 CPU tensor, no
