@@ -70,14 +70,18 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """The smallest set of a row's most probable tokens whose mass reaches its top_p, the rest at -inf; a
+    token tied with the last one kept stays too (as top-k keeps ties). The cut is a value per row, so the
+    rows are masked by comparison, with no scatter of the sorted order back (the sort itself stays: ~80 ms
+    for 32 rows of 49,152 on a 2-core VM)."""
     if min(top_p) >= 1.0:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
     probs = sorted_logits.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-    remove = before > torch.tensor(top_p).unsqueeze(1)  # the top token always stays (before = 0)
-    remove = remove.scatter(1, order, remove)
-    return logits.masked_fill(remove, float("-inf"))
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token: non-decreasing
+    kept = (before <= torch.tensor(top_p).unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)  # the top one
+    cut = sorted_logits.gather(1, kept - 1)  # the last kept token's logit
+    return logits.masked_fill(logits < cut, float("-inf"))
 
 
 def _uniforms(params: Seq[SamplingParams], generators: Seq[torch.Generator | None]) -> torch.Tensor:

@@ -46,6 +46,16 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert abs(counts[0].item() - 0.5 / 0.8) < 0.05
 
 
+def test_top_p_keeps_ties_with_the_last_kept_token() -> None:
+    logits = torch.tensor([0.4, 0.2, 0.2, 0.2, 0.05]).log().unsqueeze(0).repeat(3000, 1)
+    logits[1] = float("-inf")  # a row with nothing left (a grammar that allows no token) is left as it is
+    out = sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)] * 3000, [None] * 3000)
+    counts = torch.bincount(torch.tensor(out[2:]), minlength=5)
+    assert counts[4] == 0 and all(counts[i] > 0 for i in range(4))  # 0.4 + one 0.2 reach 0.5: all three 0.2s stay
+    from backend.sampler import _apply_top_p
+    assert torch.isinf(_apply_top_p(logits[1:2], [0.5])).all()
+
+
 def test_temperature_sampling_follows_the_softmax() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
     out = sample(logits, [SamplingParams(temperature=2.0)] * 20000, [None] * 20000)
