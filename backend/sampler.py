@@ -7,8 +7,8 @@ per row: the token is the first whose running sum of the softmax exceeds u times
 total, so a token of probability p is drawn with probability p (to rounding) and one of
 probability 0 (cut by top-k, top-p or a grammar) never. On the CPU the C kernel of
 `kernels/cpu_sample.py` does it in three passes over the row, from the logits as they are
-for a row that asks for nothing but a temperature (and perhaps a grammar), else from the
-float32 row torch prepared; elsewhere torch's softmax, float64 running sum and
+for a row without penalties (temperature, grammar, top-k and top-p applied inside), else
+from the float32 row torch prepared; elsewhere torch's softmax, float64 running sum and
 `searchsorted`. A seeded request draws its u from its own `torch.Generator` (one draw
 per token): the same seed gives the same tokens for the same logits whatever else is in
 the batch. (The exponential race it replaced, argmax p_i / E_i with E_i ~ Exp(1), drew a
@@ -107,10 +107,10 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def _plain(p: SamplingParams, vocab: int) -> bool:
-    """A sampled row that asks for nothing but a temperature (and perhaps a grammar): the C kernel draws it
-    from the logits as they are."""
-    return not p.greedy and not p.has_penalties and not 0 < p.top_k < vocab and p.top_p >= 1.0
+def _plain(p: SamplingParams) -> bool:
+    """A sampled row without penalties: the C kernel draws it from the logits as they are (temperature,
+    grammar, top-k and top-p inside)."""
+    return not p.greedy and not p.has_penalties
 
 
 def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
@@ -122,9 +122,9 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[to
     read only when a row asks for a penalty; `masks` (a row's grammar bitmask or None) only when some
     row has one.
 
-    Each row's token depends on its own logits, parameters and uniform only: plain temperature rows
-    (`_plain`) are drawn by the C kernel from the logits as they are, the others through torch's
-    preparation, whatever else shares the batch."""
+    Each row's token depends on its own logits, parameters and uniform only: sampled rows without
+    penalties (`_plain`) are drawn by the C kernel from the logits as they are, the others through
+    torch's preparation, whatever else shares the batch."""
     masked = any(m is not None for m in masks)
     words = mask_words(masks) if masked else None
     if not needs_penalties(params) and all(p.greedy for p in params):
@@ -133,16 +133,18 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[to
             return greedy.tolist()
     if all(p.greedy for p in params) or not cpu_sample.available():
         return _sample_torch(logits, params, _uniforms(params, generators), prompt_ids, output_ids, masks)
-    vocab = logits.shape[1]
     u = _uniforms(params, generators)
-    plain = [_plain(p, vocab) for p in params]
+    plain = [_plain(p) for p in params]
     tokens = [0] * len(params)
     rows = [i for i, ok in enumerate(plain) if ok]
     if rows:
         sub = rows if len(rows) < len(params) else slice(None)
         inv_t = torch.tensor([1.0 / params[i].temperature for i in rows], dtype=torch.float32)
+        top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int32)
+        top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)
         drawn = cpu_sample.sample_rows(logits[sub].contiguous(), inv_t, u[sub].contiguous(),
-                                       None if words is None else words[sub].contiguous())
+                                       None if words is None else words[sub].contiguous(),
+                                       top_k if top_k.any() else None, top_p if (top_p < 1).any() else None)
         if drawn is None:  # a case the kernel does not take (e.g. a strided or a CUDA tensor)
             return _sample_torch(logits, params, u, prompt_ids, output_ids, masks)
         for i, t in zip(rows, drawn.tolist(), strict=True):

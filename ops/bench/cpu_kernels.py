@@ -22,9 +22,10 @@ only: no weights are read), so the figures the kernels' own comments quote can b
   for bf16 and fp8_e4m3 pages. GB/s = KV bytes / time.
 - **rows**: the element-wise kernels at 1 and `max(--rows)` rows: residual add + RMSNorm,
   SwiGLU's activation, RoPE, argmax over the vocabulary, the argmax under grammar mask words
-  (half the tokens allowed) and temperature sampling, against their torch expressions (for the
-  last two, the sampler's torch path: bit unpacking and masked_fill; float32 copy, division,
-  softmax, float64 running sum and searchsorted). The
+  (half the tokens allowed) and temperature sampling, plain and with top-p 0.9, against their
+  torch expressions (for the last three, the sampler's torch path: bit unpacking and masked_fill;
+  float32 copy, division, softmax, float64 running sum and searchsorted; the same after a sort
+  for top-p). The
   input is the same tensor every call (in a step it was just written, so it is in cache).
 
 The C kernels run as in a decode step, inside `torch_single_threaded` (torch at one thread,
@@ -239,6 +240,7 @@ def _bench_rows(cfg: Any, rows: list[int], reps: int) -> list[dict[str, Any]]:
         words = torch.randint(-2**31, 2**31 - 1, (m, (cfg.vocab_size + 31) // 32), dtype=torch.int32)
         inv_t, u = torch.full((m,), 1 / 0.7), torch.rand(m, dtype=torch.float64)
         bit = torch.arange(32, dtype=torch.int32)  # bit i of a mask word is token 32 * word + i
+        top_p = torch.full((m,), 0.9)
 
         def torch_masked_argmax() -> torch.Tensor:  # backend/grammar.py's apply_masks without the kernel
             allowed = ((words.unsqueeze(-1) >> bit) & 1).flatten(1)[:, : logits.shape[1]].bool()
@@ -246,6 +248,15 @@ def _bench_rows(cfg: Any, rows: list[int], reps: int) -> list[dict[str, Any]]:
 
         def torch_sample() -> torch.Tensor:  # backend/sampler.py's torch path for plain temperature rows
             cdf = (logits.float() * inv_t.unsqueeze(1)).softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)
+            return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)
+
+        def torch_sample_top_p() -> torch.Tensor:  # the sampler's torch path for a top-p row, before the draw
+            x = logits.float() * inv_t.unsqueeze(1)
+            ordered = x.sort(dim=-1, descending=True).values
+            probs = ordered.softmax(dim=-1)
+            kept = ((probs.cumsum(dim=-1) - probs) <= 0.9).sum(dim=-1, keepdim=True).clamp_(min=1)
+            x = x.masked_fill(x < ordered.gather(1, kept - 1), float("-inf"))
+            cdf = x.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)
             return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)
 
         def torch_rope() -> torch.Tensor:  # RotaryEmbedding.apply's torch path
@@ -261,6 +272,7 @@ def _bench_rows(cfg: Any, rows: list[int], reps: int) -> list[dict[str, Any]]:
             ("argmax_rows", lambda: argmax_rows(logits), lambda: logits.argmax(dim=-1), 1),
             ("argmax_rows_masked", lambda: argmax_rows(logits, words), torch_masked_argmax, 1),
             ("sample_rows", lambda: sample_rows(logits, inv_t, u), torch_sample, 1),
+            ("sample_rows_top_p", lambda: sample_rows(logits, inv_t, u, None, None, top_p), torch_sample_top_p, 1),
         ]
         for kernel, c_call, torch_call, per_step in cases:
             def repeat(f: Callable[[], Any], n: int = per_step) -> Callable[[], None]:

@@ -45,6 +45,31 @@ def test_draws_the_token_whose_cdf_interval_holds_u(vocab: int, masked: bool, dt
             assert (int(words[r, k // 32]) >> (k % 32)) & 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 1000, 49157])
+def test_top_k_and_top_p_cut_as_the_torch_path(vocab: int, dtype: torch.dtype, seed: int) -> None:
+    from backend.sampler import _apply_top_k, _apply_top_p
+
+    rows = 24
+    x = (torch.randn(rows, vocab) * torch.rand(rows, 1) * 8).to(dtype)  # flat to peaked rows
+    x[:, 3] = x[:, 2]  # a tie (a cut can fall on it)
+    temperature = torch.rand(rows) + 0.3
+    ks = [[0, 1, 2, 5, 40, vocab, vocab + 3][r % 7] for r in range(rows)]
+    ps = [[1.0, 0.5, 0.9, 0.95, 0.1, 0.999][r % 6] for r in range(rows)]
+    words = _random_words(rows, vocab, 0.7)
+    words[:, 0] |= 1
+    u = torch.rand(rows, dtype=torch.float64)
+    got = sample_rows(x, (1 / temperature).float(), u, words, torch.tensor(ks, dtype=torch.int32),
+                      torch.tensor(ps, dtype=torch.float32))
+    ref = _apply_top_p(_apply_top_k(_torch_masked(x, words) / temperature.unsqueeze(1), ks), ps)
+    cdf = ref.double().softmax(dim=-1).cumsum(dim=-1)
+    for r in range(rows):
+        k, target = int(got[r]), float(u[r])
+        assert torch.isfinite(ref[r, k]), (r, ks[r], ps[r])  # a token the torch path keeps
+        below = float(cdf[r, k - 1]) if k else 0.0
+        assert below - 1e-5 <= target <= float(cdf[r, k]) + 1e-5
+
+
 def test_frequencies_follow_the_softmax(seed: int) -> None:
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5, -30.0, 3.0]).repeat(40000, 1)
     temperature = 1.3
@@ -89,12 +114,13 @@ def test_the_sampler_draws_plain_rows_with_it_and_a_seeded_row_is_its_own(monkey
 
     def draw(params: list[SamplingParams]) -> int:
         gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
-        return sampler.sample(logits[: len(params)], params, gens)[0]
+        n = len(params)
+        return sampler.sample(logits[:n], params, gens, [[]] * n, [[1, 2]] * n)[0]
 
     alone = [draw([seeded]) for _ in range(3)]
     assert calls == [(torch.bfloat16, (1, 300))] * 3  # the logits as the LM head left them, no float32 copy
     calls.clear()
-    mixed = draw([seeded, SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=0.0)])
+    mixed = draw([seeded, SamplingParams(temperature=1.0, frequency_penalty=0.5), SamplingParams(temperature=0.0)])
     assert calls == [(torch.bfloat16, (1, 300)), (torch.float32, (2, 300))]  # plain row; torch-prepared rows
     assert mixed == alone[0]
     several = {draw([SamplingParams(temperature=0.9, seed=s)]) for s in range(40)}
