@@ -140,7 +140,7 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[to
     if rows:
         sub = rows if len(rows) < len(params) else slice(None)
         inv_t = torch.tensor([1.0 / params[i].temperature for i in rows], dtype=torch.float32)
-        top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int32)
+        top_k = torch.tensor([min(params[i].top_k, logits.shape[1]) for i in rows], dtype=torch.int32)  # >= V: off
         top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)
         drawn = cpu_sample.sample_rows(logits[sub].contiguous(), inv_t, u[sub].contiguous(),
                                        None if words is None else words[sub].contiguous(),

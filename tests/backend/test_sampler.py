@@ -46,6 +46,13 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert abs(counts[0].item() - 0.5 / 0.8) < 0.05
 
 
+def test_a_top_k_past_the_vocabulary_is_no_cut() -> None:
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=1.0, top_k=10**12), SamplingParams(temperature=1.0, top_k=50)]
+    out = sample(logits.repeat(200, 1), params * 200, [None] * 400)
+    assert len(set(out[0::2])) > 10 and all(0 <= t < 50 for t in out)
+
+
 def test_top_p_keeps_ties_with_the_last_kept_token() -> None:
     logits = torch.tensor([0.4, 0.2, 0.2, 0.2, 0.05]).log().unsqueeze(0).repeat(3000, 1)
     logits[1] = float("-inf")  # a row with nothing left (a grammar that allows no token) is left as it is
