@@ -35,7 +35,7 @@ freed; the report gains ``end_to_end`` and ``ratio_vs_llamacpp`` (format -> c ->
 tok/s over llama.cpp's).
 
 `transformers` runs in the faster of the compute dtype and float32 on this host (``--hf-dtype auto``):
-where the CPU has no bfloat16 units, torch's bfloat16 GEMMs are emulated (4-5x slower than float32 at
+where the CPU has no bfloat16 units, torch's bfloat16 GEMMs are emulated (3.8-5x slower than float32 at
 a 32-row decode step or a 100-token prompt on an AVX2-only host), and a comparator run in its slowest
 form would flatter every ratio. `pick_hf_dtype` times a prompt forward and a decode-batch forward in
 both and keeps the faster; the report records its choice and the timings (``hf_dtype``).
