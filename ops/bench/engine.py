@@ -107,6 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample every in-process request at this temperature (default 0: greedy, the targets' "
                         "setting; the end-to-end part stays greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: every request's top_p (1: off)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true", help="measure only our engine")
     p.add_argument("--hf-dtype", default="auto", choices=["auto", "same", "float32", "bfloat16"],
@@ -131,8 +132,10 @@ def _make_workload(tokenizer, n: int, out_lo: int, out_hi: int, seed: int) -> li
     return reqs
 
 
-def bench_ours(engine, reqs: list[tuple[list[int], int]], c: int, temperature: float = 0.0) -> Timings:
-    """`reqs` through our engine in a closed loop at concurrency `c` (greedy, or sampled at `temperature`)."""
+def bench_ours(engine, reqs: list[tuple[list[int], int]], c: int, temperature: float = 0.0,
+               top_p: float = 1.0) -> Timings:
+    """`reqs` through our engine in a closed loop at concurrency `c` (greedy, or sampled at `temperature`
+    and `top_p`)."""
     from backend.sampling_params import SamplingParams
 
     pending = list(reqs)
@@ -142,7 +145,8 @@ def bench_ours(engine, reqs: list[tuple[list[int], int]], c: int, temperature: f
     while pending or inflight:
         while pending and len(inflight) < c:
             ids, n = pending.pop(0)
-            seq = engine.add_request(ids, SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True))
+            seq = engine.add_request(ids, SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p,
+                                                          ignore_eos=True))
             inflight[seq.request_id] = seq
         for out in engine.step():
             if out.finished:
@@ -168,9 +172,10 @@ class _Clock:
         pass
 
 
-def bench_hf(model, reqs: list[tuple[list[int], int]], batch: int, pad_id: int, temperature: float = 0.0) -> Timings:
+def bench_hf(model, reqs: list[tuple[list[int], int]], batch: int, pad_id: int, temperature: float = 0.0,
+             top_p: float = 1.0) -> Timings:
     """`reqs` through `transformers` generate in static batches of `batch` (1: one at a time; greedy, or
-    sampled at `temperature` with its top-k filter off, as ours)."""
+    sampled at `temperature` and `top_p` with its top-k filter off, as ours)."""
     ttft, tpot, tokens = [], [], 0
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch):
@@ -184,7 +189,7 @@ def bench_hf(model, reqs: list[tuple[list[int], int]], batch: int, pad_id: int, 
         with torch.inference_mode():
             model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                            do_sample=temperature > 0, pad_token_id=pad_id, streamer=clock,
-                           **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}))
+                           **({"temperature": temperature, "top_k": 0, "top_p": top_p} if temperature > 0 else {}))
         step_times = clock.times[1:]
         for _, n in group:
             tokens += n
@@ -305,8 +310,8 @@ def run(args: argparse.Namespace) -> int:
         bench_hf(hf, warm[:1], 1, pad)
     by_round: dict[tuple[str, int, int], Timings] = {}
     for r, c, system in schedule(levels, rounds, hf is not None):
-        t = (bench_ours(engine, workloads[c], c, args.temperature) if system == "edgeserve"
-             else bench_hf(hf, workloads[c], 1 if system == "hf_sequential" else c, pad, args.temperature))
+        t = (bench_ours(engine, workloads[c], c, args.temperature, args.top_p) if system == "edgeserve"
+             else bench_hf(hf, workloads[c], 1 if system == "hf_sequential" else c, pad, args.temperature, args.top_p))
         by_round[(system, c, r)] = t
         log(f"round {r} c={c:<3} {system:<14} {len(workloads[c])} requests: {t.tokens / t.wall_s:7.1f} tok/s, "
             f"{t.wall_s:.1f} s")
@@ -338,8 +343,8 @@ def run(args: argparse.Namespace) -> int:
            rounds, total_s, hf_dtype)
 
     report = {
-        "model": args.model, "dtype": args.dtype, "temperature": args.temperature, "hf_dtype": hf_dtype,
-        "threads": torch.get_num_threads(),
+        "model": args.model, "dtype": args.dtype, "temperature": args.temperature, "top_p": args.top_p,
+        "hf_dtype": hf_dtype, "threads": torch.get_num_threads(),
         "quick": args.quick,
         "rounds": rounds, "machine": machine, "weight_bytes": weight_bytes,
         "workload": {str(c): {"requests": len(w), "prompt_tokens": sum(len(i) for i, _ in w),
