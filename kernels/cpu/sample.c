@@ -185,6 +185,37 @@ static int by_value_desc(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
+/* One pass over the tokens >= `cut` with a weight: with `collect` < 0 their weights are summed per bucket of
+ * (m - x) / T into sc->buckets (returns 0, the total in *z); else the (value, weight) pairs of bucket
+ * `collect` go to sc->vals (returns their count). */
+static int64_t bin_pass(const void *x, int64_t n, const int half, const int32_t *words, float m, float inv_t,
+                        float cut, int collect, Scratch *sc, double *z) {
+    const int64_t nw = (n + 31) / 32;
+    const float scale = TOP_P_BUCKETS / 87.0f;
+    float e[32];
+    int64_t count = 0;
+    for (int64_t k = 0; k < nw; k++) {
+        const uint32_t allowed = allowed_word(words, k);
+        if (!allowed) continue;
+        word_weights(x, n, k, half, allowed, m, inv_t, cut, e);
+        for (int j = 0; j < 32; j++) {
+            if (e[j] <= 0.0f) continue;
+            const float v = value(x, 32 * k + j, half);
+            int b = (int)((m - v) * inv_t * scale);
+            b = b < TOP_P_BUCKETS ? b : TOP_P_BUCKETS - 1;
+            if (collect < 0) {
+                sc->buckets[b] += e[j];
+                *z += e[j];
+            } else if (b == collect) {
+                sc->vals[2 * count] = v;
+                sc->vals[2 * count + 1] = e[j];
+                count++;
+            }
+        }
+    }
+    return count;
+}
+
 /* top-p over the tokens >= `cut` (top-k's): the logit of the last token kept, the tokens in descending
  * order, kept while the mass before them is <= p of the total (the first always). The weights are binned by
  * (m - x) / T; every bucket before the one where the running mass passes p Z is kept whole; that bucket's
@@ -192,23 +223,9 @@ static int by_value_desc(const void *a, const void *b) {
  * never reached before the mass passes p Z, unless p is 1 (then no cut at all). */
 static float top_p_cut(const void *x, int64_t n, const int half, const int32_t *words, float m, float inv_t,
                        float cut, float p, Scratch *sc) {
-    const int64_t nw = (n + 31) / 32;
-    const float scale = TOP_P_BUCKETS / 87.0f;
-    float e[32];
     double z = 0.0;
     for (int b = 0; b < TOP_P_BUCKETS; b++) sc->buckets[b] = 0.0;
-    for (int64_t k = 0; k < nw; k++) {
-        const uint32_t allowed = allowed_word(words, k);
-        if (!allowed) continue;
-        word_weights(x, n, k, half, allowed, m, inv_t, cut, e);
-        for (int j = 0; j < 32; j++) {
-            if (e[j] <= 0.0f) continue;
-            int b = (int)((m - value(x, 32 * k + j, half)) * inv_t * scale);
-            b = b < TOP_P_BUCKETS ? b : TOP_P_BUCKETS - 1;
-            sc->buckets[b] += e[j];
-            z += e[j];
-        }
-    }
+    bin_pass(x, n, half, words, m, inv_t, cut, -1, sc, &z);
     const double target = (double)p * z;
     double before = 0.0;
     int cross = TOP_P_BUCKETS - 1;
@@ -219,23 +236,7 @@ static float top_p_cut(const void *x, int64_t n, const int half, const int32_t *
         }
         before += sc->buckets[b];
     }
-    int64_t count = 0; /* the crossing bucket's tokens */
-    for (int64_t k = 0; k < nw; k++) {
-        const uint32_t allowed = allowed_word(words, k);
-        if (!allowed) continue;
-        word_weights(x, n, k, half, allowed, m, inv_t, cut, e);
-        for (int j = 0; j < 32; j++) {
-            if (e[j] <= 0.0f) continue;
-            const float v = value(x, 32 * k + j, half);
-            int b = (int)((m - v) * inv_t * scale);
-            b = b < TOP_P_BUCKETS ? b : TOP_P_BUCKETS - 1;
-            if (b == cross) {
-                sc->vals[2 * count] = v;
-                sc->vals[2 * count + 1] = e[j];
-                count++;
-            }
-        }
-    }
+    const int64_t count = bin_pass(x, n, half, words, m, inv_t, cut, cross, sc, &z); /* the crossing bucket */
     if (count == 0) return cut; /* no mass at all past the buckets walked: keep what top-k kept */
     qsort(sc->vals, (size_t)count, 2 * sizeof(float), by_value_desc);
     float last = sc->vals[0];
