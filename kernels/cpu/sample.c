@@ -139,7 +139,7 @@ typedef struct {
 
 #define TOP_P_BUCKETS 1024 /* over (m - x) / T in [0, 87): ~0.085 wide, a factor 1.09 in weight */
 
-static inline uint32_t allowed_word(const int32_t *words, int64_t k) {
+static inline uint32_t allowed_word(const int32_t *words, int64_t k) { /* word k's bits; all ones: no mask */
     return words ? (uint32_t)words[k] : 0xffffffffu;
 }
 
@@ -255,7 +255,7 @@ static inline __attribute__((always_inline)) int64_t sample_row(const void *x, i
     const int64_t nw = (n + 31) / 32;
     float m = -INFINITY;
     for (int64_t k = 0; k < nw; k++) { /* pass 1: the maximum of the allowed tokens; a NaN returns at once */
-        const uint32_t allowed = words ? (uint32_t)words[k] : 0xffffffffu;
+        const uint32_t allowed = allowed_word(words, k);
         if (!allowed) continue;
         const int64_t base = 32 * k;
         const int len = n - base < 32 ? (int)(n - base) : 32;
@@ -269,14 +269,14 @@ static inline __attribute__((always_inline)) int64_t sample_row(const void *x, i
     if (m == -INFINITY) return 0; /* nothing allowed (or every allowed logit -inf) */
     if (m == INFINITY) /* all the mass on the +inf logits: the first allowed one */
         for (int64_t i = 0; i < n; i++)
-            if ((!words || (((uint32_t)words[i >> 5] >> (i & 31)) & 1)) && value(x, i, half) == INFINITY) return i;
+            if (((allowed_word(words, i >> 5) >> (i & 31)) & 1) && value(x, i, half) == INFINITY) return i;
     float cut = -INFINITY; /* keep the tokens >= cut: top-k's k-th value, then top-p's last kept one */
     if (top_k > 0 && top_k < n) cut = top_k_cut(x, n, half, words, top_k, sc->heap);
     if (top_p < 1.0f) cut = top_p_cut(x, n, half, words, m, inv_t, cut, top_p, sc);
     float e[32];
     double total = 0.0;
     for (int64_t k = 0; k < nw; k++) { /* pass 2: each word's mass, in double from here on */
-        const uint32_t allowed = words ? (uint32_t)words[k] : 0xffffffffu;
+        const uint32_t allowed = allowed_word(words, k);
         word_sums[k] = allowed ? (double)word_weights(x, n, k, half, allowed, m, inv_t, cut, e) : 0.0;
         total += word_sums[k];
     }
@@ -290,7 +290,7 @@ static inline __attribute__((always_inline)) int64_t sample_row(const void *x, i
             run += word_sums[k];
             continue;
         }
-        const uint32_t allowed = words ? (uint32_t)words[k] : 0xffffffffu;
+        const uint32_t allowed = allowed_word(words, k);
         word_weights(x, n, k, half, allowed, m, inv_t, cut, e);
         int tail = -1;
         for (int j = 0; j < 32; j++) {
@@ -301,7 +301,7 @@ static inline __attribute__((always_inline)) int64_t sample_row(const void *x, i
         }
         return 32 * k + tail; /* the word's float sum rounded above its values' double sum: its last token */
     }
-    word_weights(x, n, last, half, words ? (uint32_t)words[last] : 0xffffffffu, m, inv_t, cut, e);
+    word_weights(x, n, last, half, allowed_word(words, last), m, inv_t, cut, e);
     for (int j = 31; j >= 0; j--)
         if (e[j] > 0.0f) return 32 * last + j;
     return 0; /* not reached: the maximum's weight is 1 */

@@ -72,7 +72,7 @@ import torch
 from ops.bench.harness.loops import DecodeLoop, DecodeRow, step_in_turn
 from ops.bench.harness.progress import log
 from ops.bench.harness.prompts import fixed_length_prompts
-from ops.bench.harness.stats import block_bootstrap_ci, percentile, rotated
+from ops.bench.harness.stats import block_bootstrap_ci, percentile, rotated, throughput_overhead, verdict
 from ops.bench.report import write_report
 
 __all__ = ["add_arguments", "run", "CheckedDecodeLoop", "CheckTimer", "concurrency_points", "throughput_overhead",
@@ -152,11 +152,6 @@ def concurrency_points(quick: bool) -> list[int]:
 
 # ---------------------------------------------------------------- statistics over paired steps
 
-def throughput_overhead(a: np.ndarray, b: np.ndarray) -> float:
-    """Percent of B's throughput that A loses, from paired step seconds (same tokens in both)."""
-    return 100.0 * (1.0 - float(b.sum()) / float(a.sum()))
-
-
 def step_overhead(a: np.ndarray, b: np.ndarray) -> float:
     """Percent by which A's typical step exceeds B's: the median of the paired ratios a[i] / b[i]. A burst
     of load that lands on one side of a pair moves it no more than any other pair (robust where the
@@ -234,12 +229,6 @@ def ci_width(cmp: dict[str, dict[int, dict[str, object]]], figures: tuple[str, .
     """The widest 95% interval (points) of `figures` over every comparison and concurrency."""
     return max(r[f"{f}_ci95"][1] - r[f"{f}_ci95"][0] for per_c in cmp.values() for r in per_c.values()
                for f in figures)
-
-
-def verdict(ci95: list[float], limit: float = 1.0) -> str:
-    """"met" when the whole interval lies under `limit`, "missed" when it lies above, else "unresolved"."""
-    lo, hi = ci95
-    return "met" if hi < limit else "missed" if lo > limit else "unresolved"
 
 
 def detected(r: dict[str, object], figure: str, injected: float) -> bool:

@@ -37,10 +37,10 @@ import torch
 
 from ops.bench.harness.loops import DecodeLoop, step_in_turn
 from ops.bench.harness.progress import log
-from ops.bench.harness.stats import block_bootstrap_ci, rotated
+from ops.bench.harness.stats import block_bootstrap_ci, rotated, throughput_overhead, verdict
 from ops.bench.report import provenance, write_report
 
-__all__ = ["add_arguments", "run", "random_schema", "schemas", "overhead_pct", "verdict"]
+__all__ = ["add_arguments", "run", "random_schema", "schemas"]
 
 # never completes within max_tokens: at least 500 items
 LONG_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 500, "items": {
@@ -88,16 +88,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype (auto: what `serve` picks on this host)")
     p.add_argument("--kv-format", default="auto", help="KV page format (auto: serve's for the dtype)")
-
-
-def overhead_pct(schema: np.ndarray, free: np.ndarray) -> float:
-    """Percent of the free arm's throughput the schema arm loses, from paired decode-step seconds."""
-    return 100.0 * (1.0 - float(free.sum()) / float(schema.sum()))
-
-
-def verdict(ci95: list[float], limit: float) -> str:
-    """"met" when the whole interval lies under `limit`, "missed" when above it, else "unresolved"."""
-    return "met" if ci95[1] < limit else "missed" if ci95[0] > limit else "unresolved"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,8 +141,9 @@ def run(args: argparse.Namespace) -> int:
         a = np.concatenate([np.asarray(x, float) for x, _ in strata])
         b = np.concatenate([np.asarray(y, float) for _, y in strata])
         advance_s = engine.stats["grammar_advance_s"] - s0
-        results[str(c)] = {"pct": overhead_pct(a, b), "ci95": list(block_bootstrap_ci(strata, overhead_pct)),
-                           "per_repeat": [overhead_pct(np.asarray(x, float), np.asarray(y, float)) for x, y in strata],
+        per_repeat = [throughput_overhead(np.asarray(x, float), np.asarray(y, float)) for x, y in strata]
+        ci95 = list(block_bootstrap_ci(strata, throughput_overhead))
+        results[str(c)] = {"pct": throughput_overhead(a, b), "ci95": ci95, "per_repeat": per_repeat,
                            "pairs": int(a.size), "advance_share_pct": 100.0 * advance_s / float(a.sum()),
                            "advance_us": 1e6 * advance_s / max(engine.stats["grammar_advances"] - a0, 1)}
         for name in rates:

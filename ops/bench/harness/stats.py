@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["percentile", "rotated", "spread", "ratio", "block_bootstrap_ci"]
+__all__ = ["percentile", "rotated", "spread", "ratio", "block_bootstrap_ci", "throughput_overhead", "verdict"]
 
 T = TypeVar("T")
 
@@ -69,3 +69,14 @@ def block_bootstrap_ci(strata: Sequence[tuple[Sequence[float], Sequence[float]]]
                         np.concatenate([b[idx[r]] for _, b, idx in picks])) for r in range(resamples)]
     lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
+
+
+def throughput_overhead(a: np.ndarray, b: np.ndarray) -> float:
+    """Percent of B's throughput that A loses, from paired step seconds (same tokens in both)."""
+    return 100.0 * (1.0 - float(b.sum()) / float(a.sum()))
+
+
+def verdict(ci95: Sequence[float], limit: float = 1.0) -> str:
+    """"met" when the whole interval lies under `limit`, "missed" when it lies above, else "unresolved"."""
+    lo, hi = ci95
+    return "met" if hi < limit else "missed" if lo > limit else "unresolved"
