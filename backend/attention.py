@@ -174,5 +174,5 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
         qpos = torch.arange(start, ctx, device=q.device).repeat(group).unsqueeze(1)  # [G*n, 1]
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [G*n, ctx], causal with the cached prefix
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
-        out[rows] = o.view(num_heads, n, head_dim).transpose(0, 1)
+        out[rows] = o.reshape(num_heads, n, head_dim).transpose(0, 1)  # CUDA's SDPA may return other strides
     return out

@@ -209,9 +209,12 @@ def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                            page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, block_n: int = 64, num_warps: int | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
     """Attention of q [B, heads, head_dim] over each sequence's first context_lens[b] (>= 1)
-    cached tokens, reached through page_table [B, max_pages]; returns [B, heads, head_dim] in q's dtype."""
+    cached tokens, reached through page_table [B, max_pages]; returns [B, heads, head_dim] in q's dtype.
+    `block_n` (tokens a tile, a power of two >= 16), `num_warps` and `num_stages` tune the split kernel
+    (benchmarks sweep them; Triton's defaults where None)."""
     is_fp8 = _check_attention_args(q, k_cache, v_cache, k_scale, v_scale, page_table, context_lens)
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -220,6 +223,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = default_num_splits(batch, num_kv_heads, page_table.shape[1] * page_size, q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    tuning = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -244,8 +250,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse.stride(0), lse.stride(1), lse.stride(2),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=64,  # tokens per tile (4 pages of 16), any page size
+        BLOCK_N=block_n,  # tokens per tile (64: 4 pages of 16), any page size
         IS_FP8=is_fp8, DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,  # no TF32
+        **tuning,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

@@ -11,11 +11,14 @@ Reads the INT4 layout defined (with its numerics) in `backend/weight_formats.py`
 `quantize_int4_ref` / `dequantize_int4_ref` here are the format's one implementation.
 
 Two paths, by the number of rows M of x [M, K]:
-- **split-K GEMV** (M <= GEMV_MAX_M, decode): grid (cdiv(N, BLOCK_N), SPLIT_K). Each
-  program dequantises its [BLOCK_N, BLOCK_K] weight tiles for one contiguous range of K
-  tiles once and multiplies every row of x by them (broadcast and sum: `tl.dot` needs 16
-  rows), writing float32 partial sums [SPLIT_K, M, N] that the launcher adds. Splitting K
-  gives a decode step, whose N alone fills few programs, enough of them to use the GPU.
+- **GEMV** (M <= GEMV_MAX_M, decode): grid (cdiv(N, BLOCK_N), SPLIT_K). Each program reads its
+  [BLOCK_N, BLOCK_B] tiles of packed bytes as they lie (one load per byte, contiguous along K),
+  splits the nibbles and takes the even and odd columns of x against them. A tile lies inside one
+  group, so the scale and zero leave the inner sum:
+      sum_k x[k] W[n, k] = scale[n, g] * sum_k x[k] (q[n, k] - 8) + zero[n, g] * sum_k x[k]
+  (two multiply-adds a weight byte, none for dequantisation). With enough N tiles to fill the GPU
+  (SPLIT_K = 1) the program writes y in x's dtype: one launch. Otherwise K is split into ranges
+  whose float32 partial sums [SPLIT_K, M, N] the launcher adds.
 - **tiled GEMM** (larger M, prefill): grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)), a K loop
   of `tl.dot` on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles into a float32 accumulator.
 BLOCK_K divides the group size, so a K tile needs one scale and one zero per row.
@@ -59,33 +62,47 @@ def _w4a16_gemv_kernel(
     x_ptr,  # [M, K]
     q_ptr,  # [N, K/2] uint8
     s_ptr, z_ptr,  # [N, groups] bfloat16
-    partial_ptr,  # [SPLIT_K, M, N] float32
+    out_ptr,  # y [M, N] (SPLIT_K 1) or float32 partial sums [SPLIT_K, M, N]
     # sizes
-    M, N, K, tiles_per_split,
+    M, N, K, bytes_per_split,
     # strides
-    stride_xm, stride_qn, stride_sn, stride_sg, stride_ps, stride_pm,
+    stride_xm, stride_qn, stride_sn, stride_sg, stride_os, stride_om,
     # meta-parameters
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """One program per (N tile, K range): every row of x against the range's weight tiles."""
+    """One program per (N tile, K range): every row of x against the range's packed bytes (module doc)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_b = tl.arange(0, BLOCK_B)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    q_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    b_start = pid_s * bytes_per_split
+    b_end = tl.minimum(b_start + bytes_per_split, K // 2)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = pid_s * tiles_per_split * BLOCK_K
-    k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, offs_k, k0, mask_n, K, stride_qn, stride_sn, stride_sg,
-                          GROUP)  # [BLOCK_N, BLOCK_K]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    out_ptrs = partial_ptr + pid_s * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :]
-    tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    for b0 in range(b_start, b_end, BLOCK_B):
+        cols = b0 + offs_b  # byte columns: weight columns 2 * cols (low nibble) and 2 * cols + 1 (high)
+        mask_b = cols < b_end
+        packed = tl.load(q_rows + cols[None, :], mask=mask_n[:, None] & mask_b[None, :], other=0).to(tl.int32)
+        low = ((packed & 0xF) - 8).to(tl.float32)  # [BLOCK_N, BLOCK_B]
+        high = ((packed >> 4) - 8).to(tl.float32)
+        mask_x = mask_m[:, None] & mask_b[None, :]
+        x_even = tl.load(x_rows + 2 * cols[None, :], mask=mask_x, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_B]
+        x_odd = tl.load(x_rows + 2 * cols[None, :] + 1, mask=mask_x, other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            codes = tl.sum(x_even * low + x_odd * high, axis=1)[None, :]  # [1, BLOCK_N]
+        else:
+            codes = tl.sum(x_even[:, None, :] * low[None, :, :] + x_odd[:, None, :] * high[None, :, :], axis=2)
+        x_sum = tl.sum(x_even + x_odd, axis=1)  # [BLOCK_M]
+        group = (2 * b0) // GROUP  # the tile lies in one group: 2 * BLOCK_B divides GROUP, b_start is a tile's
+        scale = tl.load(s_ptr + offs_n * stride_sn + group * stride_sg, mask=mask_n, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + offs_n * stride_sn + group * stride_sg, mask=mask_n, other=0.0).to(tl.float32)
+        acc += codes * scale[None, :] + x_sum[:, None] * zero[None, :]
+    out_ptrs = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -149,8 +166,10 @@ def _check_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               group_size: int, split_k: int | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W.T in x's dtype, W the INT4 weight (layout above)."""
+               group_size: int, split_k: int | None = None, block_n: int | None = None,
+               num_warps: int | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T in x's dtype, W the INT4 weight (layout above). `split_k`, `block_n` and
+    `num_warps` override the GEMV path's choices (benchmarks sweep them; the defaults fit an H200)."""
     m, n, k = _check_args(x, qweight, scales, zeros, group_size)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -159,21 +178,25 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         return y.zero_()
     block_k = min(64, group_size)  # divides the group: one scale per row per tile
     if m <= GEMV_MAX_M:
-        block_n = 32
-        k_tiles = triton.cdiv(k, block_k)
-        if split_k is None:  # enough programs to fill the GPU twice
+        block_b = min(64, group_size // 2)  # bytes: 2 * block_b columns, inside one group
+        block_n = block_n or (16 if m == 1 else 8)
+        b_tiles = triton.cdiv(k // 2, block_b)
+        n_tiles = triton.cdiv(n, block_n)
+        if split_k is None:  # split K only where the N tiles alone leave the GPU's multiprocessors idle
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-            split_k = max(1, min(k_tiles, triton.cdiv(2 * sms, triton.cdiv(n, block_n))))
-        tiles_per_split = triton.cdiv(k_tiles, min(split_k, k_tiles))
-        split_k = triton.cdiv(k_tiles, tiles_per_split)
-        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        _w4a16_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
-            x, qweight, scales, zeros, partial,
-            m, n, k, tiles_per_split,
-            x.stride(0), qweight.stride(0), scales.stride(0), scales.stride(1), partial.stride(0), partial.stride(1),
-            GROUP=group_size, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+            split_k = 1 if n_tiles >= sms else max(1, min(b_tiles, triton.cdiv(2 * sms, n_tiles)))
+        tiles_per_split = triton.cdiv(b_tiles, min(split_k, b_tiles))
+        split_k = triton.cdiv(b_tiles, tiles_per_split)
+        out = y if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        _w4a16_gemv_kernel[(n_tiles, split_k)](
+            x, qweight, scales, zeros, out,
+            m, n, k, tiles_per_split * block_b,
+            x.stride(0), qweight.stride(0), scales.stride(0), scales.stride(1),
+            out.stride(0) if split_k > 1 else 0, out.stride(-2),
+            GROUP=group_size, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_B=block_b,
+            **({"num_warps": num_warps} if num_warps else {}),
         )
-        return partial.sum(0).to(x.dtype) if split_k > 1 else y.copy_(partial[0])
+        return y if split_k == 1 else out.sum(0).to(x.dtype)
     dot_dtype = _dot_dtype(x.dtype) if x.dtype != torch.float16 else tl.float16
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))

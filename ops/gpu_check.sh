@@ -59,10 +59,12 @@ cap() { local left=$((deadline - SECONDS - 5)); [ "$left" -lt "$1" ] && echo $((
 step1() {
     # modules whose test-only imports the GPU image lacks fail to collect; the CUDA tests of the rest still run.
     # pytest-xdist (on the GPU image) spreads the Triton compiles over the host's cores
-    local workers=()
-    "$PY" -c "import xdist" 2>/dev/null && workers=(-n 8)
-    timeout "$1" "$PY" -m pytest -m cuda tests/kernels tests/backend -q -p no:cacheprovider "${workers[@]}" \
-        --durations=10 --continue-on-collection-errors 2>&1 | tee "$OUT/pytest.log"
+    # (-v: each result as it lands, so a run cut short still names its failures); pytest-timeout ends a hung test
+    local extra=()
+    "$PY" -c "import xdist" 2>/dev/null && extra+=(-n 16 -p no:benchmark)
+    "$PY" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout=120)
+    timeout "$1" "$PY" -m pytest -m cuda tests/kernels tests/backend -v --tb=short -rfE -p no:cacheprovider \
+        "${extra[@]}" --durations=15 --continue-on-collection-errors 2>&1 | tee "$OUT/pytest.log"
     return "${PIPESTATUS[0]}"
 }
 

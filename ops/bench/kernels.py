@@ -108,6 +108,7 @@ def _bench_attention(args: argparse.Namespace) -> dict:
                              "num_splits": default_num_splits(batch, args.kv_heads, context, q.device)})
                 del cache
             rows[-1]["fp8_speedup"] = times["bf16"] / times["fp8_e4m3"]
+    sweep = _sweep_attention(args, batches[-1], contexts[-1], bandwidth)
 
     print(f"{torch.cuda.get_device_name()}: read bandwidth {bandwidth:.0f} GB/s; "
           f"q heads {args.heads}, kv heads {args.kv_heads}, head_dim {args.head_dim}, page {PAGE_SIZE}")
@@ -117,8 +118,37 @@ def _bench_attention(args: argparse.Namespace) -> dict:
         speedup = f"{r['fp8_speedup']:.2f}" if "fp8_speedup" in r else ""
         print(f"{r['format']:<10}{r['batch']:>6}{r['context']:>8}{r['num_splits']:>7}{r['us']:>9.1f}"
               f"{r['kv_mb']:>8.1f}{r['gb_s']:>8.0f}{r['pct_of_read_bw']:>6.0f}{speedup:>7}")
+    for fmt, runs in sweep.items():
+        best = max(runs, key=lambda r: r["pct_of_read_bw"])
+        print(f"{fmt} sweep at batch {batches[-1]}, context {contexts[-1]}: best {best['config']} "
+              f"{best['us']:.1f} us, {best['pct_of_read_bw']:.0f}% of read bandwidth")
     return {"read_bandwidth_gb_s": bandwidth, "page_size": PAGE_SIZE, "heads": args.heads, "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim, "results": rows}
+            "head_dim": args.head_dim, "results": rows, "sweep": sweep}
+
+
+def _sweep_attention(args: argparse.Namespace, batch: int, context: int, bandwidth: float) -> dict[str, list[dict]]:
+    """The split kernel's tile (tokens), warps and pipeline stages at one shape, each format: what the
+    defaults leave on the table."""
+    from triton.testing import do_bench
+
+    from kernels.paged_attention import paged_decode_attention
+
+    scale = args.head_dim ** -0.5
+    out: dict[str, list[dict]] = {}
+    for fmt in ("bf16", "fp8_e4m3"):
+        cache, kv_bytes = _make_cache(fmt, batch, context, args.kv_heads, args.head_dim)
+        q = torch.randn(batch, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
+        out[fmt] = []
+        for block_n in (64, 128):
+            for warps in (4, 8):
+                for stages in (2, 4):
+                    ms = do_bench(lambda: paged_decode_attention(q, *cache, scale, block_n=block_n, num_warps=warps,
+                                                                 num_stages=stages), warmup=5, rep=20)
+                    gb_s = kv_bytes / (ms * 1e-3) / 1e9
+                    out[fmt].append({"config": f"n{block_n}w{warps}s{stages}", "us": ms * 1e3, "gb_s": gb_s,
+                                     "pct_of_read_bw": 100 * gb_s / bandwidth})
+        del cache
+    return out
 
 
 def _stored_experts(fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -114,14 +114,14 @@ def assert_close_in_mag(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor,
 
 
 def run_case(device: str, fmt: str, group: int, num_splits: int | None, seed: int, head_dim: int = 64,
-             q_dtype: torch.dtype = torch.float32, num_kv_heads: int = 2) -> None:
+             q_dtype: torch.dtype = torch.float32, num_kv_heads: int = 2, **tuning: int) -> None:
     num_pages, page_table = random_layout(LENS)
     paged = build_paged(random_sequences(LENS, num_kv_heads, head_dim), num_kv_heads, head_dim, FORMATS[fmt],
                         num_pages, page_table, device)
     q = torch.randn(len(LENS), num_kv_heads * group, head_dim).to(device, q_dtype)
     scale = head_dim ** -0.5
 
-    out = paged_decode_attention(q, *paged, scale, num_splits=num_splits)
+    out = paged_decode_attention(q, *paged, scale, num_splits=num_splits, **tuning)
     ref = paged_decode_attention_ref(q, *paged, scale)
     mag = paged_decode_attention_ref(q.float(), *paged.with_abs_v(), scale)
     assert_close_in_mag(out, ref, mag, 1e-5 if q_dtype == torch.float32 else 2.0 ** -6, seed)
@@ -133,6 +133,14 @@ def run_case(device: str, fmt: str, group: int, num_splits: int | None, seed: in
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_matches_reference(device: str, fmt: str, group: int, num_splits: int, seed: int) -> None:
     run_case(device, fmt, group, num_splits, seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_n,warps", [(16, 2), (128, 8)])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_other_tile_widths(device: str, fmt: str, block_n: int, warps: int, seed: int) -> None:
+    """The tile a benchmark sweeps: partitions cut on other tile boundaries, the same answer."""
+    run_case(device, fmt, 3, 3, seed, block_n=block_n, num_warps=warps)
 
 
 @pytest.mark.parametrize("device", DEVICES)
