@@ -15,6 +15,9 @@ kernels and serving path are SmolLM2's, the text is noise. Four parts, each reco
 - **decode**: decode tok/s in process at c = 1 and 32 (closed loops, 64-token prompts, 128 output
   tokens), bf16 weights and KV against fp8 KV pages with INT4 decode weights, the two engines
   stepped in turn (`ops.bench.harness.loops`), `--rounds` rounds.
+- **profile**: one request's decode steps at c = 1 in bf16 under `torch.profiler`: wall ms a step,
+  CUDA kernels launched a step, the GPU's busy time a step, and the ops that take the host's time
+  (what bounds a small model's step on a GPU: launches, not bytes).
 - **w4a16** (CUDA only): the INT4 GEMV (`kernels.w4a16_gemm`, group 128) against torch's bf16
   GEMV at M = 1 over Llama-3-8B's projection shapes, CUDA-event medians (`triton.testing.do_bench`);
   the target is >= 3x.
@@ -36,10 +39,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["random_checkpoint", "write_skeleton", "parity", "served", "decode", "w4a16", "main"]
+__all__ = ["random_checkpoint", "write_skeleton", "parity", "served", "decode", "profile", "w4a16", "main"]
 
 SKELETON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
-PARTS = ("parity", "served", "decode", "w4a16")
+PARTS = ("parity", "served", "decode", "profile", "w4a16")
 
 
 def write_skeleton(model_dir: Path, dst: Path) -> Path:
@@ -175,6 +178,41 @@ def decode(model_dir: Path, device: str, levels: tuple[int, ...] = (1, 32), prom
     return out
 
 
+def profile(model_dir: Path, device: str, steps: int = 16) -> dict[str, Any]:
+    """Where a c = 1 bf16 decode step's time goes (module doc)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from backend.engine import EngineConfig, LLMEngine
+    from backend.sampling_params import SamplingParams
+    from ops.bench.harness.prompts import random_prompts
+
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(dtype="bfloat16", kv_format="bf16", device=device,
+                                                               kv_cache_bytes=64 << 20))
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    engine.add_request(random_prompts(vocab, 1, 64, seed=3)[0],
+                       SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # prefill and the first decode steps: compiles and allocations out of the way
+        engine.step()
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with torch_profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    events = prof.key_averages()
+    kernels = [e for e in events if cuda and getattr(e, "device_time_total", 0) > 0 and e.cpu_time_total == 0]
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    return {"steps": steps, "ms_per_step": 1e3 * wall / steps,
+            "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "gpu_busy_ms_per_step": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
+            "top_host_ops": [{"op": e.key, "calls_per_step": e.count / steps,
+                              "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in top]}
+
+
 def w4a16(shapes: tuple[tuple[int, int], ...] = ((4096, 4096), (14336, 4096), (4096, 14336)),
           group: int = 128) -> dict[str, Any]:
     """The Triton INT4 GEMV against torch's bf16 GEMV at M = 1 (CUDA only): each timed as called (CUDA-event
@@ -249,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             "served": lambda: served(model_dir, args.device, scratch),
             "decode": lambda: decode(model_dir, args.device, tuple(int(c) for c in args.levels.split(",")),
                                      output_tokens=args.output_tokens, rounds=args.rounds),
+            "profile": lambda: profile(model_dir, args.device),
             "w4a16": lambda: w4a16() if args.device == "cuda" else {"skipped": "needs CUDA"}}
         for part in parts:
             started = time.perf_counter()
