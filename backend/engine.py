@@ -154,8 +154,8 @@ class LLMEngine:
             else None)
         self.runner = ModelRunner(model, self.cache)
         mixed = config.mixed_step_tokens
-        if mixed is None and self.runner.gemv_decode:
-            mixed = cpu_gemv.mixed_step_tokens()
+        if mixed is None and self.runner.gemv_decode and self.runner.gemv_dtype == torch.bfloat16:
+            mixed = cpu_gemv.mixed_step_tokens()  # (float32 prompts keep MKL's GEMM: no cap for them)
         if mixed:
             self.scheduler.config = replace(self.scheduler.config, mixed_step_tokens=mixed)
         self.group: Collectives | None = model.group  # rank 0 of a tensor-parallel group, or None
@@ -415,7 +415,7 @@ class LLMEngine:
     def _threads_for(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager[None]:
         """torch at one thread for a step whose every linear runs the C GEMV (its helpers take the other cores;
         `kernels/cpu_threads.py` says why and what it measured), torch's pool as it is otherwise."""
-        if self.runner.gemv_decode and batch.num_tokens <= cpu_gemv.max_rows():
+        if self.runner.gemv_decode and batch.num_tokens <= self.runner.gemv_rows:
             return torch_single_threaded()
         return contextlib.nullcontext()
 

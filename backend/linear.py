@@ -34,6 +34,11 @@ bfloat16 GEMM reached about half of it (where it is emulated, without BF16 units
 products, float32 sums in another order, rounded to bfloat16 as torch's result is. Calls of at least
 `gemm_widen.WIDEN_MIN_ROWS` rows (prefill) run in float32 on a float32 copy of the weight made per call,
 where this CPU's float32 GEMM measured faster (`backend/gemm_widen.py`).
+
+Float32 weights likewise run the float32 C GEMV (`kernels/cpu_gemv_f32.py`) for calls of at most
+`cpu_gemv_f32.max_rows()` rows where it builds; larger calls keep the MKL paths above. `gemv_rows` says
+up to how many rows a linear's C GEMV runs (0: none), so that the engine hands those steps' threads to
+the C kernels and the decoder layers may run them in one C call (`backend/layers/fused_decode.py`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from typing import Protocol
 import torch
 
 from backend.gemm_widen import WIDEN_MIN_ROWS, widened_linear, widening_pays
-from kernels import cpu_gemv  # builds nothing at import (the C build runs on first use)
+from kernels import cpu_gemv, cpu_gemv_f32  # builds nothing at import (the C build runs on first use)
 
 __all__ = ["LinearOp", "Linear", "Int4Linear", "Fp8Linear", "bf16_gemv_available", "mkl_packing_available",
            "DEFAULT_BUCKETS"]
@@ -113,8 +118,9 @@ class Linear:
             and mkl_packing_available()
         self.buckets = tuple(sorted(buckets)) if use else ()
         self.packs = {b: torch.ops.mkl._mkl_reorder_linear_weight(weight, b) for b in self.buckets}
-        self.gemv = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.is_contiguous() \
-            and bf16_gemv_available()
+        cpu = weight.device.type == "cpu" and weight.is_contiguous()
+        self.gemv = cpu and ((weight.dtype == torch.bfloat16 and bf16_gemv_available())
+                             or (weight.dtype == torch.float32 and cpu_gemv_f32.available()))
         self.widen = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"  # if widening_pays()
 
     @property
@@ -139,9 +145,16 @@ class Linear:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
+    @property
+    def gemv_rows(self) -> int:
+        """Rows up to which a call runs the C GEMV of the weight's dtype (0: none)."""
+        if not self.gemv:
+            return 0
+        return cpu_gemv_f32.max_rows() if self.weight.dtype == torch.float32 else cpu_gemv.max_rows()
+
     def takes_gemv(self, rows: int) -> bool:
-        """Whether a call of `rows` bfloat16 rows runs the C GEMV (`kernels/cpu_gemv.py`)."""
-        return self.gemv and rows <= cpu_gemv.max_rows() and not self._widens(rows)
+        """Whether a call of `rows` rows runs the C GEMV (`kernels/cpu_gemv.py`, `kernels/cpu_gemv_f32.py`)."""
+        return self.gemv and rows <= self.gemv_rows and not self._widens(rows)
 
     def _widens(self, rows: int) -> bool:
         return self.widen and rows >= WIDEN_MIN_ROWS and widening_pays()
@@ -152,8 +165,8 @@ class Linear:
             return widened_linear(x, self.weight_t, self.bias)
         if x.dtype != self.weight.dtype:  # e.g. bf16 weights under float32 compute
             return self(x.to(self.weight.dtype)).to(x.dtype)
-        if self.gemv and rows <= cpu_gemv.max_rows():
-            y = cpu_gemv.gemv_bf16(x, self.weight)
+        if self.gemv and rows <= self.gemv_rows:
+            y = (cpu_gemv_f32.gemv_f32 if self.weight.dtype == torch.float32 else cpu_gemv.gemv_bf16)(x, self.weight)
             return y if self.bias is None else y.add_(self.bias)
         if not self.buckets or rows <= _UNPACKED_MAX_ROWS or rows >= _UNPACKED_MIN_ROWS:
             return self._dense(x)
@@ -248,6 +261,12 @@ class Int4Linear:
         scales_and_zeros[:, :n, 1] = zeros.t().to(torch.bfloat16).repeat_interleave(split, dim=0)[:groups]
         self.scales_and_zeros = scales_and_zeros
         self.nbytes = self.packed.numel() + scales_and_zeros.numel() * 2
+
+    @property
+    def gemv_rows(self) -> int:
+        """Rows up to which the engine hands a step's threads to the C kernels for this linear (its C kernel takes
+        every count; the bfloat16 GEMV's limit keeps the rest of the step in C too), 0 without the C kernel."""
+        return cpu_gemv.max_rows() if self.gemv else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.cuda:

@@ -21,7 +21,11 @@ class ModelRunner:
         # every linear of every phase runs the C GEMV at a few rows (bfloat16 on AVX512-BF16): the engine
         # then hands such steps' threads to the C kernels (kernels/cpu_threads.py)
         linears = [lin for layers in model.phase_layers.values() for layer in layers for lin in layer.linears()]
-        self.gemv_decode = all(getattr(lin, "gemv", False) for lin in [*linears, model.lm_head])
+        every = [*linears, model.lm_head]
+        self.gemv_decode = all(getattr(lin, "gemv", False) for lin in every)
+        # steps of up to this many rows run every linear on its C GEMV (0: not every linear has one)
+        self.gemv_rows = min(lin.gemv_rows for lin in every) if self.gemv_decode else 0
+        self.gemv_dtype = model.lm_head.weight.dtype if self.gemv_decode else None
 
     def _slot(self, page_ids: list[int], position: int) -> int:
         return page_ids[position // self.page_size] * self.page_size + position % self.page_size

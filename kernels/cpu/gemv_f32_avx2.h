@@ -1,0 +1,85 @@
+/* gemv_f32.c's compute on CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3, Intel client cores): the same
+ * y[M, N] = x[M, K] . w[N, K]^T for float32 x and w, in FMAs on 8 lanes. Included by gemv_f32.c, which keeps
+ * the pool, the tile loops and the entry point. Numerics as there: float32 products and sums, another order.
+ *
+ * Up to CHUNK x rows: one weight row at a time in memory order, two accumulators per x row (two chains in
+ * flight per row: 2 M + 2 of the 16 ymm registers at M = 6), prefetching PF_DIST ahead. More rows: tiles of
+ * NR = 2 weight rows by MR = 4 x rows (8 accumulators, 2 weight vectors and one x vector: 11 registers), as
+ * gemv_bf16_avx2.h's. The K tail (K % 8 columns) is a masked load (`vmaskmovps`: zeros, nothing read past K).
+ */
+#include <immintrin.h>
+
+#define CHUNK 6
+#define NR 2
+#define MR 4
+#define FNB 64
+
+/* The first `left` (0..8) lanes set: the mask of the K tail's `vmaskmovps` */
+static inline __m256i tail_mask(int left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline __attribute__((always_inline)) void rows_m(const Args *a, const int M) {
+    const int K = a->K, full = K & ~15, full8 = K & ~7;
+    const __m256i tail = tail_mask(K - full8);
+    const float *x = a->x;
+    for (int n = a->n0; n < a->n1; n++) {
+        const float *wr = a->w + (int64_t)n * K;
+        __m256 a0[CHUNK], a1[CHUNK];
+        for (int m = 0; m < M; m++) {
+            a0[m] = _mm256_setzero_ps();
+            a1[m] = _mm256_setzero_ps();
+        }
+        int k = 0;
+        for (; k < full; k += 16) {
+            _mm_prefetch((const char *)(wr + k + PF_DIST), _MM_HINT_T1); /* one line per 16 floats */
+            const __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + 8);
+            for (int m = 0; m < M; m++) {
+                a0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (int64_t)m * K + k), w0, a0[m]);
+                a1[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (int64_t)m * K + k + 8), w1, a1[m]);
+            }
+        }
+        if (k < full8) { /* one 8-column step left */
+            const __m256 w0 = _mm256_loadu_ps(wr + k);
+            for (int m = 0; m < M; m++) a0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (int64_t)m * K + k), w0, a0[m]);
+        }
+        if (K > full8) { /* the last K % 8 columns, masked */
+            const __m256 w0 = _mm256_maskload_ps(wr + full8, tail);
+            for (int m = 0; m < M; m++)
+                a1[m] = _mm256_fmadd_ps(_mm256_maskload_ps(x + (int64_t)m * K + full8, tail), w0, a1[m]);
+        }
+        for (int m = 0; m < M; m++) a->y[(int64_t)m * a->N + n] = hsum8(_mm256_add_ps(a0[m], a1[m]));
+    }
+}
+
+/* rows n, n+1 of w with x rows m0..m0+rows-1 (rows <= MR, a compile-time constant per copy); `prefetch`: the
+ * next weight rows to bring into L2 (one line of each per 16 columns), or NULL */
+static inline __attribute__((always_inline)) void ftile(const Args *a, int n, int m0, const int rows,
+                                                        const float *prefetch) {
+    const int K = a->K, full8 = K & ~7;
+    const __m256i tail = tail_mask(K - full8);
+    const float *w0 = a->w + (int64_t)n * K, *w1 = w0 + K, *x = a->x + (int64_t)m0 * K;
+    __m256 acc[MR][NR];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NR; j++) acc[m][j] = _mm256_setzero_ps();
+    for (int k = 0; k < full8; k += 8) {
+        if (prefetch && (k & 15) == 0)
+            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(prefetch + (int64_t)j * K + k), _MM_HINT_T1);
+        const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
+        for (int m = 0; m < rows; m++) { /* each x vector loaded once, used for both weight rows */
+            const __m256 xv = _mm256_loadu_ps(x + (int64_t)m * K + k);
+            acc[m][0] = _mm256_fmadd_ps(xv, v0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xv, v1, acc[m][1]);
+        }
+    }
+    if (K > full8) { /* the last K % 8 columns, masked */
+        const __m256 v0 = _mm256_maskload_ps(w0 + full8, tail), v1 = _mm256_maskload_ps(w1 + full8, tail);
+        for (int m = 0; m < rows; m++) {
+            const __m256 xv = _mm256_maskload_ps(x + (int64_t)m * K + full8, tail);
+            acc[m][0] = _mm256_fmadd_ps(xv, v0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xv, v1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NR; j++) a->y[(int64_t)(m0 + m) * a->N + n + j] = hsum8(acc[m][j]);
+}
