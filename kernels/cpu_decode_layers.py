@@ -1,4 +1,4 @@
-"""Every decoder layer of a dense bfloat16 model's step in one C call (`kernels/cpu/decode_layers.c`).
+"""Every decoder layer of a dense bfloat16 or float32 model's step in one C call (`kernels/cpu/decode_layers.c`).
 
 A decode step of SmolLM2 on the CPU was ~300 calls from Python into the C kernels (per layer: four
 GEMVs, two RoPE passes in one call, the KV store, the paged attention, two residual add + norms,
@@ -6,6 +6,10 @@ SwiGLU's activation), each behind its wrapper's checks, a tensor allocation and 
 6-15 µs a call, about 5 ms of a 17 ms step at one decode row (`edgeserve bench token-profile`). The C
 file calls the same kernels in the same order with the same threads and chunks, so the step's
 results are bit for bit the Python path's (tested); what it saves is the Python between them.
+
+A float32 model runs the kernels' float32 twins (`gemv_f32`, `rope_f32`, `add_rms_norm_f32`, `silu_mul_f32`,
+4-byte KV rows, fp32 pages): the Python layers run float32 on torch ops, so there the step agrees with them to
+float32 rounding (tested against them with a tolerance), not bit for bit.
 
 `DecodeLayers` is built once per model and KV cache (the layers' weight and page addresses) and
 run once per step with that step's rows (decode rows, and prompt rows in the attention's tiles); `available()` says whether every kernel it calls builds
@@ -21,15 +25,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_gemv, cpu_gemv_int4, cpu_kv_store, cpu_paged_attention, cpu_rms_norm, cpu_rope, cpu_silu_mul
+from kernels import (cpu_gemv, cpu_gemv_f32, cpu_gemv_int4, cpu_kv_store, cpu_paged_attention, cpu_rms_norm, cpu_rope,
+                     cpu_silu_mul)
 from kernels.cpu_build import CKernel
 from kernels.cpu_gemv_int4 import Int4Panels
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["available", "build_error", "DecodeLayers", "LayerTensors", "Refused", "TIMED_PARTS", "Weight"]
+__all__ = ["available", "float32_available", "build_error", "DecodeLayers", "LayerTensors", "Refused", "TIMED_PARTS",
+           "Weight"]
 
 TIMED_PARTS = ("gemv", "attention", "rope", "kv_store", "norms", "silu")  # the C file's `seconds` accumulators
-Weight = torch.Tensor | Int4Panels  # a linear's weight: bfloat16 [N, K], or INT4 panels
+Weight = torch.Tensor | Int4Panels  # a linear's weight: bfloat16 or float32 [N, K], or INT4 panels
 _MAX_HEAD_DIM, _MAX_GROUP = 256, 32  # the attention kernel's MAX_HD and MAX_G
 
 _p, _i, _q, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -37,7 +43,7 @@ _p, _i, _q, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(n, _p) for n in ("gemv", "gemv_int4", "rope", "store_rows", "store_fp8", "attend", "add_norm",
-                                  "silu")]
+                                  "silu", "gemv_f32", "rope_f32", "add_norm_f32", "silu_f32")]
 
 
 class _Layer(ctypes.Structure):
@@ -53,7 +59,7 @@ class _Step(ctypes.Structure):
                 ("nslots", _q), ("table", _p), ("lens", _p), ("tiles", _p), ("ntiles", _i), ("maxp", _i),
                 ("page_size", _i),
                 *((n, _p) for n in ("h", "x", "qkv", "q", "k", "attn", "branch", "gate_up", "act", "mlp_out",
-                                    "seconds"))]
+                                    "seconds")), ("elem", _i)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -65,23 +71,31 @@ KERNEL = CKernel("decode_layers.c", (), _declare, "a decode step calls each laye
 _PARTS = ((cpu_gemv.KERNEL, "gemv_bf16"), (cpu_gemv_int4.KERNEL, "gemv_int4"), (cpu_rope.KERNEL, "rope_bf16"),
           (cpu_kv_store.ROWS_KERNEL, "store_kv_rows"), (cpu_kv_store.KERNEL, "store_kv_fp8"),
           (cpu_paged_attention.KERNEL, "paged_decode"), (cpu_rms_norm.KERNEL, "add_rms_norm_bf16"),
-          (cpu_silu_mul.KERNEL, "silu_mul_bf16"))
+          (cpu_silu_mul.KERNEL, "silu_mul_bf16"), (cpu_gemv_f32.KERNEL, "gemv_f32"), (cpu_rope.KERNEL, "rope_f32"),
+          (cpu_rms_norm.KERNEL, "add_rms_norm_f32"), (cpu_silu_mul.KERNEL, "silu_mul_f32"))
+_OPTIONAL = ("gemv_int4", "gemv_f32", "rope_f32", "add_rms_norm_f32", "silu_mul_f32")  # formats a host may lack
 
 
 @functools.lru_cache(maxsize=1)
 def _kernels() -> _Kernels | None:
     """The entry points the fused file calls, or None where one of them (or the file) does not build (the INT4
-    GEMV may be missing: then `DecodeLayers` takes no INT4 weights)."""
+    GEMV may be missing: then `DecodeLayers` takes no INT4 weights; the float32 kernels: then no float32 model)."""
     if KERNEL.load() is None:
         return None
     addresses = {symbol: k.address(symbol) for k, symbol in _PARTS}
-    required = [a for symbol, a in addresses.items() if symbol != "gemv_int4"]
+    required = [a for symbol, a in addresses.items() if symbol not in _OPTIONAL]
     return None if None in required else _Kernels(*addresses.values())
 
 
 def available() -> bool:
     """Whether the fused file and every kernel it calls build and load here."""
     return _kernels() is not None
+
+
+def float32_available() -> bool:
+    """Whether float32 models run fused here too (their kernels build)."""
+    kernels = _kernels()
+    return kernels is not None and all((kernels.gemv_f32, kernels.rope_f32, kernels.add_norm_f32, kernels.silu_f32))
 
 
 def build_error() -> str | None:
@@ -95,8 +109,8 @@ def build_error() -> str | None:
 @dataclass
 class LayerTensors:
     """One layer's tensors as the fused call reads them: its linears' weights, each bfloat16 [N, K] (contiguous)
-    or INT4 panels (`cpu_gemv_int4.pack`, K a multiple of 8), norms [hidden], and its KV pages [P, S, KVH, HD]
-    (bfloat16, or fp8_e4m3 with exponents [P, S, KVH])."""
+    or INT4 panels (`cpu_gemv_int4.pack`, K a multiple of 8), or every one float32 [N, K]; norms [hidden] in the
+    weights' dtype, and its KV pages [P, S, KVH, HD] (that dtype, or fp8_e4m3 with exponents [P, S, KVH])."""
 
     qkv: Weight
     o_proj: Weight
@@ -120,16 +134,18 @@ def _shape(w: Weight) -> tuple[int, int]:
 
 
 def _format(w: Weight) -> int:
-    """0 for bfloat16, else the INT4 group size."""
-    return w.group_size if isinstance(w, Int4Panels) else 0
+    """0 for bfloat16, -1 for float32, else the INT4 group size."""
+    return w.group_size if isinstance(w, Int4Panels) else (-1 if w.dtype == torch.float32 else 0)
 
 
 def _check(w: Weight) -> None:
     if isinstance(w, Int4Panels):
         if w.in_features % 8 or not cpu_gemv_int4.available():
             raise ValueError("INT4 weights the fused layers cannot take (K not a multiple of 8, or no INT4 GEMV)")
-    elif w.dtype != torch.bfloat16 or not w.is_contiguous() or not w.is_cpu:
-        raise ValueError("the fused decode layers need contiguous bfloat16 CPU weights")
+    elif w.dtype not in (torch.bfloat16, torch.float32) or not w.is_contiguous() or not w.is_cpu:
+        raise ValueError("the fused decode layers need contiguous bfloat16 or float32 CPU weights")
+    elif w.dtype == torch.float32 and not float32_available():
+        raise ValueError("the float32 kernels do not build here")
 
 
 class Refused(RuntimeError):
@@ -147,7 +163,10 @@ class DecodeLayers:
         self.fp8 = first.k_pages.dtype == torch.float8_e4m3fn
         weights = [(t.qkv, t.o_proj, t.gate_up, t.down) for t in layers]
         self._first = weights[0]  # every layer's linears share these formats and shapes (checked): the call plans
-        self._formats = [_format(w) for w in self._first]  # per linear: 0 bfloat16, else INT4's group
+        self._formats = [_format(w) for w in self._first]  # per linear: 0 bfloat16, -1 float32, else INT4's group
+        if -1 in self._formats and set(self._formats) != {-1}:
+            raise ValueError("a float32 model's fused layers take float32 weights only")
+        self.dtype = torch.float32 if -1 in self._formats else torch.bfloat16  # the rows' dtype
         shapes = [_shape(w) for w in self._first]
         for t, ws in zip(layers, weights):
             for w in ws:
@@ -156,6 +175,9 @@ class DecodeLayers:
                 raise ValueError("the fused decode layers need every layer in one format and shape")
             if not all(x.is_contiguous() and x.is_cpu for x in (t.post_norm, t.k_pages, t.v_pages)):
                 raise ValueError("the fused decode layers need contiguous CPU norms and pages")
+            norms = (t.post_norm, t.next_norm) if t.next_norm is not None else (t.post_norm,)
+            if any(n.dtype != self.dtype for n in norms) or t.k_pages.dtype not in (self.dtype, torch.float8_e4m3fn):
+                raise ValueError("the fused decode layers need norms and pages in the weights' dtype (or fp8 pages)")
         if head_dim > _MAX_HEAD_DIM or num_heads % num_kv_heads or num_heads // num_kv_heads > _MAX_GROUP:
             raise ValueError(f"attention shape beyond the kernel's (head_dim {head_dim}, heads {num_heads}/"
                              f"{num_kv_heads})")
@@ -190,19 +212,20 @@ class DecodeLayers:
         m, hd = h.shape[0], self.HD
         pairs = freqs.shape[-1]
         rows = (h, x)  # the C file trusts these shapes: a wrong one would read or write past a buffer
-        if (any(t.shape != (m, self.hidden) or t.dtype != torch.bfloat16 or not t.is_contiguous() for t in rows)
+        if (any(t.shape != (m, self.hidden) or t.dtype != self.dtype or not t.is_contiguous() for t in rows)
                 or freqs.dtype != torch.complex64 or not freqs.is_contiguous() or freqs.numel() != m * pairs
                 or 2 * pairs > hd or slots.dtype != torch.int64 or slots.numel() != m
                 or page_table.dim() != 2 or page_table.shape[0] != m or context_lens.numel() != m):
             raise ValueError("fused decode layers: step tensors of the wrong shape, dtype or layout")
         qkv_n = (self.H + 2 * self.KVH) * hd
-        bf = torch.bfloat16
+        bf = self.dtype
         bufs = {"qkv": torch.empty(m, qkv_n, dtype=bf), "q": torch.empty(m, self.H * hd, dtype=bf),
                 "k": torch.empty(m, self.KVH * hd, dtype=bf), "attn": torch.empty(m, self.H * hd, dtype=bf),
                 "branch": torch.empty(m, self.hidden, dtype=bf), "gate_up": torch.empty(m, 2 * self.inter, dtype=bf),
                 "act": torch.empty(m, self.inter, dtype=bf), "mlp_out": torch.empty(m, self.hidden, dtype=bf)}
         plans = [(*cpu_gemv_int4.call_plan(m, w), 0) if isinstance(w, Int4Panels)
-                 else cpu_gemv.call_plan(m, *_shape(w)) for w in self._first]
+                 else (cpu_gemv_f32 if self.dtype == torch.float32 else cpu_gemv).call_plan(m, *_shape(w))
+                 for w in self._first]
         tiles = None if tiles is None else tiles.to(torch.int32).contiguous()
         table = page_table.to(torch.int64).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
@@ -218,7 +241,8 @@ class DecodeLayers:
                      table.shape[1],
                      self.page_size, h.data_ptr(), x.data_ptr(),
                      *(bufs[n].data_ptr() for n in ("qkv", "q", "k", "attn", "branch", "gate_up", "act", "mlp_out")),
-                     ctypes.cast(seconds, ctypes.c_void_p) if seconds is not None else None)
+                     ctypes.cast(seconds, ctypes.c_void_p) if seconds is not None else None,
+                     self.dtype.itemsize)
         rc = KERNEL.load().decode_layers(ctypes.byref(kernels), self._layers, len(self._layers), ctypes.byref(step))
         if seconds is not None:
             self.seconds = [a + b for a, b in zip(self.seconds, seconds)]

@@ -1,5 +1,5 @@
-/* Every decoder layer of a step of a dense bfloat16 model in one call: decode rows, and prompt rows where the
- * step runs every row on one set of weights. The kernels the Python layers call one by one (kernels/cpu/*.c)
+/* Every decoder layer of a step of a dense bfloat16 or float32 model in one call: decode rows, and prompt rows
+ * where the step runs every row on one set of weights. The kernels the Python layers call one by one (kernels/cpu/*.c)
  * are called here in the same order on the same values, so the results are bit for bit those of the Python
  * path; what goes is the Python between them: a step of SmolLM2 made ~300 kernel calls from Python (30
  * layers x 10), each with its wrapper's checks, a tensor allocation and a ctypes crossing (6-15 us a call),
@@ -19,6 +19,10 @@
  *   m = s . Wdown^T                           gemv_bf16
  *   h += m; x = next input_norm(h)            add_rms_norm_bf16; on the last layer m is left in `mlp_out`
  *                                             for the caller (which adds it and runs the final norm)
+ * A float32 model (Step.elem 4) runs the float32 twins in the same order: gemv_f32, rope_f32, store_kv_rows of
+ * 4-byte elements (or store_kv_fp8 from float32 rows), paged_decode on fp32 pages with float32 queries,
+ * add_rms_norm_f32, silu_mul_f32. Those have no Python path calling them one by one (the Python layers run
+ * float32 on torch), so a float32 step agrees with the Python layers to float32 rounding, not bit for bit.
  * Threads and chunks of each call are the caller's (the Python wrappers' own rules, computed once per
  * step), so the pool splits every call as the unfused path does.
  */
@@ -45,6 +49,12 @@ typedef void (*add_norm_fn)(uint16_t *h, const uint16_t *a, const uint16_t *w, u
                             float eps, int threads, int linger);
 typedef void (*silu_fn)(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads,
                         int linger);
+typedef int (*gemv_f32_fn)(const float *x, const float *w, float *y, int M, int N, int K, int threads, int chunks);
+typedef void (*rope_f32_fn)(const float *x, const float *f, float *y, int rows, int heads, int dim, int pairs,
+                            int64_t row_stride, int threads, int linger);
+typedef void (*add_norm_f32_fn)(float *h, const float *a, const float *w, float *y, int rows, int n, float eps,
+                                int threads, int linger);
+typedef void (*silu_f32_fn)(const float *gate_up, float *y, int64_t rows, int64_t inter, int threads, int linger);
 
 typedef struct {
     gemv_fn gemv;
@@ -55,15 +65,20 @@ typedef struct {
     attend_fn attend;
     add_norm_fn add_norm;
     silu_fn silu;
+    /* float32 models (NULL where those kernels do not build: then no model is float32 here) */
+    gemv_f32_fn gemv_f32;
+    rope_f32_fn rope_f32;
+    add_norm_f32_fn add_norm_f32;
+    silu_f32_fn silu_f32;
 } Kernels;
 
 enum { QKV, O, GATE_UP, DOWN, LINEARS };
 
 typedef struct {
-    const void *w[LINEARS];            /* qkv, o, gate_up, down: [N, K] bfloat16, or INT4 panels' codes */
+    const void *w[LINEARS];            /* qkv, o, gate_up, down: [N, K] of the step's element, or INT4 panels' codes */
     const uint16_t *sz[LINEARS];       /* INT4: the panels' scales and zeros; NULL for bfloat16 */
-    const uint16_t *post_norm, *next_norm; /* [hidden]; next_norm: the next layer's input norm (NULL: last) */
-    void *k_pages, *v_pages;                  /* [P, S, KVH, HD] bf16, or fp8 bytes */
+    const void *post_norm, *next_norm; /* [hidden] elements; next_norm: the next layer's input norm (NULL: last) */
+    void *k_pages, *v_pages;                  /* [P, S, KVH, HD] of the step's element, or fp8 bytes */
     int8_t *k_exps, *v_exps;                  /* fp8 pages: [P, S, KVH] exponents; NULL for bf16 pages */
 } Layer;
 
@@ -73,7 +88,7 @@ typedef struct {
     int row_threads, linger;     /* the row-wise kernels' and the attention's threads; pool linger */
     int64_t attend_min_rows;     /* the attention's threshold for threads (its wrapper's) */
     float eps, scale;
-    int fp8;                     /* pages: 0 bfloat16, 1 fp8_e4m3 with exponents */
+    int fp8;                     /* pages: 0 the step's element, 1 fp8_e4m3 with exponents */
     const float *freqs;          /* [M, pairs] (cos, sin) pairs */
     const int64_t *slots;        /* [M] */
     int64_t nslots;
@@ -82,10 +97,11 @@ typedef struct {
     const int32_t *tiles;        /* [ntiles + 1] the attention's tiles (prompt rows), or NULL: every row alone */
     int ntiles;
     int maxp, page_size;
-    uint16_t *h, *x;             /* [M, hidden]: the residual rows (updated in place), the normed rows */
-    uint16_t *qkv, *q, *k, *attn; /* [M, (H + 2 KVH) HD], [M, H, HD], [M, KVH, HD], [M, H HD] */
-    uint16_t *branch, *gate_up, *act, *mlp_out; /* [M, hidden], [M, 2 inter], [M, inter], [M, hidden] */
+    void *h, *x;                 /* [M, hidden]: the residual rows (updated in place), the normed rows */
+    void *qkv, *q, *k, *attn;    /* [M, (H + 2 KVH) HD], [M, H, HD], [M, KVH, HD], [M, H HD] */
+    void *branch, *gate_up, *act, *mlp_out; /* [M, hidden], [M, 2 inter], [M, inter], [M, hidden] */
     double *seconds;             /* NULL, or 6 accumulators: gemv, attention, rope, kv store, norms, silu */
+    int elem;                    /* bytes of the rows' and weights' element: 2 bfloat16, 4 float32 */
 } Step;
 
 enum { T_GEMV, T_ATTEND, T_ROPE, T_STORE, T_NORM, T_SILU };
@@ -104,59 +120,89 @@ static void charge(const Step *s, int what, double *since) {
     *since = t;
 }
 
-/* y [M, N] = x [M, K] . W^T for linear `which` of layer L, bfloat16 or INT4 (the kernel of its format) */
-static int linear(const Kernels *kn, const Step *s, const Layer *L, int which, const uint16_t *x, uint16_t *y, int N,
-                  int K) {
+/* y [M, N] = x [M, K] . W^T for linear `which` of layer L, float32, bfloat16 or INT4 (the kernel of its format) */
+static int linear(const Kernels *kn, const Step *s, const Layer *L, int which, const void *x, void *y, int N, int K) {
+    if (s->elem == 4)
+        return kn->gemv_f32((const float *)x, (const float *)L->w[which], (float *)y, s->M, N, K, s->threads[which],
+                            s->chunks[which]);
     if (L->sz[which])
         return kn->gemv_int4(x, (const uint8_t *)L->w[which], L->sz[which], y, s->M, N, K, s->group[which],
                              s->threads[which], s->chunks[which]);
-    return kn->gemv(x, (const uint16_t *)L->w[which], y, s->M, N, K, s->threads[which], s->chunks[which],
-                    s->fma[which]);
+    return kn->gemv((const uint16_t *)x, (const uint16_t *)L->w[which], (uint16_t *)y, s->M, N, K, s->threads[which],
+                    s->chunks[which], s->fma[which]);
+}
+
+/* The element-wise kernels of the step's element type */
+static void rope(const Kernels *kn, const Step *s, const void *x, void *y, int heads, int64_t row_stride) {
+    if (s->elem == 4)
+        kn->rope_f32((const float *)x, s->freqs, (float *)y, s->M, heads, s->HD, s->pairs, row_stride,
+                     s->row_threads, s->linger);
+    else
+        kn->rope((const uint16_t *)x, s->freqs, (uint16_t *)y, s->M, heads, s->HD, s->pairs, row_stride,
+                 s->row_threads, s->linger);
+}
+
+static void add_norm(const Kernels *kn, const Step *s, const void *a, const void *w) {
+    if (s->elem == 4)
+        kn->add_norm_f32((float *)s->h, (const float *)a, (const float *)w, (float *)s->x, s->M, s->hidden, s->eps,
+                         s->row_threads, s->linger);
+    else
+        kn->add_norm((uint16_t *)s->h, (const uint16_t *)a, (const uint16_t *)w, (uint16_t *)s->x, s->M, s->hidden,
+                     s->eps, s->row_threads, s->linger);
+}
+
+static void silu(const Kernels *kn, const Step *s) {
+    if (s->elem == 4)
+        kn->silu_f32((const float *)s->gate_up, (float *)s->act, s->M, s->inter, s->row_threads, s->linger);
+    else
+        kn->silu((const uint16_t *)s->gate_up, (uint16_t *)s->act, s->M, s->inter, s->row_threads, s->linger);
 }
 
 /* Returns 0; -1 when a GEMV could not allocate its widened input, -2 when a slot is outside the pool,
  * -3 when the attention refused the shapes or tiles. The last two happen at layer 0 if at all (every layer
  * gets the same slots, shapes and tiles), before h or x changed: the caller can run the step another way. */
 int decode_layers(const Kernels *kn, const Layer *layers, int nlayers, const Step *s) {
-    const int M = s->M, hidden = s->hidden, HD = s->HD, H = s->H, KVH = s->KVH;
-    const int qkv_n = (H + 2 * KVH) * HD, rt = s->row_threads, ln = s->linger;
-    const int64_t row_bytes = (int64_t)qkv_n * 2;
+    const int M = s->M, hidden = s->hidden, HD = s->HD, H = s->H, KVH = s->KVH, E = s->elem;
+    const int qkv_n = (H + 2 * KVH) * HD;
+    const int64_t row_bytes = (int64_t)qkv_n * E;
+    if ((E != 2 && E != 4) || (E == 4 && !(kn->gemv_f32 && kn->rope_f32 && kn->add_norm_f32 && kn->silu_f32)))
+        return -3;
     double t = now_s(s);
     for (int i = 0; i < nlayers; i++) {
         const Layer *L = &layers[i];
         if (linear(kn, s, L, QKV, s->x, s->qkv, qkv_n, hidden)) return -1;
         charge(s, T_GEMV, &t);
-        kn->rope(s->qkv, s->freqs, s->q, M, H, HD, s->pairs, qkv_n, rt, ln);
-        kn->rope(s->qkv + (int64_t)H * HD, s->freqs, s->k, M, KVH, HD, s->pairs, qkv_n, rt, ln);
+        const char *qkv = (const char *)s->qkv;
+        rope(kn, s, qkv, s->q, H, qkv_n);
+        rope(kn, s, qkv + (int64_t)H * HD * E, s->k, KVH, qkv_n);
         charge(s, T_ROPE, &t);
-        const uint16_t *v = s->qkv + (int64_t)(H + KVH) * HD;
+        const char *v = qkv + (int64_t)(H + KVH) * HD * E;
         int rc;
         if (s->fp8)
             rc = kn->store_fp8(s->k, v, (int64_t)KVH * HD, HD, qkv_n, HD, L->k_pages, L->v_pages, L->k_exps, L->v_exps,
-                               s->slots, M, KVH, HD, s->nslots, 1);
+                               s->slots, M, KVH, HD, s->nslots, E == 2);
         else
-            rc = kn->store_rows((const char *)s->k, (const char *)v, (int64_t)KVH * HD * 2, (int64_t)HD * 2,
-                                row_bytes, (int64_t)HD * 2, L->k_pages, L->v_pages, s->slots, M, KVH, HD, 2,
-                                s->nslots);
+            rc = kn->store_rows((const char *)s->k, v, (int64_t)KVH * HD * E, (int64_t)HD * E, row_bytes,
+                                (int64_t)HD * E, L->k_pages, L->v_pages, s->slots, M, KVH, HD, E, s->nslots);
         if (rc) return -2;
         charge(s, T_STORE, &t);
         if (kn->attend(s->q, L->k_pages, L->v_pages, L->k_exps, L->v_exps, s->table, s->lens, s->tiles, s->ntiles,
-                       s->attn, M, KVH, H / KVH, HD, s->page_size, s->maxp, s->fp8 ? 2 : 1, 1, s->scale, rt,
-                       s->attend_min_rows, ln))
+                       s->attn, M, KVH, H / KVH, HD, s->page_size, s->maxp, s->fp8 ? 2 : (E == 2 ? 1 : 0), E == 2,
+                       s->scale, s->row_threads, s->attend_min_rows, s->linger))
             return -3;
         charge(s, T_ATTEND, &t);
         if (linear(kn, s, L, O, s->attn, s->branch, hidden, H * HD)) return -1;
         charge(s, T_GEMV, &t);
-        kn->add_norm(s->h, s->branch, L->post_norm, s->x, M, hidden, s->eps, rt, ln);
+        add_norm(kn, s, s->branch, L->post_norm);
         charge(s, T_NORM, &t);
         if (linear(kn, s, L, GATE_UP, s->x, s->gate_up, 2 * s->inter, hidden)) return -1;
         charge(s, T_GEMV, &t);
-        kn->silu(s->gate_up, s->act, M, s->inter, rt, ln);
+        silu(kn, s);
         charge(s, T_SILU, &t);
         if (linear(kn, s, L, DOWN, s->act, s->mlp_out, hidden, s->inter)) return -1;
         charge(s, T_GEMV, &t);
         if (L->next_norm) {
-            kn->add_norm(s->h, s->mlp_out, L->next_norm, s->x, M, hidden, s->eps, rt, ln);
+            add_norm(kn, s, s->mlp_out, L->next_norm);
             charge(s, T_NORM, &t);
         }
     }

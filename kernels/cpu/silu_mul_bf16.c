@@ -18,6 +18,8 @@
  * With AVX2 and FMA but no AVX-512, 4 x 8 lanes, the same operations again (bit for bit the scalar code's
  * results, NaN and infinities included, checked against a build without AVX2): on a 2-core AMD EPYC VM (Zen 3),
  * one thread, 64 rows of 1536, 1.53 ns an element where the scalar code took 9.73.
+ * `silu_mul_f32` is the float32 twin for the float32 decode layers (decode_layers.c): the same silu, times up,
+ * no rounding to bfloat16 between (torch's `F.silu(gate) * up` on float32 rows, up to float32 rounding).
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,58 +48,71 @@ static inline uint16_t silu_mul(uint16_t g, uint16_t u) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* U x 16 lanes of silu_mul: the same operations as the scalar code, lane by lane; U independent vectors
- * side by side, so the long dependency chain of one (~30 operations) overlaps the others' */
+/* silu of 16 lanes: the same operations as the scalar code, lane by lane */
+static inline __attribute__((always_inline)) __m512 silu16(__m512 x) {
+    const __m512 t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000)));
+    const __m512 tc = _mm512_max_ps(t, _mm512_set1_ps(-104.0f)); /* -|x| >= -104 */
+    __m512 n;
+    const __m512 p = exp_reduced16(tc, &n);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(100 + 127)), 23));
+    const __m512 e = _mm512_mul_ps(_mm512_mul_ps(p, scale), _mm512_set1_ps(0x1p-100f));
+    const __m512 ek = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), e,
+                                           _mm512_setzero_ps());
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ); /* not NaN, not +-0 */
+    const __m512 num = _mm512_mask_mul_ps(x, neg, x, ek);
+    const __m512 s = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), ek));
+    const __mmask16 flush = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.72283935546875f), _CMP_LT_OQ);
+    return _mm512_mask_mul_ps(s, flush, x, _mm512_setzero_ps());
+}
+
+/* U x 16 lanes of silu_mul; U independent vectors side by side (unrolled), so the long dependency chain of one
+ * (~30 operations) overlaps the others' */
 #define U 4
 static inline __attribute__((always_inline)) void silu_mul16(const uint16_t *gp, const uint16_t *up, uint16_t *out) {
-    __m512 x[U], e[U], t[U];
-    for (int k = 0; k < U; k++) {
-        x[k] = bf16x16_to_float(gp + 16 * k);
-        t[k] = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x[k]), _mm512_set1_epi32((int)0x80000000)));
-        const __m512 tc = _mm512_max_ps(t[k], _mm512_set1_ps(-104.0f)); /* -|x| >= -104 */
-        __m512 n;
-        const __m512 p = exp_reduced16(tc, &n);
-        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(100 + 127)), 23));
-        e[k] = _mm512_mul_ps(_mm512_mul_ps(p, scale), _mm512_set1_ps(0x1p-100f));
-    }
-    for (int k = 0; k < U; k++) {
-        const __m512 ek = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t[k], _mm512_set1_ps(-104.0f), _CMP_LT_OQ), e[k],
-                                               _mm512_setzero_ps());
-        const __mmask16 neg = _mm512_cmp_ps_mask(x[k], _mm512_setzero_ps(), _CMP_LT_OQ); /* not NaN, not +-0 */
-        const __m512 num = _mm512_mask_mul_ps(x[k], neg, x[k], ek);
-        __m512 s = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), ek));
-        const __mmask16 flush = _mm512_cmp_ps_mask(x[k], _mm512_set1_ps(-88.72283935546875f), _CMP_LT_OQ);
-        s = _mm512_mask_mul_ps(s, flush, x[k], _mm512_setzero_ps());
-        store_bf16x16(out + 16 * k, _mm512_mul_ps(bf16_round16(s), bf16x16_to_float(up + 16 * k)));
-    }
+    __m512 s[U];
+    for (int k = 0; k < U; k++) s[k] = silu16(bf16x16_to_float(gp + 16 * k));
+    for (int k = 0; k < U; k++)
+        store_bf16x16(out + 16 * k, _mm512_mul_ps(bf16_round16(s[k]), bf16x16_to_float(up + 16 * k)));
+}
+
+static inline __attribute__((always_inline)) void silu_mul16_f32(const float *gp, const float *up, float *out) {
+    __m512 s[U];
+    for (int k = 0; k < U; k++) s[k] = silu16(_mm512_loadu_ps(gp + 16 * k));
+    for (int k = 0; k < U; k++) _mm512_storeu_ps(out + 16 * k, _mm512_mul_ps(s[k], _mm512_loadu_ps(up + 16 * k)));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-/* silu_mul16 on 8 lanes (AVX2 and FMA): the same operations, comparisons as all-ones lanes and blends */
+/* silu16 on 8 lanes (AVX2 and FMA): the same operations, comparisons as all-ones lanes and blends */
+static inline __attribute__((always_inline)) __m256 silu8(__m256 x) {
+    const __m256 t = _mm256_or_ps(x, _mm256_set1_ps(-0.0f));
+    const __m256 tc = _mm256_max_ps(t, _mm256_set1_ps(-104.0f)); /* -|x| >= -104 */
+    __m256 n;
+    const __m256 p = exp_reduced8(tc, &n);
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(100 + 127)), 23));
+    const __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, scale), _mm256_set1_ps(0x1p-100f));
+    const __m256 ek = _mm256_andnot_ps(_mm256_cmp_ps(t, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), e);
+    const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ); /* not NaN, not +-0 */
+    const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, ek), neg);
+    const __m256 s = _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), ek));
+    const __m256 flush = _mm256_cmp_ps(x, _mm256_set1_ps(-88.72283935546875f), _CMP_LT_OQ);
+    return _mm256_blendv_ps(s, _mm256_mul_ps(x, _mm256_setzero_ps()), flush);
+}
+
 #define U 4
 static inline __attribute__((always_inline)) void silu_mul8(const uint16_t *gp, const uint16_t *up, uint16_t *out) {
-    __m256 x[U], e[U], t[U];
-    for (int k = 0; k < U; k++) {
-        x[k] = bf16x8_to_float(gp + 8 * k);
-        t[k] = _mm256_or_ps(x[k], _mm256_set1_ps(-0.0f));
-        const __m256 tc = _mm256_max_ps(t[k], _mm256_set1_ps(-104.0f)); /* -|x| >= -104 */
-        __m256 n;
-        const __m256 p = exp_reduced8(tc, &n);
-        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(100 + 127)), 23));
-        e[k] = _mm256_mul_ps(_mm256_mul_ps(p, scale), _mm256_set1_ps(0x1p-100f));
-    }
-    for (int k = 0; k < U; k++) {
-        const __m256 ek = _mm256_andnot_ps(_mm256_cmp_ps(t[k], _mm256_set1_ps(-104.0f), _CMP_LT_OQ), e[k]);
-        const __m256 neg = _mm256_cmp_ps(x[k], _mm256_setzero_ps(), _CMP_LT_OQ); /* not NaN, not +-0 */
-        const __m256 num = _mm256_blendv_ps(x[k], _mm256_mul_ps(x[k], ek), neg);
-        __m256 s = _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), ek));
-        const __m256 flush = _mm256_cmp_ps(x[k], _mm256_set1_ps(-88.72283935546875f), _CMP_LT_OQ);
-        s = _mm256_blendv_ps(s, _mm256_mul_ps(x[k], _mm256_setzero_ps()), flush);
-        store_bf16x8(out + 8 * k, _mm256_mul_ps(bf16_round8(s), bf16x8_to_float(up + 8 * k)));
-    }
+    __m256 s[U];
+    for (int k = 0; k < U; k++) s[k] = silu8(bf16x8_to_float(gp + 8 * k));
+    for (int k = 0; k < U; k++)
+        store_bf16x8(out + 8 * k, _mm256_mul_ps(bf16_round8(s[k]), bf16x8_to_float(up + 8 * k)));
+}
+
+static inline __attribute__((always_inline)) void silu_mul8_f32(const float *gp, const float *up, float *out) {
+    __m256 s[U];
+    for (int k = 0; k < U; k++) s[k] = silu8(_mm256_loadu_ps(gp + 8 * k));
+    for (int k = 0; k < U; k++) _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(s[k], _mm256_loadu_ps(up + 8 * k)));
 }
 #endif
 
@@ -127,4 +142,32 @@ static void silu_mul_rows(void *ctx, int64_t r0, int64_t r1) {
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads, int linger) {
     Job job = {gate_up, y, inter};
     pool_rows(silu_mul_rows, &job, rows, inter, threads, linger);
+}
+
+typedef struct {
+    const float *gate_up;
+    float *y;
+    int64_t inter;
+} JobF32;
+
+static void silu_mul_rows_f32(void *ctx, int64_t r0, int64_t r1) {
+    const JobF32 *j = (const JobF32 *)ctx;
+    const int64_t inter = j->inter;
+    for (int64_t t = r0; t < r1; t++) {
+        const float *g = j->gate_up + t * 2 * inter, *u = g + inter;
+        float *out = j->y + t * inter;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 * U <= inter; i += 16 * U) silu_mul16_f32(g + i, u + i, out + i);
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 * U <= inter; i += 8 * U) silu_mul8_f32(g + i, u + i, out + i);
+#endif
+        for (; i < inter; i++) out[i] = silu(g[i]) * u[i];
+    }
+}
+
+/* y [rows, I] = silu(gate) * up of gate_up [rows, 2I], float32; rows on the shared pool where large enough. */
+void silu_mul_f32(const float *gate_up, float *y, int64_t rows, int64_t inter, int threads, int linger) {
+    JobF32 job = {gate_up, y, inter};
+    pool_rows(silu_mul_rows_f32, &job, rows, inter, threads, linger);
 }

@@ -3,6 +3,7 @@ layers' results bit for bit, take only the steps and models they can, and lose n
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,13 +11,29 @@ import torch
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.sampling_params import SamplingParams
-from kernels import cpu_decode_layers, cpu_gemv_int4
+from kernels import cpu_decode_layers, cpu_gemv, cpu_gemv_f32, cpu_gemv_int4
 from kernels.cpu_decode_layers import DecodeLayers, LayerTensors, Refused
 from tests.backend.engine_spy import record_sampled_logits
 from tests.backend.tiny_models import write_tiny_model
 
 needs_kernels = pytest.mark.skipif(not cpu_decode_layers.available(),
                                    reason=f"fused decode layers unavailable: {cpu_decode_layers.build_error()}")
+
+
+@pytest.fixture(autouse=True)
+def gemv_takes_whole_prompts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The C GEMV's row limit is chosen per host and process (its tile kernel timed, bfloat16 widening where it
+    pays): these tests pin the choice that keeps a 108-row prompt step on the GEMV, as every host can run it."""
+    from backend import gemm_widen
+
+    monkeypatch.setenv("EDGESERVE_BF16_WIDEN", "0")
+    if cpu_gemv.has_avx512_bf16():
+        monkeypatch.setenv("EDGESERVE_GEMV_TILES", "dp")
+    for cached in (cpu_gemv.tile_mode, gemm_widen.widening_pays):  # per-process choices: made again, both sides
+        cached.cache_clear()
+    yield
+    for cached in (cpu_gemv.tile_mode, gemm_widen.widening_pays):
+        cached.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +91,38 @@ def test_fused_steps_equal_the_python_layers_bit_for_bit(tiny_dir: Path, kv_form
         assert torch.equal(fused.cache.scales, plain.cache.scales)
 
 
+needs_float32 = pytest.mark.skipif(not cpu_decode_layers.float32_available(),
+                                   reason="the float32 kernels of the fused decode layers do not build here")
+
+
+@needs_kernels
+@needs_float32
+@pytest.mark.parametrize("kv_format", ["fp32", "fp8_e4m3"])
+def test_float32_fused_steps_agree_with_the_python_layers(tiny_dir: Path, kv_format: str) -> None:
+    """A float32 model's decode steps run the kernels' float32 twins in one call: the Python layers run torch's
+    float32 ops, so the two agree to float32 rounding (same greedy tokens, logits and pages within it), and
+    steps past the float32 GEMV's rows (the 108-row prompt step) keep the Python layers."""
+    fused, tokens, logits = generate(tiny_dir, True, dtype="float32", kv_format=kv_format)
+    plain, tokens_ref, logits_ref = generate(tiny_dir, False, dtype="float32", kv_format=kv_format)
+    assert plain.model.fused_steps == 0
+    phases = fused.model.steps_by_phase
+    # steps of up to 9 decode rows: all of them within the float32 GEMV's rows on AVX-512 (32), some on AVX2 (8)
+    assert phases["decode"] >= 11
+    assert fused.model.fused_steps >= (phases["decode"] if cpu_gemv_f32.max_rows() >= 9 else 1)
+    assert fused.model.fused_steps < sum(phases.values())  # the first prompt step: 108 rows > 32
+    assert tokens == tokens_ref
+    for ours, ref in zip(logits, logits_ref):
+        assert len(ours) == len(ref) == 12
+        for a, b in zip(ours, ref):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    if kv_format == "fp32":
+        torch.testing.assert_close(fused.cache.pages, plain.cache.pages, rtol=1e-4, atol=1e-5)
+    else:  # a value at a rounding boundary of FP8 may take the neighbouring code: nearly all bytes agree
+        same = fused.cache.pages.view(torch.uint8) == plain.cache.pages.view(torch.uint8)
+        assert same.float().mean() > 0.99
+
+
 @needs_kernels
 def test_a_refused_prompt_call_leaves_a_two_format_step_untouched(tiny_dir: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,7 +157,7 @@ def test_models_the_fused_call_does_not_take_run_the_python_layers(tmp_path: Pat
     engine, tokens, _ = generate(biased, True)
     assert engine.model.fused_steps == 0 and engine.model.steps_by_phase["decode"] > 0
     assert all(len(t) == 12 for t in tokens)
-    engine, _, _ = generate(biased, True, dtype="float32", kv_format="fp32")  # float32 compute
+    engine, _, _ = generate(biased, True, dtype="float32", kv_format="fp32")  # float32 compute, biases still
     assert engine.model.fused_steps == 0
 
 
