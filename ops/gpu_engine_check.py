@@ -111,8 +111,8 @@ def parity(model_dir: Path, device: str, tokens: int = 32) -> dict[str, Any]:
             for dev in dict.fromkeys(("cpu", device))}
     ours, cpu = runs[device], runs["cpu"]
     # where each prompt's tokens part; a side cut short (a failed step ends its requests) parts where it ends
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None if len(x) == len(y) else min(len(x), len(y)))
-             for x, y in zip(ours, cpu, strict=True)]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b),
+                  None if len(x) == len(y) else min(len(x), len(y))) for x, y in zip(ours, cpu, strict=True)]
     return {"equal": ours == cpu, "first_mismatch": first, "tokens": tokens, "device_lens": [len(x) for x in ours],
             "device_tokens": ours, "cpu_tokens": cpu}
 
