@@ -51,7 +51,8 @@ import torch
 from backend.gemm_widen import WIDEN_MIN_ROWS, widened_linear, widening_pays
 from kernels import cpu_gemv, cpu_gemv_f32  # builds nothing at import (the C build runs on first use)
 
-__all__ = ["LinearOp", "Linear", "Int4Linear", "Fp8Linear", "bf16_gemv_available", "mkl_packing_available",
+__all__ = ["LinearOp", "Linear", "Int4Linear", "Fp8Linear", "bf16_gemv_available", "f32_gemv_available",
+           "mkl_packing_available",
            "DEFAULT_BUCKETS"]
 
 DEFAULT_BUCKETS: tuple[int, ...] = (8, 32, 128)
@@ -76,6 +77,15 @@ def bf16_gemv_available() -> bool:
     if os.environ.get("EDGESERVE_BF16_GEMV", "1") == "0":
         return False
     return cpu_gemv.available()
+
+
+def f32_gemv_available() -> bool:
+    """Whether the float32 decode GEMV is built for this CPU (`EDGESERVE_F32_GEMV=0` turns it off)."""
+    import os
+
+    if os.environ.get("EDGESERVE_F32_GEMV", "1") == "0":
+        return False
+    return cpu_gemv_f32.available()
 
 
 def mkl_packing_available() -> bool:
@@ -120,7 +130,7 @@ class Linear:
         self.packs = {b: torch.ops.mkl._mkl_reorder_linear_weight(weight, b) for b in self.buckets}
         cpu = weight.device.type == "cpu" and weight.is_contiguous()
         self.gemv = cpu and ((weight.dtype == torch.bfloat16 and bf16_gemv_available())
-                             or (weight.dtype == torch.float32 and cpu_gemv_f32.available()))
+                             or (weight.dtype == torch.float32 and f32_gemv_available()))
         self.widen = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"  # if widening_pays()
 
     @property

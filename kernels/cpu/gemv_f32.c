@@ -19,6 +19,9 @@
  * The loops run blocks of FNB weight rows (kept in L2) by x tiles (in L1) by 4 weight rows; the first x tile
  * reads a block from memory and prefetches the next weight rows into L2, the others read it from L2. This is
  * gemv_bf16.c's FMA tiles on weights that need no widening (and x needs none either: nothing is allocated).
+ * The last N % NR weight rows run the same tiles (the missing rows repeat one, unstored), so at a given M an
+ * output's value depends on its x row, weight row and K alone, not on where the row falls in N: a tensor-
+ * parallel shard of the weight gives its outputs bit for bit as the whole weight does.
  * On a 2-core Intel Xeon VM (AVX512-FP16 and AMX: Sapphire Rapids or later; weights from L3), one thread, SmolLM2's
  * four linear shapes at 32 rows: 130-150 GFLOP/s with 6 x 4 tiles, 126-143 with 4 x 4 (0.86-0.89x torch's
  * float32 GEMM's time against 0.86-0.98x); at 8 rows the per-row code took 0.72-0.92x the 4 x 4 tiles' time.
@@ -96,12 +99,16 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 /* rows n..n+3 of w with x rows m0..m0+rows-1 (rows <= MR, a compile-time constant per copy); `prefetch`: the
- * weight rows to bring into L2 meanwhile (one line of each of NR rows per step), or NULL */
+ * weight rows to bring into L2 meanwhile (one line of each of NR rows per step), or NULL. `valid` (1..NR): the
+ * weight rows that exist; the others repeat row n and are not stored, so the last N % NR rows take the same
+ * sums as every other row (an output's value does not depend on where its row falls in N: a tensor-parallel
+ * shard computes its outputs as the whole weight does) */
 static inline __attribute__((always_inline)) void ftile(const Args *a, int n, int m0, const int rows,
-                                                        const float *prefetch) {
+                                                        const float *prefetch, const int valid) {
     const int K = a->K, full16 = K & ~15;
     const __mmask16 tail = (__mmask16)((1u << (K - full16)) - 1);
-    const float *w = a->w + (int64_t)n * K, *x = a->x + (int64_t)m0 * K;
+    const float *x = a->x + (int64_t)m0 * K, *wr[NR];
+    for (int j = 0; j < NR; j++) wr[j] = a->w + (int64_t)(n + (j < valid ? j : 0)) * K;
     __m512 acc[MR][NR];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < NR; j++) acc[m][j] = _mm512_setzero_ps();
@@ -109,7 +116,7 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
         if (prefetch)
             for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(prefetch + (int64_t)j * K + k), _MM_HINT_T1);
         __m512 wv[NR];
-        for (int j = 0; j < NR; j++) wv[j] = _mm512_loadu_ps(w + (int64_t)j * K + k);
+        for (int j = 0; j < NR; j++) wv[j] = _mm512_loadu_ps(wr[j] + k);
         for (int m = 0; m < rows; m++) {
             const __m512 xv = _mm512_loadu_ps(x + (int64_t)m * K + k);
             for (int j = 0; j < NR; j++) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
@@ -117,14 +124,23 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
     }
     if (tail) {
         __m512 wv[NR];
-        for (int j = 0; j < NR; j++) wv[j] = _mm512_maskz_loadu_ps(tail, w + (int64_t)j * K + full16);
+        for (int j = 0; j < NR; j++) wv[j] = _mm512_maskz_loadu_ps(tail, wr[j] + full16);
         for (int m = 0; m < rows; m++) {
             const __m512 xv = _mm512_maskz_loadu_ps(tail, x + (int64_t)m * K + full16);
             for (int j = 0; j < NR; j++) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
         }
     }
-    for (int m = 0; m < rows; m++)
-        _mm_storeu_ps(a->y + (int64_t)(m0 + m) * a->N + n, sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+    for (int m = 0; m < rows; m++) {
+        float *yr = a->y + (int64_t)(m0 + m) * a->N + n;
+        const __m128 s = sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+        if (valid == NR) {
+            _mm_storeu_ps(yr, s);
+        } else {
+            float t[4];
+            _mm_storeu_ps(t, s);
+            for (int j = 0; j < valid; j++) yr[j] = t[j];
+        }
+    }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "gemv_f32_avx2.h" /* the same computation on 8 lanes */
@@ -168,26 +184,36 @@ static void rows_chunk(const Args *a) { /* a specialisation of rows_m per count,
 
 /* The tiles over weight rows n0..nfull (a multiple of NR): blocks of FNB weight rows (kept in L2) by x tiles of
  * MR rows by NR weight rows; the first x tile reads a block from memory and prefetches the next NR rows. */
+/* The last M % MR x rows (from m) against weight rows n..n+valid-1: a tile of as many rows */
+static inline void last_rows(const Args *a, int n, int m, int valid) {
+    switch (a->M - m) {
+    case 1: ftile(a, n, m, 1, NULL, valid); break;
+    case 2: ftile(a, n, m, 2, NULL, valid); break;
+    case 3: ftile(a, n, m, 3, NULL, valid); break;
+#if MR > 4
+    case 4: ftile(a, n, m, 4, NULL, valid); break;
+    case 5: ftile(a, n, m, 5, NULL, valid); break;
+#endif
+    default: break;
+    }
+}
+
 static void ftile_blocks(const Args *a, int nfull) {
     for (int b = a->n0; b < nfull; b += FNB) {
         const int bend = b + FNB < nfull ? b + FNB : nfull;
         int m = 0;
         for (; m + MR <= a->M; m += MR)
             for (int n = b; n < bend; n += NR)
-                ftile(a, n, m, MR, m == 0 && n + 2 * NR <= nfull ? a->w + (int64_t)(n + NR) * a->K : NULL);
-        for (int n = b; n < bend; n += NR) {
-            switch (a->M - m) {
-            case 1: ftile(a, n, m, 1, NULL); break;
-            case 2: ftile(a, n, m, 2, NULL); break;
-            case 3: ftile(a, n, m, 3, NULL); break;
-#if MR > 4
-            case 4: ftile(a, n, m, 4, NULL); break;
-            case 5: ftile(a, n, m, 5, NULL); break;
-#endif
-            default: break;
-            }
-        }
+                ftile(a, n, m, MR, m == 0 && n + 2 * NR <= nfull ? a->w + (int64_t)(n + NR) * a->K : NULL, NR);
+        for (int n = b; n < bend; n += NR) last_rows(a, n, m, NR);
     }
+}
+
+/* The tiles of weight rows n..n+valid-1 (valid < NR: the last N % NR rows) over every x row */
+static void tail_tiles(const Args *a, int n, int valid) {
+    int m = 0;
+    for (; m + MR <= a->M; m += MR) ftile(a, n, m, MR, NULL, valid);
+    last_rows(a, n, m, valid);
 }
 
 static void rows(const Args *a) {
@@ -197,14 +223,7 @@ static void rows(const Args *a) {
     }
     const int nfull = a->n0 + (a->n1 - a->n0) / NR * NR;
     ftile_blocks(a, nfull);
-    for (int m0 = 0; nfull < a->n1 && m0 < a->M; m0 += CHUNK) { /* the last N % NR weight rows, per row */
-        Args c = *a;
-        c.x = a->x + (int64_t)m0 * a->K;
-        c.y = a->y + (int64_t)m0 * a->N;
-        c.M = a->M - m0 < CHUNK ? a->M - m0 : CHUNK;
-        c.n0 = nfull;
-        rows_chunk(&c);
-    }
+    if (nfull < a->n1) tail_tiles(a, nfull, a->n1 - nfull); /* the last N % NR weight rows: the same tiles */
 }
 #endif
 

@@ -53,12 +53,13 @@ static inline __attribute__((always_inline)) void rows_m(const Args *a, const in
 }
 
 /* rows n, n+1 of w with x rows m0..m0+rows-1 (rows <= MR, a compile-time constant per copy); `prefetch`: the
- * next weight rows to bring into L2 (one line of each per 16 columns), or NULL */
+ * next weight rows to bring into L2 (one line of each per 16 columns), or NULL; `valid`: as gemv_f32.c's (a
+ * missing row n+1 repeats row n, unstored) */
 static inline __attribute__((always_inline)) void ftile(const Args *a, int n, int m0, const int rows,
-                                                        const float *prefetch) {
+                                                        const float *prefetch, const int valid) {
     const int K = a->K, full8 = K & ~7;
     const __m256i tail = tail_mask(K - full8);
-    const float *w0 = a->w + (int64_t)n * K, *w1 = w0 + K, *x = a->x + (int64_t)m0 * K;
+    const float *w0 = a->w + (int64_t)n * K, *w1 = valid > 1 ? w0 + K : w0, *x = a->x + (int64_t)m0 * K;
     __m256 acc[MR][NR];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < NR; j++) acc[m][j] = _mm256_setzero_ps();
@@ -81,5 +82,5 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
         }
     }
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < NR; j++) a->y[(int64_t)(m0 + m) * a->N + n + j] = hsum8(acc[m][j]);
+        for (int j = 0; j < valid; j++) a->y[(int64_t)(m0 + m) * a->N + n + j] = hsum8(acc[m][j]);
 }

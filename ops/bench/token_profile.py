@@ -8,9 +8,9 @@ and the step's time is split into:
 - ``linear``: the GEMMs of the linear layers and the LM head (`aten::mm`, `addmm`,
   MKL's packed `_mkl_linear`, the INT4 `_weight_int4pack_mm_for_cpu`), self time from
   `torch.profiler`;
-  plus the C decode GEMVs (`kernels.cpu_gemv.gemv_bf16`, `kernels.cpu_gemv_int4.gemv_int4`:
-  ctypes calls the profiler cannot see, timed by wrapping them; ``gemv`` and ``gemv_int4`` in the
-  JSON are those parts alone);
+  plus the C decode GEMVs (`kernels.cpu_gemv.gemv_bf16`, `kernels.cpu_gemv_f32.gemv_f32`,
+  `kernels.cpu_gemv_int4.gemv_int4`: ctypes calls the profiler cannot see, timed by wrapping them;
+  ``gemv`` (bfloat16 and float32) and ``gemv_int4`` in the JSON are those parts alone);
 - ``attention``: the paged decode attention call (also a ctypes call, so the bench wraps
   `backend.attention.paged_decode_attention_cpu` with a timer; its torch fallback, when it
   runs, is in ``other_ops``);
@@ -95,10 +95,11 @@ def _c_timers(stack: contextlib.ExitStack) -> dict[str, _CallTimer]:
     """Every C kernel of a step wrapped in a timer for the stack's life, by function name."""
     import backend.attention
     import kernels.cpu_gemv
+    import kernels.cpu_gemv_f32
     import kernels.cpu_gemv_int4
 
     wrapped = [(backend.attention, "paged_decode_attention_cpu"), (kernels.cpu_gemv, "gemv_bf16"),
-               (kernels.cpu_gemv_int4, "gemv_int4"),
+               (kernels.cpu_gemv_f32, "gemv_f32"), (kernels.cpu_gemv_int4, "gemv_int4"),
                *((importlib.import_module(m), name) for m, name in _OTHER_C_KERNELS)]
     return {name: stack.enter_context(_CallTimer(module, name)) for module, name in wrapped}
 
@@ -214,9 +215,10 @@ def run(args: argparse.Namespace) -> int:
     for part in ("rope", "kv_store", "norms", "silu"):  # the fused call's row-wise kernels: other_ops, as above
         if in_fused.get(part):
             self_us[f"C fused {part}"] = in_fused[part] * 1e6
-    attention, gemv, gemv_int4 = timers["paged_decode_attention_cpu"], timers["gemv_bf16"], timers["gemv_int4"]
+    attention, gemv_int4 = timers["paged_decode_attention_cpu"], timers["gemv_int4"]
+    gemv_s = timers["gemv_bf16"].total_s + timers["gemv_f32"].total_s  # the bf16 or float32 GEMV's own calls
     split = categorise(self_us, (attention.total_s + in_fused.get("attention", 0.0)) * 1e6, profiled_s * 1e6,
-                       (gemv.total_s + gemv_int4.total_s + in_fused.get("gemv", 0.0)) * 1e6)
+                       (gemv_s + gemv_int4.total_s + in_fused.get("gemv", 0.0)) * 1e6)
     per_step = {k: v / steps / 1e3 for k, v in split.items()}  # ms
     step_ms = profiled_s / steps * 1e3
     bound_ms = decode_bytes / (machine["read_gb_s"] * 1e9) * 1e3
@@ -229,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "step_ms": step_ms, "plain_step_ms": plain_s / steps * 1e3, "profiler_overhead": profiled_s / plain_s,
         "per_step_ms": per_step, "share": {k: v / step_ms for k, v in per_step.items()},
         "bound_ms": bound_ms, "linear_vs_bound": per_step["linear"] / bound_ms,
-        "gemv_ms": gemv.total_s / steps * 1e3, "gemv_int4_ms": gemv_int4.total_s / steps * 1e3,
+        "gemv_ms": gemv_s / steps * 1e3, "gemv_int4_ms": gemv_int4.total_s / steps * 1e3,
         "fused_decode_steps": fused_steps, "fused_ms": {k: v / steps * 1e3 for k, v in in_fused.items()},
         "c_kernels_plain_ms": {**{k: t.total_s / steps * 1e3 for k, t in plain_timers.items()},
                                **{f"fused {k}": v / steps * 1e3 for k, v in plain_fused.items()}},

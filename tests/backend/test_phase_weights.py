@@ -80,8 +80,11 @@ def test_one_format_runs_each_gemm_once_over_all_rows(tiny_dir: Path, monkeypatc
     """Equal formats (one copy) pay nothing for the split: a mixed step calls each linear once.
     Decode and prompt rows share the GEMMs, so the request's logits match the alone run up
     to float batch-invariance (GEMM summation order varies with the row count), not bit for bit."""
-    alone_tokens, alone_logits, _ = _decode(_engine(tiny_dir, "fp32", "fp32"), beside_prefills=False)
+    alone = _engine(tiny_dir, "fp32", "fp32")
     engine = _engine(tiny_dir, "fp32", "fp32")
+    for e in (alone, engine):  # the Python layers' GEMMs are under test (fused steps call none of them)
+        e.model.fused_decode = False
+    alone_tokens, alone_logits, _ = _decode(alone, beside_prefills=False)
     calls = {"n": 0}
     dense_call = Linear.__call__
 

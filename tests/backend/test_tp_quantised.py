@@ -176,8 +176,15 @@ def kimi_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return kimi
 
 
-def test_kimi_int4_experts_tp2_ep2(kimi_dir: Path) -> None:
-    """Whole experts per rank: the INT4 GEMM computes each expert exactly as one process does."""
+def test_kimi_int4_experts_tp2_ep2(kimi_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole experts per rank: the INT4 GEMM computes each expert exactly as one process does.
+
+    The dense float32 layers run torch's GEMM here (EDGESERVE_F32_GEMV=0, inherited by the ranks): the INT4
+    experts round their input to bfloat16, so the 1e-4 below holds only while the experts' inputs are the same
+    bits in both layouts, which torch's GEMM gave and the C GEMV does not (measured: logits 6.8e-4 apart with it,
+    though every call of it was within 1.2e-7 of sum |x w| of float64 and the float32-experts run below agrees to
+    4e-7; the likely source is the row-parallel layers' two K halves summed apart)."""
+    monkeypatch.setenv("EDGESERVE_F32_GEMV", "0")
     check(kimi_dir, 2, expert_parallel=True)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_gemv, cpu_gemv_f32
 from kernels.cpu_build import CKernel
-from kernels.cpu_gemv_f32 import available, build_error, call_plan, gemv_f32
+from kernels.cpu_gemv_f32 import KERNEL, available, build_error, call_plan, gemv_f32
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(not available(), reason=f"float32 GEMV not built for this CPU: {build_error()}")
@@ -164,3 +164,23 @@ def test_linear_takes_it_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch, se
                                    rtol=1e-5, atol=1e-5)
     assert calls == [1, limit]
     assert not Linear(w.t().contiguous().t()).gemv  # a strided view
+
+
+@pytest.mark.parametrize("copy", ["native", *sorted(_COPIES)])
+@pytest.mark.parametrize("m", [1, 5, 8, 13, 32])
+def test_an_output_does_not_depend_on_where_its_row_falls(copy: str, m: int, seed: int) -> None:
+    """A slice of the weight's rows (a tensor-parallel shard, the last N % 4 rows of a call) gives its outputs
+    bit for bit as the whole weight does: the tensor-parallel engine agrees with one process."""
+    lib = KERNEL.load() if copy == "native" else _COPIES[copy].load()
+    if lib is None:
+        pytest.skip(f"{copy} copy not built here")
+    x, w = torch.randn(m, 77), torch.randn(50, 77)
+
+    def run(rows: torch.Tensor, threads: int) -> torch.Tensor:
+        y = torch.empty(m, rows.shape[0])
+        assert lib.gemv_f32(x.data_ptr(), rows.data_ptr(), y.data_ptr(), m, rows.shape[0], 77, threads, 3) == 0
+        return y
+
+    whole = run(w, 2)
+    for start, stop in [(0, 25), (25, 50), (3, 10), (47, 50), (1, 2)]:
+        assert torch.equal(run(w[start:stop].contiguous(), 1), whole[:, start:stop]), (start, stop)

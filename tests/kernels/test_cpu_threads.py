@@ -34,12 +34,19 @@ def test_torch_runs_alone_and_the_kernels_keep_its_count(two_threads) -> None:
 
 
 @pytest.mark.skipif(not cpu_gemv.available(), reason=f"bf16 GEMV not built for this CPU: {cpu_gemv.build_error()}")
-@pytest.mark.parametrize("dtype,handed_over", [("bfloat16", True), ("float32", False)])
+@pytest.mark.parametrize("dtype,f32_kernel", [("bfloat16", True), ("float32", True), ("float32", False)])
 def test_the_engine_hands_over_only_steps_whose_linears_all_run_the_gemv(tiny_chat_dir: Path, two_threads,
-                                                                        dtype: str, handed_over: bool) -> None:
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        dtype: str, f32_kernel: bool) -> None:
+    """Steps of up to the linears' GEMV rows run torch at one thread; a float32 model whose GEMV does not build
+    keeps torch's threads on every step."""
     from backend.engine import EngineConfig, LLMEngine
     from backend.sampling_params import SamplingParams
+    from kernels import cpu_gemv_f32
 
+    if not f32_kernel:
+        monkeypatch.setattr(cpu_gemv_f32, "available", lambda: False)
+    handed_over = dtype == "bfloat16" or (f32_kernel and cpu_gemv_f32.available())
     engine = LLMEngine.from_pretrained(tiny_chat_dir, EngineConfig(dtype=dtype, kv_format="fp32", num_threads=2,
                                                                    kv_cache_bytes=4 << 20, gemm_buckets=()))
     assert engine.runner.gemv_decode is handed_over
@@ -51,7 +58,8 @@ def test_the_engine_hands_over_only_steps_whose_linears_all_run_the_gemv(tiny_ch
         return run(batch)
 
     engine.runner.run = recording
-    limit = cpu_gemv.max_rows()
+    limit = cpu_gemv.max_rows() if dtype == "bfloat16" else cpu_gemv_f32.max_rows()
+    assert engine.runner.gemv_rows == (limit if handed_over else 0)
     for i, prompt in enumerate([[10 + j % 50 for j in range(limit + 8)], [5, 6, 7]]):
         engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0), request_id=f"r{i}")
     while engine.has_work():

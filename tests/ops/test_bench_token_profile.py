@@ -39,14 +39,17 @@ def test_a_run_on_a_tiny_model_accounts_for_the_step(tiny_chat_dir: Path, tmp_pa
 
     assert (parts["attention"] > 0) == available()  # the C kernel's calls were timed when it runs
     from backend.linear import bf16_gemv_available
+    from kernels import cpu_gemv_f32
 
-    gemv_runs = dtype == "bfloat16" and bf16_gemv_available()
-    assert (report["gemv_ms"] > 0) == gemv_runs  # the bf16 GEMV's calls were timed, as linear time
+    gemv_runs = bf16_gemv_available() if dtype == "bfloat16" else cpu_gemv_f32.available()
+    assert (report["gemv_ms"] > 0) == gemv_runs  # the bf16 or float32 GEMV's calls were timed, as linear time
     if gemv_runs:
         assert parts["linear"] >= report["gemv_ms"]
     from kernels.cpu_decode_layers import available as fused_available
+    from kernels.cpu_decode_layers import float32_available
 
-    if gemv_runs and fused_available():  # every decode step ran its layers in one C call, timed from inside
+    if gemv_runs and fused_available() and (dtype == "bfloat16" or float32_available()):
+        # every decode step ran its layers in one C call, timed from inside
         assert report["fused_decode_steps"] == 8
         assert report["c_kernels_plain_ms"]["fused gemv"] > 0 and report["c_kernels_plain_ms"]["fused attention"] > 0
         assert parts["linear"] >= report["gemv_ms"] + report["fused_ms"]["gemv"] > report["gemv_ms"]
