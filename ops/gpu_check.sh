@@ -137,9 +137,10 @@ step5() {
 
 # 6. the engine end to end on the device (ops/gpu_engine_check.py): the INT4 GEMV against torch's bf16 at M = 1,
 #    greedy parity with the CPU in float32, a streamed request through `edgeserve up` with FP8 KV pages and INT4
-#    decode weights, decode tok/s at c = 1 and 32 (bf16 against FP8 KV + INT4)
+#    decode weights, where a c = 1 decode step's time goes (launches, GPU busy time), decode tok/s at c = 1 and 32
+#    (bf16 against FP8 KV + INT4)
 step6() {
-    timeout "$1" "$PY" -m ops.gpu_engine_check --parts w4a16,parity,served,decode --json "$OUT/gpu_engine.json" \
+    timeout "$1" "$PY" -m ops.gpu_engine_check --parts w4a16,parity,served,profile,decode --json "$OUT/gpu_engine.json" \
         2>&1 | tee "$OUT/gpu_engine.log"
     return "${PIPESTATUS[0]}"
 }
