@@ -140,8 +140,8 @@ step5() {
 #    decode weights, where a c = 1 decode step's time goes (launches, GPU busy time), decode tok/s at c = 1 and 32
 #    (bf16 against FP8 KV + INT4)
 step6() {
-    timeout "$1" "$PY" -m ops.gpu_engine_check --parts w4a16,parity,served,profile,decode --json "$OUT/gpu_engine.json" \
-        2>&1 | tee "$OUT/gpu_engine.log"
+    timeout "$1" "$PY" -m ops.gpu_engine_check --parts w4a16,parity,served,profile,decode \
+        --json "$OUT/gpu_engine.json" 2>&1 | tee "$OUT/gpu_engine.log"
     return "${PIPESTATUS[0]}"
 }
 
