@@ -100,7 +100,7 @@ def float32_available() -> bool:
 
 def build_error() -> str | None:
     """Why not (the first kernel that does not build), or None."""
-    for k in (KERNEL, *(k for k, _ in _PARTS if k is not cpu_gemv_int4.KERNEL)):
+    for k in (KERNEL, *(k for k, symbol in _PARTS if symbol not in _OPTIONAL)):
         if k.load() is None:
             return f"{k.source.name}: {k.error}"
     return None
