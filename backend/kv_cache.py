@@ -138,8 +138,9 @@ class PagedKVCache:
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [T, num_kv_heads, head_dim] at slots [T] (int64) of `layer`."""
         kv = self._layers[layer]
-        if k.is_cuda:
-            store_kv(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)
+        if kv.k.is_cuda:  # the pool's device decides (rows from elsewhere are moved to it)
+            dev = kv.k.device
+            store_kv(k.to(dev), v.to(dev), kv.k, kv.v, kv.k_scale, kv.v_scale, slots.to(dev))
         elif not (store_kv_rows_cpu(k, v, kv.k, kv.v, slots) if kv.k_scale is None else
                   store_kv_fp8_cpu(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)):
             store_kv_ref(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)  # without the C kernels, other layouts

@@ -105,7 +105,8 @@ def quantize_latent_ref(latent: torch.Tensor, k_pe: torch.Tensor, kv_format: str
     padded = torch.nn.functional.pad(x, (0, num_groups * FP8_GROUP - kv_lora_rank))
     groups = padded.unflatten(-1, (num_groups, FP8_GROUP))  # [..., G, 128]
     amax = groups.abs().amax(dim=-1)  # [..., G]
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    # a tensor divisor: CUDA's division by a Python scalar multiplies by its reciprocal (an ulp off amax / 448)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))
     q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.flatten(-2)[..., :kv_lora_rank]
     return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8),
