@@ -72,9 +72,8 @@ def _write_random(engine: LLMEngine, page: int) -> None:
             if cache.indexer is not None:
                 cache.indexer.store(layer, slots.to(dev), torch.randn(g.page_size, cache.indexer.head_dim, device=dev))
             continue
-        dev = cache.pages.device  # the page's own device: a CPU row must not reach a GPU pool's store
-        k = torch.randn(g.page_size, g.num_kv_heads, g.head_dim, dtype=engine.model.dtype, device=dev)
-        cache.store(layer, slots.to(dev), k, torch.randn_like(k))
+        k = torch.randn(g.page_size, g.num_kv_heads, g.head_dim, dtype=engine.model.dtype)
+        cache.store(layer, slots, k, torch.randn_like(k))
 
 
 def stale_page_table(engine: LLMEngine, victim: Sequence) -> list[int]:

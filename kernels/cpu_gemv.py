@@ -162,9 +162,15 @@ def call_plan(m: int, n: int, k: int, threads: int | None = None, tiles: str | N
     """(threads, chunks, fma) of a call with x [m, k] and weight [n, k]: the threads by the weights' bytes
     (`threads` if given), chunks of about `_CHUNK_BYTES`, and 1 for the FMA tiles (`tiles`, else `tile_mode()`,
     past PER_ROW_MAX rows). `gemv_bf16` and the fused decode layers (`cpu_decode_layers`) split alike."""
-    nbytes = n * k * 2
+    threads, chunks = weight_plan(n * k * 2, threads)
+    return threads, chunks, int(m > PER_ROW_MAX and (tiles or tile_mode()) == "fma")
+
+
+def weight_plan(nbytes: int, threads: int | None = None) -> tuple[int, int]:
+    """(threads, chunks) of a GEMV call over `nbytes` of weights: threaded from `_THREADED_BYTES` in a step that
+    handed torch's threads over, from `_SHARED_THREADED_BYTES` outside one (`threads` if given), chunks of about
+    `_CHUNK_BYTES`. The bfloat16 and float32 GEMVs split alike (`cpu_gemv_f32.call_plan`)."""
     if threads is None:
         floor = _THREADED_BYTES if kernels_own_threads() else _SHARED_THREADED_BYTES
         threads = kernel_threads() if nbytes >= floor else 1
-    chunks = max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1
-    return threads, chunks, int(m > PER_ROW_MAX and (tiles or tile_mode()) == "fma")
+    return threads, max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1

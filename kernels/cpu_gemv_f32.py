@@ -10,9 +10,8 @@ Numerics: float32 products and float32 sums (fused multiply-adds), as torch's fl
 order differs, so a result is within a few float32 ulps of sum |x w| of torch's. Each output comes whole from
 one thread's chunk: the thread and chunk counts change no bit.
 
-Threads: as `cpu_gemv` (the shared pool, `call_plan`): the caller and the pool's helpers claim chunks of about
-`_CHUNK_BYTES` of weights, threaded from `_THREADED_BYTES` of weights in a step that handed torch's threads over
-(`cpu_threads.torch_single_threaded`), from `_SHARED_THREADED_BYTES` outside one.
+Threads: as `cpu_gemv` (the shared pool; `call_plan` is `cpu_gemv.weight_plan` over the weights' bytes): the
+caller and the pool's helpers claim chunks of weights, threaded only where the weights are large enough.
 
 Measured on a 2-core Intel Xeon VM (AVX-512 with FP16 and AMX; the AVX-512F copy), SmolLM2-135M's decode
 shapes, this function at 2 threads against `torch.nn.functional.linear` in float32 with torch at 2 threads,
@@ -41,8 +40,8 @@ import ctypes
 import torch
 
 from backend.cpu_features import cpu_flags
+from kernels import cpu_gemv
 from kernels.cpu_build import CKernel
-from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "MAX_ROWS", "AVX2_MAX_ROWS", "SYMBOL", "address", "available", "build_error", "call_plan",
            "gemv_f32", "max_rows"]
@@ -52,10 +51,6 @@ __all__ = ["KERNEL", "MAX_ROWS", "AVX2_MAX_ROWS", "SYMBOL", "address", "availabl
 # not measured against MKL's packed GEMM on an AVX2 host yet: there, only the bandwidth-bound rows (AVX2_MAX_ROWS).
 MAX_ROWS = 32
 AVX2_MAX_ROWS = 8
-
-_THREADED_BYTES = 256 << 10  # weights below this run on the calling thread alone (too short to share)
-_SHARED_THREADED_BYTES = 16 << 20  # the same while torch's OpenMP workers may spin (outside a handover)
-_CHUNK_BYTES = 128 << 10  # of weights per chunk the threads claim (a few per thread at SmolLM2's sizes)
 
 SYMBOL = "gemv_f32"  # the C entry point: (x, w, y, M, N, K, threads, chunks) -> 0
 
@@ -87,14 +82,8 @@ def address() -> int | None:
 
 def call_plan(m: int, n: int, k: int, threads: int | None = None) -> tuple[int, int, int]:
     """(threads, chunks, 0) of a call with x [m, k] and weight [n, k], in `cpu_gemv.call_plan`'s layout (whose
-    third element, the FMA-tile flag, has no meaning here): the threads by the weights' bytes (`threads` if
-    given), chunks of about `_CHUNK_BYTES`."""
-    nbytes = n * k * 4
-    if threads is None:
-        floor = _THREADED_BYTES if kernels_own_threads() else _SHARED_THREADED_BYTES
-        threads = kernel_threads() if nbytes >= floor else 1
-    chunks = max(threads, nbytes // _CHUNK_BYTES) if threads > 1 else 1
-    return threads, chunks, 0
+    third element, the FMA-tile flag, has no meaning here): `cpu_gemv.weight_plan` over the weights' bytes."""
+    return (*cpu_gemv.weight_plan(n * k * 4, threads), 0)
 
 
 def _reject(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -95,7 +95,8 @@ def store_kv_rows_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
     (nothing written) when the kernel is unavailable or a tensor is laid out or typed otherwise;
     IndexError when a slot is outside the pool."""
     if (k.dtype != k_cache.dtype or v.dtype != k.dtype or v_cache.dtype != k.dtype or not k.is_cpu or not v.is_cpu
-            or not k_cache.is_cpu or not slots.is_cpu or k.dim() != 3 or v.shape != k.shape or k_cache.shape[2:] != k.shape[1:]
+            or not k_cache.is_cpu or not slots.is_cpu or k.dim() != 3 or v.shape != k.shape
+            or k_cache.shape[2:] != k.shape[1:]
             or v_cache.shape != k_cache.shape or k.stride(2) != 1 or v.stride(2) != 1
             or slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != k.shape[0]
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):

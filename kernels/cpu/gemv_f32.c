@@ -182,8 +182,6 @@ static void rows_chunk(const Args *a) { /* a specialisation of rows_m per count,
     }
 }
 
-/* The tiles over weight rows n0..nfull (a multiple of NR): blocks of FNB weight rows (kept in L2) by x tiles of
- * MR rows by NR weight rows; the first x tile reads a block from memory and prefetches the next NR rows. */
 /* The last M % MR x rows (from m) against weight rows n..n+valid-1: a tile of as many rows */
 static inline void last_rows(const Args *a, int n, int m, int valid) {
     switch (a->M - m) {
@@ -198,6 +196,8 @@ static inline void last_rows(const Args *a, int n, int m, int valid) {
     }
 }
 
+/* The tiles over weight rows n0..nfull (a multiple of NR): blocks of FNB weight rows (kept in L2) by x tiles of
+ * MR rows by NR weight rows; the first x tile reads a block from memory and prefetches the next NR rows. */
 static void ftile_blocks(const Args *a, int nfull) {
     for (int b = a->n0; b < nfull; b += FNB) {
         const int bend = b + FNB < nfull ? b + FNB : nfull;

@@ -138,3 +138,15 @@ def test_plain_store_declines_what_it_does_not_read() -> None:
     assert not store_kv_rows_cpu(k.transpose(1, 2).contiguous().transpose(1, 2), k, k_pool, v_pool, slots)
     assert not store_kv_rows_cpu(k, k, k_pool[:, :, :2], v_pool, slots)  # another head count
     assert not store_kv_rows_cpu(k[:1], k[:1], k_pool, v_pool, slots)  # slots and tokens disagree
+
+
+def test_pools_off_the_cpu_are_declined_not_written() -> None:
+    """A pool on another device (a GPU's; here `meta`, which has no memory) is never handed to the C stores: they
+    decline, and the caller takes the pool's own device path (a GPU pool's pointers in C were a segfault)."""
+    k = torch.randn(3, 2, 16)
+    slots = torch.arange(3)
+    rows = torch.empty(4, 8, 2, 16, device="meta")
+    assert store_kv_rows_cpu(k, k, rows, rows, slots) is False
+    fp8 = torch.empty(4, 8, 2, 16, dtype=torch.float8_e4m3fn, device="meta")
+    exps = torch.empty(4, 8, 2, dtype=torch.int8, device="meta")
+    assert store_kv_fp8_cpu(k, k, fp8, fp8, exps, exps, slots) is False
