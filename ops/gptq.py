@@ -152,7 +152,7 @@ def int4_group_params(w: torch.Tensor, shrink: tuple[float, float] = (1.0, 1.0))
     (with `shrink` (a, b) < 1: the range [a lo, b hi], the clip search's candidates)."""
     lo, hi = w.amin(dim=1) * shrink[0], w.amax(dim=1) * shrink[1]
     flat = hi == lo  # a constant group: code 8 stands for the value itself
-    s = torch.where(flat, 1.0, (hi - lo) / 15).to(torch.bfloat16)
+    s = torch.where(flat, 1.0, (hi - lo) / torch.full_like(hi, 15.0)).to(torch.bfloat16)  # as quantize_int4_ref
     z = torch.where(flat, lo, lo + 8 * s.float()).to(torch.bfloat16)
     return s.float(), z.float()
 

@@ -59,11 +59,13 @@ cap() { local left=$((deadline - SECONDS - 5)); [ "$left" -lt "$1" ] && echo $((
 step1() {
     # modules whose test-only imports the GPU image lacks fail to collect; the CUDA tests of the rest still run.
     # pytest-xdist (on the GPU image) spreads the Triton compiles over the host's cores
-    # (-v: each result as it lands, so a run cut short still names its failures); pytest-timeout ends a hung test
+    # (-v: each result as it lands, so a run cut short still names its failures); pytest-timeout ends a hung test.
+    # One CPU thread per worker: 16 workers each with torch's default of 16 threads left the CPU-side quantisation
+    # references of the larger fused-MoE tests past the 120 s timeout in the second H200 run
     local extra=()
     "$PY" -c "import xdist" 2>/dev/null && extra+=(-n 16 -p no:benchmark)
     "$PY" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout=120)
-    timeout "$1" "$PY" -m pytest -m cuda tests/kernels tests/backend -v --tb=short -rfE -p no:cacheprovider \
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout "$1" "$PY" -m pytest -m cuda tests/kernels tests/backend -v --tb=short -rfE -p no:cacheprovider \
         "${extra[@]}" --durations=15 --continue-on-collection-errors 2>&1 | tee "$OUT/pytest.log"
     return "${PIPESTATUS[0]}"
 }

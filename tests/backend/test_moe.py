@@ -262,10 +262,18 @@ def test_kernel_arguments_fit_the_fused_moe_reference(fmt: WeightFormat) -> None
                     reason="needs a CUDA device and TRITON_INTERPRET=0")
 @pytest.mark.parametrize("fmt", [FP32, DenseFormat(torch.bfloat16), Fp8Format(), Int4Format(32)], ids=repr)
 def test_cuda_block_runs_the_fused_kernel(fmt: WeightFormat) -> None:
+    """The block quantised on the GPU runs the fused kernel and gives the CPU block's output.
+
+    Both quantise to the same stored weights (no division by a Python scalar, which CUDA runs as a product with
+    its reciprocal). The fused kernel computes float32 x in float32; the CPU's bfloat16 and INT4 experts round
+    their activations to bfloat16, so those compare to within bfloat16 rounding of the output's scale (a sum of
+    nine experts cancels: per element, the error is relative to its terms, not to itself); float32 and FP8 (which
+    the CPU dequantises to float32 at load) to float32 rounding."""
     moe = hf_moe(32, 8, 4, 2, True, 2.5, 1, hidden=256, inter=128)
     cpu = our_block(moe, fmt)
     gpu = our_block(moe.cuda(), fmt)
     assert gpu.experts.paths == ("fused",)
     x = torch.randn(37, 256)
-    tol = 3e-2 if isinstance(fmt, Int4Format) or fmt.name == "bf16" else 1e-4
-    torch.testing.assert_close(gpu(x.cuda()).cpu(), cpu(x), rtol=tol, atol=tol)
+    want = cpu(x)
+    tol = 1e-2 if isinstance(fmt, Int4Format) or fmt.name == "bf16" else 1e-4  # the CPU off by <= 0.52% of scale
+    torch.testing.assert_close(gpu(x.cuda()).cpu(), want, rtol=tol, atol=tol * float(want.abs().max()))
