@@ -25,19 +25,20 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
+from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["available", "build_error", "argmax_rows", "mask_fill_rows"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-                                ctypes.c_void_p]
+                                ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.argmax_rows.restype = None
     lib.mask_fill_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
     lib.mask_fill_rows.restype = None
 
 
-_KERNEL = CKernel("argmax.c", (), _declare, "greedy sampling runs torch.argmax")
+_KERNEL = CKernel("argmax.c", (), _declare, "greedy sampling runs torch.argmax", uses_pool=True)
 
 
 available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
@@ -64,7 +65,8 @@ def argmax_rows(logits: torch.Tensor, words: torch.Tensor | None = None) -> torc
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     if logits.shape[0]:
         lib.argmax_rows(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
-                        int(logits.dtype == torch.bfloat16), None if words is None else words.data_ptr())
+                        int(logits.dtype == torch.bfloat16), None if words is None else words.data_ptr(),
+                        kernel_threads(), int(kernels_own_threads()))
     return out
 
 

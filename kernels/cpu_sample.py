@@ -8,6 +8,8 @@ already applied). The probabilities are those of softmax(x / T) up to float32 ro
 of 32 tokens (their sums are added in double; see the C file). torch's path for 32 rows of 49,152
 (float32 copy, division, softmax, a float64 running sum, searchsorted) took ~20 ms on a 2-core AMD EPYC
 VM; its top-p sorts the whole row (~80 ms more), the kernel one narrow bucket of it.
+Rows are shared out over the C kernels' helper pool (`pool_rows` in `kernels/cpu/pool.h`), a row to a thread;
+a row's draw does not depend on which thread makes it.
 None where it cannot run (no C compiler, not a contiguous 2-D float32 or bfloat16 CPU tensor, no
 columns): the caller keeps torch's path.
 """
@@ -19,17 +21,19 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
+from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["available", "build_error", "sample_rows"]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_int, ctypes.c_int]
     lib.sample_rows.restype = ctypes.c_int
 
 
-_KERNEL = CKernel("sample.c", (), _declare, "sampling runs torch's softmax and running sum")
+_KERNEL = CKernel("sample.c", (), _declare, "sampling runs torch's softmax and running sum", uses_pool=True)
 
 
 available = _KERNEL.available  # whether it builds and loads here (builds it on the first call)
@@ -64,6 +68,7 @@ def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, uniforms: t
     if rows and lib.sample_rows(logits.data_ptr(), out.data_ptr(), rows, logits.shape[1],
                                 int(logits.dtype == torch.bfloat16), inv_temperature.data_ptr(),
                                 uniforms.data_ptr(), *(None if t is None else t.data_ptr()
-                                                       for t in (words, top_k, top_p))) != 0:
+                                                       for t in (words, top_k, top_p)),
+                                kernel_threads(), int(kernels_own_threads())) != 0:
         raise MemoryError("sample_rows: out of memory")
     return out

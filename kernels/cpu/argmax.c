@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "bits.h"
+#include "pool.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -112,17 +113,33 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, i
     return 0; /* not reached: m is one of the row's values (or -inf for a row of -inf, found at 0) */
 }
 
-/* half: 1 for bfloat16 rows, 0 for float32; words: NULL, or rows x ceil(n / 32) mask words (every row masked) */
-void argmax_rows(const void *x, int64_t *out, int rows, int64_t n, int half, const int32_t *words) {
-    const int64_t row_bytes = n * (half ? 2 : 4), row_words = (n + 31) / 32;
-    for (int r = 0; r < rows; r++) {
-        const void *row = (const char *)x + r * row_bytes;
-        const int32_t *w = words ? words + r * row_words : NULL;
+typedef struct {
+    const void *x;
+    int64_t *out;
+    int64_t n;
+    int half;
+    const int32_t *words;
+} ArgmaxJob;
+
+static void argmax_run(void *ctx, int64_t r0, int64_t r1) {
+    const ArgmaxJob *j = (const ArgmaxJob *)ctx;
+    const int64_t row_bytes = j->n * (j->half ? 2 : 4), row_words = (j->n + 31) / 32;
+    for (int64_t r = r0; r < r1; r++) {
+        const void *row = (const char *)j->x + r * row_bytes;
+        const int32_t *w = j->words ? j->words + r * row_words : NULL;
         if (w)
-            out[r] = half ? argmax_row(row, n, 1, w) : argmax_row(row, n, 0, w);
+            j->out[r] = j->half ? argmax_row(row, j->n, 1, w) : argmax_row(row, j->n, 0, w);
         else
-            out[r] = half ? argmax_row(row, n, 1, NULL) : argmax_row(row, n, 0, NULL);
+            j->out[r] = j->half ? argmax_row(row, j->n, 1, NULL) : argmax_row(row, j->n, 0, NULL);
     }
+}
+
+/* half: 1 for bfloat16 rows, 0 for float32; words: NULL, or rows x ceil(n / 32) mask words (every row masked).
+ * Rows are shared out over the helper pool (pool.h's `pool_rows`) where the call is large enough. */
+void argmax_rows(const void *x, int64_t *out, int rows, int64_t n, int half, const int32_t *words, int threads,
+                 int linger) {
+    ArgmaxJob job = {x, out, n, half, words};
+    pool_rows(argmax_run, &job, rows, n, threads, linger);
 }
 
 /* Every token a row's mask words forbid set to -inf in float32 rows [rows, n], in place; a word of all ones

@@ -35,6 +35,7 @@
 #include <stdlib.h>
 
 #include "bits.h"
+#include "pool.h"
 
 static inline __attribute__((always_inline)) float value(const void *x, int64_t i, const int half) {
     return half ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
@@ -307,36 +308,56 @@ static inline __attribute__((always_inline)) int64_t sample_row(const void *x, i
     return 0; /* not reached: the maximum's weight is 1 */
 }
 
-/* x: rows x n float32 (half 0) or bfloat16 (half 1) logits; inv_t: 1 / temperature per row; u: a uniform in
- * [0, 1) per row; words: NULL, or rows x ceil(n / 32) grammar mask words; top_k (0: off) and top_p (1: off):
- * NULL, or one per row. Returns 0, or -1 when out of memory. */
-int sample_rows(const void *x, int64_t *out, int rows, int64_t n, int half, const float *inv_t, const double *u,
-                const int32_t *words, const int32_t *top_k, const float *top_p) {
-    const int64_t nw = (n + 31) / 32, row_bytes = n * (half ? 2 : 4);
-    int max_k = 0, any_p = 0;
-    for (int r = 0; r < rows; r++) {
-        if (top_k && top_k[r] > max_k && top_k[r] < n) max_k = top_k[r];
-        any_p |= top_p && top_p[r] < 1.0f;
-    }
-    Scratch sc = {malloc(sizeof(double) * (size_t)nw), max_k ? malloc(sizeof(float) * (size_t)max_k) : NULL,
-                  any_p ? malloc(sizeof(double) * TOP_P_BUCKETS) : NULL,
-                  any_p ? malloc(2 * sizeof(float) * (size_t)n) : NULL};
-    int rc = 0;
-    if (!sc.word_sums || (max_k && !sc.heap) || (any_p && (!sc.buckets || !sc.vals))) {
-        rc = -1;
+typedef struct {
+    const void *x;
+    int64_t *out;
+    int64_t n;
+    int half, max_k, any_p;
+    const float *inv_t, *top_p;
+    const double *u;
+    const int32_t *words, *top_k;
+    volatile int rc; /* -1 once any run of rows ran out of memory */
+} SampleJob;
+
+/* rows [r0, r1) of a job, with scratch of its own (runs of rows may run on the pool's threads at once) */
+static void sample_run(void *ctx, int64_t r0, int64_t r1) {
+    SampleJob *j = (SampleJob *)ctx;
+    const int64_t n = j->n, nw = (n + 31) / 32, row_bytes = n * (j->half ? 2 : 4);
+    Scratch sc = {malloc(sizeof(double) * (size_t)nw), j->max_k ? malloc(sizeof(float) * (size_t)j->max_k) : NULL,
+                  j->any_p ? malloc(sizeof(double) * TOP_P_BUCKETS) : NULL,
+                  j->any_p ? malloc(2 * sizeof(float) * (size_t)n) : NULL};
+    if (!sc.word_sums || (j->max_k && !sc.heap) || (j->any_p && (!sc.buckets || !sc.vals))) {
+        j->rc = -1;
     } else {
-        for (int r = 0; r < rows; r++) {
-            const void *row = (const char *)x + r * row_bytes;
-            const int32_t *w = words ? words + r * nw : NULL;
-            const int k = top_k ? top_k[r] : 0;
-            const float p = top_p ? top_p[r] : 1.0f;
-            out[r] = half ? sample_row(row, n, 1, inv_t[r], u[r], w, k, p, &sc)
-                          : sample_row(row, n, 0, inv_t[r], u[r], w, k, p, &sc);
+        for (int64_t r = r0; r < r1; r++) {
+            const void *row = (const char *)j->x + r * row_bytes;
+            const int32_t *w = j->words ? j->words + r * nw : NULL;
+            const int k = j->top_k ? j->top_k[r] : 0;
+            const float p = j->top_p ? j->top_p[r] : 1.0f;
+            j->out[r] = j->half ? sample_row(row, n, 1, j->inv_t[r], j->u[r], w, k, p, &sc)
+                                : sample_row(row, n, 0, j->inv_t[r], j->u[r], w, k, p, &sc);
         }
     }
     free(sc.word_sums);
     free(sc.heap);
     free(sc.buckets);
     free(sc.vals);
-    return rc;
+}
+
+/* x: rows x n float32 (half 0) or bfloat16 (half 1) logits; inv_t: 1 / temperature per row; u: a uniform in
+ * [0, 1) per row; words: NULL, or rows x ceil(n / 32) grammar mask words; top_k (0: off) and top_p (1: off):
+ * NULL, or one per row. Rows are shared out over the helper pool (pool.h's `pool_rows`, `threads` and `linger`
+ * as the other row kernels take them); a row's draw is the same whoever runs it. Returns 0, or -1 when out of
+ * memory. */
+int sample_rows(const void *x, int64_t *out, int rows, int64_t n, int half, const float *inv_t, const double *u,
+                const int32_t *words, const int32_t *top_k, const float *top_p, int threads, int linger) {
+    int max_k = 0, any_p = 0;
+    for (int r = 0; r < rows; r++) {
+        if (top_k && top_k[r] > max_k && top_k[r] < n) max_k = top_k[r];
+        any_p |= top_p && top_p[r] < 1.0f;
+    }
+    SampleJob job = {x, out, n, half, max_k, any_p, inv_t, top_p, u, words, top_k, 0};
+    /* a row costs ~3 passes with an exp per value: weigh it as three rows of plain values */
+    pool_rows(sample_run, &job, rows, 3 * n, threads, linger);
+    return job.rc;
 }

@@ -1,15 +1,20 @@
 """The row-wise C kernels on the helper pool (`pool_rows`, kernels/cpu/pool.h): a call large enough to be cut
 into chunks gives, bit for bit, what the same call gives on one thread, chunk edges anywhere in the rows
-(row counts that do not divide evenly), and what torch's ops give."""
+(row counts that do not divide evenly), and what torch's ops give. The sampler's row kernels (argmax, the
+draws with top-k, top-p and masks) likewise, also with the threads handed over as a decode step hands them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import kernels.cpu_argmax as argmax_kernel
 import kernels.cpu_rms_norm as norm_kernel
+import kernels.cpu_sample as sample_kernel
 import kernels.cpu_rope as rope_kernel
 import kernels.cpu_silu_mul as silu_kernel
+from kernels.cpu_threads import torch_single_threaded
+from tests.kernels.test_cpu_argmax import _random_words
 from tests.kernels.test_cpu_rope import _freqs, _torch
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 
@@ -60,3 +65,26 @@ def test_chunked_calls_equal_one_thread(rows: int, seed: int) -> None:
     ref, pair = _torch(x, freqs).float(), x.float().view(rows, 12, 32, 2).abs().sum(-1, keepdim=True)
     size = 1.1 * pair.expand(-1, -1, -1, 2).reshape(rows, 12, 64)  # |a c| + |b d| at most, |c|, |d| <= 1.1
     assert bool(((two.float() - ref).abs() <= ref.abs() * 2.0 ** -7 + size * 2.0 ** -21).all()), f"seed {seed}"
+
+
+@pytest.mark.skipif(not (argmax_kernel.available() and sample_kernel.available()), reason="sampler kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_rows_are_drawn_alike_on_one_thread_and_on_the_pool(dtype: torch.dtype, seed: int) -> None:
+    rows, vocab = 13, 20011  # a row alone is large enough for a chunk of its own (3 x 20,011 values weighed)
+    x = (torch.randn(rows, vocab) * 3).to(dtype)
+    x[3, 17] = float("nan")
+    words = _random_words(rows, vocab, 0.4)
+    words[:, 0] |= 1
+    inv_t, u = (1 / (torch.rand(rows) + 0.3)).float(), torch.rand(rows, dtype=torch.float64)
+    top_k = torch.randint(0, 300, (rows,), dtype=torch.int32)
+    top_p = torch.where(torch.rand(rows) < 0.7, torch.rand(rows) * 0.9 + 0.05, torch.ones(rows))
+    calls = {"argmax": lambda: argmax_kernel.argmax_rows(x),
+             "argmax masked": lambda: argmax_kernel.argmax_rows(x, words),
+             "draws": lambda: sample_kernel.sample_rows(x, inv_t, u, words, top_k, top_p)}
+    for name, call in calls.items():
+        (two, _), (one, _) = _both(call)
+        with torch_single_threaded():  # the kernels own both cores, their helpers linger between calls
+            handed = call()
+        assert torch.equal(two, one) and torch.equal(handed, one), name
+    assert int(calls["argmax"]()[3]) == 17  # the NaN, as torch.argmax answers
+    assert torch.equal(calls["argmax"](), x.float().argmax(dim=-1))
