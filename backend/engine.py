@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 import torch
 
 from backend.config import ModelConfig
+from backend.decode_graphs import DecodeGraphs, graphs_supported
 from backend.distributed.collectives import Collectives
 from backend.errors import EdgeServeError, InvalidRequest, InvalidSamplingParams, KVIntegrityError
 from backend.grammar import GrammarCompiler
@@ -114,6 +115,9 @@ class EngineConfig:
     kv_events_max: int = 10_000  # prefix-cache KV events kept for the publisher; older ones are dropped
     tensor_parallel: int = 1  # ranks of this worker's group (backend/distributed/); 1: one process, no collectives
     expert_parallel: bool = False  # with tensor_parallel > 1: routed experts split by whole experts
+    # pure decode steps replay CUDA graphs (backend/decode_graphs.py; on a CPU the same padded steps run eagerly);
+    # off by default until a GPU run of ops/gpu_check.sh has compared them with the eager steps
+    cuda_graphs: bool = False
 
 
 class TokenScores(NamedTuple):
@@ -153,6 +157,8 @@ class LLMEngine:
             PrefixCachePool(self.allocator, config.page_size, self._record_kv_event) if config.prefix_caching
             else None)
         self.runner = ModelRunner(model, self.cache)
+        if config.cuda_graphs:
+            self._setup_graphs()
         mixed = config.mixed_step_tokens
         if mixed is None and self.runner.gemv_decode and self.runner.gemv_dtype == torch.bfloat16:
             mixed = cpu_gemv.mixed_step_tokens()  # (float32 prompts keep MKL's GEMM: no cap for them)
@@ -418,6 +424,18 @@ class LLMEngine:
         if self.runner.gemv_decode and batch.num_tokens <= self.runner.gemv_rows:
             return torch_single_threaded()
         return contextlib.nullcontext()
+
+    def _setup_graphs(self) -> None:
+        """Decode graphs for this engine's steps (`EngineConfig.cuda_graphs`), holding one page of the pool as
+        their padding rows' page for good; logged and left off where the model does not take them."""
+        why = graphs_supported(self.model)
+        if why is not None:
+            log.info("decode graphs off: %s", why)
+            return
+        pad_page = self.allocator.allocate(1)[0]
+        pages = -(-self.max_model_len // self.config.page_size)
+        self.runner.graphs = DecodeGraphs(self.model, self.cache, pad_page, self.config.max_num_seqs, pages,
+                                          capture=self.model.embed.device.type == "cuda")
 
     def _start_activated(self) -> list[StepOutput]:
         """Emit the first token of requests whose KV arrived; finish those it already ends."""

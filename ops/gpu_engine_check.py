@@ -9,15 +9,17 @@ kernels and serving path are SmolLM2's, the text is noise. Four parts, each reco
 
 - **parity**: greedy tokens of 4 prompts x 32 tokens from the engine on the device in float32
   (fp32 KV pages) against the engine on the CPU in float32: equal token for token, else the
-  first position where each prompt's tokens part.
+  first position where each prompt's tokens part; and the same on the device with decode graphs
+  (`EngineConfig.cuda_graphs`) against the device without them (`graphs_equal`).
 - **served**: `edgeserve up --device D --dtype bfloat16 --kv-format fp8_e4m3 --decode-weights int4`
   streams one chat completion through the gateway (SSE chunks, `[DONE]`, a finish reason).
 - **decode**: decode tok/s in process at c = 1 and 32 (closed loops, 64-token prompts, 128 output
-  tokens), bf16 weights and KV against fp8 KV pages with INT4 decode weights, the two engines
-  stepped in turn (`ops.bench.harness.loops`), `--rounds` rounds.
+  tokens), bf16 weights and KV against fp8 KV pages with INT4 decode weights, each eager and with
+  decode graphs, the four engines stepped in turn (`ops.bench.harness.loops`), `--rounds` rounds.
 - **profile**: one request's decode steps at c = 1 in bf16 under `torch.profiler`: wall ms a step,
   CUDA kernels launched a step, the GPU's busy time a step, and the ops that take the host's time
-  (what bounds a small model's step on a GPU: launches, not bytes).
+  (what bounds a small model's step on a GPU: launches, not bytes); eager, and with decode graphs
+  under `graphs`.
 - **w4a16** (CUDA only): the INT4 GEMV (`kernels.w4a16_gemm`, group 128) against torch's bf16
   GEMV at M = 1 over Llama-3-8B's projection shapes, CUDA-event medians (`triton.testing.do_bench`);
   the target is >= 3x.
@@ -100,21 +102,30 @@ def _generate(model_dir: Path, config: Any, prompts: list[list[int]], tokens: in
 
 
 def parity(model_dir: Path, device: str, tokens: int = 32) -> dict[str, Any]:
-    """Greedy tokens on `device` in float32 against the CPU's (module doc)."""
+    """Greedy tokens on `device` in float32 against the CPU's, and with decode graphs against without (module doc)."""
     from backend.engine import EngineConfig
     from ops.bench.harness.prompts import random_prompts
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(vocab, 4, 24, seed=7)
-    runs = {dev: _generate(model_dir, EngineConfig(dtype="float32", kv_format="fp32", device=dev,
-                                                   kv_cache_bytes=64 << 20), prompts, tokens)
-            for dev in dict.fromkeys(("cpu", device))}
-    ours, cpu = runs[device], runs["cpu"]
-    # where each prompt's tokens part; a side cut short (a failed step ends its requests) parts where it ends
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b),
-                  None if len(x) == len(y) else min(len(x), len(y))) for x, y in zip(ours, cpu, strict=True)]
-    return {"equal": ours == cpu, "first_mismatch": first, "tokens": tokens, "device_lens": [len(x) for x in ours],
-            "device_tokens": ours, "cpu_tokens": cpu}
+
+    def run(dev: str, graphs: bool = False) -> list[list[int]]:
+        return _generate(model_dir, EngineConfig(dtype="float32", kv_format="fp32", device=dev, kv_cache_bytes=64 << 20,
+                                                 cuda_graphs=graphs), prompts, tokens)
+
+    cpu = run("cpu")
+    ours = cpu if device == "cpu" else run(device)
+    graphs = run(device, graphs=True)
+    return {"equal": ours == cpu and graphs == ours, "first_mismatch": _first_mismatch(ours, cpu),
+            "graphs_equal": graphs == ours, "graphs_first_mismatch": _first_mismatch(graphs, ours), "tokens": tokens,
+            "device_lens": [len(x) for x in ours], "device_tokens": ours, "cpu_tokens": cpu,
+            "graphs_tokens": graphs}
+
+
+def _first_mismatch(runs: list[list[int]], reference: list[list[int]]) -> list[int | None]:
+    """Where each prompt's tokens part; a side cut short (a failed step ends its requests) parts where it ends."""
+    return [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None if len(x) == len(y) else min(len(x), len(y)))
+            for x, y in zip(runs, reference, strict=True)]
 
 
 def served(model_dir: Path, device: str, logs: Path, max_tokens: int = 16) -> dict[str, Any]:
@@ -154,13 +165,15 @@ def served(model_dir: Path, device: str, logs: Path, max_tokens: int = 16) -> di
 
 def decode(model_dir: Path, device: str, levels: tuple[int, ...] = (1, 32), prompt_len: int = 64,
            output_tokens: int = 128, rounds: int = 2) -> dict[str, Any]:
-    """Decode tok/s, bf16 against FP8 KV + INT4 decode weights, closed loops stepped in turn (module doc)."""
+    """Decode tok/s, bf16 against FP8 KV + INT4 decode weights, each eager and with decode graphs, closed loops
+    stepped in turn (module doc)."""
     from backend.engine import EngineConfig, LLMEngine
     from ops.bench.harness.loops import ClosedLoop, step_in_turn
     from ops.bench.harness.prompts import random_prompts
 
-    arms = {"bf16": dict(kv_format="bf16"), "fp8_kv+int4": dict(kv_format="fp8_e4m3", decode_weights="int4",
-                                                                 int4_group_size=32)}
+    formats = {"bf16": dict(kv_format="bf16"), "fp8_kv+int4": dict(kv_format="fp8_e4m3", decode_weights="int4",
+                                                                    int4_group_size=32)}
+    arms = {**formats, **{f"{name}+graphs": dict(kw, cuda_graphs=True) for name, kw in formats.items()}}
     engines = {name: LLMEngine.from_pretrained(model_dir, EngineConfig(
         dtype="bfloat16", device=device, kv_cache_bytes=512 << 20, max_num_seqs=max(levels), **kw))
         for name, kw in arms.items()}
@@ -177,12 +190,20 @@ def decode(model_dir: Path, device: str, levels: tuple[int, ...] = (1, 32), prom
                 tokens[loop.kv] += loop.tokens
                 clock[loop.kv] += loop.clock
         tok_s = {name: tokens[name] / clock[name] for name in arms}
-        out["levels"][str(c)] = {"tok_s": tok_s, "ratio": tok_s["fp8_kv+int4"] / tok_s["bf16"]}
+        out["levels"][str(c)] = {"tok_s": tok_s, "ratio": tok_s["fp8_kv+int4"] / tok_s["bf16"],
+                                 "ratio_graphs": tok_s["fp8_kv+int4+graphs"] / tok_s["bf16+graphs"],
+                                 "graphs_over_eager": {name: tok_s[f"{name}+graphs"] / tok_s[name] for name in formats}}
     return out
 
 
 def profile(model_dir: Path, device: str, steps: int = 16) -> dict[str, Any]:
-    """Where a c = 1 bf16 decode step's time goes (module doc)."""
+    """Where a c = 1 bf16 decode step's time goes, eager and with decode graphs (module doc)."""
+    out = _profile(model_dir, device, steps, graphs=False)
+    out["graphs"] = _profile(model_dir, device, steps, graphs=True)
+    return out
+
+
+def _profile(model_dir: Path, device: str, steps: int, graphs: bool) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -191,11 +212,11 @@ def profile(model_dir: Path, device: str, steps: int = 16) -> dict[str, Any]:
     from ops.bench.harness.prompts import random_prompts
 
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(dtype="bfloat16", kv_format="bf16", device=device,
-                                                               kv_cache_bytes=64 << 20))
+                                                               kv_cache_bytes=64 << 20, cuda_graphs=graphs))
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     engine.add_request(random_prompts(vocab, 1, 64, seed=3)[0],
                        SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
-    for _ in range(4):  # prefill and the first decode steps: compiles and allocations out of the way
+    for _ in range(4):  # prefill and the first decode steps: compiles, allocations and the capture out of the way
         engine.step()
     cuda = device == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
@@ -209,9 +230,11 @@ def profile(model_dir: Path, device: str, steps: int = 16) -> dict[str, Any]:
     events = prof.key_averages()
     kernels = [e for e in events if cuda and getattr(e, "device_time_total", 0) > 0 and e.cpu_time_total == 0]
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    graph_state = engine.runner.graphs
     return {"steps": steps, "ms_per_step": 1e3 * wall / steps,
             "kernels_per_step": sum(e.count for e in kernels) / steps,
             "gpu_busy_ms_per_step": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
+            **({"graph_replays": graph_state.replays, "graphs_failed": graph_state.failed} if graph_state else {}),
             "top_host_ops": [{"op": e.key, "calls_per_step": e.count / steps,
                               "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in top]}
 

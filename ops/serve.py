@@ -111,12 +111,15 @@ def add_engine_args(p: argparse.ArgumentParser, listener: str = "the worker") ->
                         "--prefill-weights holds a second copy of the linear layers")
     p.add_argument("--int4-group-size", type=int, default=128, choices=[32, 64, 128, 256],
                    help="INT4 weights: values per scale group along K")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="--device cuda: decode steps replay CUDA graphs captured per batch size (one launch a step "
+                        "instead of hundreds; dense attention models in one process; experimental, off by default)")
 
 
 # engine flags `up` forwards to its worker unchanged (dest names)
 ENGINE_OPTIONS = ("dtype", "kv_format", "device", "kv_cache_bytes", "page_size", "max_model_len", "max_num_seqs",
                   "max_num_batched_tokens", "prefill_chunk_size", "max_waiting", "threads", "prefix_caching",
-                  "prefill_weights", "decode_weights", "int4_group_size")
+                  "prefill_weights", "decode_weights", "int4_group_size", "cuda_graphs")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -254,7 +257,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           prefill_weights=args.decode_weights if args.role == "decode" else args.prefill_weights,
                           decode_weights=args.prefill_weights if args.role == "prefill" else args.decode_weights,
                           int4_group_size=args.int4_group_size, tensor_parallel=args.tensor_parallel,
-                          expert_parallel=args.expert_parallel)
+                          expert_parallel=args.expert_parallel, cuda_graphs=args.cuda_graphs)
     group = None
     if args.tensor_parallel > 1:
         from backend.distributed.group import GroupSpec, start_group

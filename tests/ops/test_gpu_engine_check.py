@@ -37,11 +37,15 @@ def test_a_cpu_run_records_every_part_and_fails_on_a_part_that_fails(tiny_chat_d
     assert gpu_engine_check.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["parity"]["equal"] and report["parity"]["first_mismatch"] == [None] * 4
+    assert report["parity"]["graphs_equal"] and report["parity"]["graphs_tokens"] == report["parity"]["cpu_tokens"]
     levels = report["decode"]["levels"]
     assert set(levels) == {"1", "2"}
     for level in levels.values():
-        assert set(level["tok_s"]) == {"bf16", "fp8_kv+int4"} and all(v > 0 for v in level["tok_s"].values())
-        assert level["ratio"] == pytest.approx(level["tok_s"]["fp8_kv+int4"] / level["tok_s"]["bf16"])
+        tok_s = level["tok_s"]
+        assert set(tok_s) == {"bf16", "fp8_kv+int4", "bf16+graphs", "fp8_kv+int4+graphs"}
+        assert all(v > 0 for v in tok_s.values())
+        assert level["ratio"] == pytest.approx(tok_s["fp8_kv+int4"] / tok_s["bf16"])
+        assert level["graphs_over_eager"]["bf16"] == pytest.approx(tok_s["bf16+graphs"] / tok_s["bf16"])
     assert report["w4a16"]["skipped"] == "needs CUDA" and report["provenance"]["commit"]
 
     def broken(*args, **kwargs):
