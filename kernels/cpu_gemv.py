@@ -6,11 +6,13 @@ the memory's rate. It is used for steps of up to `max_rows()` rows (a decode ste
 short prompt chunk): at a few rows a GEMV is bound by reading the weights and torch's bfloat16 GEMM
 ran at about half that rate (measured with `edgeserve bench token-profile`); from 7 rows the work is
 compute-bound and runs in 4 x 4 tiles, either of `vdpbf16ps` or of float32 FMAs on weights widened
-in registers (x widened once per call). Which is faster depends on the core (on the Intel Xeon VM
+in registers (x widened once per call), or, on CPUs with AMX (Sapphire Rapids and later), of AMX tiles
+(`tdpbf16ps`: 32 weight rows by 32 x rows a block). Which is faster depends on the core (on the Intel Xeon VM
 measured, `vdpbf16ps` does 75 GFLOP/s a core and float32 FMAs 123; on an AMD EPYC (Zen 5) VM the
-vdpbf16ps tiles run at 90-100% of torch's own peak bfloat16 GEMM rate from 64 rows), so
-`tile_mode()` times both once per process and keeps the faster (`EDGESERVE_GEMV_TILES=dp|fma`
-forces one), and the row limit follows the choice (`MAX_ROWS_BY_TILES`). The C file has the numbers.
+vdpbf16ps tiles run at 90-100% of torch's own peak bfloat16 GEMM rate from 64 rows; on an AMX Xeon the AMX
+tiles took a third of the FMA tiles' time at 16 rows), so `tile_mode()` times those the CPU has once per process
+and keeps the fastest (`EDGESERVE_GEMV_TILES=dp|fma|amx` forces one), and the row limit follows the choice
+(`MAX_ROWS_BY_TILES`). The C file has the numbers.
 The result is rounded to bfloat16 in C (to nearest, ties to even), as torch's bfloat16 GEMM returns
 it; it differs from torch's only in summation order.
 
@@ -64,7 +66,11 @@ log = logging.getLogger(__name__)
 # 10.5 / 3.2 / 2.7, 32 rows 16.1 / 4.7 / 3.8, 64 rows 32 / 9.4 / 7.5, 128 rows 65 / 12.9 / 15.6 (torch's
 # bfloat16 GEMM is emulated there, ~16 GFLOP/s; from 128 rows bfloat16 GEMMs run widened to float32 where that
 # pays, backend/gemm_widen.py). So it takes every call below the widened GEMMs' rows: "avx2" 128.
-MAX_ROWS_BY_TILES = {"dp": 128, "fma": 32, "avx2": 128}
+# The AMX tiles on a 2-core Intel Xeon with AMX (Sapphire Rapids class), SmolLM2's 121 linears streamed, 2 threads
+# (`edgeserve bench cpu-kernels --sections linear`, torch's bfloat16 GEMM on oneDNN's own AMX kernels): 0.58x
+# torch's time at 8 rows, 0.65x at 32, 0.77x at 64, 0.87x at 128, where the FMA tiles took 1.7x torch's at 32
+# rows and 2.6x at 64: "amx" 128.
+MAX_ROWS_BY_TILES = {"dp": 128, "fma": 32, "avx2": 128, "amx": 128}
 # Tokens a step with decode rows holds by default (`mixed_step_tokens`). Where the tiles are the fastest path up to
 # max_rows (AVX512-BF16 hosts, measured above) that is max_rows: decode rows and a prompt chunk share a step in the
 # kernel's range. On the AVX2 host the tiles run ~65 GFLOP/s at 128 rows where float32 GEMMs on widened weights
@@ -81,6 +87,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.gemv_bf16.argtypes = [p, p, p, i, i, i, i, i, i]
     lib.gemv_bf16.restype = ctypes.c_int
+    lib.gemv_bf16_amx_ready.argtypes = []
+    lib.gemv_bf16_amx_ready.restype = ctypes.c_int
 
 
 KERNEL = CKernel("gemv_bf16.c", (), _declare, "bfloat16 decode GEMVs run torch's GEMM", uses_pool=True)
@@ -91,21 +99,31 @@ build_error = KERNEL.build_error  # why not, or None
 
 
 PER_ROW_MAX = 6  # rows the C file's per-row code takes (its CHUNK); more take the tiles
-TILE_MODES = ("dp", "fma")  # the C file's two tile kernels for more than PER_ROW_MAX rows: vdpbf16ps, FMAs
+TILE_MODES = ("dp", "fma", "amx")  # the C file's tile kernels for more than PER_ROW_MAX rows: vdpbf16ps, FMAs, AMX
+_TILE_CODE = {"dp": 0, "fma": 1, "amx": 2, "avx2": 0}  # the C entry's `fma` argument
 _TILE_MARGIN = 1.1  # the FMA tiles only where they are at least this much faster
 _PROBE = (16, 576, 1536)  # rows, in_features, out_features of the timed call
 
 
+@functools.lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Whether the AMX tiles run here: the kernel was built with AMX-TILE and AMX-BF16 and Linux granted this
+    process the tile state."""
+    lib = KERNEL.load()
+    return bool(lib is not None and lib.gemv_bf16_amx_ready())
+
+
 def measure_tiles(reps: int = 5) -> dict[str, float]:
-    """Seconds of one `_PROBE` call per tile mode, one thread: the fastest of `reps` interleaved runs on
-    fresh random operands."""
+    """Seconds of one `_PROBE` call per tile mode this CPU has, one thread: the fastest of `reps` interleaved runs
+    on fresh random operands."""
     rows, k, n = _PROBE
     x, w = torch.randn(rows, k).to(torch.bfloat16), torch.randn(n, k).to(torch.bfloat16)
-    best = dict.fromkeys(TILE_MODES, float("inf"))
-    for mode in TILE_MODES:  # warm
+    modes = [m for m in TILE_MODES if m != "amx" or amx_available()]
+    best = dict.fromkeys(modes, float("inf"))
+    for mode in modes:  # warm
         gemv_bf16(x, w, 1, tiles=mode)
     for _ in range(reps):
-        for mode in TILE_MODES:
+        for mode in modes:
             t = time.perf_counter()
             gemv_bf16(x, w, 1, tiles=mode)
             best[mode] = min(best[mode], time.perf_counter() - t)
@@ -123,8 +141,10 @@ def tile_mode() -> str:
         return "avx2"
     times = measure_tiles()
     mode = "fma" if times["dp"] >= _TILE_MARGIN * times["fma"] else "dp"
-    log.info("bf16 GEMV tiles: %s (vdpbf16ps %.3f ms, float32 FMA %.3f ms, %d rows)", mode, times["dp"] * 1e3,
-             times["fma"] * 1e3, _PROBE[0])
+    if times.get("amx", float("inf")) < times[mode]:
+        mode = "amx"
+    log.info("bf16 GEMV tiles: %s (%s; %d rows)", mode,
+             ", ".join(f"{m} {t * 1e3:.3f} ms" for m, t in times.items()), _PROBE[0])
     return mode
 
 
@@ -163,7 +183,7 @@ def call_plan(m: int, n: int, k: int, threads: int | None = None, tiles: str | N
     (`threads` if given), chunks of about `_CHUNK_BYTES`, and 1 for the FMA tiles (`tiles`, else `tile_mode()`,
     past PER_ROW_MAX rows). `gemv_bf16` and the fused decode layers (`cpu_decode_layers`) split alike."""
     threads, chunks = weight_plan(n * k * 2, threads)
-    return threads, chunks, int(m > PER_ROW_MAX and (tiles or tile_mode()) == "fma")
+    return threads, chunks, _TILE_CODE[tiles or tile_mode()] if m > PER_ROW_MAX else 0
 
 
 def weight_plan(nbytes: int, threads: int | None = None) -> tuple[int, int]:

@@ -34,6 +34,7 @@ typedef struct {
     uint16_t *y; /* bfloat16 bits */
     int M, N, K, n0, n1;
     const float *xf; /* x widened to float32 (widen_x), [M, XF_COLS(K)]: for the FMA tiles; every call on AVX2 */
+    const uint16_t *xp; /* x in the AMX tiles' pair layout (amx_pack_x), or NULL: the AMX tiles are not used */
 } Args;
 
 /* Weights are prefetched into L2 this many elements (4 KB) ahead of the loads: on a 2-core Intel Xeon VM
@@ -305,6 +306,132 @@ static void ftile_blocks(const Args *a, int nfull) {
     }
 }
 
+/* ---- AMX tiles (Sapphire Rapids and later: AMX-TILE and AMX-BF16) ----------------------------------------
+ *
+ * `tdpbf16ps` multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one into a 16 x 16 float32 tile (exact products,
+ * float32 sums in pairs, as `vdpbf16ps`): 16 K of multiply-adds per instruction where `vdpbf16ps` does 512, so
+ * past a few x rows the weights' read rate is the only bound left. The computation is transposed to read the
+ * weights as they lie: C'[n, m] = sum_k w[n, k] x[m, k], with A' = 16 weight rows x 32 columns loaded
+ * straight from w (a row stride of K), and B' = x's 16 rows (at most) x 32 columns in the pair layout the
+ * instruction wants (row r of a block: x[m][k0 + 2r], x[m][k0 + 2r + 1] for each m), built once per call
+ * (`amx_pack_x`: K x 16 x 2 bytes a block of 16 x rows, from L1/L2 after). A weight block of AMX_NB = 32 rows
+ * (two A' tiles) runs with up to two B' tiles (32 x rows) into four C' tiles; more x rows run further passes
+ * over the block (from L2). The next block's rows are prefetched into L2 while one is computed. C' is stored
+ * transposed into y, rounded to bfloat16 (to nearest, ties to even, as the other tiles). Used for K a multiple
+ * of 32 and weight rows in whole blocks of 16; the rest of a call's rows go to the vdpbf16ps tiles.
+ * The first block of a chunk is prefetched into L1 before the loop (nothing earlier to hide it behind).
+ * Measured on a 2-core Intel Xeon VM with AMX (Sapphire Rapids class) over SmolLM2's 121 linears, 2 threads
+ * (`edgeserve bench cpu-kernels --sections linear`): 13.8 / 16.3 / 23.8 / 39.4 ms at 8 / 32 / 64 / 128 rows,
+ * where the FMA tiles took 18.6 / 44.4 / 82.0 at 8 / 32 / 64 and torch's bfloat16 GEMM (oneDNN's AMX kernels)
+ * 23.6 / 25.2 / 30.8 / 45.2; a whole c = 32 decode step 24.5 ms against 55.6 on the FMA tiles
+ * (`edgeserve bench token-profile`). Storing C' column by column with a gather (instead of 256 scalar roundings
+ * a tile) took 32 rows from 19.4 to 17.9 ms; 16-row blocks and prefetching two blocks ahead changed nothing.
+ * Linux hands a process the AMX tile state only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`,
+ * `gemv_bf16_amx_ready`); each thread loads the tile configuration for its own chunk and releases it after. */
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define GEMV_AMX 1
+#define AMX_NB 32 /* weight rows a block: two A' tiles */
+#define AMX_MB 32 /* x rows a pass: two B' tiles */
+
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* x rows [mb, mb + 16) (fewer at the end) in the pair layout, per 32-column block: xp[kb][r][m][2] */
+static void amx_pack_x(const uint16_t *x, uint16_t *xp, int M, int K) {
+    const int mgroups = (M + 15) / 16;
+    for (int g = 0; g < mgroups; g++) {
+        const int m0 = 16 * g, mc = M - m0 < 16 ? M - m0 : 16;
+        uint32_t *dst = (uint32_t *)(xp + (int64_t)g * K * 16); /* K / 32 blocks of 16 x 16 pairs */
+        for (int kb = 0; kb < K / 32; kb++)
+            for (int r = 0; r < 16; r++)
+                for (int m = 0; m < 16; m++)
+                    dst[((int64_t)kb * 16 + r) * 16 + m] =
+                        m < mc ? *(const uint32_t *)(x + (int64_t)(m0 + m) * K + 32 * kb + 2 * r) : 0u;
+    }
+}
+
+static void amx_config(int m0c, int m1c) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    cfg.colsb[0] = cfg.colsb[2] = cfg.colsb[6] = (uint16_t)(4 * m0c); /* C' tiles and B' of x rows 0..15 */
+    cfg.colsb[1] = cfg.colsb[3] = cfg.colsb[7] = (uint16_t)(4 * (m1c ? m1c : 1)); /* ... of x rows 16..31 */
+    _tile_loadconfig(&cfg);
+}
+
+/* Weight rows n0..n1 (whole blocks of 16) with every x row: tiles 0-3 C', 4-5 A', 6-7 B'. */
+static void amx_tiles(const Args *a, const uint16_t *xp, int n0, int n1) {
+    const int K = a->K, KB = K / 32, M = a->M;
+    float c[4][16][16];
+    for (int j = 0; j < AMX_NB && n0 + j < n1; j++) /* the first block: no block before it to hide this behind */
+        for (int k = 0; k < K; k += 32) _mm_prefetch((const char *)(a->w + (int64_t)(n0 + j) * K + k), _MM_HINT_T0);
+    for (int mp = 0; mp < M; mp += AMX_MB) { /* a pass: up to 32 x rows */
+        const int m0c = M - mp < 16 ? M - mp : 16, m1c = M - mp - 16 > 16 ? 16 : (M - mp - 16 > 0 ? M - mp - 16 : 0);
+        amx_config(m0c, m1c);
+        const uint16_t *xp0 = xp + (int64_t)(mp / 16) * K * 16, *xp1 = xp0 + (int64_t)K * 16;
+        for (int n = n0; n < n1; n += AMX_NB) {
+            const int two = AMX_NB == 32 && n + 16 < n1; /* a second A' tile */
+            const uint16_t *w0 = a->w + (int64_t)n * K, *w1 = w0 + (int64_t)16 * K;
+            const uint16_t *next = n + AMX_NB < n1 && mp == 0 ? w0 + (int64_t)AMX_NB * K : NULL;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int kb = 0; kb < KB; kb++) {
+                if (next) /* the next block, a line of each of its rows per 32 columns */
+                    for (int j = 0; j < AMX_NB; j++) _mm_prefetch((const char *)(next + (int64_t)j * K + 32 * kb), _MM_HINT_T1);
+                _tile_loadd(4, w0 + 32 * kb, 2 * K);
+                _tile_loadd(6, xp0 + (int64_t)kb * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (m1c) {
+                    _tile_loadd(7, xp1 + (int64_t)kb * 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two) {
+                    _tile_loadd(5, w1 + 32 * kb, 2 * K);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (m1c) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c[0], 64);
+            if (m1c) _tile_stored(1, c[1], 64);
+            if (two) {
+                _tile_stored(2, c[2], 64);
+                if (m1c) _tile_stored(3, c[3], 64);
+            }
+            const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                      _mm512_set1_epi32(16));
+            for (int h = 0; h < 1 + two; h++) /* C'[n][m] -> y[m][n]: a column gathered, rounded, stored */
+                for (int g = 0; g < 1 + (m1c > 0); g++) {
+                    const int mc = g ? m1c : m0c;
+                    const float *t = &c[2 * h + g][0][0];
+                    for (int m = 0; m < mc; m++) {
+                        const __m512 col = _mm512_i32gather_ps(column, t + m, 4);
+                        _mm256_storeu_si256((__m256i *)(a->y + (int64_t)(mp + 16 * g + m) * a->N + n + 16 * h),
+                                            (__m256i)_mm512_cvtneps_pbh(col));
+                    }
+                }
+        }
+    }
+    _tile_release();
+}
+
+/* Whether this process may use the AMX tiles: asks Linux for the tile state once (1: granted). */
+int gemv_bf16_amx_ready(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+#else
+#define GEMV_AMX 0
+int gemv_bf16_amx_ready(void) { return 0; }
+#endif
+
 /* ---- threads: the shared pool (kernels/cpu/pool.c, pool.h) ---------------------------------- */
 
 typedef struct {
@@ -312,37 +439,63 @@ typedef struct {
     int chunk_rows; /* chunk i is weight rows chunk_rows * i .. */
 } Job;
 
+/* Rows a.n0..a.n1: the AMX tiles over their whole blocks of 16 when x is packed for them, the rest as `rows`. */
+static void run_rows(Args a) {
+#if GEMV_AMX
+    if (a.xp) {
+        const int whole = a.n0 + (a.n1 - a.n0) / 16 * 16;
+        if (whole > a.n0) amx_tiles(&a, a.xp, a.n0, whole);
+        a.n0 = whole;
+        if (a.n0 >= a.n1) return;
+    }
+#endif
+    rows(&a);
+}
+
 static void run_chunk(void *ctx, int i) {
     const Job *job = (const Job *)ctx;
     Args a = job->a;
     a.n0 = job->chunk_rows * i;
     a.n1 = a.n0 + job->chunk_rows < a.N ? a.n0 + job->chunk_rows : a.N;
-    rows(&a);
+    run_rows(a);
 }
 
-/* fma: 1 for the float32-FMA tiles (more than CHUNK rows only), 0 for the vdpbf16ps ones (AVX2 builds have
- * only FMAs and ignore it). Returns 0, or -1 when the widened x could not be allocated (nothing computed). */
+/* fma: 1 for the float32-FMA tiles (more than CHUNK rows only), 2 for the AMX tiles (more than CHUNK rows, K a
+ * multiple of 32, where built and granted: `gemv_bf16_amx_ready`), 0 for the vdpbf16ps ones (AVX2 builds have only
+ * FMAs and ignore it). Returns 0, or -1 when the widened or packed x could not be allocated (nothing computed). */
 int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int threads, int chunks,
               int fma) {
     if (M <= 0 || N <= 0) return 0; /* nothing to compute: the per-row code would read and write 6 rows */
-    const int blocks = (N + 3) / 4;
+    const int amx = GEMV_AMX && fma == 2 && M > CHUNK && K % 32 == 0 && gemv_bf16_amx_ready();
+    const int unit = amx ? 16 : 4; /* chunks are whole blocks of this many weight rows */
+    const int blocks = (N + unit - 1) / unit;
     float *xf = NULL;
-    if (WIDEN_ALWAYS || (fma && M > CHUNK)) {
+    uint16_t *xp = NULL;
+    if (WIDEN_ALWAYS || (fma == 1 && M > CHUNK)) {
         const size_t bytes = ((size_t)M * XF_COLS(K) * sizeof(float) + 63) & ~(size_t)63;
         xf = aligned_alloc(64, bytes);
         if (!xf) return -1;
         widen_x(x, xf, M, K);
     }
+#if GEMV_AMX
+    if (amx) {
+        const size_t bytes = ((size_t)((M + 15) / 16) * K * 16 * sizeof(uint16_t) + 63) & ~(size_t)63;
+        xp = aligned_alloc(64, bytes);
+        if (!xp) return -1;
+        amx_pack_x(x, xp, M, K);
+    }
+#endif
     if (chunks > blocks) chunks = blocks;
     if (chunks > 0xfff) chunks = 0xfff;
     if (run_pool != 0) { /* one thread or one chunk: the pool runs them on this thread */
-        Job job = {{x, w, y, M, N, K, 0, N, xf}, 0};
-        job.chunk_rows = 4 * ((blocks + chunks - 1) / chunks);
+        Job job = {{x, w, y, M, N, K, 0, N, xf, xp}, 0};
+        job.chunk_rows = unit * ((blocks + chunks - 1) / chunks);
         run_pool(run_chunk, &job, (N + job.chunk_rows - 1) / job.chunk_rows, threads, 1);
     } else {
-        const Args a = {x, w, y, M, N, K, 0, N, xf};
-        rows(&a);
+        const Args a = {x, w, y, M, N, K, 0, N, xf, xp};
+        run_rows(a);
     }
     free(xf);
+    free(xp);
     return 0;
 }

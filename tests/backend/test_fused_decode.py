@@ -91,6 +91,21 @@ def test_fused_steps_equal_the_python_layers_bit_for_bit(tiny_dir: Path, kv_form
         assert torch.equal(fused.cache.scales, plain.cache.scales)
 
 
+@needs_kernels
+@pytest.mark.skipif(not (cpu_gemv.available() and cpu_gemv.amx_available()), reason="no AMX tiles on this CPU")
+def test_fused_steps_on_the_amx_tiles_equal_the_python_layers_bit_for_bit(tiny_dir: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused call hands the AMX tiles' code to the GEMV as `Linear` does: the same bits."""
+    monkeypatch.setenv("EDGESERVE_GEMV_TILES", "amx")
+    cpu_gemv.tile_mode.cache_clear()
+    fused, tokens, logits = generate(tiny_dir, True)
+    plain, tokens_ref, logits_ref = generate(tiny_dir, False)
+    assert fused.model.fused_steps == sum(fused.model.steps_by_phase.values()) and plain.model.fused_steps == 0
+    assert tokens == tokens_ref
+    assert all(torch.equal(a, b) for ours, ref in zip(logits, logits_ref) for a, b in zip(ours, ref))
+    assert torch.equal(fused.cache.pages.view(torch.uint8), plain.cache.pages.view(torch.uint8))
+
+
 needs_float32 = pytest.mark.skipif(not cpu_decode_layers.float32_available(),
                                    reason="the float32 kernels of the fused decode layers do not build here")
 

@@ -1,7 +1,8 @@
 """The decode GEMV (kernels/cpu/gemv_bf16.c: AVX512-BF16, or its AVX2 copy in gemv_bf16_avx2.h, whichever this
 CPU builds) against a float64 reference, on fresh random inputs: K and N that are not multiples of the kernel's
 16 or 32 columns or 4-row thread split, 1-6 rows (the per-row code) and 7-33 rows (the tiles: vdpbf16ps and
-float32-FMA 4 x 4, AVX2's 3 x 4, with rows and weight rows left over), 1-3 threads;
+float32-FMA 4 x 4, AVX2's 3 x 4, AMX's 32 x 32 blocks where the CPU has AMX, with rows and weight rows left over),
+1-3 threads;
 and `Linear` taking it for bfloat16 weights at decode row counts."""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def test_zero_rows_compute_and_write_nothing(threads: int) -> None:
     lib = cpu_gemv.KERNEL.load()
     x = torch.full((6, 64), float("nan"), dtype=torch.bfloat16)
     y = torch.full((6, 4096), 7.0, dtype=torch.bfloat16)
-    for fma in (0, 1):
+    for fma in (0, 1, 2):
         assert lib.gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), 0, 4096, 64, threads, 8, fma) == 0
     assert bool((y == 7.0).all())
 
@@ -103,9 +104,31 @@ def test_tile_mode_can_be_forced(tiles_env, monkeypatch: pytest.MonkeyPatch, mod
     assert cpu_gemv.tile_mode() == mode
 
 
-def test_measure_tiles_times_both() -> None:
+def test_measure_tiles_times_every_tile_kernel_this_cpu_has() -> None:
     times = cpu_gemv.measure_tiles(reps=2)
-    assert set(times) == set(TILE_MODES) and all(0 < t < 1 for t in times.values())
+    assert set(times) == {m for m in TILE_MODES if m != "amx" or cpu_gemv.amx_available()}
+    assert all(0 < t < 1 for t in times.values())
+
+
+@pytest.mark.parametrize("times, mode", [({"dp": 1.0, "fma": 0.8, "amx": 0.3}, "amx"),
+                                         ({"dp": 1.0, "fma": 0.5, "amx": 0.6}, "fma"),
+                                         ({"dp": 1.0, "fma": 2.0, "amx": 1.2}, "dp")])
+def test_tile_mode_takes_the_amx_tiles_where_they_time_fastest(tiles_env, monkeypatch: pytest.MonkeyPatch,
+                                                               times: dict[str, float], mode: str) -> None:
+    tiles_env("auto")
+    monkeypatch.setattr(cpu_gemv, "has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(cpu_gemv, "measure_tiles", lambda: times)
+    assert cpu_gemv.tile_mode() == mode
+
+
+@pytest.mark.skipif(not cpu_gemv.amx_available(), reason="no AMX tiles on this CPU (or not granted)")
+def test_the_amx_tiles_run_where_the_cpu_has_them(seed: int) -> None:
+    """Their sums run in another order than the vdpbf16ps tiles', so over long rows some results round
+    differently: the AMX path ran (not a silent fallback), and both are right."""
+    x, w = torch.randn(16, 4096).bfloat16(), (torch.randn(256, 4096) * 0.05).bfloat16()
+    amx, dp = gemv_bf16(x, w, 2, tiles="amx"), gemv_bf16(x, w, 2, tiles="dp")
+    _check(amx, x, w, seed)
+    assert not torch.equal(amx, dp)
 
 
 @pytest.mark.parametrize("mode", TILE_MODES)
