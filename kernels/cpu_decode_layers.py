@@ -223,7 +223,7 @@ class DecodeLayers:
                 "k": torch.empty(m, self.KVH * hd, dtype=bf), "attn": torch.empty(m, self.H * hd, dtype=bf),
                 "branch": torch.empty(m, self.hidden, dtype=bf), "gate_up": torch.empty(m, 2 * self.inter, dtype=bf),
                 "act": torch.empty(m, self.inter, dtype=bf), "mlp_out": torch.empty(m, self.hidden, dtype=bf)}
-        plans = [(*cpu_gemv_int4.call_plan(m, w), 0) if isinstance(w, Int4Panels)
+        plans = [(*cpu_gemv_int4.call_plan(m, w), cpu_gemv_int4.amx_code(m)) if isinstance(w, Int4Panels)
                  else (cpu_gemv_f32 if self.dtype == torch.float32 else cpu_gemv).call_plan(m, *_shape(w))
                  for w in self._first]
         tiles = None if tiles is None else tiles.to(torch.int32).contiguous()

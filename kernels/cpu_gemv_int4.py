@@ -24,6 +24,10 @@ times it against torch's op once per process (cores differ in how fast they run 
 Intel Xeon VM measured ran it at 0.6 the rate of float32 FMAs, which torch's op uses) and
 `Int4Linear` takes the faster; `EDGESERVE_INT4_GEMV=0|1`
 forces the choice.
+
+On CPUs with AMX, where the bfloat16 GEMV runs its AMX tiles (`cpu_gemv.tile_mode()`), calls of more than a few
+rows run AMX tiles here too (`amx_code`): the expanded codes of 32 columns of a panel are one tile of
+`tdpbf16ps`'s second operand, x rows the first as they lie; the same sums per group.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["KERNEL", "available", "build_error", "call_plan", "Int4Panels", "pack", "gemv_int4", "PANEL", "measure",
-           "pays"]
+__all__ = ["KERNEL", "available", "build_error", "call_plan", "amx_code", "Int4Panels", "pack", "gemv_int4", "PANEL",
+           "measure", "pays"]
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ _CHUNK_BYTES = 64 << 10  # of packed weights per chunk the threads claim
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.gemv_int4.argtypes = [p, p, p, p, i, i, i, i, i, i]
+    lib.gemv_int4.argtypes = [p, p, p, p, i, i, i, i, i, i, i]
     lib.gemv_int4.restype = ctypes.c_int
 
 
@@ -156,8 +160,18 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
     return Int4Panels(packed, sz, n, k, group_size)
 
 
-def gemv_int4(x: torch.Tensor, w: Int4Panels, threads: int | None = None) -> torch.Tensor:
-    """x [M, K] bfloat16 (CPU) . W^T -> [M, N] bfloat16, W packed by `pack` (`available()` first)."""
+def amx_code(m: int, tiles: str | None = None) -> int:
+    """1 where a call of m rows runs the C file's AMX tiles: the bfloat16 GEMV's per-process tile choice
+    (`cpu_gemv.tile_mode()`, or `tiles`) is AMX, whose tile state it had Linux grant, and m is past the per-row
+    tiles (the C file checks K and the group)."""
+    from kernels import cpu_gemv
+
+    return int(m > cpu_gemv.PER_ROW_MAX and (tiles or cpu_gemv.tile_mode()) == "amx" and cpu_gemv.amx_available())
+
+
+def gemv_int4(x: torch.Tensor, w: Int4Panels, threads: int | None = None, tiles: str | None = None) -> torch.Tensor:
+    """x [M, K] bfloat16 (CPU) . W^T -> [M, N] bfloat16, W packed by `pack` (`available()` first). `tiles`:
+    "amx" or another tile mode of `cpu_gemv` (default: its `tile_mode()`), whether the AMX tiles run."""
     if x.dim() != 2 or x.shape[1] != w.in_features or x.dtype != torch.bfloat16 or not x.is_cpu:
         raise ValueError(f"INT4 GEMV: x {x.dtype} {list(x.shape)} on {x.device} is not bfloat16 [M, "
                          f"{w.in_features}] on the CPU")
@@ -170,7 +184,7 @@ def gemv_int4(x: torch.Tensor, w: Int4Panels, threads: int | None = None) -> tor
     x = x.contiguous() if x.shape[1] == k8 else torch.nn.functional.pad(x, (0, k8 - x.shape[1])).contiguous()
     threads, chunks = call_plan(m, w, threads)
     if lib.gemv_int4(x.data_ptr(), w.codes.data_ptr(), w.scales_zeros.data_ptr(), y.data_ptr(), m, n, k8,
-                     w.group_size, threads, chunks) != 0:
+                     w.group_size, threads, chunks, amx_code(m, tiles)) != 0:
         raise MemoryError(f"INT4 GEMV: no memory for the group sums of a [{m}, {k8}] input")
     return y
 

@@ -32,7 +32,7 @@
 typedef int (*gemv_fn)(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int threads,
                        int chunks, int fma);
 typedef int (*gemv_int4_fn)(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *y, int M, int N,
-                            int K, int group, int threads, int chunks);
+                            int K, int group, int threads, int chunks, int amx);
 typedef void (*rope_fn)(const uint16_t *x, const float *f, uint16_t *y, int rows, int heads, int dim, int pairs,
                         int64_t row_stride, int threads, int linger);
 typedef int (*store_rows_fn)(const char *k, const char *v, int64_t k_stride_t, int64_t k_stride_h,
@@ -127,7 +127,7 @@ static int linear(const Kernels *kn, const Step *s, const Layer *L, int which, c
                             s->chunks[which]);
     if (L->sz[which])
         return kn->gemv_int4(x, (const uint8_t *)L->w[which], L->sz[which], y, s->M, N, K, s->group[which],
-                             s->threads[which], s->chunks[which]);
+                             s->threads[which], s->chunks[which], s->fma[which]); /* fma: 1 for INT4's AMX tiles */
     return kn->gemv((const uint16_t *)x, (const uint16_t *)L->w[which], (uint16_t *)y, s->M, N, K, s->threads[which],
                     s->chunks[which], s->fma[which]);
 }

@@ -75,6 +75,7 @@ typedef struct {
     uint16_t *y;       /* [M, N] bfloat16 */
     int M, N, K, G, group, p0, p1;
     const float *xf; /* [M, K]: x in float32 (AVX2 only: prepare_x) */
+    int amx;         /* run the AMX tiles (amx_rows) */
 } Args;
 
 #ifndef __AVX512BF16__
@@ -181,6 +182,95 @@ static void run_rows(const Args *a, int m0, int rows, int prefetch) {
 }
 #endif /* __AVX512BF16__ */
 
+/* ---- AMX tiles (CPUs with AMX-TILE and AMX-BF16; gemv_bf16.c asks Linux for the tile state) -------------
+ *
+ * The same D = sum (128 + q) x per group, by `tdpbf16ps`: a panel's codes, expanded as above, are already the
+ * rows of the instruction's second operand (row r: 16 weight rows' columns k0 + 2r and k0 + 2r + 1, in pairs),
+ * so 32 columns of a panel become a 1 KB tile in an L1 buffer (16 expansions); x rows are the first operand as
+ * they lie (32 columns of up to 16 rows, a row stride of K), and the product is D for 16 x rows by the panel's
+ * 16 weight rows, in y's own orientation. Per group the D tiles are stored and folded into the running sums as
+ * in `tile` (s D + (z - 136 s) X, the group's two terms first). Up to 32 x rows share each expansion (two x and
+ * two D tiles); more x rows take further passes. Used for more than AMX_MIN_ROWS x rows with K and the group a
+ * multiple of 32. */
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define INT4_AMX 1
+#define AMX_MIN_ROWS 6
+
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* tiles 0-1: D for x rows 0..15 and 16..31 of a pass; 2-3: those x rows; 4: the panel's expanded codes */
+static void amx_config(int m0c, int m1c) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    const int rows[5] = {m0c, m1c ? m1c : 1, m0c, m1c ? m1c : 1, 16};
+    for (int t = 0; t < 5; t++) cfg.rows[t] = (uint8_t)rows[t], cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+static void amx_rows(const Args *a) {
+    const int K = a->K, G = a->G;
+    const __m512i nib = _mm512_set1_epi16(0x000f), one28 = _mm512_set1_epi16(0x4300);
+    const __m512 c136 = _mm512_set1_ps(136.0f);
+    __m512i codes[16];
+    float d[32][16], acc[32][16];
+    for (int mp = 0; mp < a->M; mp += 32) {
+        const int m0c = a->M - mp < 16 ? a->M - mp : 16;
+        const int m1c = a->M - mp - 16 > 16 ? 16 : (a->M - mp - 16 > 0 ? a->M - mp - 16 : 0), rows = m0c + m1c;
+        const uint16_t *x0 = a->x + (int64_t)mp * K, *x1 = x0 + (int64_t)16 * K;
+        amx_config(m0c, m1c);
+        for (int p = a->p0; p < a->p1; p++) {
+            const uint8_t *panel = a->q + (int64_t)p * K * 8;
+            for (int m = 0; m < rows; m++) _mm512_storeu_ps(acc[m], _mm512_setzero_ps());
+            for (int g = 0; g < G; g++) {
+                const int k0 = g * a->group, k1 = k0 + a->group < K ? k0 + a->group : K;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int k = k0; k < k1; k += 32) {
+                    for (int t = 0; t < 4; t++) { /* 8 columns a load: pairs (k + 8t + 2j, + 1), j = 0..3 */
+                        const uint8_t *qp = panel + (int64_t)(k + 8 * t) * 8;
+                        if (mp == 0) _mm_prefetch((const char *)qp + PF_DIST, _MM_HINT_T1);
+                        const __m512i v = _mm512_loadu_si512(qp);
+                        codes[4 * t] = _mm512_ternarylogic_epi32(v, nib, one28, 0xEA);
+                        codes[4 * t + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, one28, 0xEA);
+                        codes[4 * t + 2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nib, one28, 0xEA);
+                        codes[4 * t + 3] = _mm512_or_si512(_mm512_srli_epi16(v, 12), one28);
+                    }
+                    _tile_loadd(4, codes, 64);
+                    _tile_loadd(2, x0 + k, 2 * K);
+                    _tile_dpbf16ps(0, 2, 4);
+                    if (m1c) {
+                        _tile_loadd(3, x1 + k, 2 * K);
+                        _tile_dpbf16ps(1, 3, 4);
+                    }
+                }
+                _tile_stored(0, d[0], 64);
+                if (m1c) _tile_stored(1, d[16], 64);
+                const uint16_t *sz = a->sz + ((int64_t)p * G + g) * 2 * PANEL;
+                const __m512 s = bf16x16_to_float(sz), z = bf16x16_to_float(sz + PANEL);
+                const __m512 zs = _mm512_fnmadd_ps(c136, s, z); /* z - 136 s */
+                for (int m = 0; m < rows; m++) {
+                    const __m512 x = _mm512_set1_ps(a->xs[(int64_t)(mp + m) * G + g]);
+                    _mm512_storeu_ps(acc[m], _mm512_add_ps(_mm512_loadu_ps(acc[m]),
+                                                           _mm512_fmadd_ps(_mm512_loadu_ps(d[m]), s, _mm512_mul_ps(x, zs))));
+                }
+            }
+            const int n = p * PANEL, left = a->N - n;
+            const __mmask16 keep = left >= PANEL ? 0xffff : (__mmask16)((1u << left) - 1);
+            for (int m = 0; m < rows; m++)
+                _mm256_mask_storeu_epi16(a->y + (int64_t)(mp + m) * a->N + n, keep,
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc[m])));
+        }
+    }
+    _tile_release();
+}
+#else
+#define INT4_AMX 0
+#endif
+
 /* x rows 0..M-1 of `a` over its panels: x tiles of at most MAXR rows (per copy), balanced (AVX-512: 32 rows as
  * 4 x 8, 12 as 6 + 6), panel by panel when there are several, so the later tiles find the panel in L1. */
 static void block_rows(const Args *a) {
@@ -223,32 +313,49 @@ typedef struct {
     int chunk_panels;
 } Job;
 
+static void run_panels(const Args *a) {
+#if INT4_AMX
+    if (a->amx) {
+        amx_rows(a);
+        return;
+    }
+#endif
+    rows(a);
+}
+
 static void run_chunk(void *ctx, int i) {
     const Job *job = (const Job *)ctx;
     Args a = job->a;
     a.p0 = job->chunk_panels * i;
     a.p1 = a.p0 + job->chunk_panels < job->a.p1 ? a.p0 + job->chunk_panels : job->a.p1;
-    rows(&a);
+    run_panels(&a);
 }
 
 /* x [M, K] bfloat16 (K a multiple of 8), q and sz packed as above for N rows in groups of `group` (a
- * multiple of 8), y [M, N]. Returns 0, or -1 when the group sums could not be allocated. */
+ * multiple of 8), y [M, N]. amx: 1 to run the AMX tiles where they apply (built, more than AMX_MIN_ROWS rows, K and
+ * the group multiples of 32; the caller has had the tile state granted: gemv_bf16.c's `gemv_bf16_amx_ready`).
+ * Returns 0, or -1 when the group sums could not be allocated. */
 int gemv_int4(const uint16_t *x, const uint8_t *q, const uint16_t *sz, uint16_t *y, int M, int N, int K, int group,
-              int threads, int chunks) {
+              int threads, int chunks, int amx) {
     if (M <= 0 || N <= 0) return 0;
     const int G = (K + group - 1) / group, P = (N + PANEL - 1) / PANEL;
     float *xs = malloc(((size_t)M * G + (WIDEN ? (size_t)M * K : 0)) * sizeof(float)); /* then xf */
     if (!xs) return -1;
     float *xf = WIDEN ? xs + (size_t)M * G : NULL;
     prepare_x(x, xs, xf, M, K, G, group);
-    const Args a = {x, xs, q, sz, y, M, N, K, G, group, 0, P, xf};
+#if INT4_AMX
+    amx = amx && M > AMX_MIN_ROWS && K % 32 == 0 && group % 32 == 0;
+#else
+    amx = 0;
+#endif
+    const Args a = {x, xs, q, sz, y, M, N, K, G, group, 0, P, xf, amx};
     if (chunks > P) chunks = P;
     if (chunks > 0xfff) chunks = 0xfff;
     if (run_pool != 0 && chunks > 1) {
         Job job = {a, (P + chunks - 1) / chunks};
         run_pool(run_chunk, &job, (P + job.chunk_panels - 1) / job.chunk_panels, threads, 1);
     } else {
-        rows(&a);
+        run_panels(&a);
     }
     free(xs);
     return 0;

@@ -93,13 +93,16 @@ def test_fused_steps_equal_the_python_layers_bit_for_bit(tiny_dir: Path, kv_form
 
 @needs_kernels
 @pytest.mark.skipif(not (cpu_gemv.available() and cpu_gemv.amx_available()), reason="no AMX tiles on this CPU")
-def test_fused_steps_on_the_amx_tiles_equal_the_python_layers_bit_for_bit(tiny_dir: Path,
+@pytest.mark.parametrize("decode_weights", [None, "int4"])
+def test_fused_steps_on_the_amx_tiles_equal_the_python_layers_bit_for_bit(tiny_dir: Path, decode_weights: str | None,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused call hands the AMX tiles' code to the GEMV as `Linear` does: the same bits."""
+    """The fused call hands the AMX tiles' code to the bfloat16 and INT4 GEMVs as the linears do: the same bits."""
+    if decode_weights == "int4" and not cpu_gemv_int4.pays():
+        pytest.skip("INT4 linears run torch's INT4 GEMM on this host, which the fused call does not take")
     monkeypatch.setenv("EDGESERVE_GEMV_TILES", "amx")
     cpu_gemv.tile_mode.cache_clear()
-    fused, tokens, logits = generate(tiny_dir, True)
-    plain, tokens_ref, logits_ref = generate(tiny_dir, False)
+    fused, tokens, logits = generate(tiny_dir, True, decode_weights=decode_weights)
+    plain, tokens_ref, logits_ref = generate(tiny_dir, False, decode_weights=decode_weights)
     assert fused.model.fused_steps == sum(fused.model.steps_by_phase.values()) and plain.model.fused_steps == 0
     assert tokens == tokens_ref
     assert all(torch.equal(a, b) for ours, ref in zip(logits, logits_ref) for a, b in zip(ours, ref))

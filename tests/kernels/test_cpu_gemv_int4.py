@@ -2,14 +2,16 @@
 CPU builds) against a float64 reference of the dequantised weight, on fresh random inputs: every x-tile
 shape (1-8 rows, 1-4 on AVX2; balanced tiles past them, row blocks past 64), N not a
 multiple of the 16-row panel, K not a multiple of the 8-column step or of the group (a partial last group),
-group sizes 8-256, 1-3 threads; weights whose groups are far from centred (the 136 s X term then cancels
-most of the sum) and all-zero scales; packing and `Int4Linear` on it."""
+group sizes 8-256, 1-3 threads, the vdpbf16ps tiles and (where the CPU has AMX) the AMX tiles; weights whose
+groups are far from centred (the 136 s X term then cancels most of the sum) and all-zero scales; packing and
+`Int4Linear` on it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import cpu_gemv
 from kernels.cpu_gemv_int4 import PANEL, available, build_error, gemv_int4, pack
 from kernels.w4a16_gemm import dequantize_int4_ref, quantize_int4_ref, unpack_int4_ref
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
@@ -40,19 +42,34 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, seed: int) -> None
                                          (1, 64, 1, 64), (5, 100, 13, 32), (6, 576, 33, 256), (7, 72, 9, 8),
                                          (8, 1536, 17, 32), (9, 36, 8, 32), (13, 520, 23, 128), (32, 576, 100, 32),
                                          (33, 1536, 62, 128), (70, 96, 40, 32), (130, 44, 18, 16)])
-def test_matches_reference(m: int, k: int, n: int, group: int, threads: int, seed: int) -> None:
+@pytest.mark.parametrize("tiles", ["dp", "amx"])
+def test_matches_reference(m: int, k: int, n: int, group: int, threads: int, tiles: str, seed: int) -> None:
     codes, s, z, w = _quantised(n, k, group)
     x = torch.randn(m, k).bfloat16()
-    _check(gemv_int4(x, pack(codes, s, z, group), threads), x, w, seed)
+    _check(gemv_int4(x, pack(codes, s, z, group), threads, tiles=tiles), x, w, seed)
 
 
+@pytest.mark.parametrize("tiles", ["dp", "amx"])
 @pytest.mark.parametrize("m", [1, 8, 32])
-def test_groups_far_from_centred(m: int, seed: int) -> None:
+def test_groups_far_from_centred(m: int, tiles: str, seed: int) -> None:
     """Weights around 3 with a spread of 0.05: z ~ 3 and s ~ 0.01, so s D and (z - 136 s) X are both large
     and of opposite sign for x summing to about zero; the result still holds bfloat16's rounding."""
     codes, s, z, w = _quantised(48, 512, 32, offset=3.0)
     x = torch.randn(m, 512).bfloat16()
-    _check(gemv_int4(x, pack(codes, s, z, 32), 1), x, w, seed)
+    _check(gemv_int4(x, pack(codes, s, z, 32), 1, tiles=tiles), x, w, seed)
+
+
+@pytest.mark.skipif(not (cpu_gemv.available() and cpu_gemv.amx_available()), reason="no AMX tiles on this CPU")
+def test_the_amx_tiles_run_where_the_cpu_has_them(seed: int) -> None:
+    """Their sums run in another order than the vdpbf16ps tiles', so some results round differently: the AMX
+    path ran (not a silent fallback), and both are right."""
+    codes, s, z, w = _quantised(2048, 4096, 128)
+    x = torch.randn(32, 4096).bfloat16()
+    panels = pack(codes, s, z, 128)
+    amx, dp = gemv_int4(x, panels, 2, tiles="amx"), gemv_int4(x, panels, 2, tiles="dp")
+    _check(amx, x, w, seed)
+    _check(dp, x, w, seed)
+    assert not torch.equal(amx, dp)
 
 
 def test_threads_split_panels_without_changing_a_bit(seed: int) -> None:
