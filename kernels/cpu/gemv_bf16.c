@@ -335,11 +335,7 @@ static void ftile_blocks(const Args *a, int nfull) {
 #define AMX_NB 32 /* weight rows a block: two A' tiles */
 #define AMX_MB 32 /* x rows a pass: two B' tiles */
 
-typedef struct __attribute__((packed, aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
+#include "amx.h"
 
 /* x rows [mb, mb + 16) (fewer at the end) in the pair layout, per 32-column block: xp[kb][r][m][2] */
 static void amx_pack_x(const uint16_t *x, uint16_t *xp, int M, int K) {

@@ -196,11 +196,7 @@ static void run_rows(const Args *a, int m0, int rows, int prefetch) {
 #define INT4_AMX 1
 #define AMX_MIN_ROWS 6
 
-typedef struct __attribute__((packed, aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
+#include "amx.h"
 
 /* tiles 0-1: D for x rows 0..15 and 16..31 of a pass; 2-3: those x rows; 4: the panel's expanded codes */
 static void amx_config(int m0c, int m1c) {
