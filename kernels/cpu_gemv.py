@@ -46,7 +46,8 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "available", "build_error", "call_plan", "gemv_bf16", "max_rows", "mixed_step_tokens",
-           "AVX2_MIXED_STEP_TOKENS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX", "TILE_MODES", "tile_mode", "measure_tiles"]
+           "amx_available", "AVX2_MIXED_STEP_TOKENS", "AMX_MIN_ROWS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX", "TILE_MODES",
+           "tile_mode", "measure_tiles"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ build_error = KERNEL.build_error  # why not, or None
 
 
 PER_ROW_MAX = 6  # rows the C file's per-row code takes (its CHUNK); more take the tiles
+AMX_MIN_ROWS = 3  # rows past which the AMX tiles take a call instead (the C file's AMX_MIN_ROWS: faster from 4 rows)
 TILE_MODES = ("dp", "fma", "amx")  # the C file's tile kernels for more than PER_ROW_MAX rows: vdpbf16ps, FMAs, AMX
 _TILE_CODE = {"dp": 0, "fma": 1, "amx": 2, "avx2": 0}  # the C entry's `fma` argument
 _TILE_MARGIN = 1.1  # the FMA tiles only where they are at least this much faster
@@ -133,7 +135,7 @@ def measure_tiles(reps: int = 5) -> dict[str, float]:
 @functools.lru_cache(maxsize=1)
 def tile_mode() -> str:
     """The tile kernel for calls of more than PER_ROW_MAX rows on this CPU, timed once per process
-    (`EDGESERVE_GEMV_TILES=dp|fma` forces it)."""
+    (`EDGESERVE_GEMV_TILES=dp|fma|amx` forces it)."""
     forced = os.environ.get("EDGESERVE_GEMV_TILES", "auto")
     if forced in TILE_MODES:
         return forced
@@ -180,10 +182,12 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,
 
 def call_plan(m: int, n: int, k: int, threads: int | None = None, tiles: str | None = None) -> tuple[int, int, int]:
     """(threads, chunks, fma) of a call with x [m, k] and weight [n, k]: the threads by the weights' bytes
-    (`threads` if given), chunks of about `_CHUNK_BYTES`, and 1 for the FMA tiles (`tiles`, else `tile_mode()`,
-    past PER_ROW_MAX rows). `gemv_bf16` and the fused decode layers (`cpu_decode_layers`) split alike."""
+    (`threads` if given), chunks of about `_CHUNK_BYTES`, and the tile code of `tiles` (else `tile_mode()`): 1 for
+    the FMA tiles past PER_ROW_MAX rows, 2 for the AMX tiles past AMX_MIN_ROWS, else 0. `gemv_bf16` and the fused
+    decode layers (`cpu_decode_layers`) split alike."""
     threads, chunks = weight_plan(n * k * 2, threads)
-    return threads, chunks, _TILE_CODE[tiles or tile_mode()] if m > PER_ROW_MAX else 0
+    mode = tiles or tile_mode()
+    return threads, chunks, _TILE_CODE[mode] if m > (AMX_MIN_ROWS if mode == "amx" else PER_ROW_MAX) else 0
 
 
 def weight_plan(nbytes: int, threads: int | None = None) -> tuple[int, int]:

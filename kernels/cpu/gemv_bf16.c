@@ -42,6 +42,10 @@ typedef struct {
  * it and 10.4 with it (1 KB ahead: 8.6; into L1: 9.8), two threads 13.2-14.4 and 18.4. */
 #define PF_DIST 2048
 #define CHUNK 6 /* x rows the per-row code takes (past it: the tiles below) */
+/* x rows past which the AMX tiles take a call (fma = 2) instead of the per-row code: on the AMX Xeon VM over
+ * SmolLM2's 121 linears (2 threads) 15.8 / 16.1 / 16.1 / 16.1 ms at 3 / 4 / 5 / 6 rows against the per-row code's
+ * 15.6 / 17.0 / 17.6 / 18.2 */
+#define AMX_MIN_ROWS 3
 
 /* defined after both copies, on each copy's rows_m and ftile */
 static void rows_chunk(const Args *a);                /* at most CHUNK x rows */
@@ -456,13 +460,13 @@ static void run_chunk(void *ctx, int i) {
     run_rows(a);
 }
 
-/* fma: 1 for the float32-FMA tiles (more than CHUNK rows only), 2 for the AMX tiles (more than CHUNK rows, K a
- * multiple of 32, where built and granted: `gemv_bf16_amx_ready`), 0 for the vdpbf16ps ones (AVX2 builds have only
+/* fma: 1 for the float32-FMA tiles (more than CHUNK rows only), 2 for the AMX tiles (more than AMX_MIN_ROWS rows, K
+ * a multiple of 32, where built and granted: `gemv_bf16_amx_ready`), 0 for the vdpbf16ps ones (AVX2 builds have only
  * FMAs and ignore it). Returns 0, or -1 when the widened or packed x could not be allocated (nothing computed). */
 int gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K, int threads, int chunks,
               int fma) {
     if (M <= 0 || N <= 0) return 0; /* nothing to compute: the per-row code would read and write 6 rows */
-    const int amx = GEMV_AMX && fma == 2 && M > CHUNK && K % 32 == 0 && gemv_bf16_amx_ready();
+    const int amx = GEMV_AMX && fma == 2 && M > AMX_MIN_ROWS && K % 32 == 0 && gemv_bf16_amx_ready();
     const int unit = amx ? 16 : 4; /* chunks are whole blocks of this many weight rows */
     const int blocks = (N + unit - 1) / unit;
     float *xf = NULL;
