@@ -166,7 +166,7 @@ def amx_code(m: int, tiles: str | None = None) -> int:
     tiles (the C file checks K and the group)."""
     from kernels import cpu_gemv
 
-    return int(m > cpu_gemv.PER_ROW_MAX and (tiles or cpu_gemv.tile_mode()) == "amx" and cpu_gemv.amx_available())
+    return int(m > cpu_gemv.PER_ROW_MAX and cpu_gemv.amx_available() and (tiles or cpu_gemv.tile_mode()) == "amx")
 
 
 def gemv_int4(x: torch.Tensor, w: Int4Panels, threads: int | None = None, tiles: str | None = None) -> torch.Tensor:
