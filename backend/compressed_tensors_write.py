@@ -46,6 +46,7 @@ from backend.compressed_tensors import (CT_SUFFIXES, CT_ZP_SUFFIXES, PACK_QUANTI
                                         pack_zero_points)
 from backend.errors import WeightsError
 from backend.weight_formats import CT_METHOD, INT4_GROUP_SIZES, Int4Format, StoredWeight, TensorSpec
+from kernels.exact_div import div_exact
 
 __all__ = ["symmetric_int4", "asymmetric_int4", "integer_zero_params", "pack_quantized_tensors", "quantization_config",
            "PackQuantizedWriter"]
@@ -73,7 +74,7 @@ def symmetric_int4(w: torch.Tensor, group_size: int, module: str = "weight") -> 
     dt = torch.promote_types(w.dtype, torch.bfloat16)
     groups = w.to(dt).reshape(n, k // group_size, group_size)  # [N, K/g, g]
     amax = groups.abs().amax(dim=-1).float()  # [N, K/g]
-    scales = (amax / _SYM_STEPS).to(torch.bfloat16)
+    scales = div_exact(amax, _SYM_STEPS).to(torch.bfloat16)
     scales = torch.where(scales == 0, torch.full_like(scales, _BF16_EPS), scales)
     q = (groups / scales.to(dt).unsqueeze(-1)).clamp(-8, 7).round().to(torch.int16).reshape(n, k)  # [N, K]
     codes = (q + 8).to(torch.uint8)
@@ -87,7 +88,7 @@ def integer_zero_params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tenso
     grid: the range widened to hold 0, scale = bfloat16((hi - lo) / 15) (eps for an all-zero group),
     zp = clamp(round(-8 - lo / scale), -8, 7) (module docstring)."""
     lo, hi = lo.float().clamp(max=0), hi.float().clamp(min=0)
-    scale = ((hi - lo) / 15).to(torch.bfloat16)
+    scale = div_exact(hi - lo, 15.0).to(torch.bfloat16)
     scale = torch.where(scale == 0, torch.full_like(scale, _BF16_EPS), scale).float()
     return scale, torch.round(-8 - lo / scale).clamp(-8, 7)
 

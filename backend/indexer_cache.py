@@ -34,6 +34,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest
+from kernels.exact_div import div_exact
 
 __all__ = ["INDEXER_KEY_FORMATS", "IndexerKeyCache", "quantize_index_keys", "dequantize_index_keys"]
 
@@ -45,8 +46,7 @@ def quantize_index_keys(k: torch.Tensor) -> torch.Tensor:
     """k [T, D] float -> fp8 rows [T, D + 4] uint8 (e4m3 values | float32 scale), per the module doc."""
     kf = k.float()
     amax = kf.abs().amax(dim=-1, keepdim=True)  # [T, 1]
-    # a tensor divisor: CUDA's division by a Python scalar multiplies by its reciprocal (an ulp off amax / 448)
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    scale = torch.where(amax > 0, div_exact(amax, FP8_MAX), torch.ones_like(amax))  # alike on every device
     q = (kf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1)
 

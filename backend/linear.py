@@ -43,6 +43,7 @@ the C kernels and the decoder layers may run them in one C call (`backend/layers
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Protocol
 
@@ -81,8 +82,6 @@ def bf16_gemv_available() -> bool:
 
 def f32_gemv_available() -> bool:
     """Whether the float32 decode GEMV is built for this CPU (`EDGESERVE_F32_GEMV=0` turns it off)."""
-    import os
-
     if os.environ.get("EDGESERVE_F32_GEMV", "1") == "0":
         return False
     return cpu_gemv_f32.available()

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.exact_div import div_exact
 from kernels.paged_attention import _dot_dtype
 
 __all__ = ["fp8_gemm", "fp8_gemm_ref", "quantize_fp8_blocks_ref", "dequantize_fp8_blocks_ref", "FP8_MAX"]
@@ -131,8 +132,7 @@ def quantize_fp8_blocks_ref(w: torch.Tensor, block: tuple[int, int] = (128, 128)
     n, k = w.shape
     blocks = _blocked(w.float(), block)
     amax = blocks.abs().amax(dim=(1, 3))  # [N/bn, K/bk]
-    # a tensor divisor: CUDA's division by a Python scalar multiplies by its reciprocal (an ulp off amax / 448)
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), 1.0)
+    scale = torch.where(amax > 0, div_exact(amax, FP8_MAX), 1.0)  # alike on every device
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = q.view(blocks.shape[0] * block[0], -1)[:n, :k].to(torch.float8_e4m3fn)
     return q.contiguous(), scale.contiguous()

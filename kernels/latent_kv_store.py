@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from backend.errors import InvalidRequest
+from kernels.exact_div import div_exact
 
 __all__ = ["LATENT_FORMATS", "FP8_MAX", "FP8_GROUP", "latent_row_bytes", "latent_row_elems", "latent_row_dtype",
            "check_latent_dims", "quantize_latent_ref", "dequantize_latent_ref", "store_latent",
@@ -105,8 +106,7 @@ def quantize_latent_ref(latent: torch.Tensor, k_pe: torch.Tensor, kv_format: str
     padded = torch.nn.functional.pad(x, (0, num_groups * FP8_GROUP - kv_lora_rank))
     groups = padded.unflatten(-1, (num_groups, FP8_GROUP))  # [..., G, 128]
     amax = groups.abs().amax(dim=-1)  # [..., G]
-    # a tensor divisor: CUDA's division by a Python scalar multiplies by its reciprocal (an ulp off amax / 448)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))
+    scale = torch.where(amax == 0, torch.ones_like(amax), div_exact(amax, FP8_MAX))  # alike on every device
     q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.flatten(-2)[..., :kv_lora_rank]
     return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8),

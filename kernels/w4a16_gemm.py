@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.exact_div import div_exact
 from kernels.paged_attention import _dot_dtype
 
 __all__ = ["GEMV_MAX_M", "w4a16_gemm", "w4a16_gemm_ref", "quantize_int4_ref", "dequantize_int4_ref",
@@ -238,9 +239,7 @@ def quantize_int4_ref(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
     lo = torch.nn.functional.pad(wf, (0, pad), value=float("inf")).view(n, groups, group_size).amin(-1)
     hi = torch.nn.functional.pad(wf, (0, pad), value=float("-inf")).view(n, groups, group_size).amax(-1)
     flat = hi == lo  # a constant group: code 8 stands for the value itself
-    # a tensor divisor: CUDA's division by a Python scalar multiplies by its reciprocal, an ulp off (hi - lo) / 15,
-    # which can move a bfloat16 rounding, so a weight quantised on the GPU would differ from the CPU's
-    scales = torch.where(flat, 1.0, (hi - lo) / torch.full_like(hi, 15.0)).to(torch.bfloat16)
+    scales = torch.where(flat, 1.0, div_exact(hi - lo, 15.0)).to(torch.bfloat16)  # alike on every device
     zeros = torch.where(flat, lo, lo + 8 * scales.float()).to(torch.bfloat16)
     s = scales.float().repeat_interleave(group_size, dim=1)[:, :k]
     z = zeros.float().repeat_interleave(group_size, dim=1)[:, :k]

@@ -80,6 +80,7 @@ import torch.nn.functional as F
 from backend.compressed_tensors_write import integer_zero_params
 from backend.errors import WeightsError
 from backend.weight_formats import Int4Format, StoredWeight
+from kernels.exact_div import div_exact
 
 __all__ = ["HessianAccumulator", "PreparedHessian", "GptqResult", "prepare_hessian", "gptq_quantize",
            "int4_group_params", "symmetric_group_params", "integer_zero_group_params", "DEFAULT_DAMP",
@@ -152,7 +153,7 @@ def int4_group_params(w: torch.Tensor, shrink: tuple[float, float] = (1.0, 1.0))
     (with `shrink` (a, b) < 1: the range [a lo, b hi], the clip search's candidates)."""
     lo, hi = w.amin(dim=1) * shrink[0], w.amax(dim=1) * shrink[1]
     flat = hi == lo  # a constant group: code 8 stands for the value itself
-    s = torch.where(flat, 1.0, (hi - lo) / torch.full_like(hi, 15.0)).to(torch.bfloat16)  # as quantize_int4_ref
+    s = torch.where(flat, 1.0, div_exact(hi - lo, 15.0)).to(torch.bfloat16)  # as quantize_int4_ref
     z = torch.where(flat, lo, lo + 8 * s.float()).to(torch.bfloat16)
     return s.float(), z.float()
 
@@ -163,7 +164,7 @@ _BF16_EPS = torch.finfo(torch.bfloat16).eps  # its scale for an all-zero group
 
 def symmetric_group_params(w: torch.Tensor, shrink: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, 0) [N] float32 of one symmetric group w [N, g], as `symmetric_int4` makes s (`shrink`: amax scaled)."""
-    s = (w.abs().amax(dim=1) * shrink / _SYM_STEPS).to(torch.bfloat16)
+    s = div_exact(w.abs().amax(dim=1) * shrink, _SYM_STEPS).to(torch.bfloat16)
     s = torch.where(s == 0, torch.full_like(s, _BF16_EPS), s).float()
     return s, torch.zeros_like(s)
 

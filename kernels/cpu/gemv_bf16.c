@@ -121,16 +121,6 @@ static inline __attribute__((always_inline)) void rows_m(const Args *a, const in
 #define MR 4
 #define PF_BLOCKS 2 /* the block the x tiles prefetch is this many blocks ahead */
 
-/* [sum(a), sum(b), sum(c), sum(d)] */
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a b a b per 128 */
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                      _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2))); /* a b c d per 128 */
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 /* y[m0 + m, n..n+3] = the sums of acc[m][0..3], rounded to bfloat16 (both tile kernels end here) */
 static inline __attribute__((always_inline)) void store_tile(const Args *a, __m512 acc[MR][NR], int n, int m0,
                                                              const int rows) {

@@ -87,17 +87,6 @@ static inline __attribute__((always_inline)) void rows_m(const Args *a, const in
     }
 }
 
-/* [sum(a), sum(b), sum(c), sum(d)] */
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a b a b per 128 */
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                      _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2))); /* a b c d per 128 */
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 /* rows n..n+3 of w with x rows m0..m0+rows-1 (rows <= MR, a compile-time constant per copy); `prefetch`: the
  * weight rows to bring into L2 meanwhile (one line of each of NR rows per step), or NULL. `valid` (1..NR): the
  * weight rows that exist; the others repeat row n and are not stored, so the last N % NR rows take the same
