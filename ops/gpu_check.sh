@@ -65,8 +65,9 @@ step1() {
     local extra=()
     "$PY" -c "import xdist" 2>/dev/null && extra+=(-n 16 -p no:benchmark)
     "$PY" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout=120)
-    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout "$1" "$PY" -m pytest -m cuda tests/kernels tests/backend -v --tb=short -rfE -p no:cacheprovider \
-        "${extra[@]}" --durations=15 --continue-on-collection-errors 2>&1 | tee "$OUT/pytest.log"
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 timeout "$1" "$PY" -m pytest -m cuda tests/kernels tests/backend -v \
+        --tb=short -rfE -p no:cacheprovider "${extra[@]}" --durations=15 --continue-on-collection-errors 2>&1 \
+        | tee "$OUT/pytest.log"
     return "${PIPESTATUS[0]}"
 }
 
@@ -138,9 +139,10 @@ step5() {
 }
 
 # 6. the engine end to end on the device (ops/gpu_engine_check.py): the INT4 GEMV against torch's bf16 at M = 1,
-#    greedy parity with the CPU in float32, a streamed request through `edgeserve up` with FP8 KV pages and INT4
-#    decode weights, where a c = 1 decode step's time goes (launches, GPU busy time), decode tok/s at c = 1 and 32
-#    (bf16 against FP8 KV + INT4)
+#    greedy parity with the CPU in float32 (and with decode graphs against without), a streamed request through
+#    `edgeserve up` with FP8 KV pages and INT4 decode weights, where a c = 1 decode step's time goes (launches, GPU
+#    busy time; eager and with graphs), decode tok/s at c = 1 and 32 (bf16 against FP8 KV + INT4, each eager and
+#    with graphs)
 step6() {
     timeout "$1" "$PY" -m ops.gpu_engine_check --parts w4a16,parity,served,profile,decode \
         --json "$OUT/gpu_engine.json" 2>&1 | tee "$OUT/gpu_engine.log"
