@@ -23,6 +23,11 @@ count changes with padding, so results equal the eager step's to GEMM rounding (
 row results do not depend on the row count). A capture that raises is logged, and every later step of the
 engine runs eagerly.
 
+Measured on an H200 (`ops/gpu_engine_check.py`, SmolLM2-135M's shapes, random weights): the c = 1 bf16 step
+33.4 -> 4.0 ms (1.45 ms of it GPU-busy), decode tok/s 7.6x at c = 1 and 2.9x at c = 32 in bf16, 5.8x and
+1.7x with FP8 KV and INT4 decode weights; float32 greedy tokens equal to the eager steps' and the CPU's. Hence
+`EngineConfig.cuda_graphs` defaults to on with a CUDA device.
+
 `capture=False` (the CPU, where there are no graphs) runs the same padded steps from the same buffers
 eagerly: that is how the CPU tests check the padding, the buffers and the pad page.
 """

@@ -171,8 +171,8 @@ def decode(model_dir: Path, device: str, levels: tuple[int, ...] = (1, 32), prom
     from ops.bench.harness.loops import ClosedLoop, step_in_turn
     from ops.bench.harness.prompts import random_prompts
 
-    formats = {"bf16": dict(kv_format="bf16"), "fp8_kv+int4": dict(kv_format="fp8_e4m3", decode_weights="int4",
-                                                                    int4_group_size=32)}
+    formats = {"bf16": dict(kv_format="bf16", cuda_graphs=False),
+               "fp8_kv+int4": dict(kv_format="fp8_e4m3", decode_weights="int4", int4_group_size=32, cuda_graphs=False)}
     arms = {**formats, **{f"{name}+graphs": dict(kw, cuda_graphs=True) for name, kw in formats.items()}}
     engines = {name: LLMEngine.from_pretrained(model_dir, EngineConfig(
         dtype="bfloat16", device=device, kv_cache_bytes=512 << 20, max_num_seqs=max(levels), **kw))

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["register", "DEFAULT_MODEL", "parse_bytes", "add_engine_args", "add_worker_token_args", "add_drain_arg",
-           "add_kv_store_args", "check_kv_store_args", "kv_store_worker_argv", "ENGINE_OPTIONS", "EMBEDDED_KV_STORE"]
+           "add_kv_store_args", "check_kv_store_args", "kv_store_worker_argv", "ENGINE_OPTIONS", "NEGATABLE_OPTIONS",
+           "EMBEDDED_KV_STORE"]
 
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED_KV_STORE = "embedded"  # `up --kv-store` with no address: start a mooncake_master
@@ -111,15 +112,16 @@ def add_engine_args(p: argparse.ArgumentParser, listener: str = "the worker") ->
                         "--prefill-weights holds a second copy of the linear layers")
     p.add_argument("--int4-group-size", type=int, default=128, choices=[32, 64, 128, 256],
                    help="INT4 weights: values per scale group along K")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="--device cuda: decode steps replay CUDA graphs captured per batch size (one launch a step "
-                        "instead of hundreds; dense attention models in one process; experimental, off by default)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps replay CUDA graphs captured per batch size (one launch a step instead of "
+                        "hundreds; dense attention models in one process); default: on with --device cuda")
 
 
 # engine flags `up` forwards to its worker unchanged (dest names)
 ENGINE_OPTIONS = ("dtype", "kv_format", "device", "kv_cache_bytes", "page_size", "max_model_len", "max_num_seqs",
                   "max_num_batched_tokens", "prefill_chunk_size", "max_waiting", "threads", "prefix_caching",
                   "prefill_weights", "decode_weights", "int4_group_size", "cuda_graphs")
+NEGATABLE_OPTIONS = ("cuda_graphs",)  # of ENGINE_OPTIONS: --X / --no-X, None when neither is given
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

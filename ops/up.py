@@ -87,15 +87,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _worker_argv(args: argparse.Namespace, model: str, kv_store: str = "") -> list[str]:
     """The worker's command line; its Redis URL (which may carry a password) and worker token go in
     its environment instead, since `ps` shows every process's argv."""
-    from ops.serve import ENGINE_OPTIONS, kv_store_worker_argv
+    from ops.serve import ENGINE_OPTIONS, NEGATABLE_OPTIONS, kv_store_worker_argv
 
     argv = [sys.executable, "-m", "ops.cli", "serve", "--model", model, "--served-name", args.served_name,
             "--host", "127.0.0.1", "--port", str(args.worker_port), "--prefix-caching",
             "--drain-timeout", str(args.drain_timeout)]
     for dest in ENGINE_OPTIONS:
         value, flag = getattr(args, dest), f"--{dest.replace('_', '-')}"
-        if isinstance(value, bool):
-            argv += [flag] if value else []
+        if isinstance(value, bool):  # store_true flags forward True; --[no-]cuda-graphs also an explicit False
+            argv += [flag] if value else ([f"--no-{flag[2:]}"] if dest in NEGATABLE_OPTIONS else [])
         elif isinstance(value, tuple):
             argv += [flag, ",".join(map(str, value)) or "none"]
         elif value is not None:

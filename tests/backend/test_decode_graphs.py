@@ -97,6 +97,12 @@ def test_an_engine_with_graphs_generates_what_one_without_does(tiny_dir: Path, d
     assert [len(o) for o in outputs[True]] == [14 + 4 * i for i in range(7)]
 
 
+def test_by_default_a_cpu_engine_steps_without_graphs(tiny_dir: Path) -> None:
+    engine = LLMEngine.from_pretrained(tiny_dir, EngineConfig(dtype="float32", kv_format="fp32",
+                                                              kv_cache_bytes=2**20, max_num_seqs=8))
+    assert engine.config.cuda_graphs is None and engine.runner.graphs is None and engine.allocator.num_used == 0
+
+
 def test_models_with_moe_layers_run_eagerly(tmp_path: Path) -> None:
     model_dir = write_tiny_glm4_moe(tmp_path / "moe", seed=2)
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(dtype="float32", kv_format="fp32",
@@ -120,7 +126,8 @@ def test_cuda_graphs_replay_what_the_eager_steps_compute(tiny_dir: Path, dtype: 
     outputs, engines = {}, {}
     for graphs in (False, True):
         engines[graphs] = engine = LLMEngine.from_pretrained(tiny_dir, EngineConfig(
-            dtype=dtype, kv_format=kv, device="cuda", kv_cache_bytes=2**20, max_num_seqs=8, cuda_graphs=graphs))
+            dtype=dtype, kv_format=kv, device="cuda", kv_cache_bytes=2**20, max_num_seqs=8,
+            cuda_graphs=None if graphs else False))  # the default on a CUDA device: graphs
         outputs[graphs] = _staggered(engine)
     graphs = engines[True].runner.graphs
     assert graphs is not None and graphs.capture and graphs.failed is None, graphs and graphs.failed

@@ -52,3 +52,17 @@ def test_an_unknown_parser_is_refused_by_the_command_line(capsys: pytest.Capture
     with pytest.raises(SystemExit) as info:
         build_parser("up").parse_args(["up", "--reasoning-parser", "deepseek_v3"])
     assert info.value.code == 2 and "--reasoning-parser" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "forwarded"), [((), []), (("--cuda-graphs",), ["--cuda-graphs"]),
+                                                  (("--no-cuda-graphs",), ["--no-cuda-graphs"])])
+def test_up_forwards_the_cuda_graphs_choice_to_its_worker(flags: tuple[str, ...], forwarded: list[str]) -> None:
+    """Neither flag leaves the worker's default (on with a CUDA device); either one reaches it as given."""
+    from ops.up import _worker_argv
+
+    args = build_parser("up").parse_args(["up", "--model", "m", *flags])
+    args.served_name, args.worker_port = "m", 1
+    argv = _worker_argv(args, "m")
+    assert [a for a in argv if "cuda-graphs" in a] == forwarded
+    serve = build_parser("serve").parse_args(argv[argv.index("serve"):])
+    assert serve.cuda_graphs == {(): None, ("--cuda-graphs",): True, ("--no-cuda-graphs",): False}[flags]
