@@ -25,7 +25,14 @@ exponents scale the [G, BLOCK_N] scores and probabilities instead of the
 
 Compute dtype is q's dtype: float32 q runs both dots in IEEE float32 (no TF32);
 bfloat16 q runs them in bfloat16 with float32 accumulation, casting the softmax
-probabilities to bfloat16 as flash attention does. The softmax runs in float32
+probabilities to bfloat16 as flash attention does. Over FP8 pages bfloat16 q runs both
+dots in float16 instead (`fp16_dots`): e4m3 -> float16 is one hardware conversion for
+two values, where e4m3 -> bfloat16 goes through float32 (an H200 ran the FP8 tile at
+under half the BF16 tile's bytes a second: conversion-bound). Every e4m3 value is exact
+in float16; q is clamped to float16's range (a no-op for real queries; bfloat16 -> float16
+keeps more mantissa); the probabilities are scaled by 2**(e_v - e_max) <= 1, e_max the
+tile's largest V exponent, and the tile's p @ v by 2**e_max after the dot, so they never
+leave float16's range, with 3 more mantissa bits than bfloat16 probabilities. The softmax runs in float32
 in the log2 domain (exp2 with 1/ln 2 folded into the score scale).
 """
 
@@ -68,7 +75,7 @@ def _paged_decode_split_kernel(
     # meta-parameters
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     """One program per (sequence, kv head, partition): the GROUP query heads of that kv head
     over the partition's tokens, with a running softmax (m_i, l_i, acc) in the log2 domain."""
@@ -90,7 +97,11 @@ def _paged_decode_split_kernel(
     heads = pid_kvh * GROUP + offs_g  # the query heads reading this KV head
 
     q_ptrs = q_ptr + pid_b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if FP16_DOTS:  # FP8 pages (module doc): q clamped into float16's range, a no-op for any real query
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    else:
+        q = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -106,11 +117,14 @@ def _paged_decode_split_kernel(
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
 
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N] float32
+        if FP16_DOTS:
+            s = tl.dot(q, tl.trans(k.to(tl.float16)))  # [BLOCK_G, BLOCK_N] float32
+        else:
+            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         if IS_FP8:
             scale_rows = page * stride_sp + slot_in_page * stride_st + pid_kvh * stride_sh
             k_exp = tl.load(k_scale_ptr + scale_rows, mask=mask_t, other=0)
-            v_exp = tl.load(v_scale_ptr + scale_rows, mask=mask_t, other=0)
+            v_exp = tl.load(v_scale_ptr + scale_rows, mask=mask_t, other=-126).to(tl.int32)
             s = s * exp2_int(k_exp)[None, :]
         s = tl.where(mask_t[None, :], s * qk_scale, float("-inf"))
 
@@ -118,9 +132,14 @@ def _paged_decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IS_FP8:
-            p = p * exp2_int(v_exp)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        if FP16_DOTS:  # the tile's largest V exponent leaves the dot: p 2**(e_v - e_max) <= 1 stays in range
+            e_max = tl.max(v_exp, axis=0)
+            p = p * exp2_int(tl.maximum(v_exp - e_max, -126))[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16)) * exp2_int(e_max)
+        else:
+            if IS_FP8:
+                p = p * exp2_int(v_exp)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
     # an empty partition (short sequence, many splits) leaves l_i == 0: output 0, lse -inf
@@ -210,11 +229,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                            page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, block_n: int = 64, num_warps: int | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, fp16_dots: bool | None = None) -> torch.Tensor:
     """Attention of q [B, heads, head_dim] over each sequence's first context_lens[b] (>= 1)
     cached tokens, reached through page_table [B, max_pages]; returns [B, heads, head_dim] in q's dtype.
     `block_n` (tokens a tile, a power of two >= 16), `num_warps` and `num_stages` tune the split kernel
-    (benchmarks sweep them; Triton's defaults where None)."""
+    (benchmarks sweep them; Triton's defaults where None). `fp16_dots` (FP8 pages with bfloat16 q only; the
+    default there) runs both dots on float16 operands (module doc)."""
     is_fp8 = _check_attention_args(q, k_cache, v_cache, k_scale, v_scale, page_table, context_lens)
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -239,6 +259,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale_strides = k_scale.stride() if is_fp8 else (0, 0, 0)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dim >= 16
     dot_dtype = _dot_dtype(q.dtype)
+    if fp16_dots is None:
+        fp16_dots = is_fp8 and q.dtype == torch.bfloat16
+    if fp16_dots and not (is_fp8 and q.dtype == torch.bfloat16):
+        raise ValueError("fp16_dots is for FP8 pages with bfloat16 queries")
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, page_table, context_lens, partial, lse,
         scale * 1.44269504, num_splits,  # 1/ln 2: the softmax runs on exp2
@@ -252,7 +276,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n,  # tokens per tile (64: 4 pages of 16), any page size
         IS_FP8=is_fp8, DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,  # no TF32
-        **tuning,
+        FP16_DOTS=fp16_dots, **tuning,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

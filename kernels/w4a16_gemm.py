@@ -11,14 +11,17 @@ Reads the INT4 layout defined (with its numerics) in `backend/weight_formats.py`
 `quantize_int4_ref` / `dequantize_int4_ref` here are the format's one implementation.
 
 Two paths, by the number of rows M of x [M, K]:
-- **GEMV** (M <= GEMV_MAX_M, decode): grid (cdiv(N, BLOCK_N), SPLIT_K). Each program reads its
-  [BLOCK_N, BLOCK_B] tiles of packed bytes as they lie (one load per byte, contiguous along K),
-  splits the nibbles and takes the even and odd columns of x against them. A tile lies inside one
-  group, so the scale and zero leave the inner sum:
+- **GEMV** (M <= GEMV_MAX_M, decode): grid (cdiv(N, BLOCK_N), SPLIT_K). Each program reads [BLOCK_N,
+  BLOCK_B] tiles of packed bytes as they lie (contiguous along K), seen as [BLOCK_N, SLOTS, HALF_G]: runs of
+  HALF_G = min(g / 2, BLOCK_B) bytes, each inside one group, so BLOCK_B is free of the group size (a tile of a
+  g = 32 weight is not 16 bytes a row). It splits the nibbles and takes the even and odd columns of x against
+  them; per run the scale and zero leave the inner sum:
       sum_k x[k] W[n, k] = scale[n, g] * sum_k x[k] (q[n, k] - 8) + zero[n, g] * sum_k x[k]
-  (two multiply-adds a weight byte, none for dequantisation). With enough N tiles to fill the GPU
-  (SPLIT_K = 1) the program writes y in x's dtype: one launch. Otherwise K is split into ranges
-  whose float32 partial sums [SPLIT_K, M, N] the launcher adds.
+  (two multiply-adds a weight byte). A nibble becomes q - 8 in float32 without an int -> float conversion
+  (a slow instruction on GPUs): OR-ed into the mantissa of 2**23 it is the float 2**23 + q, and subtracting
+  2**23 + 8 is exact. The decoded tile serves every row of x. With enough N tiles to fill the GPU (SPLIT_K =
+  1) the program writes y in x's dtype: one launch. Otherwise K is split into ranges whose float32 partial sums
+  [SPLIT_K, M, N] the launcher adds. A memory-bound GEMV needs bytes in flight: `gemv_tile` sizes the tiles.
 - **tiled GEMM** (larger M, prefill): grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)), a K loop
   of `tl.dot` on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles into a float32 accumulator.
 BLOCK_K divides the group size, so a K tile needs one scale and one zero per row.
@@ -27,6 +30,9 @@ Operands of the dots are x's dtype (float32: IEEE, no TF32); accumulation is flo
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -34,8 +40,8 @@ import triton.language as tl
 from kernels.exact_div import div_exact
 from kernels.paged_attention import _dot_dtype
 
-__all__ = ["GEMV_MAX_M", "w4a16_gemm", "w4a16_gemm_ref", "quantize_int4_ref", "dequantize_int4_ref",
-           "unpack_int4_ref"]
+__all__ = ["GEMV_MAX_M", "GemvTile", "gemv_tile", "w4a16_gemm", "w4a16_gemm_ref", "quantize_int4_ref",
+           "dequantize_int4_ref", "unpack_int4_ref"]
 
 GEMV_MAX_M = 8  # rows up to which the split-K GEMV path runs
 
@@ -70,40 +76,45 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qn, stride_sn, stride_sg, stride_os, stride_om,
     # meta-parameters
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    HALF_G: tl.constexpr,
 ):
     """One program per (N tile, K range): every row of x against the range's packed bytes (module doc)."""
+    SLOTS: tl.constexpr = BLOCK_B // HALF_G  # runs of HALF_G bytes in a tile, each inside one group
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_b = tl.arange(0, BLOCK_B)
-    mask_m = offs_m < M
+    offs_slot = tl.arange(0, SLOTS)
+    tile = offs_slot[:, None] * HALF_G + tl.arange(0, HALF_G)[None, :]  # [SLOTS, HALF_G] byte offsets
     mask_n = offs_n < N
-    q_rows = q_ptr + offs_n[:, None].to(tl.int64) * stride_qn
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    q_rows = q_ptr + offs_n[:, None, None].to(tl.int64) * stride_qn
+    s_rows = offs_n[:, None] * stride_sn
     b_start = pid_s * bytes_per_split
     b_end = tl.minimum(b_start + bytes_per_split, K // 2)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for b0 in range(b_start, b_end, BLOCK_B):
-        cols = b0 + offs_b  # byte columns: weight columns 2 * cols (low nibble) and 2 * cols + 1 (high)
+        cols = b0 + tile  # byte columns: weight columns 2 * cols (low nibble) and 2 * cols + 1 (high)
         mask_b = cols < b_end
-        packed = tl.load(q_rows + cols[None, :], mask=mask_n[:, None] & mask_b[None, :], other=0).to(tl.int32)
-        low = ((packed & 0xF) - 8).to(tl.float32)  # [BLOCK_N, BLOCK_B]
-        high = ((packed >> 4) - 8).to(tl.float32)
-        mask_x = mask_m[:, None] & mask_b[None, :]
-        x_even = tl.load(x_rows + 2 * cols[None, :], mask=mask_x, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_B]
-        x_odd = tl.load(x_rows + 2 * cols[None, :] + 1, mask=mask_x, other=0.0).to(tl.float32)
-        if BLOCK_M == 1:
-            codes = tl.sum(x_even * low + x_odd * high, axis=1)[None, :]  # [1, BLOCK_N]
-        else:
-            codes = tl.sum(x_even[:, None, :] * low[None, :, :] + x_odd[:, None, :] * high[None, :, :], axis=2)
-        x_sum = tl.sum(x_even + x_odd, axis=1)  # [BLOCK_M]
-        group = (2 * b0) // GROUP  # the tile lies in one group: 2 * BLOCK_B divides GROUP, b_start is a tile's
-        scale = tl.load(s_ptr + offs_n * stride_sn + group * stride_sg, mask=mask_n, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + offs_n * stride_sn + group * stride_sg, mask=mask_n, other=0.0).to(tl.float32)
-        acc += codes * scale[None, :] + x_sum[:, None] * zero[None, :]
+        packed = tl.load(q_rows + cols[None, :, :], mask=mask_n[:, None, None] & mask_b[None, :, :],
+                         other=0).to(tl.int32)  # [BLOCK_N, SLOTS, HALF_G]
+        # code - 8 without an int -> float conversion: 2**23 + code has the code as its low mantissa bits
+        low = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        slot_start = b0 + offs_slot * HALF_G
+        groups = slot_start // (GROUP // 2)
+        mask_g = mask_n[:, None] & (slot_start < b_end)[None, :]
+        scale = tl.load(s_ptr + s_rows + groups[None, :] * stride_sg, mask=mask_g, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + s_rows + groups[None, :] * stride_sg, mask=mask_g, other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):  # the codes above serve every row of x
+            mask_x = mask_b & (tl.full([1, 1], m, tl.int32) < M)
+            x_even = tl.load(x_ptr + m * stride_xm + 2 * cols, mask=mask_x, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + m * stride_xm + 2 * cols + 1, mask=mask_x, other=0.0).to(tl.float32)
+            codes = tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2)  # [BLOCK_N, SLOTS]
+            x_sum = tl.sum(x_even + x_odd, axis=1)  # [SLOTS]
+            part = tl.sum(codes * scale + x_sum[None, :] * zero, axis=1)  # [BLOCK_N]
+            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
     out_ptrs = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -166,11 +177,36 @@ def _check_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     return m, n, k
 
 
+class GemvTile(NamedTuple):
+    """The GEMV path's launch: rows and packed bytes of a row a tile, warps, and the programs (N tiles times
+    K ranges) below which K is split."""
+
+    block_n: int
+    block_b: int
+    num_warps: int
+    programs: int
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def gemv_tile(m: int, n: int, k: int, device: torch.device | None = None) -> GemvTile:
+    """The GEMV path's default launch for x [m, K] (m <= GEMV_MAX_M) against an [n, k] weight. A program reads
+    block_n x block_b packed bytes an iteration: enough bytes in flight per multiprocessor (a few KB) is what
+    keeps a memory-bound GEMV near the read bandwidth; programs fill the multiprocessors four times over."""
+    sms = _multiprocessors(device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    block_b = min(256, max(16, triton.next_power_of_2(k // 2)))
+    return GemvTile(block_n=16 if m == 1 else 8, block_b=block_b, num_warps=4, programs=4 * sms)
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, split_k: int | None = None, block_n: int | None = None,
-               num_warps: int | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W.T in x's dtype, W the INT4 weight (layout above). `split_k`, `block_n` and
-    `num_warps` override the GEMV path's choices (benchmarks sweep them; the defaults fit an H200)."""
+               num_warps: int | None = None, block_b: int | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T in x's dtype, W the INT4 weight (layout above). `split_k`, `block_n` (rows a
+    tile), `block_b` (packed bytes of a row a tile, a power of two) and `num_warps` override the GEMV path's
+    choices (benchmarks sweep them; the defaults are `gemv_tile`'s)."""
     m, n, k = _check_args(x, qweight, scales, zeros, group_size)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -179,13 +215,15 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         return y.zero_()
     block_k = min(64, group_size)  # divides the group: one scale per row per tile
     if m <= GEMV_MAX_M:
-        block_b = min(64, group_size // 2)  # bytes: 2 * block_b columns, inside one group
-        block_n = block_n or (16 if m == 1 else 8)
+        tile = gemv_tile(m, n, k, x.device)
+        block_n, block_b = block_n or tile.block_n, block_b or tile.block_b
+        num_warps = num_warps or tile.num_warps
+        if block_b < 1 or block_b & (block_b - 1):
+            raise ValueError(f"block_b must be a power of two, got {block_b}")
         b_tiles = triton.cdiv(k // 2, block_b)
         n_tiles = triton.cdiv(n, block_n)
         if split_k is None:  # split K only where the N tiles alone leave the GPU's multiprocessors idle
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-            split_k = 1 if n_tiles >= sms else max(1, min(b_tiles, triton.cdiv(2 * sms, n_tiles)))
+            split_k = 1 if n_tiles >= tile.programs else max(1, min(b_tiles, triton.cdiv(tile.programs, n_tiles)))
         tiles_per_split = triton.cdiv(b_tiles, min(split_k, b_tiles))
         split_k = triton.cdiv(b_tiles, tiles_per_split)
         out = y if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
@@ -195,7 +233,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
             x.stride(0), qweight.stride(0), scales.stride(0), scales.stride(1),
             out.stride(0) if split_k > 1 else 0, out.stride(-2),
             GROUP=group_size, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_B=block_b,
-            **({"num_warps": num_warps} if num_warps else {}),
+            HALF_G=min(group_size // 2, block_b), num_warps=num_warps,
         )
         return y if split_k == 1 else out.sum(0).to(x.dtype)
     dot_dtype = _dot_dtype(x.dtype) if x.dtype != torch.float16 else tl.float16

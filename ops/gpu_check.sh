@@ -24,7 +24,8 @@
 # The steps run in the order STEPS names them (default "6 2 1 3 4 5": the engine end to end first, since a lease
 # gives one try), each within its own cap and within BUDGET_S seconds for the whole script (default 540: a
 # 600-second run with room to write the results); a step with under 20 s left is skipped and says so.
-# Usage: ops/gpu_check.sh   (PY=... to choose the interpreter; STEPS="4" runs only step 4; BUDGET_S=...)
+# Usage: ops/gpu_check.sh   (PY=... to choose the interpreter; STEPS="4" runs only step 4; BUDGET_S=...;
+#        KERNEL_PARTS=attention: step 2's sections; ENGINE_PARTS=w4a16,decode: step 6's parts)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,7 +72,9 @@ step1() {
     return "${PIPESTATUS[0]}"
 }
 
-step2() { timeout "$1" "$PY" -m ops.bench.kernels --json "$OUT/bench_kernels.json"; }
+step2() {
+    timeout "$1" "$PY" -m ops.bench.kernels ${KERNEL_PARTS:+--parts "$KERNEL_PARTS"} --json "$OUT/bench_kernels.json"
+}
 
 step3() { timeout "$1" "$PY" -m ops.bench.kernels --parts mla --json "$OUT/bench_mla_decode.json"; }
 
@@ -144,7 +147,7 @@ step5() {
 #    busy time; eager and with graphs), decode tok/s at c = 1 and 32 (bf16 against FP8 KV + INT4, each eager and
 #    with graphs)
 step6() {
-    timeout "$1" "$PY" -m ops.gpu_engine_check --parts w4a16,parity,served,profile,decode \
+    timeout "$1" "$PY" -m ops.gpu_engine_check --parts "${ENGINE_PARTS:-w4a16,parity,served,profile,decode}" \
         --json "$OUT/gpu_engine.json" 2>&1 | tee "$OUT/gpu_engine.log"
     return "${PIPESTATUS[0]}"
 }

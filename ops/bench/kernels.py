@@ -127,26 +127,28 @@ def _bench_attention(args: argparse.Namespace) -> dict:
 
 
 def _sweep_attention(args: argparse.Namespace, batch: int, context: int, bandwidth: float) -> dict[str, list[dict]]:
-    """The split kernel's tile (tokens), warps and pipeline stages at one shape, each format: what the
-    defaults leave on the table."""
+    """The split kernel's tile (tokens), warps and pipeline stages at one shape, each format, FP8 pages with
+    float16 dots (the default) and with bfloat16 ones (`fp16_dots=False`): what the defaults leave on the table."""
     from triton.testing import do_bench
 
     from kernels.paged_attention import paged_decode_attention
 
     scale = args.head_dim ** -0.5
     out: dict[str, list[dict]] = {}
-    for fmt in ("bf16", "fp8_e4m3"):
+    arms = (("bf16", "bf16", {}), ("fp8_e4m3", "fp8_e4m3", {}),
+            ("fp8_e4m3_bf16_dots", "fp8_e4m3", {"fp16_dots": False}))
+    for name, fmt, kw in arms:
         cache, kv_bytes = _make_cache(fmt, batch, context, args.kv_heads, args.head_dim)
         q = torch.randn(batch, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
-        out[fmt] = []
+        out[name] = []
         for block_n in (64, 128):
             for warps in (4, 8):
                 for stages in (2, 4):
                     ms = do_bench(lambda: paged_decode_attention(q, *cache, scale, block_n=block_n, num_warps=warps,
-                                                                 num_stages=stages), warmup=5, rep=20)
+                                                                 num_stages=stages, **kw), warmup=5, rep=20)
                     gb_s = kv_bytes / (ms * 1e-3) / 1e9
-                    out[fmt].append({"config": f"n{block_n}w{warps}s{stages}", "us": ms * 1e3, "gb_s": gb_s,
-                                     "pct_of_read_bw": 100 * gb_s / bandwidth})
+                    out[name].append({"config": f"n{block_n}w{warps}s{stages}", "us": ms * 1e3, "gb_s": gb_s,
+                                      "pct_of_read_bw": 100 * gb_s / bandwidth})
         del cache
     return out
 

@@ -156,6 +156,31 @@ def test_bfloat16_queries(device: str, fmt: str, seed: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("v_log2", [-40, 24])
+@pytest.mark.parametrize("fp16_dots", [True, False])
+def test_fp8_values_far_outside_float16s_range(device: str, v_log2: int, fp16_dots: bool, seed: int) -> None:
+    """bfloat16 queries over FP8 pages whose V values sit near 2**-40 or 2**24 (per-token exponents far
+    from 0, spread over 2**+-3): the float16 dots' probabilities and V stay in float16's range (module doc)."""
+    num_pages, page_table = random_layout(LENS)
+    kv = [(k, v * 2.0 ** v_log2) for k, v in random_sequences(LENS, 2, 64)]
+    for _, v in kv:
+        v *= torch.exp2(torch.randint(-3, 4, (v.shape[0], 1, 1)).float())
+    paged = build_paged(kv, 2, 64, FP8, num_pages, page_table, device)
+    q = torch.randn(len(LENS), 6, 64).to(device, torch.bfloat16)
+    out = paged_decode_attention(q, *paged, 0.125, num_splits=2, fp16_dots=fp16_dots)
+    ref = paged_decode_attention_ref(q, *paged, 0.125)
+    mag = paged_decode_attention_ref(q.float(), *paged.with_abs_v(), 0.125)
+    assert_close_in_mag(out, ref, mag, 2.0 ** -6, seed)
+
+
+def test_fp16_dots_only_for_fp8_pages_with_bfloat16_queries() -> None:
+    num_pages, page_table = random_layout([3])
+    paged = build_paged(random_sequences([3], 1, 16), 1, 16, FP8, num_pages, page_table, "cpu")
+    with pytest.raises(ValueError, match="fp16_dots"):
+        paged_decode_attention(torch.randn(1, 1, 16), *paged, 0.25, fp16_dots=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_more_splits_than_tiles(device: str, seed: int) -> None:
     """Most partitions of the short sequences are empty; the merge must ignore them."""
     run_case(device, "bf16", 2, 7, seed, num_kv_heads=1)

@@ -50,13 +50,14 @@ def test_float32_matches_the_dequantised_weight(device: str, group: int, m: int,
     x = torch.randn(m, k, device=device)
     expected = x @ w.t()
     tol = 1e-5 * mag(x, w) + 1e-6
-    # the GEMV's own choices, one K range, three, and the tile widths and warps a benchmark sweeps
-    variants = [(None, None, None), (1, None, None), (3, None, None), (1, 32, 2), (2, 64, 8)] \
-        if m <= GEMV_MAX_M else [(None, None, None)]
-    for split_k, block_n, warps in variants:
-        got = w4a16_gemm(x, q, s, z, group, split_k=split_k, block_n=block_n, num_warps=warps)
+    # the GEMV's own choices, one K range, three, and the tiles and warps a benchmark sweeps: a tile of 16 bytes
+    # a row (several tiles a group at g = 128), of 64 (several groups a tile at g = 32)
+    variants = [(None, None, None, None), (1, None, None, None), (3, None, None, None), (1, 32, 2, 16),
+                (2, 64, 8, 64), (3, 8, 4, 16)] if m <= GEMV_MAX_M else [(None, None, None, None)]
+    for split_k, block_n, warps, block_b in variants:
+        got = w4a16_gemm(x, q, s, z, group, split_k=split_k, block_n=block_n, num_warps=warps, block_b=block_b)
         assert got.shape == (m, n) and got.dtype == torch.float32
-        assert ((got - expected).abs() <= tol).all(), f"seed {seed} split_k {split_k} block_n {block_n}"
+        assert ((got - expected).abs() <= tol).all(), f"seed {seed} split_k {split_k} block_n {block_n} {block_b}"
     assert ((w4a16_gemm_ref(x, q, s, z, group) - expected).abs() <= tol).all()
 
 
