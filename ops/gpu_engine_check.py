@@ -283,7 +283,7 @@ def w4a16(shapes: tuple[tuple[int, int], ...] = W4A16_SHAPES, groups: tuple[int,
             int4_graph_ms = do_bench_cudagraph(int4_graph)
             bf16_graph_ms = do_bench_cudagraph(bf16_graph)
             int4_bytes = q.numel() + 2 * (s.numel() + z.numel())
-            rows.append({"group_size": group, "n": n, "k": k, "default_tile": gemv_tile(1, n, k)._asdict(),
+            rows.append({"group_size": group, "n": n, "k": k, "default_tile": gemv_tile(1, n, k, group)._asdict(),
                          "int4_us": int4_ms * 1e3, "bf16_us": bf16_ms * 1e3, "speedup": bf16_ms / int4_ms,
                          "int4_graph_us": int4_graph_ms * 1e3, "bf16_graph_us": bf16_graph_ms * 1e3,
                          "speedup_graph": bf16_graph_ms / int4_graph_ms,
