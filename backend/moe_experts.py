@@ -12,19 +12,28 @@ has an empty run and costs nothing on any path. The Triton kernel
 
 **Paths** (chosen per call; `default_path` picks one by what the weights allow):
 - ``grouped`` (CPU, dense weights): two `torch._grouped_mm` calls over all E experts
-  with ``offs`` = offsets[1:] as int32 (fp32 and bf16 both accepted). It needs every
-  stride a multiple of 16 bytes (H and I multiples of 4 in float32, of 8 in bfloat16);
-  other shapes take the loop. Dense means fp32/bf16 weights, and FP8 ones, which the
-  CPU dequantises at load into the compute dtype (it has no FP8 GEMM). The stacked
-  weights are kept K-major, w13 [E, H, 2I] and w2 [E, I, H] contiguous: at 1-8 tokens
-  MKL runs that layout ~1.3x faster than the transposed [E, N, K] view, and the same
-  from 32 tokens up. torch's CPU kernel is itself a loop of GEMMs over the groups, so
-  grouped and loop time the same within noise (hidden 1024, 64 experts, top-8,
-  intermediate 512, one thread: 3.7 / 20 / 51 / 136 ms at 1 / 8 / 32 / 256 tokens for
-  both); grouped is the default for dense weights as one call with no Python per expert.
+  with ``offs`` = offsets[1:] as int32 (fp32 and bf16 both accepted), on the transposed
+  views of the weights stacked as stored (w13 [E, 2I, H], w2 [E, H, I]), the layout
+  transformers' own grouped experts use. It needs every stride a multiple of 16 bytes
+  (H and I multiples of 4 in float32, of 8 in bfloat16); other shapes take the loop.
+  Dense means fp32/bf16 weights, and FP8 ones, which the CPU dequantises at load into
+  the compute dtype (it has no FP8 GEMM). torch's CPU kernel is a loop of GEMMs over
+  the groups. The default for float32 experts.
 - ``loop`` (any format): one GEMM pair per hit expert on its contiguous slice of
-  the sorted tokens. Dense weights use slices of the stacked tensors; INT4 runs one
-  `Int4Linear` per expert (bfloat16 activations, see `linear.py`).
+  the sorted tokens. Dense experts are `Linear`s on slices of the stacks, so an
+  expert's rows run the C GEMV (`kernels/cpu_gemv.py`, `kernels/cpu_gemv_f32.py`) up
+  to its row limit and MKL past it; INT4 runs one `Int4Linear` per expert (bfloat16
+  activations, see `linear.py`). The default for bfloat16 experts where the C GEMV
+  runs them.
+
+Measured (`bench moe`'s layer, hidden 1024, 64 experts of 512, top-8, one shared
+expert; 2-core Intel Xeon VM with AMX; ms at 1 / 8 / 32 / 256 tokens): float32,
+grouped on the stored layout 3.4 / 12.4 / 23.9 / 58.4 where the K-major stack this
+path used before gave 3.6 / 15.8 / 36.6 / 65.1 (transformers 3.6 / 12.4 / 25.1 / 60.9),
+the loop on the float32 C GEMV 8.1 / 18.5 / 27.1 / 80.2 (MKL's transposed GEMMs win
+in float32); bfloat16 in one process, grouped 3.5 / 14.0 / 22.5 / 30.1 against the
+loop 2.7 / 13.6 / 19.9 / 29.7, and 2.1 / 9.5 / 17.2 with torch's threads handed over
+for the whole call as a decode step hands them (grouped 4.8 / 23.0 / 35.6 so).
 - ``fused`` (CUDA): `kernels.fused_moe.fused_moe` on the stacked stored tensors in
   the checkpoint layout (w13 [E, 2I, ...], w2 [E, H, ...]) with their scales.
 
@@ -35,6 +44,7 @@ over the k choices in float32.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from functools import cache
 from typing import NamedTuple
@@ -44,6 +54,7 @@ import torch
 from backend.layers.swiglu import swiglu
 from backend.linear import Linear, LinearOp
 from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, StoredWeight, WeightFormat
+from kernels.cpu_threads import torch_single_threaded
 
 __all__ = ["ExpertLayout", "sort_by_expert", "RoutedExperts", "PATHS", "grouped_mm_available", "fused_format_name",
            "fused_moe_args"]
@@ -115,9 +126,9 @@ class RoutedExperts:
     """E SwiGLU experts in one weight format, built from their stored weights.
 
     gate_up[e] is expert e's [2I, H] weight, down[e] its [H, I]. On CPU the weights
-    become runtime GEMMs through `fmt.linear`; when those are dense they are stacked
-    K-major for the grouped path (one copy; the per-expert objects are dropped). On
-    CUDA, formats the fused kernel takes are stacked as stored."""
+    become runtime GEMMs through `fmt.linear`; when those are dense they are stacked as
+    stored, each expert's `Linear` a view of the stacks (one copy). On CUDA, formats the
+    fused kernel takes are stacked as stored."""
 
     def __init__(self, fmt: WeightFormat, gate_up: Sequence[StoredWeight], down: Sequence[StoredWeight],
                  compute_dtype: torch.dtype) -> None:
@@ -131,8 +142,8 @@ class RoutedExperts:
         self.num_experts, self.hidden_size, self.intermediate_size = len(gate_up), h, i
         self.fmt, self.compute_dtype = fmt, compute_dtype
         self.device = next(iter(gate_up[0].tensors.values())).device
-        self.w13: torch.Tensor | None = None  # CPU dense: [E, H, 2I]; CUDA fused: [E, 2I, ...] as stored
-        self.w2: torch.Tensor | None = None  # CPU dense: [E, I, H]; CUDA fused: [E, H, ...] as stored
+        self.w13: torch.Tensor | None = None  # CPU dense: [E, 2I, H]; CUDA fused: [E, 2I, ...]; both as stored
+        self.w2: torch.Tensor | None = None  # CPU dense: [E, H, I]; CUDA fused: [E, H, ...]
         self.fused_args: dict[str, object] = {}  # CUDA: fused_moe's fmt, scales, zeros and group size
         self.ops: list[tuple[LinearOp, LinearOp]] = []  # per-expert (gate_up, down) for the loop path
         if self.device.type == "cuda" and fused_format_name(fmt) is not None:
@@ -140,25 +151,28 @@ class RoutedExperts:
             self.paths: tuple[str, ...] = ("fused",)
             return
         ops = [(fmt.linear(g, None, compute_dtype), fmt.linear(d, None, compute_dtype)) for g, d in zip(gate_up, down)]
+        self.ops = ops
+        self.paths = ("loop",)
         if self.device.type == "cpu" and all(type(a) is Linear and type(b) is Linear for a, b in ops):
-            self.w13 = torch.stack([a.weight.t() for a, _ in ops])  # [E, H, 2I]
-            self.w2 = torch.stack([b.weight.t() for _, b in ops])  # [E, I, H]
-            row_bytes = [n * self.w13.element_size() for n in (h, i, 2 * i)]  # it needs 16-byte strides
-            aligned = all(b % 16 == 0 for b in row_bytes)
-            self.paths = ("grouped", "loop") if aligned and grouped_mm_available() else ("loop",)
-        else:
-            self.ops = ops
-            self.paths = ("loop",)
+            self.w13 = torch.stack([a.weight for a, _ in ops])  # [E, 2I, H]
+            self.w2 = torch.stack([b.weight for _, b in ops])  # [E, H, I]
+            self.ops = [(Linear(self.w13[e]), Linear(self.w2[e])) for e in range(len(ops))]  # views: one copy
+            row_bytes = [n * self.w13.element_size() for n in (h, i)]  # grouped GEMMs need 16-byte strides
+            if all(b % 16 == 0 for b in row_bytes) and grouped_mm_available():
+                c_first = self.w13.dtype == torch.bfloat16 and self.ops[0][0].gemv  # measured: module doc
+                self.paths = ("loop", "grouped") if c_first else ("grouped", "loop")
 
     @property
     def nbytes(self) -> int:
         """Bytes of expert weights held (scales and zeros included)."""
         tensors = [t for t in (self.w13, self.w2) if t is not None]
         tensors += [t for t in self.fused_args.values() if isinstance(t, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors) + sum(a.nbytes + b.nbytes for a, b in self.ops)
+        ops = self.ops if self.w13 is None else []  # dense CPU experts' ops are views of w13 and w2
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(a.nbytes + b.nbytes for a, b in ops)
 
     def default_path(self, tokens: int) -> str:
-        """The path to run `tokens` tokens on: fused on CUDA, else grouped when the weights are dense."""
+        """The path to run `tokens` tokens on: fused on CUDA; on the CPU the loop where the dense experts have
+        the C GEMV, else grouped GEMMs where the weights are dense, else the loop."""
         return self.paths[0]
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -182,23 +196,22 @@ class RoutedExperts:
         """Unweighted expert outputs [T*k, H] of the sorted slots, by two grouped GEMMs."""
         dtype = self.w13.dtype
         offs = offsets[1:].to(torch.int32)  # [E] cumulative slot counts
-        h = torch._grouped_mm(xs.to(dtype), self.w13, offs=offs)  # [T*k, 2I]
-        return torch._grouped_mm(swiglu(h), self.w2, offs=offs)  # [T*k, H]
+        h = torch._grouped_mm(xs.to(dtype), self.w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
+        return torch._grouped_mm(swiglu(h), self.w2.transpose(1, 2), offs=offs)  # [T*k, H]
 
     def _loop(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Unweighted expert outputs [T*k, H] of the sorted slots, one GEMM pair per hit expert."""
-        dense = self.w13 is not None
-        xs = xs.to(self.w13.dtype) if dense else xs
+        """Unweighted expert outputs [T*k, H] of the sorted slots, one GEMM pair per hit expert (each `Linear`
+        takes the C GEMV up to its row limit). Where every hit expert's rows run the C GEMV, torch is held at one
+        thread meanwhile, as a decode step holds it (`kernels/cpu_threads.py`), so its helpers own the cores."""
+        if self.w13 is not None:
+            xs = xs.to(self.w13.dtype)
         ys = xs.new_empty(xs.shape[0], self.hidden_size)  # [T*k, H]
         bounds = offsets.tolist()
-        for e in range(self.num_experts):
-            start, end = bounds[e], bounds[e + 1]
-            if start == end:
-                continue
-            rows = xs[start:end]  # [n_e, H]
-            if dense:
-                ys[start:end] = torch.mm(swiglu(torch.mm(rows, self.w13[e])), self.w2[e])
-            else:
+        runs = [(e, bounds[e], bounds[e + 1]) for e in range(self.num_experts) if bounds[e + 1] > bounds[e]]
+        first = self.ops[0][0]
+        gemv_only = isinstance(first, Linear) and all(first.takes_gemv(end - start) for _, start, end in runs)
+        with torch_single_threaded() if gemv_only else contextlib.nullcontext():
+            for e, start, end in runs:
                 gate_up, down = self.ops[e]
-                ys[start:end] = down(swiglu(gate_up(rows)))
+                ys[start:end] = down(swiglu(gate_up(xs[start:end])))
         return ys

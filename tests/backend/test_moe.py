@@ -86,7 +86,7 @@ def test_routing_and_output_match_transformers(case: tuple) -> None:
         assert all(len(set(row)) <= hf_args[3] for row in groups.tolist())
     if tokens * hf_args[1] < hf_args[0]:
         assert ids.unique().numel() < hf_args[0]  # some experts get no token
-    assert block.experts.paths == tuple(PATHS)
+    assert sorted(block.experts.paths) == sorted(PATHS)
     for path in PATHS:
         out = block(x, path=path)
         assert out.shape == x.shape and out.dtype == torch.float32
@@ -209,7 +209,7 @@ def test_int4_experts_equal_the_dense_block_on_dequantised_weights() -> None:
 def test_bf16_compute_paths_agree() -> None:
     moe = hf_moe(16, 4, 1, 1, True, 2.5, 1, hidden=48, inter=24)
     block = our_block(moe, DenseFormat(torch.bfloat16), torch.bfloat16)
-    assert block.experts.paths == tuple(PATHS)
+    assert sorted(block.experts.paths) == sorted(PATHS)
     x = torch.randn(10, 48).bfloat16()
     outs = [block(x, path=p) for p in PATHS]
     assert all(o.dtype == torch.bfloat16 for o in outs)
@@ -277,3 +277,40 @@ def test_cuda_block_runs_the_fused_kernel(fmt: WeightFormat) -> None:
     want = cpu(x)
     tol = 1e-2 if isinstance(fmt, Int4Format) or fmt.name == "bf16" else 1e-4  # the CPU off by <= 0.52% of scale
     torch.testing.assert_close(gpu(x.cuda()).cpu(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_bf16_experts_run_the_c_gemv_in_the_loop_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense CPU experts are `Linear` views of the stacked weights (one copy); bfloat16 ones default to the loop
+    where the C GEMV takes them, every expert's call running it with torch's threads handed over, and the output
+    is the grouped path's; float32 ones default to grouped GEMMs."""
+    from kernels import cpu_gemv
+    from kernels.cpu_threads import kernels_own_threads
+
+    moe = hf_moe(8, 2, 1, 1, True, 1.0, 0, hidden=64, inter=32)
+    assert our_block(moe).experts.default_path(3) == PATHS[0]  # float32: grouped where torch has it
+    experts = our_block(moe, DenseFormat(torch.bfloat16), torch.bfloat16).experts
+    assert all(a.weight.data_ptr() == experts.w13[e].data_ptr() and b.weight.data_ptr() == experts.w2[e].data_ptr()
+               for e, (a, b) in enumerate(experts.ops))
+    gemv = experts.ops[0][0].gemv
+    assert experts.default_path(3) == ("loop" if gemv else PATHS[0])
+    if not gemv:
+        pytest.skip(f"no bfloat16 C GEMV on this host: {cpu_gemv.build_error()}")
+    calls: list[tuple[int, bool]] = []
+    real = cpu_gemv.gemv_bf16
+
+    def counted(x: torch.Tensor, w: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append((x.shape[0], kernels_own_threads()))
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_gemv, "gemv_bf16", counted)
+    block = our_block(moe, DenseFormat(torch.bfloat16), torch.bfloat16)
+    x = torch.randn(3, 64).bfloat16()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a handover needs threads to hand over (an earlier test may have left torch at 1)
+    try:
+        out = block(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) >= 4 and all(own for _, own in calls), calls  # >= 2 experts hit, 2 GEMVs each
+    if "grouped" in block.experts.paths:
+        torch.testing.assert_close(out, block(x, path="grouped"), rtol=2e-2, atol=2e-2)
