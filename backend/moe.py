@@ -110,6 +110,24 @@ class MoEBlock:
             n += self.shared_gate_up.nbytes + self.shared_down.nbytes
         return n
 
+    @property
+    def gemv(self) -> bool:
+        """Whether a call of a few rows runs every GEMM of the block on the C GEMV (as `Linear.gemv` says of a
+        linear): routed experts whose default path is the C GEMV loop (dense bfloat16, `moe_experts.py`) and a
+        shared expert on it too. The engine then hands small steps' threads to the C kernels."""
+        ops = [*self.experts.ops[:1][0], self.shared_gate_up, self.shared_down] if self.experts.ops else []
+        return self.experts.default_path(1) == "loop" and self.experts.w13 is not None \
+            and all(getattr(op, "gemv", False) for op in ops if op is not None)
+
+    @property
+    def gemv_rows(self) -> int:
+        """Rows up to which every GEMM of a call runs the C GEMV (0: not all of them have one); an expert gets
+        at most as many rows as the call."""
+        if not self.gemv:
+            return 0
+        ops = [*self.experts.ops[0], self.shared_gate_up, self.shared_down]
+        return min(op.gemv_rows for op in ops if op is not None)
+
     def route(self, x: torch.Tensor) -> Routing:
         """Which experts each row of x [T, H] goes to, and their weights (float32)."""
         return route(x, self.gate_weight, self.correction_bias, self.cfg)
