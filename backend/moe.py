@@ -112,12 +112,14 @@ class MoEBlock:
 
     @property
     def gemv(self) -> bool:
-        """Whether a call of a few rows runs every GEMM of the block on the C GEMV (as `Linear.gemv` says of a
-        linear): routed experts whose default path is the C GEMV loop (dense bfloat16, `moe_experts.py`) and a
-        shared expert on it too. The engine then hands small steps' threads to the C kernels."""
-        ops = [*self.experts.ops[:1][0], self.shared_gate_up, self.shared_down] if self.experts.ops else []
-        return self.experts.default_path(1) == "loop" and self.experts.w13 is not None \
-            and all(getattr(op, "gemv", False) for op in ops if op is not None)
+        """Whether a call of a few rows runs every GEMM of the block on a C kernel (as `Linear.gemv` and
+        `Int4Linear.gemv` say of a linear): routed experts whose default path is the loop over C GEMVs (dense
+        bfloat16 or INT4 experts, `moe_experts.py`) and a shared expert on them too. The engine then hands small
+        steps' threads to the C kernels."""
+        if self.experts.default_path(1) != "loop" or not self.experts.ops:
+            return False
+        ops = [*self.experts.ops[0], self.shared_gate_up, self.shared_down]
+        return all(getattr(op, "gemv", False) for op in ops if op is not None)
 
     @property
     def gemv_rows(self) -> int:

@@ -201,15 +201,18 @@ class RoutedExperts:
 
     def _loop(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Unweighted expert outputs [T*k, H] of the sorted slots, one GEMM pair per hit expert (each `Linear`
-        takes the C GEMV up to its row limit). Where every hit expert's rows run the C GEMV, torch is held at one
-        thread meanwhile, as a decode step holds it (`kernels/cpu_threads.py`), so its helpers own the cores."""
+        takes the C GEMV up to its row limit, an `Int4Linear` the C INT4 GEMV at any). Where every hit expert's
+        rows run a C kernel, torch is held at one thread meanwhile, as a decode step holds it
+        (`kernels/cpu_threads.py`), so its helpers own the cores."""
         if self.w13 is not None:
             xs = xs.to(self.w13.dtype)
         ys = xs.new_empty(xs.shape[0], self.hidden_size)  # [T*k, H]
         bounds = offsets.tolist()
         runs = [(e, bounds[e], bounds[e + 1]) for e in range(self.num_experts) if bounds[e + 1] > bounds[e]]
         first = self.ops[0][0]
-        gemv_only = isinstance(first, Linear) and all(first.takes_gemv(end - start) for _, start, end in runs)
+        takes = getattr(first, "takes_gemv", None)  # None: the C INT4 GEMV takes every row count
+        gemv_only = getattr(first, "gemv", False) and (takes is None
+                                                       or all(takes(end - start) for _, start, end in runs))
         with torch_single_threaded() if gemv_only else contextlib.nullcontext():
             for e, start, end in runs:
                 gate_up, down = self.ops[e]

@@ -317,15 +317,14 @@ def test_bf16_experts_run_the_c_gemv_in_the_loop_by_default(monkeypatch: pytest.
 
 
 def test_a_block_says_whether_the_c_gemv_runs_all_of_it() -> None:
-    """bfloat16 experts on the C GEMV loop with a shared expert on it too: the engine may hand a small step's
-    threads over (`gemv`, `gemv_rows`); float32 experts (grouped GEMMs) and INT4 ones do not qualify."""
+    """bfloat16 or INT4 experts on the loop of C GEMVs with a shared expert on them too: the engine may hand a
+    small step's threads over (`gemv`, `gemv_rows`); float32 experts (grouped GEMMs) do not qualify."""
     from kernels import cpu_gemv
 
     moe = hf_moe(8, 2, 1, 1, True, 1.0, 1, hidden=64, inter=32)
-    bf16 = our_block(moe, DenseFormat(torch.bfloat16), torch.bfloat16)
-    if cpu_gemv.available():
-        assert bf16.gemv and bf16.gemv_rows == cpu_gemv.max_rows()
-    else:
-        assert not bf16.gemv and bf16.gemv_rows == 0
-    for block in (our_block(moe), our_block(moe, Int4Format(32), torch.bfloat16)):
-        assert not block.gemv and block.gemv_rows == 0
+    for block in (our_block(moe, DenseFormat(torch.bfloat16), torch.bfloat16),
+                  our_block(moe, Int4Format(32), torch.bfloat16)):
+        c_kernels = block.experts.ops[0][0].gemv and block.shared_gate_up.gemv
+        assert block.gemv == c_kernels and block.gemv_rows == (cpu_gemv.max_rows() if c_kernels else 0)
+    fp32 = our_block(moe)
+    assert not fp32.gemv and fp32.gemv_rows == 0
