@@ -25,17 +25,18 @@ has an empty run and costs nothing on any path. The Triton kernel
   to its row limit and MKL past it; INT4 runs one `Int4Linear` per expert (bfloat16
   activations, see `linear.py`). The default for bfloat16 experts where the C GEMV
   runs them.
-
-Measured (`bench moe`'s layer, hidden 1024, 64 experts of 512, top-8, one shared
-expert; 2-core Intel Xeon VM with AMX; ms at 1 / 8 / 32 / 256 tokens): float32,
-grouped on the stored layout 3.4 / 12.4 / 23.9 / 58.4 where the K-major stack this
-path used before gave 3.6 / 15.8 / 36.6 / 65.1 (transformers 3.6 / 12.4 / 25.1 / 60.9),
-the loop on the float32 C GEMV 8.1 / 18.5 / 27.1 / 80.2 (MKL's transposed GEMMs win
-in float32); bfloat16 in one process, grouped 3.5 / 14.0 / 22.5 / 30.1 against the
-loop 2.7 / 13.6 / 19.9 / 29.7, and 2.1 / 9.5 / 17.2 with torch's threads handed over
-for the whole call as a decode step hands them (grouped 4.8 / 23.0 / 35.6 so).
 - ``fused`` (CUDA): `kernels.fused_moe.fused_moe` on the stacked stored tensors in
   the checkpoint layout (w13 [E, 2I, ...], w2 [E, H, ...]) with their scales.
+
+Measured (`edgeserve bench moe`'s layer, hidden 1024, 64 experts of 512, top-8, one
+shared expert, 15 rounds; 2-core Intel Xeon VM with AMX; ms at 1 / 8 / 32 / 256 tokens):
+float32, grouped on the stored layout 3.4 / 13.2 / 29.2 / 62.5 where the K-major stack
+this path used before gave 2.9 / 15.6 / 35.9 / 67.4 (transformers 3.7 / 13.2 / 28.3 /
+71.0), the loop on the float32 C GEMV 5.0 / 20.4 / 31.6 / 87.6 (MKL's transposed GEMMs
+win in float32); bfloat16 (an ad-hoc A/B in one process), grouped 3.5 / 14.0 / 22.5 /
+30.1 against the loop 2.7 / 13.6 / 19.9 / 29.7, and 2.1 / 9.5 / 17.2 with torch's
+threads handed over for the whole call as a decode step hands them (grouped 4.8 / 23.0
+/ 35.6 so).
 
 Each path returns the *unweighted* expert outputs per sorted slot (CPU) or the
 weighted sum (fused); `RoutedExperts.__call__` applies the routing weights and sums

@@ -30,6 +30,7 @@ On a CPU (`--device cpu`) every part but w4a16 runs the same code: that is how i
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import tempfile
@@ -247,7 +248,7 @@ L2_FLUSH_BYTES = 256 << 20  # weight copies a timed loop cycles through: past th
 def _cycling(fn: Callable[[Any], Any], copies: list[Any]) -> Callable[[], Any]:
     """fn over the next copy each call: a graph of unrolled calls then reads every copy in turn from memory,
     not one copy from L2 (what `do_bench_cudagraph` would otherwise time for a weight that fits in L2)."""
-    turn = iter(range(1 << 62))
+    turn = itertools.count()
     return lambda: fn(copies[next(turn) % len(copies)])
 
 
