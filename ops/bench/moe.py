@@ -6,14 +6,15 @@ one safetensors shard per layer, so memory holds one layer at a time). Defaults:
 hidden 1024, 8 layers (the first dense, intermediate 2048; `first_k_dense_replace`
 1, as GLM-4.5), 64 routed experts of intermediate 512, top-8, one shared expert,
 8 groups with 4 kept, 8 query / 2 KV heads of 128, vocab 8192; `--quick` keeps the
-dimensions and has 2 layers. Float32 compute, FP32 KV, tokenizer-free (token ids).
+dimensions and has 2 layers. Float32 compute and FP32 KV unless said otherwise, tokenizer-free (token ids).
 
 1. **Layer** (`ops.bench.moe_layer.moe_layer_ms`): one MoE layer of the same
    config, median ms per path (`grouped`, `loop`, `int4_loop`, `transformers`) at
    1, 8, 32 and 256 tokens, paths interleaved, 15 rounds (quick 3).
-2. **Decode**: two engines, ``fp32`` and ``int4`` (``prefill_weights =
+2. **Decode**: three engines, ``fp32``, ``bf16`` and ``int4`` (``prefill_weights =
    decode_weights``: every linear layer and expert in that format, the router gate
-   float32 in both). At each c (1, 8, 32) both get the same c requests of P random
+   float32 in all; ``bf16`` computes in bfloat16 over bf16 KV pages, the others in
+   float32 over fp32 ones). At each c (1, 8, 32) all get the same c requests of P random
    prompt tokens + O outputs (P 64, quick 32; O 32 at c <= 8, 16 above, quick 8),
    all at once, greedy, EOS ignored, stepped in turn with the first mover alternating
    (`ops.bench.harness.loops.step_in_turn`); tok/s = c / median decode-step time
@@ -48,7 +49,7 @@ from ops.cluster import machine_info
 __all__ = ["add_arguments", "run", "model_config", "write_random_glm4_moe", "resident_mb", "ratios_and_targets",
            "format_table", "FORMATS", "LAYER_TOKENS"]
 
-FORMATS = ("fp32", "int4")  # engine weight formats compared (int4: group 128)
+FORMATS = ("fp32", "bf16", "int4")  # engine weight formats compared (bf16: also the compute dtype; int4: g128)
 LAYER_TOKENS = (1, 8, 32, 256)
 TARGETS = {"grouped_vs_loop_32": 2.0, "grouped_vs_transformers_32": 1.0, "int4_vs_fp32_decode_c1": 1.5}
 
@@ -130,6 +131,8 @@ def ratios_and_targets(layer_ms: dict[str, dict[str, float]], decode: dict[str, 
         f"int4_vs_fp32_decode_c{c}": (decode["int4"][c] / decode["fp32"][c]
                                       if c in decode.get("int4", {}) and c in decode.get("fp32", {}) else None),
     }
+    if c in decode.get("bf16", {}) and c in decode.get("fp32", {}):  # no target: how the bf16 engine fares
+        ratios[f"bf16_vs_fp32_decode_c{c}"] = decode["bf16"][c] / decode["fp32"][c]
     targets = {f"{name}_ge_{bound:g}x": ratios.get(name) is not None and ratios[name] >= bound
                for name, bound in TARGETS.items() if name in ratios}
     return ratios, targets
@@ -161,7 +164,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines += ["", f"prefill tok/s ({cfg['prefill_tokens']}-token prompt, one step, median of "
               f"{cfg['prefill_repeats']}): " + ", ".join(f"{f} {v:.0f}" for f, v in report["prefill_tok_s"].items()),
               "weights held: " + ", ".join(f"{f} {b / 1e9:.2f} GB" for f, b in report["weight_memory_bytes"].items())
-              + "; resident after loading both: " + ", ".join(f"{k} {v / 1024:.1f} GB"
+              + "; resident after loading all: " + ", ".join(f"{k} {v / 1024:.1f} GB"
                                                               for k, v in report["resident_mb_after_load"].items()),
               "", "ratios: " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}x'}"
                                          for k, v in report["ratios"].items()),
@@ -230,11 +233,12 @@ def run(args: argparse.Namespace) -> int:
         engines: dict[str, LLMEngine] = {}
         for fmt in FORMATS:
             t = time.perf_counter()
+            compute = dict(dtype="bfloat16", kv_format="bf16") if fmt == "bf16" else {}  # bf16 KV: fewer bytes
             engines[fmt] = LLMEngine.from_pretrained(model_dir, EngineConfig(prefill_weights=fmt, decode_weights=fmt,
-                                                                             **engine_cfg))
+                                                                             **{**engine_cfg, **compute}))
             timings[f"load_{fmt}_s"] = time.perf_counter() - t
             log(f"loaded {fmt} in {timings[f'load_{fmt}_s']:.1f} s")
-        rss = resident_mb()  # both engines held: the run's high point
+        rss = resident_mb()  # every engine held: the run's high point
 
     # -- 2. decode, the formats stepped in turn
     t = time.perf_counter()

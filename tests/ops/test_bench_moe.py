@@ -22,16 +22,17 @@ def _figures(grouped: float | None = 10.0) -> tuple[dict, dict]:
     layer = {"loop": {"1": 2.0, "32": 20.0}, "int4_loop": {"1": 1.0, "32": 8.0}, "transformers": {"1": 3.0, "32": 9.5}}
     if grouped is not None:
         layer = {"grouped": {"1": 2.5, "32": grouped}, **layer}
-    decode = {"fp32": {"1": 20.0, "8": 40.0}, "int4": {"1": 31.0, "8": 100.0}}
+    decode = {"fp32": {"1": 20.0, "8": 40.0}, "bf16": {"1": 26.0, "8": 60.0}, "int4": {"1": 31.0, "8": 100.0}}
     return layer, decode
 
 
 def test_ratios_are_speedups_and_targets_compare_them_to_the_bounds() -> None:
     ratios, targets = bench_moe.ratios_and_targets(*_figures(grouped=10.0))
     assert ratios == pytest.approx({"grouped_vs_loop_32": 2.0, "grouped_vs_transformers_32": 0.95,
-                                    "int4_loop_vs_loop_32": 2.5, "int4_vs_fp32_decode_c1": 1.55})
+                                    "int4_loop_vs_loop_32": 2.5, "int4_vs_fp32_decode_c1": 1.55,
+                                    "bf16_vs_fp32_decode_c1": 1.3})
     assert targets == {"grouped_vs_loop_32_ge_2x": True, "grouped_vs_transformers_32_ge_1x": False,
-                       "int4_vs_fp32_decode_c1_ge_1.5x": True}
+                       "int4_vs_fp32_decode_c1_ge_1.5x": True}  # the bf16 engine's ratio has no target
     _, slower = bench_moe.ratios_and_targets(*_figures(grouped=10.5))
     assert slower["grouped_vs_loop_32_ge_2x"] is False
 
@@ -85,13 +86,14 @@ def test_tiny_run_writes_every_key_and_the_table(tmp_path: Path, capsys: pytest.
     paths = {"loop", "int4_loop", "transformers"} | ({"grouped"} if "grouped" in report["moe_layer_ms"] else set())
     assert set(report["moe_layer_ms"]) == paths
     assert all(set(row) == {"1", "32"} and all(v > 0 for v in row.values()) for row in report["moe_layer_ms"].values())
-    assert set(report["decode_tok_s"]) == {"fp32", "int4"}
+    assert set(report["decode_tok_s"]) == {"fp32", "bf16", "int4"}
     assert all(set(row) == {"1", "2"} and all(v > 0 for v in row.values()) for row in report["decode_tok_s"].values())
-    assert set(report["prefill_tok_s"]) == {"fp32", "int4"} and all(v > 0 for v in report["prefill_tok_s"].values())
+    assert set(report["prefill_tok_s"]) == {"fp32", "bf16", "int4"} and all(v > 0 for v in report["prefill_tok_s"].values())
     assert {"commit", "dirty", "command", "machine", "ratios", "targets", "config"} <= set(report)
     assert "cpu_flags" in report["machine"] and report["config"]["model"]["num_hidden_layers"] == 2
     assert report["ratios"] == bench_moe.ratios_and_targets(report["moe_layer_ms"], report["decode_tok_s"])[0]
-    assert report["weight_memory_bytes"]["int4"] < report["weight_memory_bytes"]["fp32"]
+    assert max(report["weight_memory_bytes"]["int4"], report["weight_memory_bytes"]["bf16"]) \
+        < report["weight_memory_bytes"]["fp32"]  # (fp32 with its MKL packs)
     assert report["resident_mb_after_load"]["anon"] > report["weight_memory_bytes"]["fp32"] / 2**20
     table = capsys.readouterr().out
     assert bench_moe.format_table(report) in table
