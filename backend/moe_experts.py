@@ -61,6 +61,9 @@ __all__ = ["ExpertLayout", "sort_by_expert", "RoutedExperts", "PATHS", "grouped_
            "fused_moe_args"]
 
 PATHS = ("grouped", "loop", "fused")
+# bfloat16 experts: the C GEMV loop up to this many tokens a call, grouped GEMMs past it (module doc: even at 256,
+# grouped ahead at 512-token prompts)
+LOOP_MAX_TOKENS = 256
 
 
 class ExpertLayout(NamedTuple):
@@ -173,7 +176,10 @@ class RoutedExperts:
 
     def default_path(self, tokens: int) -> str:
         """The path to run `tokens` tokens on: fused on CUDA; on the CPU the loop where the dense experts have
-        the C GEMV, else grouped GEMMs where the weights are dense, else the loop."""
+        the C GEMV (up to LOOP_MAX_TOKENS tokens: grouped GEMMs past them), else grouped GEMMs where the weights
+        are dense, else the loop."""
+        if self.paths[0] == "loop" and tokens > LOOP_MAX_TOKENS and "grouped" in self.paths:
+            return "grouped"
         return self.paths[0]
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

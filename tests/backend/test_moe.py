@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from backend.linear import Int4Linear
 from backend.moe import MoEBlock, MoEConfig, route
-from backend.moe_experts import RoutedExperts, fused_moe_args, grouped_mm_available, sort_by_expert
+from backend.moe_experts import (LOOP_MAX_TOKENS, RoutedExperts, fused_moe_args, grouped_mm_available,
+                                 sort_by_expert)
 from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, WeightFormat
 
 transformers = pytest.importorskip("transformers")
@@ -293,6 +294,7 @@ def test_bf16_experts_run_the_c_gemv_in_the_loop_by_default(monkeypatch: pytest.
                for e, (a, b) in enumerate(experts.ops))
     gemv = experts.ops[0][0].gemv
     assert experts.default_path(3) == ("loop" if gemv else PATHS[0])
+    assert experts.default_path(LOOP_MAX_TOKENS + 1) == PATHS[0]  # a long prompt: grouped GEMMs where they run
     if not gemv:
         pytest.skip(f"no bfloat16 C GEMV on this host: {cpu_gemv.build_error()}")
     calls: list[tuple[int, bool]] = []
