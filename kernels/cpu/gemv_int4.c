@@ -117,8 +117,9 @@ static inline __attribute__((always_inline)) __m512 dp_pair(__m512 acc, __m512bh
 /* A 64-byte load of a panel's codes as the four vectors of bfloat16 128 + q (nibble i of every word in out[i]):
  * one shift and two byte shuffles (each word's high byte moved down, `>> 8` on the shuffle port) where three
  * shifts had kept Intel's port 0, which `vdpbf16ps` also needs, busy. The same codes bit for bit; on a 2-core
- * AMX Xeon, one row over 64 copies of a 3072 x 576 weight: 70.7 -> 59.7 us a call from memory, 51.0 -> 43.8 in
- * cache (two threads). */
+ * AMX Xeon, one row, a 3072 x 576 weight, two threads, the two builds in alternating processes: 69.3-70.2 ->
+ * 61.3-63.3 us a call from memory (80 copies cycled), 53.9-54.7 -> 44.8-46.0 in cache (one copy); a whole c = 1
+ * INT4 decode step 6.8 -> 6.1-6.8 ms (noisy), c = 4 even. */
 static inline __attribute__((always_inline)) void expand_codes(__m512i v, __m512i out[4]) {
     const __m512i nib = _mm512_set1_epi16(0x000f), one28 = _mm512_set1_epi16(0x4300);
     const __m512i hi_byte = _mm512_broadcast_i32x4(_mm_setr_epi8(1, -128, 3, -128, 5, -128, 7, -128, 9, -128, 11,
