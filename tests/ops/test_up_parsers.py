@@ -1,6 +1,6 @@
 """`edgeserve up --tool-parser / --reasoning-parser` reach its gateway as `edgeserve gateway`'s flags do:
 parsed by the real CLI parser, turned into the gateway config `up` serves, read by the gateway's model
-catalog (no cluster is started)."""
+catalog (no cluster is started); `--[no-]cuda-graphs` reaches its worker's command line as given."""
 
 from __future__ import annotations
 
