@@ -193,6 +193,7 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+@functools.lru_cache(maxsize=1024)  # a model's few shapes: a dict lookup a call instead of ~3 us of Python
 def gemv_tile(m: int, n: int, k: int, group_size: int, device: torch.device | None = None) -> GemvTile:
     """The GEMV path's default launch for x [m, K] (m <= GEMV_MAX_M) against an [n, k] weight. A program reads
     block_n x block_b packed bytes an iteration: enough bytes in flight per multiprocessor (a few KB) is what
