@@ -44,12 +44,13 @@ import torch
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
-__all__ = ["KERNEL", "available", "build_error", "call_plan", "amx_code", "Int4Panels", "pack", "gemv_int4", "PANEL",
-           "measure", "pays"]
+__all__ = ["KERNEL", "available", "build_error", "call_plan", "amx_code", "AMX_MIN_ROWS", "Int4Panels", "pack",
+           "gemv_int4", "PANEL", "measure", "pays"]
 
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output rows per panel (the C file's PANEL)
+AMX_MIN_ROWS = 3  # rows past which AMX tiles take a call where the bf16 GEMV runs them (the C file's AMX_MIN_ROWS)
 _THREADED_BYTES = 128 << 10  # packed weights below this run on the calling thread alone
 _SHARED_THREADED_BYTES = 16 << 20  # the same while torch's OpenMP workers may spin (outside a handover)
 _CHUNK_BYTES = 64 << 10  # of packed weights per chunk the threads claim
@@ -162,11 +163,11 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
 
 def amx_code(m: int, tiles: str | None = None) -> int:
     """1 where a call of m rows runs the C file's AMX tiles: the bfloat16 GEMV's per-process tile choice
-    (`cpu_gemv.tile_mode()`, or `tiles`) is AMX, whose tile state it had Linux grant, and m is past the per-row
-    tiles (the C file checks K and the group)."""
+    (`cpu_gemv.tile_mode()`, or `tiles`) is AMX, whose tile state it had Linux grant, and m is past
+    AMX_MIN_ROWS (the C file checks K and the group)."""
     from kernels import cpu_gemv
 
-    return int(m > cpu_gemv.PER_ROW_MAX and cpu_gemv.amx_available() and (tiles or cpu_gemv.tile_mode()) == "amx")
+    return int(m > AMX_MIN_ROWS and cpu_gemv.amx_available() and (tiles or cpu_gemv.tile_mode()) == "amx")
 
 
 def gemv_int4(x: torch.Tensor, w: Int4Panels, threads: int | None = None, tiles: str | None = None) -> torch.Tensor:

@@ -210,7 +210,9 @@ static void run_rows(const Args *a, int m0, int rows, int prefetch) {
  * multiple of 32. */
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define INT4_AMX 1
-#define AMX_MIN_ROWS 6
+#define AMX_MIN_ROWS 3 /* from 4 rows: over 4-151 copies of SmolLM2's LM head, gate_up and down (2-core AMX Xeon,
+                          * minimum of 15 rounds) AMX took 0.84-0.92x the vdpbf16ps tiles' time at 4 rows, 0.70-0.76x at
+                          * 6, and 1.0-1.3x at 3 (kernels/cpu_gemv_int4.py's AMX_MIN_ROWS says the same) */
 
 #include "amx.h"
 
