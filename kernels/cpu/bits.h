@@ -50,7 +50,8 @@ static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h
 #include <immintrin.h>
 
 /* [sum(a), sum(b), sum(c), sum(d)] of 4 x 16 lanes: 13 vector ops where four `_mm512_reduce_add_ps` take ~32 (the
- * GEMVs' tiles reduce four sums at once). AVX-512F only (the upper half taken as 4 doubles, not AVX512DQ's 8 floats). */
+ * GEMVs' tiles reduce four sums at once). AVX-512F only (the upper half taken as 4 doubles, not AVX512DQ's 8
+ * floats). */
 static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a b a b per 128 */
     const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));

@@ -374,7 +374,8 @@ static void amx_tiles(const Args *a, const uint16_t *xp, int n0, int n1) {
             _tile_zero(3);
             for (int kb = 0; kb < KB; kb++) {
                 if (next) /* the next block, a line of each of its rows per 32 columns */
-                    for (int j = 0; j < AMX_NB; j++) _mm_prefetch((const char *)(next + (int64_t)j * K + 32 * kb), _MM_HINT_T1);
+                    for (int j = 0; j < AMX_NB; j++)
+                        _mm_prefetch((const char *)(next + (int64_t)j * K + 32 * kb), _MM_HINT_T1);
                 _tile_loadd(4, w0 + 32 * kb, 2 * K);
                 _tile_loadd(6, xp0 + (int64_t)kb * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
@@ -394,8 +395,8 @@ static void amx_tiles(const Args *a, const uint16_t *xp, int n0, int n1) {
                 _tile_stored(2, c[2], 64);
                 if (m1c) _tile_stored(3, c[3], 64);
             }
-            const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                      _mm512_set1_epi32(16));
+            const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224,
+                                                     240); /* C' row offsets of one column, in floats */
             for (int h = 0; h < 1 + two; h++) /* C'[n][m] -> y[m][n]: a column gathered, rounded, stored */
                 for (int g = 0; g < 1 + (m1c > 0); g++) {
                     const int mc = g ? m1c : m0c;

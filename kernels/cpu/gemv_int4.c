@@ -263,8 +263,8 @@ static void amx_rows(const Args *a) {
                 const __m512 zs = _mm512_fnmadd_ps(c136, s, z); /* z - 136 s */
                 for (int m = 0; m < rows; m++) {
                     const __m512 x = _mm512_set1_ps(a->xs[(int64_t)(mp + m) * G + g]);
-                    _mm512_storeu_ps(acc[m], _mm512_add_ps(_mm512_loadu_ps(acc[m]),
-                                                           _mm512_fmadd_ps(_mm512_loadu_ps(d[m]), s, _mm512_mul_ps(x, zs))));
+                    const __m512 group = _mm512_fmadd_ps(_mm512_loadu_ps(d[m]), s, _mm512_mul_ps(x, zs));
+                    _mm512_storeu_ps(acc[m], _mm512_add_ps(_mm512_loadu_ps(acc[m]), group)); /* the group's sum first */
                 }
             }
             const int n = p * PANEL, left = a->N - n;

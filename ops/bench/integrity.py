@@ -244,7 +244,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     p.add_argument("--concurrency", default=None, help="comma-separated (default 8,32,64; quick 8,16)")
     p.add_argument("--repeats", type=int, default=None, help="at least this many repetitions (default 3; quick 2)")
-    p.add_argument("--max-repeats", type=int, default=None, help="at most (default 8, quick too: a quiet host stops after 2)")
+    p.add_argument("--max-repeats", type=int, default=None,
+                   help="at most (default 8, quick too: a quiet host stops after 2)")
     p.add_argument("--ci-width", type=float, default=1.0,
                    help="stop repeating once every 95%% interval is narrower than this many points (default 1)")
     p.add_argument("--inject-pct", type=float, default=1.0,
