@@ -22,7 +22,7 @@ kernels and serving path are SmolLM2's, the text is noise. Four parts, each reco
   under `graphs`.
 - **w4a16** (CUDA only): the INT4 GEMV (`kernels.w4a16_gemm`, groups 128 and 32) against torch's bf16
   GEMV at M = 1 over Llama-3-8B's projection shapes, eager and replayed in a CUDA graph, with a sweep of
-  the GEMV's tiles; the target is >= 3x.
+  the GEMV's forms and tiles; the target is >= 3x.
 
 On a CPU (`--device cpu`) every part but w4a16 runs the same code: that is how its test checks it.
 """
@@ -241,7 +241,9 @@ def _profile(model_dir: Path, device: str, steps: int, graphs: bool) -> dict[str
 
 
 W4A16_SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # Llama-3-8B's projections (N, K)
-W4A16_SWEEP = tuple((bn, bb, nw) for bn in (8, 16, 32) for bb in (128, 256, 512) for nw in (4, 8))
+W4A16_SWEEP = (tuple(("bytes", bn, bb, nw) for bn in (8, 16, 32) for bb in (128, 256, 512) for nw in (4, 8))
+               + tuple((form, bn, bb, 4) for form in ("words", "words-prefetch") for bn in (16, 32, 64)
+                       for bb in (256, 512)))  # (GEMV form, rows, bytes a row, warps)
 L2_FLUSH_BYTES = 256 << 20  # weight copies a timed loop cycles through: past the L2 cache (an H200's: 50 MB)
 
 
@@ -257,8 +259,9 @@ def w4a16(shapes: tuple[tuple[int, int], ...] = W4A16_SHAPES, groups: tuple[int,
     medians, `do_bench`, which flushes L2 between calls: what an eager decode step pays, launch included) and
     replayed in a CUDA graph (`do_bench_cudagraph`: the kernels alone, what a decode step with graphs pays; the
     calls cycle through weight copies of 256 MB in all, so they read memory as a model's layers do), the
-    launcher's default tile against a sweep of rows and bytes a tile and warps (`W4A16_SWEEP`, graph-timed, K
-    split as the launcher chooses), per group size."""
+    launcher's default tile against a sweep of the GEMV's forms (bytes; int32 words, with and without the next
+    tile in flight) and rows and bytes a tile and warps (`W4A16_SWEEP`, graph-timed, K split as the launcher
+    chooses), per group size; `best_by_form` is each form's fastest setting."""
     from triton.testing import do_bench, do_bench_cudagraph
 
     from kernels.w4a16_gemm import gemv_tile, quantize_int4_ref, w4a16_gemm
@@ -275,9 +278,10 @@ def w4a16(shapes: tuple[tuple[int, int], ...] = W4A16_SHAPES, groups: tuple[int,
             w, (q, s, z) = dense[0], packed[0]
             int4_graph = _cycling(lambda qsz: w4a16_gemm(x, *qsz, group), packed)
             bf16_graph = _cycling(lambda wc: x @ wc.t(), dense)
-            sweep = {f"n{bn}b{bb}w{nw}": do_bench_cudagraph(_cycling(
-                lambda qsz, bn=bn, bb=bb, nw=nw: w4a16_gemm(x, *qsz, group, block_n=bn, block_b=bb, num_warps=nw),
-                packed), rep=10) for bn, bb, nw in W4A16_SWEEP}
+            sweep = {f"{form}:n{bn}b{bb}w{nw}": do_bench_cudagraph(_cycling(
+                lambda qsz, f=form, bn=bn, bb=bb, nw=nw: w4a16_gemm(x, *qsz, group, block_n=bn, block_b=bb,
+                                                                   num_warps=nw, kernel=f),
+                packed), rep=10) for form, bn, bb, nw in W4A16_SWEEP}
             best = min(sweep, key=sweep.get)
             int4_ms = do_bench(lambda: w4a16_gemm(x, q, s, z, group))
             bf16_ms = do_bench(lambda: x @ w.t())
@@ -293,6 +297,8 @@ def w4a16(shapes: tuple[tuple[int, int], ...] = W4A16_SHAPES, groups: tuple[int,
                          "int4_graph_gb_s": int4_bytes / (int4_graph_ms * 1e-3) / 1e9,
                          "bf16_graph_gb_s": 2 * n * k / (bf16_graph_ms * 1e-3) / 1e9,
                          "sweep_graph_us": {key: ms * 1e3 for key, ms in sweep.items()}, "sweep_best": best,
+                         "best_by_form": {f: min((key for key in sweep if key.startswith(f + ":")), key=sweep.get)
+                                          for f in dict.fromkeys(form for form, *_ in W4A16_SWEEP)},
                          "speedup_graph_best": bf16_graph_ms / sweep[best]})
             print(f"w4a16 g{group} {n}x{k}: graph {int4_graph_ms * 1e3:.1f} us (bf16 {bf16_graph_ms * 1e3:.1f}), "
                   f"eager {int4_ms * 1e3:.1f} (bf16 {bf16_ms * 1e3:.1f}), best {best} {sweep[best] * 1e3:.1f} us",

@@ -109,3 +109,34 @@ def test_launcher_checks_shapes() -> None:
         w4a16_gemm(torch.randn(2, 62), q, s, z, 32)
     with pytest.raises(ValueError, match="scales"):
         w4a16_gemm(torch.randn(2, 64), q, s[:, :1], z, 32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,k,group", [(33, 64, 32), (40, 200, 128), (17, 136, 16), (9, 520, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_words_forms_match_the_dequantised_weight(device: str, n: int, k: int, group: int, dtype: torch.dtype,
+                                                  seed: int) -> None:
+    """The GEMV's words forms (int32 words of codes, nibbles decoded in place; bfloat16 x read in pairs), with
+    and without the next tile in flight: K a multiple of 8 ending in a partial tile and group, groups of 16
+    (chunks of two words), K split and not, against the same tolerances as the bytes form's."""
+    q, s, z = quantize_int4_ref(random_weight(n, k, device), group)
+    w = dequantize_int4_ref(q, s, z, group, k)
+    x = torch.randn(1, k, device=device).to(dtype)
+    expected = x.float() @ w.t()
+    tol = (1e-5 if dtype == torch.float32 else 2.0 ** -7) * mag(x, w) + 1e-6
+    for form in ("words", "words-prefetch"):
+        for split_k, block_n, block_b in [(None, None, None), (1, 16, 16), (3, 8, 64), (2, 32, 32)]:
+            got = w4a16_gemm(x, q, s, z, group, split_k=split_k, block_n=block_n, block_b=block_b, kernel=form)
+            assert got.dtype == dtype
+            assert ((got.float() - expected).abs() <= tol).all(), f"seed {seed} {form} {split_k} {block_n} {block_b}"
+
+
+def test_words_forms_refuse_what_they_cannot_read() -> None:
+    q, s, z = quantize_int4_ref(torch.randn(8, 68), 32)  # K = 68: not whole words of 8 columns
+    with pytest.raises(ValueError, match="multiple of 8"):
+        w4a16_gemm(torch.randn(1, 68), q, s, z, 32, kernel="words")
+    q, s, z = quantize_int4_ref(torch.randn(8, 64), 32)
+    with pytest.raises(ValueError, match="M = 1"):
+        w4a16_gemm(torch.randn(2, 64), q, s, z, 32, kernel="words")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        w4a16_gemm(torch.randn(1, 64), q, s, z, 32, kernel="nibbles")
