@@ -33,6 +33,7 @@ BENCHES: dict[str, str] = {
     "mla": "ops.bench.mla",
     "structured": "ops.bench.structured",
     "tp": "ops.bench.tp",
+    "sass": "ops.bench.sass",
     "all": "ops.bench.all",
 }
 
