@@ -111,8 +111,8 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, k0, mask_n, K,
                  FMT: tl.constexpr, SCALE_N: tl.constexpr, GROUP: tl.constexpr):
     """One expert's [BLOCK_N, BLOCK_K] weight tile at rows offs_n, columns offs_k (one scale column)."""
     if FMT == 2:  # INT4: codes, per-row group scale and zero
-        w = _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, k0, mask_n, K, stride_wn, stride_sn, stride_sk,
-                          GROUP)
+        w = _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, k0, mask_n, K, stride_wn, stride_sn, stride_sk, GROUP,
+                          offs_k.shape[0])
     else:
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                     mask=mask_n[:, None] & (offs_k[None, :] < K), other=0.0)
