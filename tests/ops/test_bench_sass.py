@@ -42,9 +42,10 @@ def test_bench_sass_quick(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     cases = report["cases"]
     assert set(cases) == {"w4a16_gemv.bytes.g128", "w4a16_gemv.words.g128", "w4a16_gemv.words-prefetch.g128",
-                          "paged_attention.fp8_e4m3"}
+                          "paged_attention.fp8_e4m3", "w4a16_tiled.g128"}
     for key, case in cases.items():
         assert 0 < case["registers"] <= 255, key
+        assert 0 < case["resident_warps"] <= 64 and case["resident_warps"] % case["warps"] == 0, key
         assert case["loop_instructions"] == sum(case["opcodes"].values()) > 50, key
         assert case["instructions_per_byte"] == pytest.approx(case["loop_instructions"] / case["bytes_per_thread"])
         assert math.isclose(case["issue_ceiling_gb_s"], report["sms"] * report["clock_hz"] * ISSUE_PER_SM_CLOCK
@@ -53,4 +54,7 @@ def test_bench_sass_quick(tmp_path: Path) -> None:
     for form in ("words", "words-prefetch"):
         loads = cases[f"w4a16_gemv.{form}.g128"]["loads"]
         assert loads.get("LDG.E.128", 0) >= 4 and "LDG.E.U8" not in loads, loads
+    # INT4 tiles for tensor cores: bytes in vectors (cp.async), none a byte at a time, no register spills
+    tiled = cases["w4a16_tiled.g128"]
+    assert "LDG.E.U8" not in tiled["loads"] and "LDL" not in tiled["opcodes"], tiled
     assert report["provenance"]["command"].startswith("edgeserve bench sass")
