@@ -355,6 +355,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                 raise ValueError(f"kernel must be one of {GEMV_KERNELS}, got {kernel!r}")
             if not _words_fit(x, qweight):
                 raise ValueError(f"the {kernel} GEMV takes M = 1, K a multiple of 8 and 4-byte aligned rows")
+            if block_b < 16:
+                raise ValueError(f"the {kernel} GEMV reads at least 16 bytes a row a tile, got block_b {block_b}")
             _w4a16_gemv_words_kernel[(n_tiles, split_k)](
                 x, qweight, scales, zeros, out, n, k, tiles_per_split * block_b,
                 qweight.stride(0), scales.stride(0), scales.stride(1), out.stride(0) if split_k > 1 else 0,

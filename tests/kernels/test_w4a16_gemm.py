@@ -138,5 +138,7 @@ def test_words_forms_refuse_what_they_cannot_read() -> None:
     q, s, z = quantize_int4_ref(torch.randn(8, 64), 32)
     with pytest.raises(ValueError, match="M = 1"):
         w4a16_gemm(torch.randn(2, 64), q, s, z, 32, kernel="words")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        w4a16_gemm(torch.randn(1, 64), q, s, z, 32, kernel="words", block_b=8)
     with pytest.raises(ValueError, match="kernel must be one of"):
         w4a16_gemm(torch.randn(1, 64), q, s, z, 32, kernel="nibbles")
