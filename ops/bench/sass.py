@@ -45,7 +45,8 @@ import torch
 
 from ops.bench.report import write_report
 
-__all__ = ["add_arguments", "run", "captured_launch", "compile_sass", "hot_loop", "LoopFigures", "CASES"]
+__all__ = ["add_arguments", "run", "captured_launch", "compile_sass", "Compiled", "resident_warps", "hot_loop",
+           "LoopFigures", "CASES"]
 
 ARCH = 90  # sm_90: H100 / H200
 SMS, CLOCK_HZ = 132, 1.98e9  # an H200's multiprocessors and boost clock
