@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.bench.sass import ISSUE_PER_SM_CLOCK, hot_loop
+from ops.bench.sass import ISSUE_PER_SM_CLOCK, hot_loop, resident_warps
 
 
 def test_hot_loop_is_the_largest_backward_branch() -> None:
@@ -28,6 +28,14 @@ def test_hot_loop_is_the_largest_backward_branch() -> None:
         /*0080*/                   EXIT ;
     """
     assert hot_loop(sass) == [("LDG", ".E.128"), ("LOP3", ".LUT"), ("FADD", ""), ("BRA", "")]
+
+
+def test_resident_warps_takes_the_scarcest_resource() -> None:
+    assert resident_warps(255, 41472, 4) == 8  # registers: 8192 a warp (255 rounded up), two blocks of four warps
+    assert resident_warps(96, 1024, 4) == 20  # registers: 3072 a warp, five blocks
+    assert resident_warps(32, 120_000, 4) == 4  # shared memory: one block
+    assert resident_warps(16, 0, 1) == 32  # blocks: at most 32
+    assert resident_warps(16, 0, 32) == 64  # warps: at most 64
 
 
 @pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
