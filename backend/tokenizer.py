@@ -33,6 +33,11 @@ A template that rewrites message text (`content | trim`, `messages | tojson`) ca
 split that way; a conversation whose text spells control tokens is then refused
 (`InvalidRequest`) rather than encoded with forged ones.
 
+In the common case, given a `cache_namespace` (the gateway passes the tenant), the real
+rendering is encoded piece by piece between its added tokens through `PieceCache`
+(`backend/piece_cache.py`): the same ids, with the pieces an earlier request already encoded
+(the system prompt, a conversation's earlier turns) taken from the cache.
+
 Incremental detokenisation (streaming)
 --------------------------------------
 A token is a sequence of bytes, not of characters: a byte-level BPE can cut one emoji
@@ -73,6 +78,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
 from backend.errors import InvalidRequest, ModelLoadError
+from backend.piece_cache import PieceCache
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer"]
 
@@ -230,12 +236,26 @@ class Tokenizer:
         """The id of a vocabulary entry, or None."""
         return self._backend.token_to_id(token)
 
-    def encode(self, text: str, *, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False, split_special_tokens: bool = False,
+               cache_namespace: str | None = None) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) are matched whole,
         or, with `split_special_tokens`, encoded as the plain text they spell. `add_special_tokens`
         adds what the post-processor adds (e.g. BOS), off by default because chat templates write
-        their own. Releases the GIL while it encodes, so a thread can take a large text off an event loop."""
+        their own. Releases the GIL while it encodes, so a thread can take a large text off an event loop.
+        `cache_namespace` (special tokens matched, none added): the pieces between added tokens are
+        looked up in, and kept in, this tokenizer's `PieceCache` under that namespace (same ids)."""
+        if cache_namespace is not None and not (add_special_tokens or split_special_tokens):
+            return self._encode_pieces(text, cache_namespace)
         return self._encode_batch([text], split_special_tokens, add_special_tokens)[0]
+
+    @cached_property
+    def _piece_cache(self) -> PieceCache | None:
+        """Pieces between added tokens, cached (None where this pipeline must encode whole: `PieceCache`)."""
+        return PieceCache.for_backend(self._backend)
+
+    def _encode_pieces(self, text: str, namespace: str) -> list[int]:
+        cache = self._piece_cache
+        return cache.encode(text, namespace) if cache is not None else self._encode_batch([text], False)[0]
 
     @cached_property
     def _plain(self) -> _BackendTokenizer:
@@ -254,9 +274,10 @@ class Tokenizer:
         return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                    **template_vars: Any) -> list[int]:
+                    cache_namespace: str | None = None, **template_vars: Any) -> list[int]:
         """Token ids of `messages` rendered with the chat template, where control tokens come only
         from the template: special-token text inside a message's content stays text (module doc).
+        `cache_namespace`: the common case's pieces go through the `PieceCache` (`encode`).
 
         Raises `InvalidRequest` when the template rejects the conversation, or when it rewrites
         message text that spells special tokens (the one case that cannot be encoded safely).
@@ -271,6 +292,8 @@ class Tokenizer:
         template_parts, texts = parts[0::2], [contents[int(i)] for i in parts[1::2]]
         verbatim = "".join(p for pair in zip(template_parts, [*texts, ""], strict=True) for p in pair) == real
         if verbatim and all(self._inert(t) for t in texts):  # no control token can touch message text
+            if cache_namespace is not None:
+                return self._encode_pieces(real, cache_namespace)
             return self._encode_batch([real], split_special_tokens=False)[0]
         ids, own_ids = self._encode_batch([real, marked], split_special_tokens=False)
         if self._specials(ids) == self._specials(own_ids):

@@ -1,0 +1,148 @@
+"""Token ids of a prompt piece by piece between added tokens, the pieces seen before taken from a cache.
+
+`tokenizers` encodes a text in two stages: it first finds the tokenizer's added tokens in it
+(`<|im_start|>`, `<|im_end|>`, ...: leftmost, longest first), then normalises, pre-tokenises and
+runs the model on each stretch of text between them on its own. So a text's ids are, in order,
+each added token's id and each stretch's ids encoded alone, wherever nothing about a stretch
+depends on where it sits in the whole: no added token strips the whitespace beside it
+(`lstrip` / `rstrip`), matches only as a whole word (`single_word`) or matches after
+normalisation, and no normaliser or pre-tokeniser treats the start of the input apart
+(SentencePiece's `Prepend` normaliser, the `Metaspace` pre-tokeniser's prepend scheme).
+`PieceCache.for_backend` checks those conditions, then encodes probe texts both ways, and
+gives None (encode whole) where anything differs.
+
+A chat prompt is mostly pieces seen before: the system prompt, tool definitions and every
+earlier turn of a conversation come back with each new message, so a gateway that encodes the
+whole prompt again pays for the whole history on every turn. With the cache a turn pays for its
+new message (figures in BENCHMARKS.md, "Prompt pieces"). Pieces are kept per `namespace` (the
+gateway passes the tenant: one tenant's prompts never make another's faster, the rule the prefix
+cache's tenant salt follows) in one LRU of `max_chars` characters in all; a piece longer than a
+quarter of it is encoded and not kept. Thread-safe (prompts are encoded in threads when large).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from tokenizers import Tokenizer as _BackendTokenizer
+
+__all__ = ["PieceCache", "MAX_CHARS"]
+
+MAX_CHARS = 8 << 20  # characters of cached pieces, all namespaces together (~50 MB with their ids at worst)
+_SHORT = 1024  # characters: misses up to this many in all are encoded holding the GIL (as `Tokenizer` does)
+_UNSAFE_STAGES = ("Prepend", "Metaspace")  # normaliser / pre-tokeniser types that treat the input's start apart
+
+
+class PieceCache:
+    """Encodes text with its added tokens matched (as `tokenizers` does with `add_special_tokens=False`),
+    piece by piece, caching pieces per namespace."""
+
+    def __init__(self, backend: _BackendTokenizer, max_chars: int = MAX_CHARS) -> None:
+        self._backend = backend
+        added = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.content}
+        self._ids = added
+        # longest first: at one position the alternation takes the longest token, as tokenizers' matcher does
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")") \
+            if added else None
+        self._max_chars = max_chars
+        self._pieces: OrderedDict[tuple[str, str], array] = OrderedDict()  # ids as 32-bit ints: 4 bytes a token
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0  # pieces, since the start (for tests and benchmarks)
+
+    @classmethod
+    def for_backend(cls, backend: _BackendTokenizer, max_chars: int = MAX_CHARS) -> PieceCache | None:
+        """A cache for this tokenizer, or None where encoding piece by piece could differ from encoding whole
+        (module doc: the added tokens' options, the pipeline's stages, then probe texts)."""
+        tokens = backend.get_added_tokens_decoder().values()
+        pipeline = json.loads(backend.to_str())
+        if any(t.lstrip or t.rstrip or t.single_word or (t.normalized and pipeline.get("normalizer")) for t in tokens):
+            return None
+        if _mentions(pipeline.get("normalizer"), _UNSAFE_STAGES) or _mentions(pipeline.get("pre_tokenizer"),
+                                                                              _UNSAFE_STAGES):
+            return None
+        cache = cls(backend, max_chars)
+        specials = [t.content for t in tokens if t.content][:3]
+        for probe in _probes(specials):
+            if cache._encode_uncached(probe) != backend.encode(probe, add_special_tokens=False).ids:
+                return None
+        return cache
+
+    def encode(self, text: str, namespace: str = "") -> list[int]:
+        """The ids `tokenizers` gives `text` (added tokens matched, no post-processor tokens)."""
+        if self._split is None:
+            parts = [text]
+        else:
+            parts = self._split.split(text)  # text, token, text, ..., token, text
+        found: dict[str, Sequence[int]] = {}
+        with self._lock:
+            for piece in parts[0::2]:
+                if piece and piece not in found:
+                    ids = self._pieces.get((namespace, piece))
+                    if ids is not None:
+                        self._pieces.move_to_end((namespace, piece))
+                        found[piece] = ids
+            self.hits += len(found)
+        missing = list(dict.fromkeys(p for p in parts[0::2] if p and p not in found))
+        if missing:
+            encoded = self._encode_pieces(missing)
+            found.update(zip(missing, encoded, strict=True))
+            self._keep(namespace, missing, encoded)
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids.append(self._ids[part])
+            elif part:
+                ids.extend(found[part])
+        return ids
+
+    def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
+        if len(pieces) == 1 and len(pieces[0]) < _SHORT:
+            return [self._backend.encode(pieces[0], add_special_tokens=False).ids]
+        return [e.ids for e in self._backend.encode_batch(pieces, add_special_tokens=False)]  # releases the GIL
+
+    def _encode_uncached(self, text: str) -> list[int]:
+        parts = self._split.split(text) if self._split is not None else [text]
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids.append(self._ids[part])
+            elif part:
+                ids += self._backend.encode(part, add_special_tokens=False).ids
+        return ids
+
+    def _keep(self, namespace: str, pieces: list[str], encoded: list[list[int]]) -> None:
+        with self._lock:
+            self.misses += len(pieces)
+            for piece, ids in zip(pieces, encoded, strict=True):
+                if len(piece) > self._max_chars // 4 or (namespace, piece) in self._pieces:
+                    continue
+                self._pieces[(namespace, piece)] = array("i", ids)
+                self._chars += len(piece)
+            while self._chars > self._max_chars:
+                (_, old), _ = self._pieces.popitem(last=False)
+                self._chars -= len(old)
+
+
+def _mentions(stage: Any, types: tuple[str, ...]) -> bool:
+    """Whether a normaliser or pre-tokeniser (tokenizer.json's object, sequences nested) has one of `types`."""
+    if isinstance(stage, dict):
+        return stage.get("type") in types or any(_mentions(v, types) for v in stage.values())
+    if isinstance(stage, list):
+        return any(_mentions(v, types) for v in stage)
+    return False
+
+
+def _probes(specials: list[str]) -> list[str]:
+    """Texts around added tokens whose pieces a pipeline that sees the whole input could treat differently:
+    spaces, newlines, digits and non-ASCII at each edge."""
+    a, b, c = (specials + ["", "", ""])[:3]
+    return [f"{a}system\nYou are helpful.{b}\n{a}user\n 12 héllo  wörld 👋{b}\n{a}assistant\n",
+            f"  leading{a}  both  {b}trailing  ", f"{c}{c}x{a}\n\n{b} {a}",
+            "no added tokens at all, 3.14 and  spaces\t"]
