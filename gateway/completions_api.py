@@ -65,9 +65,9 @@ def _params(req: CompletionRequest) -> SamplingParams:
         prompt_logprobs=req.logprobs if scoring else (0 if req.max_tokens == 0 else None))
 
 
-async def _prompt_ids(model: ServedModel, prompt: str | list[int]) -> list[int]:
+async def _prompt_ids(model: ServedModel, prompt: str | list[int], cache_namespace: str | None) -> list[int]:
     if isinstance(prompt, str):
-        return await model.raw_prompt_ids_async(prompt)
+        return await model.raw_prompt_ids_async(prompt, cache_namespace)
     return model.check_length(list(prompt))
 
 
@@ -114,7 +114,7 @@ async def completions(request: Request) -> Response:
         req = decode_body(await state.body(request), CompletionRequest)
         model = state.catalog.resolve(req.model)
         prompts = req.prompts()
-        ids = [await _prompt_ids(model, p) for p in prompts]
+        ids = [await _prompt_ids(model, p, pending.cache_namespace()) for p in prompts]
         tenant = await state.confirm_auth(pending, request)
         for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
             gen = await state.start_generation(request, API, tenant, model, prompt_ids, _params(req),

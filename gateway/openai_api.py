@@ -83,7 +83,7 @@ async def chat_completions(request: Request) -> Response:
             specials = model.tokenizer.control_tokens
             check_no_control_text(tools, specials, "tools")
             check_no_control_text([m.get("tool_calls") for m in messages], specials, "messages")
-        prompt_ids = await model.chat_prompt_ids_async(messages, tools)
+        prompt_ids = await model.chat_prompt_ids_async(messages, tools, pending.cache_namespace())
         max_tokens = req.max_completion_tokens or req.max_tokens or model.max_model_len - len(prompt_ids)
         parsers = _Parsers(model, tools if tool_mode != "none" else None, prompt_ids)
         grammar = openai_grammar(req.response_format)

@@ -58,28 +58,32 @@ class ServedModel:
         tail = self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
         return tail.rstrip().endswith(self.reasoning_parser.START)
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                        cache_namespace: str | None = None) -> list[int]:
         """Token ids of `messages` (and `tools`, the template's `tools` variable) rendered with the
-        model's chat template (generation prompt added); text in the messages never becomes a control token."""
+        model's chat template (generation prompt added); text in the messages never becomes a control token.
+        `cache_namespace` (the tenant): pieces of the prompt seen before come from the tokenizer's
+        `PieceCache` (the same ids; a conversation's earlier turns are not encoded again)."""
         extra = {"tools": tools} if tools else {}
-        return self.check_length(self.tokenizer.encode_chat(messages, add_generation_prompt=True, **extra))
+        return self.check_length(self.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                                            cache_namespace=cache_namespace, **extra))
 
-    def raw_prompt_ids(self, prompt: str) -> list[int]:
+    def raw_prompt_ids(self, prompt: str, cache_namespace: str | None = None) -> list[int]:
         """Token ids of a prompt the client templated itself (`raw`): its control tokens are kept."""
-        return self.check_length(self.tokenizer.encode(prompt))
+        return self.check_length(self.tokenizer.encode(prompt, cache_namespace=cache_namespace))
 
-    async def chat_prompt_ids_async(self, messages: list[dict[str, Any]],
-                                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    async def chat_prompt_ids_async(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                                    cache_namespace: str | None = None) -> list[int]:
         """`chat_prompt_ids`, in a thread when the messages are large (off the event loop)."""
         if sum(len(m["content"] or "") for m in messages) + (len(json.dumps(tools)) if tools else 0) < OFFLOAD_CHARS:
-            return self.chat_prompt_ids(messages, tools)
-        return await asyncio.to_thread(self.chat_prompt_ids, messages, tools)
+            return self.chat_prompt_ids(messages, tools, cache_namespace)
+        return await asyncio.to_thread(self.chat_prompt_ids, messages, tools, cache_namespace)
 
-    async def raw_prompt_ids_async(self, prompt: str) -> list[int]:
+    async def raw_prompt_ids_async(self, prompt: str, cache_namespace: str | None = None) -> list[int]:
         """`raw_prompt_ids`, in a thread when the prompt is large (off the event loop)."""
         if len(prompt) < OFFLOAD_CHARS:
-            return self.raw_prompt_ids(prompt)
-        return await asyncio.to_thread(self.raw_prompt_ids, prompt)
+            return self.raw_prompt_ids(prompt, cache_namespace)
+        return await asyncio.to_thread(self.raw_prompt_ids, prompt, cache_namespace)
 
     def check_length(self, ids: list[int]) -> list[int]:
         """`ids`, or PromptTooLong when no token could follow them in the context."""

@@ -116,6 +116,14 @@ class PendingAuth:
         """The token's tenant; AuthenticationError (or StoreUnavailable) otherwise."""
         return await self._lookup
 
+    def cache_namespace(self) -> str | None:
+        """The namespace of caches of the caller's own work (`backend.piece_cache`): the tenant's id once
+        known without waiting (the hint, or the lookup's answer), else None (nothing cached)."""
+        if self.tenant is not None:
+            return self.tenant.id
+        done = self._lookup.done() and not self._lookup.cancelled() and self._lookup.exception() is None
+        return self._lookup.result().id if done else None
+
     async def first_error(self, exc: BaseException) -> BaseException:
         """The error a request that failed with `exc` reports: the lookup's own, if it fails
         (authentication comes first, as if it had been awaited before anything else), else `exc`."""

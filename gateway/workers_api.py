@@ -81,12 +81,14 @@ async def workers_run(request: Request) -> Response:
             specials = model.tokenizer.control_tokens
             check_no_control_text(tools, specials, "tools")
             check_no_control_text([m.get("tool_calls") for m in messages or []], specials, "messages")
+        namespace = pending.cache_namespace()
         if messages is not None:
-            prompt_ids = await model.chat_prompt_ids_async(messages, tools)
+            prompt_ids = await model.chat_prompt_ids_async(messages, tools, namespace)
         elif req.raw:  # the client wrote its own template: its control tokens are meant
-            prompt_ids = await model.raw_prompt_ids_async(req.prompt or "")
+            prompt_ids = await model.raw_prompt_ids_async(req.prompt or "", namespace)
         else:
-            prompt_ids = await model.chat_prompt_ids_async([{"role": "user", "content": req.prompt or ""}], tools)
+            prompt_ids = await model.chat_prompt_ids_async([{"role": "user", "content": req.prompt or ""}], tools,
+                                                           namespace)
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p or 1.0,
                                 top_k=req.top_k or 0, seed=req.seed,
                                 repetition_penalty=req.repetition_penalty or 1.0,

@@ -35,11 +35,11 @@ def _revoke(redis_url: str, key_id: str) -> None:
 def served(worker: Worker, tiny_chat_dir: Path, redis_url: str):
     app = create_gateway_app(gateway_config(tiny_chat_dir, [worker.url], redis_url, tenant_cache_s=60.0))
     model = app.state.gateway.catalog.resolve(MODEL)
-    calls: list[int] = []
+    calls: list[tuple] = []
     encode = model.chat_prompt_ids
 
-    def counted(*args, **kwargs):  # counts the prompts tokenised; the real encoding runs
-        calls.append(1)
+    def counted(*args, **kwargs):  # records the prompts tokenised (their arguments); the real encoding runs
+        calls.append(args)
         return encode(*args, **kwargs)
 
     model.chat_prompt_ids = counted
@@ -83,6 +83,9 @@ def test_a_token_that_never_authenticated_gets_nothing_done(served, redis_url: s
     assert _chat(url, account.token, content=b"not json").status_code == 400
     assert _chat(url, account.token).status_code == 200
     assert len(calls) == 1
+    assert calls[0][2] == account.tenant_id  # the prompt's pieces cached under the caller's tenant
+    assert _chat(url, account.token).status_code == 200  # authenticated a moment ago: the hint's tenant
+    assert len(calls) == 2 and calls[1][2] == account.tenant_id
 
 
 def test_the_account_check_comes_before_the_body(served, redis_url: str) -> None:

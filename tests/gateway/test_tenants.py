@@ -168,3 +168,23 @@ def test_the_tenant_cache_saves_lookups_but_never_outlives_a_revoked_key(redis_u
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_cache_namespace_is_the_tenant_once_known_without_waiting() -> None:
+    from gateway.tenants import PendingAuth, Tenant
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        tenant = Tenant(id="t-1", name="one")
+        waiting = loop.create_future()
+        assert PendingAuth(waiting, None).cache_namespace() is None  # lookup in flight, no hint
+        assert PendingAuth(waiting, tenant).cache_namespace() == "t-1"  # the hint
+        answered = loop.create_future()
+        answered.set_result(tenant)
+        assert PendingAuth(answered, None).cache_namespace() == "t-1"
+        refused = loop.create_future()
+        refused.set_exception(AuthenticationError("no"))
+        assert PendingAuth(refused, None).cache_namespace() is None
+        waiting.cancel()
+
+    asyncio.run(go())
