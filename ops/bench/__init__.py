@@ -34,6 +34,7 @@ BENCHES: dict[str, str] = {
     "structured": "ops.bench.structured",
     "tp": "ops.bench.tp",
     "sass": "ops.bench.sass",
+    "tokenize": "ops.bench.tokenize",
     "all": "ops.bench.all",
 }
 
