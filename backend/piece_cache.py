@@ -45,11 +45,12 @@ class PieceCache:
 
     def __init__(self, backend: _BackendTokenizer, max_chars: int = MAX_CHARS) -> None:
         self._backend = backend
-        added = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.content}
-        self._ids = added
-        # longest first: at one position the alternation takes the longest token, as tokenizers' matcher does
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")") \
-            if added else None
+        tokens = {i: t for i, t in backend.get_added_tokens_decoder().items() if t.content}
+        self._ids = {t.content: i for i, t in tokens.items()}
+        # tokenizers matches the added tokens that are not normalised first, then, in the text between them, those
+        # that are (on the normalised text: the same text here, `for_backend` takes no normaliser with them)
+        self._passes = [_alternation([t.content for t in tokens.values() if t.normalized == normalized])
+                        for normalized in (False, True)]
         self._max_chars = max_chars
         self._pieces: OrderedDict[tuple[str, str], array] = OrderedDict()  # ids as 32-bit ints: 4 bytes a token
         self._chars = 0
@@ -76,10 +77,7 @@ class PieceCache:
 
     def encode(self, text: str, namespace: str = "") -> list[int]:
         """The ids `tokenizers` gives `text` (added tokens matched, no post-processor tokens)."""
-        if self._split is None:
-            parts = [text]
-        else:
-            parts = self._split.split(text)  # text, token, text, ..., token, text
+        parts = self._split(text)  # text, token, text, ..., token, text
         found: dict[str, Sequence[int]] = {}
         with self._lock:
             for piece in parts[0::2]:
@@ -107,8 +105,15 @@ class PieceCache:
             return [self._backend.encode(pieces[0], add_special_tokens=False).ids]
         return [e.ids for e in self._backend.encode_batch(pieces, add_special_tokens=False)]  # releases the GIL
 
+    def _split(self, text: str) -> list[str]:
+        parts = [text]
+        for alternation in self._passes:
+            if alternation is not None:
+                parts = [q for i, p in enumerate(parts) for q in ([p] if i % 2 else alternation.split(p))]
+        return parts
+
     def _encode_uncached(self, text: str) -> list[int]:
-        parts = self._split.split(text) if self._split is not None else [text]
+        parts = self._split(text)
         ids: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
@@ -128,6 +133,14 @@ class PieceCache:
             while self._chars > self._max_chars:
                 (_, old), _ = self._pieces.popitem(last=False)
                 self._chars -= len(old)
+
+
+def _alternation(tokens: list[str]) -> re.Pattern[str] | None:
+    """A pattern that splits text at these tokens, keeping them: leftmost match, the longest at a position (the
+    alternation tries longer tokens first), as tokenizers' matcher does."""
+    if not tokens:
+        return None
+    return re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")")
 
 
 def _mentions(stage: Any, types: tuple[str, ...]) -> bool:

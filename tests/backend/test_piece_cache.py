@@ -113,3 +113,16 @@ def test_pipelines_that_see_the_whole_input_get_no_cache() -> None:
     assert PieceCache.for_backend(_word_level(special=AddedToken("<s>", special=True, single_word=True))) is None
     plain = _word_level()
     assert PieceCache.for_backend(plain).encode("hello<s> world<s>") == plain.encode("hello<s> world<s>").ids
+
+
+def test_tokens_matched_after_normalisation_come_second() -> None:
+    """tokenizers matches the added tokens that are not normalised first, then the normalised ones in the text
+    between them: a normalised token inside a special one's text is not matched."""
+    backend = _word_level()
+    backend.add_tokens([AddedToken("lo<", normalized=True), AddedToken("wor", normalized=True)])
+    cache = PieceCache.for_backend(backend)
+    assert cache is not None
+    # "hello<s>": one pass, leftmost first, would take "lo<" and leave "s>"; tokenizers takes "<s>"
+    assert backend.encode("hello<s>").ids[-1] == backend.token_to_id("<s>")
+    for text in ("hello<s>", "hello<s>world", "<s>lo<", "lo< world<s>wor", "hello world"):
+        assert cache.encode(text) == backend.encode(text, add_special_tokens=False).ids, text
