@@ -36,9 +36,23 @@ queries; bfloat16 -> float16 keeps more mantissa); the probabilities are scaled 
 2**e_max after the dot, so they never leave float16's range, with 3 more mantissa bits
 than bfloat16 probabilities. The softmax runs in float32 in the log2 domain (exp2 with
 1/ln 2 folded into the score scale).
+
+**V in pairs** (`v_pairs`, with float16 dots; opt-in until a GPU has timed it): the V tile enters
+p @ v as the dot's second operand, whose threads hold pairs of consecutive *tokens* for one
+dimension, 128 bytes apart in the page rows. Triton moves the tile into that layout before
+converting it (on the FP8 bytes, to keep shared memory small), and with no transposing load for
+8-bit data it reads the tile one byte at a time: compiled for sm_90 (`edgeserve bench sass`), 128
+one-byte shared-memory loads a thread per 128-token tile, 255 registers with spills, 8 resident
+warps a multiprocessor. With `v_pairs` V is loaded as int16 pairs of dimensions and made float16
+in registers first (`cvt.rn.f16x2.e4m3x2`, one instruction for two values; under the interpreter
+the same bits by integer operations: e4m3's s eeee mmm placed at float16's bits 15 and 13..7 is
+the value times 2**-8, for subnormals too), so the layout change moves 16-bit values: no byte
+loads, 146 registers, no spills, 12 resident warps, 3.84 instructions a KV byte against 4.64.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -57,6 +71,23 @@ FP8_TILE = (128, 4, 4)
 
 
 # ---------------------------------------------------------------- kernels
+
+@triton.jit
+def _e4m3_pairs_to_fp16(pairs, ASM: tl.constexpr):
+    """int16 [N, D/2], e4m3 values of dimensions 2j (low byte) and 2j + 1 (high byte) -> float16 [N, D], exactly
+    (module doc; e4m3's NaN code becomes NaN with ASM, 480 without: pages never hold it)."""
+    if ASM:
+        both = tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [pairs], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+        low = (both & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        high = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        b = pairs.to(tl.int32)
+        lo, hi = b & 0xFF, (b >> 8) & 0xFF
+        low = (((lo & 0x80) << 8) | ((lo & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+        high = (((hi & 0x80) << 8) | ((hi & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+    return tl.reshape(tl.join(low, high), [pairs.shape[0], 2 * pairs.shape[1]])
+
 
 @triton.jit
 def _paged_decode_split_kernel(
@@ -82,6 +113,7 @@ def _paged_decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr,
+    V_PAIRS: tl.constexpr = False, V_ASM: tl.constexpr = False,
 ):
     """One program per (sequence, kv head, partition): the GROUP query heads of that kv head
     over the partition's tokens, with a running softmax (m_i, l_i, acc) in the log2 domain."""
@@ -121,7 +153,13 @@ def _paged_decode_split_kernel(
         rows = page * stride_cp + slot_in_page * stride_ct + pid_kvh * stride_ch  # [BLOCK_N] int64
         mask_kv = mask_t[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
+        if V_PAIRS:  # float16 [BLOCK_N, BLOCK_D] from int16 pairs of FP8 values (module doc)
+            offs_h = tl.arange(0, BLOCK_D // 2)
+            pairs = tl.load(v_cache_ptr.to(tl.pointer_type(tl.int16)) + rows[:, None] // 2 + offs_h[None, :],
+                            mask=mask_t[:, None] & (offs_h[None, :] < HEAD_DIM // 2), other=0)
+            v = _e4m3_pairs_to_fp16(pairs, V_ASM)
+        else:
+            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
 
         if FP16_DOTS:
             s = tl.dot(q, tl.trans(k.to(tl.float16)))  # [BLOCK_G, BLOCK_N] float32
@@ -235,13 +273,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                            page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, fp16_dots: bool | None = None) -> torch.Tensor:
+                           num_stages: int | None = None, fp16_dots: bool | None = None,
+                           v_pairs: bool = False) -> torch.Tensor:
     """Attention of q [B, heads, head_dim] over each sequence's first context_lens[b] (>= 1)
     cached tokens, reached through page_table [B, max_pages]; returns [B, heads, head_dim] in q's dtype.
     `block_n` (tokens a tile, a power of two >= 16), `num_warps` and `num_stages` tune the split kernel
     (benchmarks sweep them; where None: `FP8_TILE` over FP8 pages, else 64 tokens and Triton's defaults).
-    `fp16_dots` (FP8 pages with bfloat16 q only; the default there) runs both dots on float16 operands
-    (module doc)."""
+    `fp16_dots` (FP8 pages with bfloat16 q only; the default there) runs both dots on float16 operands, and
+    `v_pairs` (with them, an even head_dim) reads V in pairs made float16 before its dot (module doc)."""
     is_fp8 = _check_attention_args(q, k_cache, v_cache, k_scale, v_scale, page_table, context_lens)
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -274,6 +313,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         fp16_dots = is_fp8 and q.dtype == torch.bfloat16
     if fp16_dots and not (is_fp8 and q.dtype == torch.bfloat16):
         raise ValueError("fp16_dots is for FP8 pages with bfloat16 queries")
+    if v_pairs and not (fp16_dots and head_dim % 2 == 0 and v_cache.data_ptr() % 2 == 0):
+        raise ValueError("v_pairs takes FP8 pages with float16 dots, an even head_dim and 2-byte aligned V pages")
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, page_table, context_lens, partial, lse,
         scale * 1.44269504, num_splits,  # 1/ln 2: the softmax runs on exp2
@@ -287,7 +328,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n,  # tokens per tile (64: 4 pages of 16; FP8_TILE's over FP8 pages), any page size
         IS_FP8=is_fp8, DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,  # no TF32
-        FP16_DOTS=fp16_dots, **tuning,
+        FP16_DOTS=fp16_dots, V_PAIRS=v_pairs,
+        V_ASM=v_pairs and q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), **tuning,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

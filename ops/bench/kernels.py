@@ -128,7 +128,8 @@ def _bench_attention(args: argparse.Namespace) -> dict:
 
 def _sweep_attention(args: argparse.Namespace, batch: int, context: int, bandwidth: float) -> dict[str, list[dict]]:
     """The split kernel's tile (tokens), warps and pipeline stages at one shape, each format, FP8 pages with
-    float16 dots (the default) and with bfloat16 ones (`fp16_dots=False`): what the defaults leave on the table."""
+    float16 dots (the default), with bfloat16 ones (`fp16_dots=False`) and with V read in pairs (`v_pairs`):
+    what the defaults leave on the table."""
     from triton.testing import do_bench
 
     from kernels.paged_attention import paged_decode_attention
@@ -136,7 +137,8 @@ def _sweep_attention(args: argparse.Namespace, batch: int, context: int, bandwid
     scale = args.head_dim ** -0.5
     out: dict[str, list[dict]] = {}
     arms = (("bf16", "bf16", {}), ("fp8_e4m3", "fp8_e4m3", {}),
-            ("fp8_e4m3_bf16_dots", "fp8_e4m3", {"fp16_dots": False}))
+            ("fp8_e4m3_bf16_dots", "fp8_e4m3", {"fp16_dots": False}),
+            ("fp8_e4m3_v_pairs", "fp8_e4m3", {"v_pairs": True}))
     for name, fmt, kw in arms:
         cache, kv_bytes = _make_cache(fmt, batch, context, args.kv_heads, args.head_dim)
         q = torch.randn(batch, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)

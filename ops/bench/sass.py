@@ -22,9 +22,10 @@ change that cuts instructions a byte raises the ceiling, and only a GPU run (`op
 says whether the time follows.
 
 Cases: the INT4 GEMV at M = 1 (Llama-3-8B's 4096 x 4096, its three forms, g = 128 and 32), paged
-decode attention over BF16 and FP8 pages (32 query / 8 KV heads of 128, the launcher's tiles),
+decode attention over BF16 and FP8 pages, FP8 also with V in pairs (32 query / 8 KV heads of 128, the
+launcher's tiles),
 the W4A16 GEMM's tiled path (M = 64) and the fused MoE's gate-up kernel over INT4 experts.
-`--quick`: g = 128, FP8 pages and the tiled GEMM only.
+`--quick`: g = 128, FP8 pages (both ways) and the tiled GEMM only.
 """
 
 from __future__ import annotations
@@ -200,9 +201,9 @@ def _attention_cases(quick: bool) -> Iterator[tuple[str, Callable[[], LoopFigure
     from kernels.paged_attention import FP8_TILE, _paged_decode_split_kernel, paged_decode_attention
 
     batch, heads, kv_heads, dim, page, pages = 2, 32, 8, 128, 16, 8
-    for fmt in (("fp8_e4m3",) if quick else ("bf16", "fp8_e4m3")):
+    for fmt in (("fp8_e4m3", "fp8_e4m3.v_pairs") if quick else ("bf16", "fp8_e4m3", "fp8_e4m3.v_pairs")):
         def figures(fmt: str = fmt) -> LoopFigures:
-            fp8 = fmt == "fp8_e4m3"
+            fp8, v_pairs = fmt.startswith("fp8_e4m3"), fmt.endswith("v_pairs")
             dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
             cache = [torch.zeros(batch * pages, page, kv_heads, dim).to(dtype) for _ in range(2)]
             scales = [torch.zeros(batch * pages, page, kv_heads, dtype=torch.int8) for _ in range(2)] if fp8 \
@@ -211,7 +212,8 @@ def _attention_cases(quick: bool) -> Iterator[tuple[str, Callable[[], LoopFigure
             lens = torch.full((batch,), page * pages, dtype=torch.int32)
             q = torch.randn(batch, heads, dim, dtype=torch.bfloat16)
             with captured_launch(_paged_decode_split_kernel) as launches:
-                paged_decode_attention(q, *cache, *scales, table, lens, dim ** -0.5, num_splits=1)
+                paged_decode_attention(q, *cache, *scales, table, lens, dim ** -0.5, num_splits=1, v_pairs=v_pairs)
+            launches[0]["args"]["V_ASM"] = v_pairs  # as on a GPU (the launch here saw CPU tensors)
             block_n = launches[0]["args"]["BLOCK_N"]
             warps = launches[0]["options"].get("num_warps", 4)
             kv_bytes = block_n * 2 * (dim * cache[0].element_size() + (1 if fp8 else 0))

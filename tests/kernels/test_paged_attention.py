@@ -156,9 +156,35 @@ def test_bfloat16_queries(device: str, fmt: str, seed: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 48])
+@pytest.mark.parametrize("group,num_splits", [(1, 1), (3, 3), (8, 2)])
+def test_v_in_pairs_matches_reference(device: str, head_dim: int, group: int, num_splits: int, seed: int) -> None:
+    """FP8 V read as int16 pairs and made float16 before its dot (`v_pairs`): the reference's answer, and on the
+    interpreter the very bits of the plain float16 dots (the same float16 V values, the same dots)."""
+    run_case(device, "fp8_e4m3", group, num_splits, seed, head_dim=head_dim, q_dtype=torch.bfloat16, v_pairs=True)
+    num_pages, page_table = random_layout(LENS)
+    paged = build_paged(random_sequences(LENS, 2, head_dim), 2, head_dim, FP8, num_pages, page_table, device)
+    q = torch.randn(len(LENS), 2 * group, head_dim).to(device, torch.bfloat16)
+    pairs = paged_decode_attention(q, *paged, 0.125, num_splits=num_splits, v_pairs=True)
+    plain = paged_decode_attention(q, *paged, 0.125, num_splits=num_splits)
+    if device == "cpu":
+        assert torch.equal(pairs, plain)
+
+
+def test_v_pairs_refuses_what_it_cannot_read() -> None:
+    num_pages, page_table = random_layout([3])
+    paged = build_paged(random_sequences([3], 1, 16), 1, 16, FP8, num_pages, page_table, "cpu")
+    with pytest.raises(ValueError, match="v_pairs"):  # float32 queries: no float16 dots
+        paged_decode_attention(torch.randn(1, 1, 16), *paged, 0.25, v_pairs=True)
+    with pytest.raises(ValueError, match="v_pairs"):
+        paged_decode_attention(torch.randn(1, 1, 16).bfloat16(), *paged, 0.25, fp16_dots=False, v_pairs=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("v_log2", [-40, 24])
-@pytest.mark.parametrize("fp16_dots", [True, False])
-def test_fp8_values_far_outside_float16s_range(device: str, v_log2: int, fp16_dots: bool, seed: int) -> None:
+@pytest.mark.parametrize("fp16_dots,v_pairs", [(True, False), (False, False), (True, True)])
+def test_fp8_values_far_outside_float16s_range(device: str, v_log2: int, fp16_dots: bool, v_pairs: bool,
+                                               seed: int) -> None:
     """bfloat16 queries over FP8 pages whose V values sit near 2**-40 or 2**24 (per-token exponents far
     from 0, spread over 2**+-3): the float16 dots' probabilities and V stay in float16's range (module doc)."""
     num_pages, page_table = random_layout(LENS)
@@ -167,7 +193,7 @@ def test_fp8_values_far_outside_float16s_range(device: str, v_log2: int, fp16_do
         v *= torch.exp2(torch.randint(-3, 4, (v.shape[0], 1, 1)).float())
     paged = build_paged(kv, 2, 64, FP8, num_pages, page_table, device)
     q = torch.randn(len(LENS), 6, 64).to(device, torch.bfloat16)
-    out = paged_decode_attention(q, *paged, 0.125, num_splits=2, fp16_dots=fp16_dots)
+    out = paged_decode_attention(q, *paged, 0.125, num_splits=2, fp16_dots=fp16_dots, v_pairs=v_pairs)
     ref = paged_decode_attention_ref(q, *paged, 0.125)
     mag = paged_decode_attention_ref(q.float(), *paged.with_abs_v(), 0.125)
     assert_close_in_mag(out, ref, mag, 2.0 ** -6, seed)

@@ -50,7 +50,7 @@ def test_bench_sass_quick(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     cases = report["cases"]
     assert set(cases) == {"w4a16_gemv.bytes.g128", "w4a16_gemv.words.g128", "w4a16_gemv.words-prefetch.g128",
-                          "paged_attention.fp8_e4m3", "w4a16_tiled.g128"}
+                          "paged_attention.fp8_e4m3", "paged_attention.fp8_e4m3.v_pairs", "w4a16_tiled.g128"}
     for key, case in cases.items():
         assert 0 < case["registers"] <= 255, key
         assert 0 < case["resident_warps"] <= 64 and case["resident_warps"] % case["warps"] == 0, key
@@ -62,6 +62,8 @@ def test_bench_sass_quick(tmp_path: Path) -> None:
     for form in ("words", "words-prefetch"):
         loads = cases[f"w4a16_gemv.{form}.g128"]["loads"]
         assert loads.get("LDG.E.128", 0) >= 4 and "LDG.E.U8" not in loads, loads
+    # FP8 V in pairs: no shared-memory load of one byte (the plain form made 128 a thread a tile)
+    assert "LDS.U8" not in cases["paged_attention.fp8_e4m3.v_pairs"]["loads"]
     # INT4 tiles for tensor cores: bytes in vectors (cp.async), none a byte at a time, no register spills
     tiled = cases["w4a16_tiled.g128"]
     assert "LDG.E.U8" not in tiled["loads"] and "LDL" not in tiled["opcodes"], tiled
