@@ -253,6 +253,12 @@ class Tokenizer:
         """Pieces between added tokens, cached (None where this pipeline must encode whole: `PieceCache`)."""
         return PieceCache.for_backend(self._backend)
 
+    @property
+    def piece_cache(self) -> PieceCache | None:
+        """The cache `cache_namespace` encodes through (its `hits` / `misses` for metrics), or None where this
+        pipeline encodes whole. Built on first use (probe texts, ~1 ms)."""
+        return self._piece_cache
+
     def _encode_pieces(self, text: str, namespace: str) -> list[int]:
         cache = self._piece_cache
         return cache.encode(text, namespace) if cache is not None else self._encode_batch([text], False)[0]

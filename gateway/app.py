@@ -80,6 +80,8 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
                          tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s), quotas=Quotas(redis),
                          meter=Meter(redis, config.usage_journal_path, flush_after_s=config.usage_flush_s),
                          metrics=GatewayMetrics())
+    state.metrics.watch_piece_caches({m.name: m.tokenizer.piece_cache for m in catalog.models
+                                      if m.tokenizer.piece_cache is not None})  # built now, not on a request
 
     async def healthz(request: Request) -> Response:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["GatewayMetrics", "CONTENT_TYPE_LATEST"]
@@ -52,5 +53,24 @@ class GatewayMetrics:
         self._child(self.prompt_tokens, model).inc(prompt_tokens)
         self._child(self.completion_tokens, model).inc(completion_tokens)
 
+    def watch_piece_caches(self, caches: dict[str, Any]) -> None:
+        """`edgeserve_gateway_prompt_pieces_total{model, result}`: prompt pieces each model's tokenizer took from
+        its `PieceCache` (hit) or encoded (miss), read from the caches' own counters when scraped (nothing per
+        request)."""
+        self.registry.register(_PieceCacheCollector(caches))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PieceCacheCollector:
+    def __init__(self, caches: dict[str, Any]) -> None:
+        self._caches = caches
+
+    def collect(self) -> Any:
+        family = CounterMetricFamily("edgeserve_gateway_prompt_pieces", "Prompt pieces between control tokens, "
+                                     "from the tokenizer's cache (hit) or encoded (miss)", labels=["model", "result"])
+        for model, cache in self._caches.items():
+            family.add_metric([model, "hit"], cache.hits)
+            family.add_metric([model, "miss"], cache.misses)
+        yield family

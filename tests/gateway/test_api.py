@@ -141,3 +141,30 @@ def test_usage_is_metered_once_per_request_and_readable_only_by_its_owner(gatewa
     denied = httpx.get(f"{gateway.url}/client/v4/accounts/{tenant}/ai/usage", headers=auth(other.token))
     assert denied.status_code == 403 and denied.json()["errors"][0]["code"] == 10001
     assert "days" not in denied.text
+
+
+def _series(text: str, name: str) -> dict[str, float]:
+    """Prometheus text: the samples of `name`, by their label text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].rsplit("} ", 1)
+            out[labels] = float(value)
+    return out
+
+
+def test_metrics_count_prompt_pieces_from_the_tokenizers_cache(gateway: Gateway) -> None:
+    """The same chat twice: its pieces are encoded once (misses), then come from the tenant's cache (hits)."""
+    def pieces() -> dict[str, float]:
+        return _series(httpx.get(f"{gateway.url}/metrics").text, "edgeserve_gateway_prompt_pieces_total")
+
+    before = pieces()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "pieces, once then cached"}], "max_tokens": 2}
+    for _ in range(2):
+        resp = httpx.post(f"{gateway.url}/v1/chat/completions", headers=auth(gateway.account.token), json=body,
+                          timeout=30)
+        assert resp.status_code == 200, resp.text
+    after = pieces()
+    hit, miss = f'model="{MODEL}",result="hit"', f'model="{MODEL}",result="miss"'
+    assert after[miss] - before.get(miss, 0) >= 1  # the new message's piece, encoded on the first request
+    assert after[hit] - before.get(hit, 0) >= after[miss] - before.get(miss, 0)  # every one of them hit the second
