@@ -77,8 +77,10 @@ def run(args: argparse.Namespace) -> int:
     from ops.pull import resolve_model
 
     tokenizer = Tokenizer.from_model_dir(resolve_model(args.model, progress=False))
-    if tokenizer._piece_cache is None:
-        print(f"{args.model}'s tokenizer encodes whole (no PieceCache for its pipeline): nothing to compare")
+    if tokenizer.piece_cache is None:
+        why = "its tokenizer encodes whole (no PieceCache for its pipeline)"
+        print(f"{args.model}: {why}; nothing to compare")
+        write_report(args.json_path, {"model": args.model, "skipped": {"all": why}})
         return 0
     turns = args.turns or (12 if args.quick else 24)
     repeats = args.repeats or (3 if args.quick else 10)
