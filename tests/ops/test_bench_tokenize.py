@@ -31,3 +31,17 @@ def test_conversation_alternates_roles_after_a_system_prompt() -> None:
     assert [m["role"] for m in chat] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert conversation(5, seed=3) == chat and conversation(5, seed=4) != chat
     assert all(60 <= len(m["content"].split()) <= 140 for m in chat[1:])
+
+
+def test_a_tokenizer_without_a_piece_cache_is_reported_skipped(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as BackendTokenizer, models, pre_tokenizers
+
+    backend = BackendTokenizer(models.WordLevel({"[UNK]": 0, "▁a": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()  # a piece's ids could depend on its place: no cache
+    model = tmp_path / "m"
+    model.mkdir()
+    backend.save(str(model / "tokenizer.json"))
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "tokenize.json"
+    assert run(argparse.Namespace(model=str(model), turns=2, repeats=1, quick=True, json_path=str(out))) == 0
+    assert "no PieceCache" in json.loads(out.read_text())["skipped"]["all"]
