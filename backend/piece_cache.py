@@ -16,8 +16,11 @@ earlier turn of a conversation come back with each new message, so a gateway tha
 whole prompt again pays for the whole history on every turn. With the cache a turn pays for its
 new message (figures in BENCHMARKS.md, "Prompt pieces"). Pieces are kept per `namespace` (the
 gateway passes the tenant: one tenant's prompts never make another's faster, the rule the prefix
-cache's tenant salt follows) in one LRU of `max_chars` characters in all; a piece longer than a
-quarter of it is encoded and not kept. Thread-safe (prompts are encoded in threads when large).
+cache's tenant salt follows), `max_chars` characters in all, least recently used out, in two
+levels so tenants do not crowd each other out: a namespace holds at most `share` of the budget
+(past it, its own oldest pieces go), and when the whole is full the oldest pieces of the namespace
+used least recently go first. A piece longer than a namespace's share is encoded and not kept.
+Thread-safe (prompts are encoded in threads when large).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from typing import Any
 
 from tokenizers import Tokenizer as _BackendTokenizer
 
-__all__ = ["PieceCache", "MAX_CHARS"]
+__all__ = ["PieceCache", "MAX_CHARS", "SHARE"]
 
 MAX_CHARS = 8 << 20  # characters of cached pieces, all namespaces together (~50 MB with their ids at worst)
+SHARE = 0.25  # of MAX_CHARS, the most one namespace holds (2 M characters: ~500 k tokens of a tenant's chats)
 _SHORT = 1024  # characters: misses up to this many in all are encoded holding the GIL (as `Tokenizer` does)
 _UNSAFE_STAGES = ("Prepend", "Metaspace")  # normaliser / pre-tokeniser types that treat the input's start apart
 
@@ -43,7 +47,7 @@ class PieceCache:
     """Encodes text with its added tokens matched (as `tokenizers` does with `add_special_tokens=False`),
     piece by piece, caching pieces per namespace."""
 
-    def __init__(self, backend: _BackendTokenizer, max_chars: int = MAX_CHARS) -> None:
+    def __init__(self, backend: _BackendTokenizer, max_chars: int = MAX_CHARS, share: float = SHARE) -> None:
         self._backend = backend
         tokens = {i: t for i, t in backend.get_added_tokens_decoder().items() if t.content}
         self._ids = {t.content: i for i, t in tokens.items()}
@@ -51,14 +55,17 @@ class PieceCache:
         # that are (on the normalised text: the same text here, `for_backend` takes no normaliser with them)
         self._passes = [_alternation([t.content for t in tokens.values() if t.normalized == normalized])
                         for normalized in (False, True)]
-        self._max_chars = max_chars
-        self._pieces: OrderedDict[tuple[str, str], array] = OrderedDict()  # ids as 32-bit ints: 4 bytes a token
+        self._max_chars, self._ns_max_chars = max_chars, int(max_chars * share)
+        # namespace -> its pieces, oldest first (ids as 32-bit ints: 4 bytes a token); namespaces oldest first
+        self._spaces: OrderedDict[str, OrderedDict[str, array]] = OrderedDict()
+        self._ns_chars: dict[str, int] = {}
         self._chars = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0  # pieces, since the start (for tests and benchmarks)
 
     @classmethod
-    def for_backend(cls, backend: _BackendTokenizer, max_chars: int = MAX_CHARS) -> PieceCache | None:
+    def for_backend(cls, backend: _BackendTokenizer, max_chars: int = MAX_CHARS, share: float = SHARE
+                    ) -> PieceCache | None:
         """A cache for this tokenizer, or None where encoding piece by piece could differ from encoding whole
         (module doc: the added tokens' options, the pipeline's stages, then probe texts)."""
         tokens = backend.get_added_tokens_decoder().values()
@@ -68,7 +75,7 @@ class PieceCache:
         if _mentions(pipeline.get("normalizer"), _UNSAFE_STAGES) or _mentions(pipeline.get("pre_tokenizer"),
                                                                               _UNSAFE_STAGES):
             return None
-        cache = cls(backend, max_chars)
+        cache = cls(backend, max_chars, share)
         specials = [t.content for t in tokens if t.content][:3]
         for probe in _probes(specials):
             if cache._encode_uncached(probe) != backend.encode(probe, add_special_tokens=False).ids:
@@ -80,12 +87,15 @@ class PieceCache:
         parts = self._split(text)  # text, token, text, ..., token, text
         found: dict[str, Sequence[int]] = {}
         with self._lock:
-            for piece in parts[0::2]:
-                if piece and piece not in found:
-                    ids = self._pieces.get((namespace, piece))
-                    if ids is not None:
-                        self._pieces.move_to_end((namespace, piece))
-                        found[piece] = ids
+            space = self._spaces.get(namespace)
+            if space is not None:
+                self._spaces.move_to_end(namespace)
+                for piece in parts[0::2]:
+                    if piece and piece not in found:
+                        ids = space.get(piece)
+                        if ids is not None:
+                            space.move_to_end(piece)
+                            found[piece] = ids
             self.hits += len(found)
         missing = list(dict.fromkeys(p for p in parts[0::2] if p and p not in found))
         if missing:
@@ -125,14 +135,43 @@ class PieceCache:
     def _keep(self, namespace: str, pieces: list[str], encoded: list[list[int]]) -> None:
         with self._lock:
             self.misses += len(pieces)
+            space = self._spaces.get(namespace)
+            if space is None:
+                space = self._spaces[namespace] = OrderedDict()
+                self._ns_chars[namespace] = 0
+            self._spaces.move_to_end(namespace)
             for piece, ids in zip(pieces, encoded, strict=True):
-                if len(piece) > self._max_chars // 4 or (namespace, piece) in self._pieces:
+                if len(piece) > self._ns_max_chars or piece in space:
                     continue
-                self._pieces[(namespace, piece)] = array("i", ids)
+                space[piece] = array("i", ids)
+                self._ns_chars[namespace] += len(piece)
                 self._chars += len(piece)
-            while self._chars > self._max_chars:
-                (_, old), _ = self._pieces.popitem(last=False)
-                self._chars -= len(old)
+            while self._ns_chars[namespace] > self._ns_max_chars:  # past its share: its own oldest go
+                self._evict(namespace)
+            while self._chars > self._max_chars:  # the whole full: the least recently used namespace's oldest
+                self._evict(next(iter(self._spaces)))
+
+    @property
+    def chars(self) -> int:
+        """Characters of the pieces kept, all namespaces."""
+        return self._chars
+
+    def namespace_chars(self, namespace: str) -> int:
+        """Characters of the pieces kept for `namespace`."""
+        return self._ns_chars.get(namespace, 0)
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        """Whether the piece `key[1]` is kept for the namespace `key[0]`."""
+        space = self._spaces.get(key[0])
+        return space is not None and key[1] in space
+
+    def _evict(self, namespace: str) -> None:
+        space = self._spaces[namespace]
+        piece, _ = space.popitem(last=False)
+        self._ns_chars[namespace] -= len(piece)
+        self._chars -= len(piece)
+        if not space:
+            del self._spaces[namespace], self._ns_chars[namespace]
 
 
 def _alternation(tokens: list[str]) -> re.Pattern[str] | None:

@@ -73,14 +73,33 @@ def test_namespaces_do_not_share_pieces(tokenizer: Tokenizer) -> None:
 
 
 def test_the_cache_keeps_to_its_budget_and_stays_exact(tokenizer: Tokenizer) -> None:
-    cache = PieceCache.for_backend(tokenizer._backend, max_chars=400)
+    cache = PieceCache.for_backend(tokenizer._backend, max_chars=400, share=1.0)
     texts = [f"<|im_start|>user\nmessage number {i} {'x' * (i % 50)}<|im_end|>" for i in range(200)]
     for text in texts + texts[:20]:  # the first ones were evicted: encoded again, the same
         assert cache.encode(text) == tokenizer._backend.encode(text, add_special_tokens=False).ids
-        assert cache._chars <= 400
-    assert len(cache._pieces) < 200
-    cache.encode("y" * 500)  # longer than a quarter of the budget: encoded, not kept
-    assert ("", "y" * 500) not in cache._pieces
+        assert cache.chars <= 400
+    assert ("", "user\nmessage number 0 ") not in cache and ("", "user\nmessage number 19 " + "x" * 19) in cache
+    cache.encode("y" * 500)  # longer than the budget: encoded, not kept
+    assert ("", "y" * 500) not in cache
+
+
+def test_a_namespace_keeps_to_its_share_and_idle_ones_go_first(tokenizer: Tokenizer) -> None:
+    """A tenant that floods the cache evicts its own pieces past its share; when the whole is full, the
+    namespace used least recently loses its oldest pieces first, not the busy ones."""
+    cache = PieceCache.for_backend(tokenizer._backend, max_chars=1000, share=0.4)
+    piece = "user\n" + "z" * 95  # 100 characters
+    for ns in ("quiet", "a", "b"):
+        cache.encode(f"<|im_start|>{piece}<|im_end|>", ns)
+    for i in range(30):  # "flood" writes 3,000 characters: only its latest 400 stay
+        cache.encode(f"<|im_start|>user\n{i:04d}{'w' * 91}<|im_end|>", "flood")  # 100 characters
+        assert cache.namespace_chars("flood") <= 400
+    assert all((ns, piece) in cache for ns in ("quiet", "a", "b"))  # nobody else lost anything
+    cache.encode(f"<|im_start|>{piece}<|im_end|>", "a")  # a and b busy, quiet idle
+    cache.encode(f"<|im_start|>{piece}<|im_end|>", "b")
+    for ns in ("c", "d", "e", "f"):  # 700 characters kept + 400 new, over the budget of 1,000 by 100
+        cache.encode(f"<|im_start|>{piece}<|im_end|>", ns)
+    assert cache.chars == 1000 and cache.namespace_chars("flood") == 400
+    assert ("quiet", piece) not in cache and ("a", piece) in cache and ("b", piece) in cache
 
 
 def test_concurrent_encodes_stay_exact(tokenizer: Tokenizer) -> None:
