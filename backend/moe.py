@@ -110,25 +110,27 @@ class MoEBlock:
             n += self.shared_gate_up.nbytes + self.shared_down.nbytes
         return n
 
+    def _gemv_ops(self) -> list[LinearOp] | None:
+        """An expert's GEMMs and the shared expert's where a call of a few rows runs the routed experts on the
+        loop (`moe_experts.py`), else None."""
+        if self.experts.default_path(1) != "loop" or not self.experts.ops:
+            return None
+        return [op for op in (*self.experts.ops[0], self.shared_gate_up, self.shared_down) if op is not None]
+
     @property
     def gemv(self) -> bool:
         """Whether a call of a few rows runs every GEMM of the block on a C kernel (as `Linear.gemv` and
         `Int4Linear.gemv` say of a linear): routed experts whose default path is the loop over C GEMVs (dense
         bfloat16 or INT4 experts, `moe_experts.py`) and a shared expert on them too. The engine then hands small
         steps' threads to the C kernels."""
-        if self.experts.default_path(1) != "loop" or not self.experts.ops:
-            return False
-        ops = [*self.experts.ops[0], self.shared_gate_up, self.shared_down]
-        return all(getattr(op, "gemv", False) for op in ops if op is not None)
+        ops = self._gemv_ops()
+        return ops is not None and all(getattr(op, "gemv", False) for op in ops)
 
     @property
     def gemv_rows(self) -> int:
         """Rows up to which every GEMM of a call runs the C GEMV (0: not all of them have one); an expert gets
         at most as many rows as the call."""
-        if not self.gemv:
-            return 0
-        ops = [*self.experts.ops[0], self.shared_gate_up, self.shared_down]
-        return min(op.gemv_rows for op in ops if op is not None)
+        return min(op.gemv_rows for op in self._gemv_ops()) if self.gemv else 0
 
     def route(self, x: torch.Tensor) -> Routing:
         """Which experts each row of x [T, H] goes to, and their weights (float32)."""

@@ -69,11 +69,11 @@ class PieceCache:
         """A cache for this tokenizer, or None where encoding piece by piece could differ from encoding whole
         (module doc: the added tokens' options, the pipeline's stages, then probe texts)."""
         tokens = backend.get_added_tokens_decoder().values()
-        pipeline = json.loads(backend.to_str())
-        if any(t.lstrip or t.rstrip or t.single_word or (t.normalized and pipeline.get("normalizer")) for t in tokens):
+        normalizer, pre_tokenizer = (json.loads(c.__getstate__()) if c is not None else None  # not the vocabulary
+                                     for c in (backend.normalizer, backend.pre_tokenizer))
+        if any(t.lstrip or t.rstrip or t.single_word or (t.normalized and normalizer) for t in tokens):
             return None
-        if _mentions(pipeline.get("normalizer"), _UNSAFE_STAGES) or _mentions(pipeline.get("pre_tokenizer"),
-                                                                              _UNSAFE_STAGES):
+        if _mentions(normalizer, _UNSAFE_STAGES) or _mentions(pre_tokenizer, _UNSAFE_STAGES):
             return None
         cache = cls(backend, max_chars, share)
         specials = [t.content for t in tokens if t.content][:3]
@@ -102,12 +102,16 @@ class PieceCache:
             encoded = self._encode_pieces(missing)
             found.update(zip(missing, encoded, strict=True))
             self._keep(namespace, missing, encoded)
+        return self._join(parts, found)
+
+    def _join(self, parts: list[str], pieces: dict[str, Sequence[int]]) -> list[int]:
+        """The ids of `parts` (text, token, text, ...), each text's from `pieces`."""
         ids: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
                 ids.append(self._ids[part])
             elif part:
-                ids.extend(found[part])
+                ids.extend(pieces[part])
         return ids
 
     def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
@@ -124,13 +128,8 @@ class PieceCache:
 
     def _encode_uncached(self, text: str) -> list[int]:
         parts = self._split(text)
-        ids: list[int] = []
-        for i, part in enumerate(parts):
-            if i % 2:
-                ids.append(self._ids[part])
-            elif part:
-                ids += self._backend.encode(part, add_special_tokens=False).ids
-        return ids
+        texts = list(dict.fromkeys(p for p in parts[0::2] if p))
+        return self._join(parts, dict(zip(texts, self._encode_pieces(texts), strict=True)) if texts else {})
 
     def _keep(self, namespace: str, pieces: list[str], encoded: list[list[int]]) -> None:
         with self._lock:
@@ -150,20 +149,6 @@ class PieceCache:
                 self._evict(namespace)
             while self._chars > self._max_chars:  # the whole full: the least recently used namespace's oldest
                 self._evict(next(iter(self._spaces)))
-
-    @property
-    def chars(self) -> int:
-        """Characters of the pieces kept, all namespaces."""
-        return self._chars
-
-    def namespace_chars(self, namespace: str) -> int:
-        """Characters of the pieces kept for `namespace`."""
-        return self._ns_chars.get(namespace, 0)
-
-    def __contains__(self, key: tuple[str, str]) -> bool:
-        """Whether the piece `key[1]` is kept for the namespace `key[0]`."""
-        space = self._spaces.get(key[0])
-        return space is not None and key[1] in space
 
     def _evict(self, namespace: str) -> None:
         space = self._spaces[namespace]

@@ -249,18 +249,13 @@ class Tokenizer:
         return self._encode_batch([text], split_special_tokens, add_special_tokens)[0]
 
     @cached_property
-    def _piece_cache(self) -> PieceCache | None:
-        """Pieces between added tokens, cached (None where this pipeline must encode whole: `PieceCache`)."""
-        return PieceCache.for_backend(self._backend)
-
-    @property
     def piece_cache(self) -> PieceCache | None:
         """The cache `cache_namespace` encodes through (its `hits` / `misses` for metrics), or None where this
-        pipeline encodes whole. Built on first use (probe texts, ~1 ms)."""
-        return self._piece_cache
+        pipeline encodes whole (`PieceCache.for_backend`). Built on first use (probe texts, ~1 ms)."""
+        return PieceCache.for_backend(self._backend)
 
     def _encode_pieces(self, text: str, namespace: str) -> list[int]:
-        cache = self._piece_cache
+        cache = self.piece_cache
         return cache.encode(text, namespace) if cache is not None else self._encode_batch([text], False)[0]
 
     @cached_property

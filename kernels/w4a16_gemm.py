@@ -292,7 +292,6 @@ class GemvTile(NamedTuple):
     block_b: int
     num_warps: int
     programs: int
-    kernel: str = "bytes"
 
 
 def _words_fit(x: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -327,8 +326,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                num_warps: int | None = None, block_b: int | None = None, kernel: str | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T in x's dtype, W the INT4 weight (layout above). `split_k`, `block_n` (rows a
     tile), `block_b` (packed bytes of a row a tile, a power of two), `num_warps` and `kernel` (the GEMV's form:
-    one of `GEMV_KERNELS`; the words forms take M = 1, K a multiple of 8 and 4-byte aligned rows) override the
-    GEMV path's choices (benchmarks sweep them; the defaults are `gemv_tile`'s)."""
+    one of `GEMV_KERNELS`, "bytes" by default; the words forms take M = 1, K a multiple of 8 and 4-byte aligned
+    rows) override the GEMV path's choices (benchmarks sweep them; the other defaults are `gemv_tile`'s)."""
     m, n, k = _check_args(x, qweight, scales, zeros, group_size)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -349,7 +348,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         tiles_per_split = triton.cdiv(b_tiles, min(split_k, b_tiles))
         split_k = triton.cdiv(b_tiles, tiles_per_split)
         out = y if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        kernel = kernel or tile.kernel
+        kernel = kernel or "bytes"  # the default until a GPU has timed the words forms (module doc)
         if kernel != "bytes":
             if kernel not in GEMV_KERNELS:
                 raise ValueError(f"kernel must be one of {GEMV_KERNELS}, got {kernel!r}")

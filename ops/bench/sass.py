@@ -174,21 +174,17 @@ class LoopFigures(dict):
 
 def _gemv_cases(quick: bool) -> Iterator[tuple[str, Callable[[], LoopFigures]]]:
     from kernels.w4a16_gemm import (GEMV_KERNELS, _w4a16_gemv_kernel, _w4a16_gemv_words_kernel, gemv_tile,
-                                    quantize_int4_ref)
+                                    quantize_int4_ref, w4a16_gemm)
 
     n, k = (4096, 4096)
     for group in (128, 32):
-        q, s, z = quantize_int4_ref(torch.randn(n, k) * 0.02, group)
-        x = torch.randn(1, k, dtype=torch.bfloat16)
-        tile = gemv_tile(1, n, k, group, torch.device("cpu"))
         for form in GEMV_KERNELS:
-            def figures(form: str = form, group: int = group, q: Any = q, s: Any = s, z: Any = z, x: Any = x,
-                        tile: Any = tile) -> LoopFigures:
-                from kernels.w4a16_gemm import w4a16_gemm
-
+            def figures(form: str = form, group: int = group) -> LoopFigures:
+                q, s, z = quantize_int4_ref(torch.randn(n, k) * 0.02, group)
                 kernel = _w4a16_gemv_kernel if form == "bytes" else _w4a16_gemv_words_kernel
                 with captured_launch(kernel) as launches:
-                    w4a16_gemm(x, q, s, z, group, kernel=form)
+                    w4a16_gemm(torch.randn(1, k, dtype=torch.bfloat16), q, s, z, group, kernel=form)
+                tile = gemv_tile(1, n, k, group, torch.device("cpu"))
                 per_thread = tile.block_n * tile.block_b / (32 * tile.num_warps)
                 return LoopFigures.of(f"w4a16 GEMV {form} g{group}", compile_sass(kernel, launches[0]), per_thread)
 

@@ -35,6 +35,10 @@ def _texts(tokenizer: Tokenizer, seed: int, count: int) -> list[str]:
     return out
 
 
+def _kept(cache: PieceCache, namespace: str, piece: str) -> bool:
+    return piece in cache._spaces.get(namespace, {})
+
+
 def test_pieces_give_the_whole_texts_ids(tokenizer: Tokenizer) -> None:
     cache = PieceCache.for_backend(tokenizer._backend)
     assert cache is not None
@@ -48,7 +52,7 @@ def test_encode_chat_with_a_namespace_is_the_same_and_encodes_only_new_pieces(to
     rng = random.Random(1)
     words = "alpha beta gamma delta 42 héllo 👋 \n".split(" ")
     turns = [{"role": "system", "content": "You are terse."}]
-    cache = tokenizer._piece_cache
+    cache = tokenizer.piece_cache
     assert cache is not None
     for i in range(12):
         turns.append({"role": "user" if i % 2 == 0 else "assistant",
@@ -77,10 +81,10 @@ def test_the_cache_keeps_to_its_budget_and_stays_exact(tokenizer: Tokenizer) -> 
     texts = [f"<|im_start|>user\nmessage number {i} {'x' * (i % 50)}<|im_end|>" for i in range(200)]
     for text in texts + texts[:20]:  # the first ones were evicted: encoded again, the same
         assert cache.encode(text) == tokenizer._backend.encode(text, add_special_tokens=False).ids
-        assert cache.chars <= 400
-    assert ("", "user\nmessage number 0 ") not in cache and ("", "user\nmessage number 19 " + "x" * 19) in cache
+        assert cache._chars <= 400
+    assert not _kept(cache, "", "user\nmessage number 0 ") and _kept(cache, "", "user\nmessage number 19 " + "x" * 19)
     cache.encode("y" * 500)  # longer than the budget: encoded, not kept
-    assert ("", "y" * 500) not in cache
+    assert not _kept(cache, "", "y" * 500)
 
 
 def test_a_namespace_keeps_to_its_share_and_idle_ones_go_first(tokenizer: Tokenizer) -> None:
@@ -92,14 +96,14 @@ def test_a_namespace_keeps_to_its_share_and_idle_ones_go_first(tokenizer: Tokeni
         cache.encode(f"<|im_start|>{piece}<|im_end|>", ns)
     for i in range(30):  # "flood" writes 3,000 characters: only its latest 400 stay
         cache.encode(f"<|im_start|>user\n{i:04d}{'w' * 91}<|im_end|>", "flood")  # 100 characters
-        assert cache.namespace_chars("flood") <= 400
-    assert all((ns, piece) in cache for ns in ("quiet", "a", "b"))  # nobody else lost anything
+        assert cache._ns_chars["flood"] <= 400
+    assert all(_kept(cache, ns, piece) for ns in ("quiet", "a", "b"))  # nobody else lost anything
     cache.encode(f"<|im_start|>{piece}<|im_end|>", "a")  # a and b busy, quiet idle
     cache.encode(f"<|im_start|>{piece}<|im_end|>", "b")
     for ns in ("c", "d", "e", "f"):  # 700 characters kept + 400 new, over the budget of 1,000 by 100
         cache.encode(f"<|im_start|>{piece}<|im_end|>", ns)
-    assert cache.chars == 1000 and cache.namespace_chars("flood") == 400
-    assert ("quiet", piece) not in cache and ("a", piece) in cache and ("b", piece) in cache
+    assert cache._chars == 1000 and cache._ns_chars["flood"] == 400
+    assert not _kept(cache, "quiet", piece) and _kept(cache, "a", piece) and _kept(cache, "b", piece)
 
 
 def test_concurrent_encodes_stay_exact(tokenizer: Tokenizer) -> None:

@@ -162,13 +162,12 @@ def test_v_in_pairs_matches_reference(device: str, head_dim: int, group: int, nu
     """FP8 V read as int16 pairs and made float16 before its dot (`v_pairs`): the reference's answer, and on the
     interpreter the very bits of the plain float16 dots (the same float16 V values, the same dots)."""
     run_case(device, "fp8_e4m3", group, num_splits, seed, head_dim=head_dim, q_dtype=torch.bfloat16, v_pairs=True)
-    num_pages, page_table = random_layout(LENS)
-    paged = build_paged(random_sequences(LENS, 2, head_dim), 2, head_dim, FP8, num_pages, page_table, device)
-    q = torch.randn(len(LENS), 2 * group, head_dim).to(device, torch.bfloat16)
-    pairs = paged_decode_attention(q, *paged, 0.125, num_splits=num_splits, v_pairs=True)
-    plain = paged_decode_attention(q, *paged, 0.125, num_splits=num_splits)
-    if device == "cpu":
-        assert torch.equal(pairs, plain)
+    if device == "cpu":  # on a GPU the two layouts may sum a dot's products in another order
+        num_pages, page_table = random_layout(LENS)
+        paged = build_paged(random_sequences(LENS, 2, head_dim), 2, head_dim, FP8, num_pages, page_table, device)
+        q = torch.randn(len(LENS), 2 * group, head_dim).to(device, torch.bfloat16)
+        pairs = paged_decode_attention(q, *paged, 0.125, num_splits=num_splits, v_pairs=True)
+        assert torch.equal(pairs, paged_decode_attention(q, *paged, 0.125, num_splits=num_splits))
 
 
 def test_v_pairs_refuses_what_it_cannot_read() -> None:
