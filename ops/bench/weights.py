@@ -1,13 +1,17 @@
 """Linear-layer weight formats (INT4, FP8, BF16, FP32): checkpoint sizes, decode and prefill speed, quality.
 
-Model: SmolLM2-135M-Instruct (BF16 source), float32 compute and FP32 KV (the CPU default when this
-benchmark was written; `--dtype bfloat16` or `auto` measures the formats under bfloat16 compute with
-BF16 KV, the default on AVX-512 BF16 hosts, where decode steps run every layer in one C call).
+Model: SmolLM2-135M-Instruct (BF16 source). Compute dtype: the host's default (`--dtype auto`, what
+`edgeserve up` runs: bfloat16 with BF16 KV pages on a CPU with AVX-512 BF16, where a decode step runs
+every layer in one C call; float32 with FP32 KV elsewhere). `--dtype float32` measures the formats under
+float32 compute with FP32 KV, this benchmark's default until 2026-12-04, where a bfloat16-capable host
+pays float32 activations and no fused decode layers in every format, which hid most of what INT4 saves.
 One engine per format F with ``prefill_weights = decode_weights = F`` (one copy each);
 ``int4`` is group 128 unless named ``int4_g32``. On CPU the formats run (see
-`backend/weight_formats.py`): ``fp32`` the MKL-packed float32 GEMM (our default),
-``bf16`` a BF16 GEMM (activations cast), ``fp8`` dequantised at load into float32 (so
-it runs the fp32 GEMM on FP8-rounded values), ``int4`` torch's INT4 CPU GEMM.
+`backend/weight_formats.py` and `backend/linear.py`): ``fp32`` the float32 GEMM (C GEMV for decode rows,
+MKL-packed buckets above), ``bf16`` the bfloat16 C GEMV (a BF16 GEMM above its rows), ``fp8`` dequantised
+at load into the compute dtype (so it runs that dense GEMM on FP8-rounded values), ``int4`` the INT4 C
+GEMV (`kernels/cpu_gemv_int4.py`; torch's INT4 GEMM where it does not build). The LM head stays dense, in
+the compute dtype, in every engine.
 
 1. **Sizes** (nothing written): `ops.quantize.plan_quantize` on the BF16 source gives
    every output tensor's dtype and shape, so `size_bytes` (whole checkpoint) and
@@ -39,7 +43,7 @@ it runs the fp32 GEMM on FP8-rounded values), ``int4`` torch's INT4 CPU GEMM.
    in a fresh process of its own, which gives its `quantize_s` and
    `quantize_peak_rss_bytes` (the child's ru_maxrss); GPTQ calibrates on C tokens
    (8192; quick 2048). The bf16 row runs on the fp32 engine: it holds exactly the BF16
-   checkpoint's values (a BF16 GEMM would also round activations). The rtn and fp8 rows
+   checkpoint's values (under float32 compute a BF16 GEMM would also round activations). The rtn and fp8 rows
    run the engines of step 1 (quantise-at-load equals the written checkpoint bit for
    bit, `tests/ops/test_quantize.py`); the gptq rows load their checkpoints. Targets:
    INT4 g128 GPTQ top-1 within 0.8 percentage points of FP8 and perplexity within 3%.
@@ -203,8 +207,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ppl-windows", type=int, default=None, help="windows scored (default 20; quick 1)")
     p.add_argument("--calib-tokens", type=int, default=None, help="GPTQ calibration tokens (default 8192; quick 2048)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                   help="compute dtype of every engine (default float32; auto: the host's default); KV pages in it")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype of every engine (default auto: the host's, as serve); KV pages in it")
 
 
 def _output_tokens(c: int, quick: bool) -> int:
