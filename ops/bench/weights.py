@@ -20,11 +20,12 @@ the compute dtype, in every engine.
    tensors in float32. Targets: INT4 linear bytes <= 0.54x FP8's.
 2. **Decode**: at each concurrency c (1, 8, 16, 32, 64; quick 1, 8) every engine gets
    the same c requests of P prompt + O output tokens (64 + 32 at c <= 8, fewer outputs
-   above; quick 48 + 8), all at once, greedy, EOS ignored; `DecodeLoop` from
-   `ops.bench.harness.loops` times only steps where every request already has a token
-   (every such step has all c requests). The engines step in turn (first mover
+   above; quick 48 + 8), all at once, greedy, EOS ignored; the step budget holds all c
+   prompts, so they prefill in one step and every decode step holds all c requests
+   (`DecodeLoop` from `ops.bench.harness.loops` times only steps where every request
+   already has a token). The engines step in turn (first mover
    alternating), each on its own clock, so the machine's bursts of load land on every
-   format. decode tok/s = c / median decode-step time: on this shared machine other
+   format. decode tok/s = the median over decode steps of requests / step time: on this shared machine other
    processes' bursts stretch a few steps by up to seconds, which a mean would count;
    the mean-based figure (tokens / total time) is in the JSON as `decode_tok_s_mean`.
    Target: INT4 at c=1 >= 1.5x BF16 (also shown against FP32).
@@ -260,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         """An engine with `fmt` for both phases (None: the checkpoint's stored format)."""
         cfg = EngineConfig(dtype=dtype, kv_format=kv_format, prefill_weights=fmt, decode_weights=fmt,
                            int4_group_size=group, kv_cache_bytes=kv_bytes,
-                           max_num_seqs=max_c, max_num_batched_tokens=max(2048, prefill_tokens),
+                           max_num_seqs=max_c, max_num_batched_tokens=max(2048, prefill_tokens, max_c * prompt_tokens),
                            prefill_chunk_size=max(2048, prefill_tokens), max_model_len=max(2048, prefill_tokens) + 64)
         return LLMEngine.from_pretrained(path, cfg)
 

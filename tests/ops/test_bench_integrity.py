@@ -4,6 +4,7 @@ check timer, calibration arm); no model run."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -135,6 +136,17 @@ def test_decode_loops_in_turn_time_only_decode_steps() -> None:
         assert row.decode_steps == 5 and row.decode_tok_s == pytest.approx(20 / row.decode_s)
         assert 0 < row.decode_s <= row.wall_s
 
+
+
+def test_median_tok_s_counts_the_requests_each_step_held() -> None:
+    # a loop of c = 8 whose decode steps held fewer (requests that ended before the last one started):
+    # per step 2 / 0.1, 4 / 0.1 and 8 / 0.2 tok/s; c / the median time would say 80
+    loop = DecodeLoop(FakeEngine(8), "x", [[1, 2, 3]], 8, 8, 6)
+    loop.decode_steps = [(0.1, 2), (0.1, 4), (0.2, 8), (0.1, 4), (0.2, 8)]
+    assert loop.median_tok_s() == pytest.approx(40.0)
+    run = DecodeLoop(FakeEngine(8), "y", [[1, 2, 3]], 8, 8, 6)
+    step_in_turn([run])  # every decode step holds all 8: the median step's time alone decides
+    assert run.median_tok_s() == pytest.approx(8 / statistics.median(dt for dt, _ in run.decode_steps))
 
 def test_registered_with_quick_points() -> None:
     parser = argparse.ArgumentParser()

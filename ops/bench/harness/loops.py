@@ -129,9 +129,12 @@ class DecodeLoop(ClosedLoop):
         return decode_row(self.kv, self.c, repeat, self.decode_steps, self.clock)
 
     def median_tok_s(self) -> float:
-        """c / the median decode-step time: robust to a burst of other processes' load stretching a few
-        steps by up to seconds, which a mean would count."""
-        return self.c / statistics.median(dt for dt, _ in self.decode_steps)
+        """The median over decode steps of requests in the step / its time: robust to a burst of other
+        processes' load stretching a few steps by up to seconds, which a mean would count. Per step, not
+        c / the median time: where the c prompts take several steps to prefill, the first requests end
+        before the last ones start, and a decode step holds fewer than c (at c = 64 in `bench weights`
+        before 2026-12-04: 2-22, which c / median time overstated 1.9x)."""
+        return statistics.median(n / dt for dt, n in self.decode_steps)
 
 
 def decode_row(setting: str, c: int, repeat: int, steps: list[tuple[float, int]], wall_s: float) -> DecodeRow:
