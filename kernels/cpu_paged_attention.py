@@ -30,6 +30,19 @@ decode steps, bf16 and FP8 engines alternating step by step, same VM: FP8's step
 1.07-1.09x bf16's at ~115-token contexts and 1.10-1.12x at ~275 before, 1.01-1.02x and
 1.02-1.05x after.
 
+On a CPU with AMX (tiles for bfloat16 products), decode rows of at least 128 keys over bfloat16
+pages with bfloat16 queries run on the tile unit (`attend_amx` in the C file): scores of 16 keys
+by G heads per tile product from the page rows as they lie, the softmax over 128 keys at a time,
+and P . V per 16 keys with V's rows as they lie too (the weights spread with zeros between them,
+so one product sums the even dims and another the odd ones). The weights enter that product
+rounded to bfloat16, as flash attention on GPUs rounds them to 16 bits, and the softmax's sum
+adds the rounded weights: the output is within 1.5 bfloat16 steps of its magnitude (the sum of
+|weight| |V|), where the vector copy is within one. SmolLM2's shape, 32 rows x 30 layers' own
+pools, 2 threads, 2-core AMX Xeon VM, the two alternating: 0.85x the vector copy's time at 1,024
+keys, 0.91x at 256, even at 128, slower below (hence the 128). The pages are read at ~14 GB/s
+there where the GEMVs read ~28: both copies wait on scattered page rows more than on arithmetic.
+`amx_tiles(False)` or `EDGESERVE_AMX_ATTENTION=0` keeps the vector copy.
+
 Prompt rows (a prefill chunk: each row a query whose keys end at its own position) come
 in tiles (`tiles`): up to 32 query heads (10 rows x G = 3 for SmolLM2) run together
 against each block of 32 keys, so a block's K and V rows are read and widened once per
@@ -52,6 +65,7 @@ VM) a call took 297 µs at 2 threads against 335 at one; with the pool and the A
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -59,7 +73,7 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "available", "paged_decode_attention_cpu", "build_error", "tile_rows", "THREADED_ROWS",
-           "fp8_as_bf16"]
+           "fp8_as_bf16", "amx_tiles"]
 
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 THREADED_ROWS = 4096  # (sequence, KV head, token) rows below which one thread does the whole step
@@ -73,6 +87,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.restype = ctypes.c_int
     lib.fp8_to_bf16.argtypes = [p, p, i]
     lib.fp8_to_bf16.restype = ctypes.c_int
+    lib.paged_decode_set_amx.argtypes = [i]
+    lib.paged_decode_set_amx.restype = ctypes.c_int
+    lib.paged_decode_set_amx(int(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0"))  # the process's default
 
 
 KERNEL = CKernel("paged_decode.c", ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
@@ -129,6 +146,14 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
                           page_size, table.shape[1], fmt, int(q.dtype == torch.bfloat16), scale,
                           kernel_threads() if threads is None else threads, min_rows, int(kernels_own_threads()))
     return out if rc == 0 else None
+
+
+def amx_tiles(on: bool) -> bool:
+    """Switch the AMX tiles for decode rows over bf16 pages with bf16 queries (`attend_amx` in the C file; on by
+    default where built, `EDGESERVE_AMX_ATTENTION=0` off) for this process, e.g. for a benchmark's comparison.
+    Returns whether this build and process have them (False: the vector copy runs either way)."""
+    lib = KERNEL.load()
+    return bool(lib is not None and lib.paged_decode_set_amx(int(on)))
 
 
 def fp8_as_bf16(codes: torch.Tensor) -> torch.Tensor | None:

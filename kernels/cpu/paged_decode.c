@@ -24,7 +24,8 @@
  * `fp8x32_to_bf16`), or `attend_vec8`, its scheme in AVX2 intrinsics where the CPU has AVX2 and FMA but no
  * AVX-512 (K widened to float32 for every format). Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
- * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few).
+ * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few). Decode
+ * rows over bf16 pages with bf16 q run on AMX tiles where the CPU has them (`attend_amx`, its section below).
  * Threads: the process's shared helper pool (kernels/cpu/pool.c) over items.
  */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -613,6 +614,266 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
 #else
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_hd(a, t, h, hd, f); }
 #endif
+/* ---- AMX tiles for decode rows over bf16 pages (CPUs with AMX-TILE and AMX-BF16) ----------------------------
+ *
+ * A decode row's G query heads (up to 16) against its keys, both products on the tile unit, SB keys at a time:
+ *   scores S [16 tokens, 16 heads] = K [16 tokens, HD] . Q^T per block of 16 keys (one page's rows: pages hold a
+ *     multiple of 16 tokens): the K rows are the first operand as they lie in the page (a row stride of
+ *     KVH * HD), Q the second in its pair layout, heads past G zero (built once per item); HD / 32 `tdpbf16ps`,
+ *     four blocks in flight;
+ *   then the softmax over the SB keys at once: one running max and one rescale of O per SB keys, not per block;
+ *   O += P . V per block, V's rows again as they lie in the page: the second operand then pairs consecutive
+ *     dims, not consecutive tokens, so P enters twice, its weights spread with a zero after each (summing the
+ *     even dims) and before each (the odd ones): 2 HD / 32 products a block where interleaving pairs of V rows
+ *     first (`vpermt2w`) took more time than the products it saved; O's tiles stay in tile registers over the
+ *     SB keys (HD = 128: two sweeps), as 16 even then 16 odd dims per 32, put back in order at the end.
+ * Every tile is 16 rows by 64 bytes, so one configuration per chunk of items serves both products.
+ * Products exact, sums float32, as the `vdpbf16ps` copy's scores; what differs is P: the vector copies
+ * multiply V by float32 weights, this one by their bfloat16 rounding (relative 2^-9 a weight, as flash
+ * attention on GPUs rounds P to 16 bits), and the softmax's sum adds the rounded weights, so the output
+ * is a weighted mean of V rows whose weights are off by at most ~2^-8 relative after normalising: within
+ * 1.5 bfloat16 steps of the output's magnitude (sum of |weight| |V|), not of its value where V rows cancel.
+ * Rows of a block past the context get no weight (their scores are not read, their V rows are zeros: a stale
+ * page row may hold anything). Prompt tiles, float32 queries and other page formats keep the vector copies. */
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "amx.h"
+
+#define AMX_G 16  /* query heads an item may hold here (a tile's 16 rows or columns) */
+#define SB 128    /* keys per softmax step (a multiple of 32) */
+/* Keys from which an item runs here. SmolLM2's shape (G = 3, HD = 64), 32 rows x 30 layers' own pools, 2 threads,
+ * 2-core AMX Xeon VM, the two copies alternating: the tiles' time over the vector copy's 1.13x at 16 keys,
+ * 1.04-1.07x at 48-64, 0.98 at 128, 0.91 at 256, 0.85 at 1,024 (BENCHMARKS.md). */
+#define AMX_MIN_KEYS 128
+/* tile registers (literals: the tile intrinsics paste them into the instruction) */
+/* scores: K (16 tokens x 32 dims, two in turn) . Q (16 dim pairs x 16 heads, chunks c and c + 1) into four blocks'
+ * scores (16 tokens x 16 heads); then outputs: the even- and odd-spread weights (16 heads x 16 tokens, spread)
+ * . V (16 tokens x 32 dims as 16 dim pairs, two chunks in turn) into 16 heads x (16 even or odd dims) x 2 chunks */
+#define T_K0 0
+#define T_K1 6
+#define T_Q0 1
+#define T_Q1 7
+#define T_S0 2
+#define T_S1 3
+#define T_S2 4
+#define T_S3 5
+#define T_PE 2
+#define T_PO 3
+#define T_V0 0
+#define T_V1 1
+#define T_O0 4
+#define T_O1 5
+#define T_O2 6
+#define T_O3 7
+
+static int amx_on = 1; /* paged_decode_set_amx */
+
+/* Linux grants the tile state on request, once per process (as gemv_bf16.c's `gemv_bf16_amx_ready`). */
+static int amx_granted(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+static void amx_attention_config(void) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* e^x for x <= 0 on 16 lanes (-inf and below -87: 0; NaN stays NaN), as exp_nonpositive lane by lane. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 c = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* the second operand where either is NaN */
+    __m512 n;
+    const __m512 p = exp_reduced16(c, &n);
+    return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_scalef_ps(p, n));
+}
+
+/* The keys after t0 + n of item (row d, KV head h), up to SB of them, else the next item's first SB: the page
+ * row of each block of 16 (into rows); returns how many keys. The K and V rows they name are prefetched into
+ * L2 while the current SB keys are computed (the pages lie anywhere: the hardware prefetchers do not follow). */
+static int amx_rows_after(const Args *a, int d, int h, int t0, int n, int64_t *rows) {
+    int len = a->lens[d];
+    if (t0 + n >= len) { /* this item's last keys: the next item's first (the next KV head, or the next row) */
+        if (h + 1 < a->KVH) h++;
+        else if (d + 1 < a->ntiles) d++, h = 0;
+        else return 0;
+        len = a->lens[d];
+        t0 = 0;
+    } else {
+        t0 += n;
+    }
+    const int64_t *pages = a->table + (int64_t)d * a->MAXP;
+    const int m = len - t0 < SB ? len - t0 : SB;
+    for (int b = 0; 16 * b < m; b++) rows[b] = (pages[(t0 + 16 * b) / a->S] * a->S + (t0 + 16 * b) % a->S) * a->KVH + h;
+    return m;
+}
+
+/* The weights of the current SB keys as the P . V products' first operands: for block b and head g, the 16 tokens'
+ * bfloat16 weights with a zero after each (`even`) or before each (`odd`), so that against 16 V rows as they lie in
+ * the page (pairs of consecutive dims) one product sums the even dims and the other the odd ones. Heads past G
+ * stay zero: per thread, zeroed when G changes. */
+static __thread uint16_t amx_even[SB / 16][AMX_G][32] __attribute__((aligned(64)));
+static __thread uint16_t amx_odd[SB / 16][AMX_G][32] __attribute__((aligned(64)));
+static __thread int amx_heads = -1;
+/* output sums between steps, rows past G zero likewise: chunk c of 32 dims as its 16 even dims, then its 16 odd */
+static __thread float amx_out[AMX_G][MAX_HD] __attribute__((aligned(64)));
+
+static void attend_64_3(const Args *a, int t, int h);
+static void attend_128_3(const Args *a, int t, int h);
+
+/* One work item: KV head h of decode row d (tiles NULL: tile t is row t), bf16 q and bf16 pages. Fewer than
+ * AMX_MIN_KEYS keys take the vector copy. */
+static void attend_amx(const Args *a, int d, int h) {
+    const int G = a->G, HD = a->HD, S = a->S, KVH = a->KVH, len = a->lens[d];
+    if (len < AMX_MIN_KEYS) {
+        (HD == 64 ? attend_64_3 : attend_128_3)(a, d, h);
+        return;
+    }
+    const int64_t stride = (int64_t)KVH * HD; /* elements from one token's row of head h to the next's */
+    const uint16_t *qs = (const uint16_t *)a->q + ((int64_t)d * KVH + h) * G * HD;
+    const uint16_t *kp = (const uint16_t *)a->k, *vp = (const uint16_t *)a->v;
+    const int64_t *pages = a->table + (int64_t)d * a->MAXP;
+    uint16_t qv[MAX_HD / 32][16][AMX_G][2] __attribute__((aligned(64))); /* dims 32c + 2r + e of head g */
+    float sc[SB][16] __attribute__((aligned(64)));                      /* scores: token, head */
+    uint16_t tail[16][MAX_HD] __attribute__((aligned(64)));             /* a last block's V rows, zeros after */
+    float(*o)[MAX_HD] = amx_out;
+    float m[AMX_G], l[AMX_G];
+    if (amx_heads != G) {
+        memset(amx_even, 0, sizeof(amx_even));
+        memset(amx_odd, 0, sizeof(amx_odd));
+        memset(amx_out, 0, sizeof(amx_out));
+        amx_heads = G;
+    }
+    memset(qv, 0, sizeof(qv[0]) * (HD / 32));
+    for (int c = 0; c < HD / 32; c++)
+        for (int r = 0; r < 16; r++)
+            for (int g = 0; g < G; g++)
+                for (int e = 0; e < 2; e++) qv[c][r][g][e] = qs[g * HD + 32 * c + 2 * r + e];
+    for (int g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f, memset(o[g], 0, sizeof(float) * HD);
+    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    for (int t0 = 0; t0 < len; t0 += SB) {
+        const int n = len - t0 < SB ? len - t0 : SB, blocks = (n + 15) / 16;
+        int64_t rows[SB / 16], ahead[SB / 16]; /* page row of each block's first token; of the next SB keys' */
+        for (int b = 0; b < blocks; b++) rows[b] = (pages[(t0 + 16 * b) / S] * S + (t0 + 16 * b) % S) * KVH + h;
+        const int m_ahead = amx_rows_after(a, d, h, t0, n, ahead);
+        for (int j = 0; j < m_ahead; j++) { /* the next keys' K and V rows, into L2 while these run */
+            prefetch_row(kp, ahead[j / 16] + (j % 16) * KVH, HD, 1);
+            prefetch_row(vp, ahead[j / 16] + (j % 16) * KVH, HD, 1);
+        }
+        /* scores, four blocks of 16 keys at a time: four accumulators, two K tiles in turn and two Q tiles (chunks
+         * c and c + 1), so a tile is not reloaded while the product before still reads it */
+        for (int b0 = 0; b0 < blocks; b0 += 4) {
+            _tile_zero(T_S0);
+            _tile_zero(T_S1);
+            _tile_zero(T_S2);
+            _tile_zero(T_S3);
+            for (int c = 0; c < HD / 32; c += 2) {
+                _tile_loadd(T_Q0, qv[c], sizeof(qv[0][0]));
+                _tile_loadd(T_Q1, qv[c + 1], sizeof(qv[0][0]));
+#define QK(ST, KT, QT, i, cc)                                                       \
+    if (b0 + (i) < blocks) {                                                       \
+        _tile_loadd(KT, kp + rows[b0 + (i)] * HD + 32 * (cc), 2 * stride);         \
+        _tile_dpbf16ps(ST, KT, QT);                                                \
+    }
+                QK(T_S0, T_K0, T_Q0, 0, c) QK(T_S1, T_K1, T_Q0, 1, c) QK(T_S2, T_K0, T_Q0, 2, c)
+                QK(T_S3, T_K1, T_Q0, 3, c)
+                QK(T_S0, T_K0, T_Q1, 0, c + 1) QK(T_S1, T_K1, T_Q1, 1, c + 1) QK(T_S2, T_K0, T_Q1, 2, c + 1)
+                QK(T_S3, T_K1, T_Q1, 3, c + 1)
+#undef QK
+            }
+            _tile_stored(T_S0, sc[16 * b0], 64);
+            if (b0 + 1 < blocks) _tile_stored(T_S1, sc[16 * b0 + 16], 64);
+            if (b0 + 2 < blocks) _tile_stored(T_S2, sc[16 * b0 + 32], 64);
+            if (b0 + 3 < blocks) _tile_stored(T_S3, sc[16 * b0 + 48], 64);
+        }
+        for (int g = 0; g < G; g++) { /* the softmax step over these n keys */
+            __m512 s[SB / 16];
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int b = 0; b < blocks; b++) {
+                const __mmask16 live = n - 16 * b >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * b)) - 1);
+                s[b] = _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_set1_ps(-INFINITY), live,
+                                                               _mm512_add_epi32(column, _mm512_set1_epi32(g)),
+                                                               sc[16 * b], 4),
+                                     _mm512_set1_ps(a->scale));
+                top = _mm512_max_ps(top, s[b]);
+            }
+            const float bm = fmaxf(m[g], _mm512_reduce_max_ps(top));
+            __m512 sum = _mm512_setzero_ps();
+            for (int b = 0; b < blocks; b++) {
+                const __m256bh pb = _mm512_cvtneps_pbh(exp_nonpositive16(_mm512_sub_ps(s[b], _mm512_set1_ps(bm))));
+                const __m512i even = _mm512_cvtepu16_epi32((__m256i)pb); /* w, 0, w, 0, ... as bfloat16 */
+                _mm512_store_si512(amx_even[b][g], even);
+                _mm512_store_si512(amx_odd[b][g], _mm512_slli_epi32(even, 16));
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(even, 16)));
+            }
+            const float corr = expf(m[g] - bm); /* 0 at the first step */
+            l[g] = l[g] * corr + _mm512_reduce_add_ps(sum); /* the weights as rounded */
+            if (corr != 1.0f)
+                for (int i = 0; i < HD; i += 16)
+                    _mm512_store_ps(&o[g][i], _mm512_mul_ps(_mm512_load_ps(&o[g][i]), _mm512_set1_ps(corr)));
+            m[g] = bm;
+        }
+        const int partial = n % 16; /* a last block past the context: its rows copied, zeros after (stale rows
+                                     * may hold anything, and 0 x NaN is NaN) */
+        if (partial) {
+            for (int j = 0; j < 16; j++) {
+                if (j < partial) memcpy(tail[j], vp + (rows[blocks - 1] + (int64_t)j * KVH) * HD, 2 * HD);
+                else memset(tail[j], 0, 2 * HD);
+            }
+        }
+        for (int c0 = 0; c0 < HD / 32; c0 += 2) { /* O += P . V, 64 dims a sweep: 2 chunks, even and odd dims */
+            _tile_loadd(T_O0, &o[0][32 * c0], sizeof(o[0]));
+            _tile_loadd(T_O1, &o[0][32 * c0 + 16], sizeof(o[0]));
+            _tile_loadd(T_O2, &o[0][32 * c0 + 32], sizeof(o[0]));
+            _tile_loadd(T_O3, &o[0][32 * c0 + 48], sizeof(o[0]));
+            for (int b = 0; b < blocks; b++) {
+                const int last = partial && b == blocks - 1;
+                const uint16_t *v0 = last ? &tail[0][0] : vp + rows[b] * HD;
+                const int64_t vs = last ? 2 * MAX_HD : 2 * stride;
+                _tile_loadd(T_PE, amx_even[b], 64);
+                _tile_loadd(T_PO, amx_odd[b], 64);
+                _tile_loadd(T_V0, v0 + 32 * c0, vs);
+                _tile_loadd(T_V1, v0 + 32 * c0 + 32, vs);
+                _tile_dpbf16ps(T_O0, T_PE, T_V0);
+                _tile_dpbf16ps(T_O1, T_PO, T_V0);
+                _tile_dpbf16ps(T_O2, T_PE, T_V1);
+                _tile_dpbf16ps(T_O3, T_PO, T_V1);
+            }
+            _tile_stored(T_O0, &o[0][32 * c0], sizeof(o[0]));
+            _tile_stored(T_O1, &o[0][32 * c0 + 16], sizeof(o[0]));
+            _tile_stored(T_O2, &o[0][32 * c0 + 32], sizeof(o[0]));
+            _tile_stored(T_O3, &o[0][32 * c0 + 48], sizeof(o[0]));
+        }
+    }
+    for (int g = 0; g < G; g++) { /* even and odd dims back in order */
+        float row[MAX_HD];
+        for (int c = 0; c < HD / 32; c++)
+            for (int i = 0; i < 16; i++)
+                row[32 * c + 2 * i] = o[g][32 * c + i], row[32 * c + 2 * i + 1] = o[g][32 * c + 16 + i];
+        store_out(a, d, h, g, row, 1.0f / l[g]);
+    }
+}
+#else
+#define HAVE_AMX 0
+#endif
+
+/* Whether decode rows over bf16 pages with bf16 q run the AMX tiles where they apply (1, the default) or the
+ * vector copy (0); returns whether this build has the AMX copy and the process holds the tile state. */
+int paged_decode_set_amx(int on) {
+#if HAVE_AMX
+    amx_on = on;
+    return amx_granted();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 SPECIALISE(64, 0) SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(128, 0) SPECIALISE(128, 1) SPECIALISE(128, 2)
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 SPECIALISE(64, 3) SPECIALISE(128, 3) SPECIALISE(64, 4) SPECIALISE(128, 4)
@@ -646,9 +907,15 @@ static void run_chunk(void *ctx, int i) {
     const Job *job = (const Job *)ctx;
     const int begin = (int)((int64_t)job->items * i / job->chunks);
     const int end = (int)((int64_t)job->items * (i + 1) / job->chunks);
+#if HAVE_AMX
+    if (job->attend == attend_amx) amx_attention_config(); /* the chunk's items all run on the tiles */
+#endif
     for (int w = begin; w < end; w++)
         for (int h = w * job->heads % job->a.KVH, e = h + job->heads; h < e; h++)
             job->attend(&job->a, w * job->heads / job->a.KVH, h);
+#if HAVE_AMX
+    if (job->attend == attend_amx) _tile_release();
+#endif
 }
 
 /* Returns 0, or -1 for shapes beyond the fixed buffers or tiles the kernel cannot take (the caller falls
@@ -695,6 +962,11 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
     if (fmt == 1 && half && HD == 128) job.attend = attend_128_3;
     if (fmt == 2 && half && HD == 64) job.attend = attend_64_4;
     if (fmt == 2 && half && HD == 128) job.attend = attend_128_4;
+#endif
+#if HAVE_AMX
+    if (amx_on && fmt == 1 && half && !tiles && S % 16 == 0 && (HD == 64 || HD == 128) && G <= AMX_G &&
+        amx_granted())
+        job.attend = attend_amx;
 #endif
     job.chunks = job.items < MAX_CHUNKS ? job.items : MAX_CHUNKS;
     if (run_pool != 0) { /* one thread or one chunk: the pool runs them on this thread */

@@ -19,7 +19,9 @@ only: no weights are read), so the figures the kernels' own comments quote can b
   model's query and KV heads, pages in a shuffled order) over every layer of the engine's own
   page pool (`PagedKVCache`, random contents): `paged_decode_attention_cpu` against the engine's
   torch path (`PagedKVCache.gather`, which dequantises fp8, then SDPA under the additive mask),
-  for bf16 and fp8_e4m3 pages. GB/s = KV bytes / time.
+  for bf16 and fp8_e4m3 pages. GB/s = KV bytes / time. Where the kernel runs bf16 decode rows on AMX
+  tiles (rows of at least 128 keys), its vector copy takes turns with the two as a third arm (`vector_ms`,
+  `vector_over_c`: > 1, the tiles are faster).
 - **rows**: the element-wise kernels at 1 and `max(--rows)` rows: residual add + RMSNorm,
   SwiGLU's activation, RoPE, argmax over the vocabulary, the argmax under grammar mask words
   (half the tokens allowed) and temperature sampling, plain and with top-p 0.9, against their
@@ -186,7 +188,7 @@ def _random_cache(cfg: Any, fmt: str, num_pages: int) -> Any:
 
 def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str, Any]]:
     from backend.attention import context_mask
-    from kernels.cpu_paged_attention import paged_decode_attention_cpu
+    from kernels.cpu_paged_attention import amx_tiles, paged_decode_attention_cpu
 
     heads, kvh, hd, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     scale = hd ** -0.5
@@ -209,13 +211,29 @@ def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str
                                                    scale=scale)
                     for k, v in (cache.gather(i, table) for i in range(layers))]
 
-        times = alternate({"c": _in_step(ours), "torch": theirs}, reps)
+        calls = {"c": _in_step(ours), "torch": theirs}
+        if fmt == "bf16" and amx_tiles(True):  # the kernel's AMX tiles take these rows: its vector copy beside
+
+            def vector(ours: Callable[[], Any] = ours) -> Any:
+                amx_tiles(False)
+                try:
+                    return ours()
+                finally:
+                    amx_tiles(True)
+            calls["vector"] = _in_step(vector)
+        times = alternate(calls, reps)
         kv_bytes = layers * 2 * d * context * kvh * (hd * (1 if cache.quantised else 2) + cache.quantised)
         row = _row(f"attention_{fmt}", "attention", "paged_decode_attention_cpu",
                    f"{fmt} pages, {d} seq x {context} keys x {layers} layers", times, kv_bytes, "GB/s")
         row.update(format=fmt, rows=d, context=context)
+        if "vector" in times:
+            vec = statistics.median(times["vector"])
+            row.update(vector_ms=vec * 1e3, vector_over_c=vec * 1e3 / row["c_ms"],
+                       vector_ms_runs=[x * 1e3 for x in times["vector"]])
         out.append(row)
-        log(f"  attention {fmt}: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms")
+        log(f"  attention {fmt}: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms"
+            + (f", the C vector copy {row['vector_ms']:.1f} ms (AMX tiles {row['vector_over_c']:.2f}x faster)"
+               if "vector_ms" in row else ""))
         del cache
     return out
 

@@ -3,10 +3,12 @@ random inputs: every page format, GQA groups, shuffled pages, NaN in every slot 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from kernels.cpu_paged_attention import available, build_error, fp8_as_bf16, paged_decode_attention_cpu
+from kernels.cpu_paged_attention import amx_tiles, available, build_error, fp8_as_bf16, paged_decode_attention_cpu
 from kernels.paged_attention import paged_decode_attention_ref
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 from tests.kernels.test_paged_attention import (FP8, LENS, assert_close_in_mag, build_paged, random_layout,
@@ -14,6 +16,15 @@ from tests.kernels.test_paged_attention import (FP8, LENS, assert_close_in_mag, 
 
 pytestmark = pytest.mark.skipif(not available(), reason=f"CPU kernel not built: {build_error()}")
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": FP8}
+
+
+@pytest.fixture
+def tiles_off():
+    """The vector copy for decode rows over bf16 pages also where the AMX tiles would take them (the process's
+    default restored after)."""
+    amx_tiles(False)
+    yield
+    amx_tiles(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -178,10 +189,11 @@ def test_prompt_tiles_it_cannot_take_are_declined() -> None:
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("tiled", [False, True])
-def test_bfloat16_scores_by_dot_product_match_the_reference(fmt: str, head_dim: int, tiled: bool, seed: int) -> None:
+def test_bfloat16_scores_by_dot_product_match_the_reference(fmt: str, head_dim: int, tiled: bool, seed: int,
+                                                            tiles_off: None) -> None:
     """bf16 queries against bf16 or fp8 pages (the served bf16 model's case; `vdpbf16ps` where the CPU has
     it): decode rows and a prompt chunk in tiles against the reference on the same page values, within the
-    output's bfloat16 rounding."""
+    output's bfloat16 rounding. (Decode rows on the AMX tiles: the test below.)"""
     lens = [150, 33, 7]
     num_pages, page_table = random_layout(lens)
     paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FORMATS[fmt], num_pages, page_table,
@@ -209,3 +221,47 @@ def test_fp8_keys_become_their_exact_bfloat16_values() -> None:
     finite = ~want.isnan()
     assert int(finite.sum()) == 254
     assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (64, 1), (64, 16), (128, 8)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_rows_on_amx_tiles_match_the_reference(head_dim: int, group: int, threads: int, seed: int) -> None:
+    """Decode rows over bf16 pages on the AMX tiles (rows of at least 128 keys, where the CPU has them): key
+    counts that end inside a block of 16, on a 32-key boundary, and across several 128-key softmax steps, the
+    pool's unused rows NaN; within 1.5 bfloat16 steps of the output's magnitude (the weights rounded to
+    bfloat16: the kernel's bound), as the vector copy is on the same rows within one; shorter rows and a NaN
+    query row as the vector copy gives them."""
+    if not amx_tiles(True):
+        pytest.skip("no AMX tiles here (the CPU, the build, or the kernel's tile state)")
+    lens = [128, 129, 160, 300, 1000, 40]
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, torch.bfloat16, num_pages, page_table,
+                        "cpu")
+    q = torch.randn(len(lens), 2 * group, head_dim).bfloat16()
+    q[2, 1] = float("nan")
+    try:
+        tiled = paged_decode_attention_cpu(q, *paged, 0.125, threads=threads)
+        amx_tiles(False)
+        vector = paged_decode_attention_cpu(q, *paged, 0.125, threads=threads)
+    finally:
+        amx_tiles(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0")
+    ref = paged_decode_attention_ref(q.float(), *paged, 0.125)
+    mag = paged_decode_attention_ref(q.float(), *paged.with_abs_v(), 0.125)
+    nan = torch.zeros_like(ref, dtype=torch.bool)
+    nan[2, 1] = True  # the NaN query head's output: NaN on both copies, every other head's finite
+    assert torch.equal(tiled.isnan(), nan) and torch.equal(vector.isnan(), nan)
+    finite = ~nan
+    ratio = (tiled.float() - ref).abs()[finite] / mag[finite]
+    assert float(ratio.max()) <= 1.5 * 2.0 ** -8, f"seed {seed}: {float(ratio.max()) / 2.0 ** -8:.2f} steps"
+    assert float(((vector.float() - ref).abs()[finite] / mag[finite]).max()) <= 2.0 ** -8
+    assert not torch.equal(tiled[:5], vector[:5])  # the long rows ran another computation (its rounded weights)
+    assert torch.equal(tiled[5], vector[5])  # 40 keys: the vector copy on both
+
+
+def test_amx_tiles_report_what_runs() -> None:
+    """The switch says whether the tiles exist here; where they do not, switching them on changes nothing."""
+    from backend.cpu_features import cpu_flags
+
+    have = amx_tiles(True)
+    amx_tiles(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0")
+    assert not have or {"amx_bf16", "amx_tile", "avx512_bf16"} <= set(cpu_flags())
