@@ -25,7 +25,7 @@
  * AVX-512 (K widened to float32 for every format). Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
  * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few). Decode
- * rows over bf16 pages with bf16 q run on AMX tiles where the CPU has them (`attend_amx`, its section below).
+ * rows over bf16 or fp8 pages with bf16 q run on AMX tiles where the CPU has them (`attend_amx`, its section below).
  * Threads: the process's shared helper pool (kernels/cpu/pool.c) over items.
  */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -614,7 +614,7 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
 #else
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_hd(a, t, h, hd, f); }
 #endif
-/* ---- AMX tiles for decode rows over bf16 pages (CPUs with AMX-TILE and AMX-BF16) ----------------------------
+/* ---- AMX tiles for decode rows over bf16 or fp8 pages (CPUs with AMX-TILE and AMX-BF16) ---------------------
  *
  * A decode row's G query heads (up to 16) against its keys, both products on the tile unit, SB keys at a time:
  *   scores S [16 tokens, 16 heads] = K [16 tokens, HD] . Q^T per block of 16 keys (one page's rows: pages hold a
@@ -634,7 +634,9 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
  * is a weighted mean of V rows whose weights are off by at most ~2^-8 relative after normalising: within
  * 1.5 bfloat16 steps of the output's magnitude (sum of |weight| |V|), not of its value where V rows cancel.
  * Rows of a block past the context get no weight (their scores are not read, their V rows are zeros: a stale
- * page row may hold anything). Prompt tiles, float32 queries and other page formats keep the vector copies. */
+ * page row may hold anything). fp8 pages: each block's K and V rows are first made their exact bfloat16 values in
+ * L1 (`fp8x32_to_bf16`), the tokens' 2^e applied to scores and weights. Prompt tiles, float32 queries and fp32
+ * pages keep the vector copies. */
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
 #include <sys/syscall.h>
@@ -644,9 +646,10 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
 
 #define AMX_G 16  /* query heads an item may hold here (a tile's 16 rows or columns) */
 #define SB 128    /* keys per softmax step (a multiple of 32) */
-/* Keys from which an item runs here. SmolLM2's shape (G = 3, HD = 64), 32 rows x 30 layers' own pools, 2 threads,
- * 2-core AMX Xeon VM, the two copies alternating: the tiles' time over the vector copy's 1.13x at 16 keys,
- * 1.04-1.07x at 48-64, 0.98 at 128, 0.91 at 256, 0.85 at 1,024 (BENCHMARKS.md). */
+/* Keys from which an item over bf16 pages runs here (over fp8 pages: every item). SmolLM2's shape (G = 3, HD = 64),
+ * 32 rows x 30 layers' own pools, 2 threads, 2-core AMX Xeon VM, the two copies alternating: the tiles' time over
+ * the vector copy's, bf16 pages 1.13x at 16 keys, 1.04-1.07x at 48-64, 0.98-1.00 at 128, 0.91 at 256, 0.85 at
+ * 1,024; fp8 pages 0.88x at 16, 0.73 at 32, 0.62 at 64, 0.61 at 128, 0.54 at 1,024 (BENCHMARKS.md). */
 #define AMX_MIN_KEYS 128
 /* tile registers (literals: the tile intrinsics paste them into the instruction) */
 /* scores: K (16 tokens x 32 dims, two in turn) . Q (16 dim pairs x 16 heads, chunks c and c + 1) into four blocks'
@@ -726,17 +729,40 @@ static __thread float amx_out[AMX_G][MAX_HD] __attribute__((aligned(64)));
 static void attend_64_3(const Args *a, int t, int h);
 static void attend_128_3(const Args *a, int t, int h);
 
-/* One work item: KV head h of decode row d (tiles NULL: tile t is row t), bf16 q and bf16 pages. Fewer than
- * AMX_MIN_KEYS keys take the vector copy. */
-static void attend_amx(const Args *a, int d, int h) {
+/* fp8 pages: the n page rows of a block (from page row `row`, KV head stride KVH) as their exact bfloat16 values
+ * into dst [16][HD] (rows past n zero), and each token's 2^e into mul[16] (e from exps). */
+static inline __attribute__((always_inline)) void fp8_block(const uint8_t *base, const int8_t *exps, int64_t row,
+                                                            int n, int KVH, int HD, uint16_t (*dst)[MAX_HD],
+                                                            float *mul) {
+    for (int j = 0; j < 16; j++) {
+        if (j < n) {
+            const int64_t r = row + (int64_t)j * KVH;
+            for (int c = 0; c < HD; c += 32) _mm512_store_si512(&dst[j][c], fp8x32_to_bf16(base + r * HD + c));
+            mul[j] = pow2i(exps[r]);
+        } else {
+            for (int c = 0; c < HD; c += 32) _mm512_store_si512(&dst[j][c], _mm512_setzero_si512());
+            mul[j] = 0.0f;
+        }
+    }
+}
+
+/* One work item: KV head h of decode row d (tiles NULL: tile t is row t), bf16 q and bf16 pages, or fp8 pages
+ * (`fp8`: each block's K and V rows made their exact bfloat16 values in L1 first, `fp8_block`; the token's 2^e
+ * of K into its scores, of V into its weights after the softmax's sum, as the vector copy applies them). Over bf16
+ * pages, fewer than AMX_MIN_KEYS keys take the vector copy. */
+static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, int d, int h, const int fp8) {
     const int G = a->G, HD = a->HD, S = a->S, KVH = a->KVH, len = a->lens[d];
-    if (len < AMX_MIN_KEYS) {
+    if (!fp8 && len < AMX_MIN_KEYS) {
         (HD == 64 ? attend_64_3 : attend_128_3)(a, d, h);
         return;
     }
     const int64_t stride = (int64_t)KVH * HD; /* elements from one token's row of head h to the next's */
     const uint16_t *qs = (const uint16_t *)a->q + ((int64_t)d * KVH + h) * G * HD;
     const uint16_t *kp = (const uint16_t *)a->k, *vp = (const uint16_t *)a->v;
+    const uint8_t *k8 = (const uint8_t *)a->k, *v8 = (const uint8_t *)a->v;
+    uint16_t kb[fp8 ? SB : 1][MAX_HD] __attribute__((aligned(64))); /* fp8: the SB keys' K rows as bf16 */
+    uint16_t vb[fp8 ? SB : 1][MAX_HD] __attribute__((aligned(64))); /* and V's, zeros past the context */
+    float kmul[SB], vmul[SB];
     const int64_t *pages = a->table + (int64_t)d * a->MAXP;
     uint16_t qv[MAX_HD / 32][16][AMX_G][2] __attribute__((aligned(64))); /* dims 32c + 2r + e of head g */
     float sc[SB][16] __attribute__((aligned(64)));                      /* scores: token, head */
@@ -762,9 +788,19 @@ static void attend_amx(const Args *a, int d, int h) {
         for (int b = 0; b < blocks; b++) rows[b] = (pages[(t0 + 16 * b) / S] * S + (t0 + 16 * b) % S) * KVH + h;
         const int m_ahead = amx_rows_after(a, d, h, t0, n, ahead);
         for (int j = 0; j < m_ahead; j++) { /* the next keys' K and V rows, into L2 while these run */
-            prefetch_row(kp, ahead[j / 16] + (j % 16) * KVH, HD, 1);
-            prefetch_row(vp, ahead[j / 16] + (j % 16) * KVH, HD, 1);
+            prefetch_row(a->k, ahead[j / 16] + (j % 16) * KVH, HD, fp8 ? 2 : 1);
+            prefetch_row(a->v, ahead[j / 16] + (j % 16) * KVH, HD, fp8 ? 2 : 1);
         }
+        if (fp8)
+            for (int b = 0; b < blocks; b++) {
+                const int nb = n - 16 * b < 16 ? n - 16 * b : 16;
+                fp8_block(k8, a->ke, rows[b], nb, KVH, HD, kb + 16 * b, kmul + 16 * b);
+                fp8_block(v8, a->ve, rows[b], nb, KVH, HD, vb + 16 * b, vmul + 16 * b);
+            }
+        /* K rows of block b and their stride: in the page, or converted */
+        const uint16_t *kblock[SB / 16];
+        for (int b = 0; b < blocks; b++) kblock[b] = fp8 ? kb[16 * b] : kp + rows[b] * HD;
+        const int64_t kstride = fp8 ? 2 * MAX_HD : 2 * stride;
         /* scores, four blocks of 16 keys at a time: four accumulators, two K tiles in turn and two Q tiles (chunks
          * c and c + 1), so a tile is not reloaded while the product before still reads it */
         for (int b0 = 0; b0 < blocks; b0 += 4) {
@@ -777,7 +813,7 @@ static void attend_amx(const Args *a, int d, int h) {
                 _tile_loadd(T_Q1, qv[c + 1], sizeof(qv[0][0]));
 #define QK(ST, KT, QT, i, cc)                                                       \
     if (b0 + (i) < blocks) {                                                       \
-        _tile_loadd(KT, kp + rows[b0 + (i)] * HD + 32 * (cc), 2 * stride);         \
+        _tile_loadd(KT, kblock[b0 + (i)] + 32 * (cc), kstride);                    \
         _tile_dpbf16ps(ST, KT, QT);                                                \
     }
                 QK(T_S0, T_K0, T_Q0, 0, c) QK(T_S1, T_K1, T_Q0, 1, c) QK(T_S2, T_K0, T_Q0, 2, c)
@@ -800,16 +836,20 @@ static void attend_amx(const Args *a, int d, int h) {
                                                                _mm512_add_epi32(column, _mm512_set1_epi32(g)),
                                                                sc[16 * b], 4),
                                      _mm512_set1_ps(a->scale));
+                if (fp8) s[b] = _mm512_mask_mul_ps(s[b], live, s[b], _mm512_loadu_ps(kmul + 16 * b));
                 top = _mm512_max_ps(top, s[b]);
             }
             const float bm = fmaxf(m[g], _mm512_reduce_max_ps(top));
             __m512 sum = _mm512_setzero_ps();
             for (int b = 0; b < blocks; b++) {
                 const __m256bh pb = _mm512_cvtneps_pbh(exp_nonpositive16(_mm512_sub_ps(s[b], _mm512_set1_ps(bm))));
-                const __m512i even = _mm512_cvtepu16_epi32((__m256i)pb); /* w, 0, w, 0, ... as bfloat16 */
+                __m512i even = _mm512_cvtepu16_epi32((__m256i)pb); /* w, 0, w, 0, ... as bfloat16 */
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(even, 16)));
+                if (fp8) /* V's 2^e: exact on the rounded weight (a power of two) */
+                    even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                        _mm512_castsi512_ps(_mm512_slli_epi32(even, 16)), _mm512_loadu_ps(vmul + 16 * b))));
                 _mm512_store_si512(amx_even[b][g], even);
                 _mm512_store_si512(amx_odd[b][g], _mm512_slli_epi32(even, 16));
-                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(even, 16)));
             }
             const float corr = expf(m[g] - bm); /* 0 at the first step */
             l[g] = l[g] * corr + _mm512_reduce_add_ps(sum); /* the weights as rounded */
@@ -818,8 +858,8 @@ static void attend_amx(const Args *a, int d, int h) {
                     _mm512_store_ps(&o[g][i], _mm512_mul_ps(_mm512_load_ps(&o[g][i]), _mm512_set1_ps(corr)));
             m[g] = bm;
         }
-        const int partial = n % 16; /* a last block past the context: its rows copied, zeros after (stale rows
-                                     * may hold anything, and 0 x NaN is NaN) */
+        const int partial = fp8 ? 0 : n % 16; /* a last block past the context: its rows copied, zeros after (stale
+                                               * rows may hold anything, and 0 x NaN is NaN; fp8_block did it) */
         if (partial) {
             for (int j = 0; j < 16; j++) {
                 if (j < partial) memcpy(tail[j], vp + (rows[blocks - 1] + (int64_t)j * KVH) * HD, 2 * HD);
@@ -833,8 +873,8 @@ static void attend_amx(const Args *a, int d, int h) {
             _tile_loadd(T_O3, &o[0][32 * c0 + 48], sizeof(o[0]));
             for (int b = 0; b < blocks; b++) {
                 const int last = partial && b == blocks - 1;
-                const uint16_t *v0 = last ? &tail[0][0] : vp + rows[b] * HD;
-                const int64_t vs = last ? 2 * MAX_HD : 2 * stride;
+                const uint16_t *v0 = fp8 ? vb[16 * b] : last ? &tail[0][0] : vp + rows[b] * HD;
+                const int64_t vs = fp8 || last ? 2 * MAX_HD : 2 * stride;
                 _tile_loadd(T_PE, amx_even[b], 64);
                 _tile_loadd(T_PO, amx_odd[b], 64);
                 _tile_loadd(T_V0, v0 + 32 * c0, vs);
@@ -858,11 +898,13 @@ static void attend_amx(const Args *a, int d, int h) {
         store_out(a, d, h, g, row, 1.0f / l[g]);
     }
 }
+static void attend_amx(const Args *a, int d, int h) { attend_amx_fmt(a, d, h, 0); }
+static void attend_amx_fp8(const Args *a, int d, int h) { attend_amx_fmt(a, d, h, 1); }
 #else
 #define HAVE_AMX 0
 #endif
 
-/* Whether decode rows over bf16 pages with bf16 q run the AMX tiles where they apply (1, the default) or the
+/* Whether decode rows over bf16 or fp8 pages with bf16 q run the AMX tiles where they apply (1, the default) or the
  * vector copy (0); returns whether this build has the AMX copy and the process holds the tile state. */
 int paged_decode_set_amx(int on) {
 #if HAVE_AMX
@@ -908,13 +950,14 @@ static void run_chunk(void *ctx, int i) {
     const int begin = (int)((int64_t)job->items * i / job->chunks);
     const int end = (int)((int64_t)job->items * (i + 1) / job->chunks);
 #if HAVE_AMX
-    if (job->attend == attend_amx) amx_attention_config(); /* the chunk's items all run on the tiles */
+    const int tiles = job->attend == attend_amx || job->attend == attend_amx_fp8;
+    if (tiles) amx_attention_config(); /* the chunk's items all run on the tiles */
 #endif
     for (int w = begin; w < end; w++)
         for (int h = w * job->heads % job->a.KVH, e = h + job->heads; h < e; h++)
             job->attend(&job->a, w * job->heads / job->a.KVH, h);
 #if HAVE_AMX
-    if (job->attend == attend_amx) _tile_release();
+    if (tiles) _tile_release();
 #endif
 }
 
@@ -964,9 +1007,9 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
     if (fmt == 2 && half && HD == 128) job.attend = attend_128_4;
 #endif
 #if HAVE_AMX
-    if (amx_on && fmt == 1 && half && !tiles && S % 16 == 0 && (HD == 64 || HD == 128) && G <= AMX_G &&
-        amx_granted())
-        job.attend = attend_amx;
+    if (amx_on && (fmt == 1 || fmt == 2) && half && !tiles && S % 16 == 0 && (HD == 64 || HD == 128) &&
+        G <= AMX_G && amx_granted())
+        job.attend = fmt == 1 ? attend_amx : attend_amx_fp8;
 #endif
     job.chunks = job.items < MAX_CHUNKS ? job.items : MAX_CHUNKS;
     if (run_pool != 0) { /* one thread or one chunk: the pool runs them on this thread */

@@ -19,8 +19,8 @@ only: no weights are read), so the figures the kernels' own comments quote can b
   model's query and KV heads, pages in a shuffled order) over every layer of the engine's own
   page pool (`PagedKVCache`, random contents): `paged_decode_attention_cpu` against the engine's
   torch path (`PagedKVCache.gather`, which dequantises fp8, then SDPA under the additive mask),
-  for bf16 and fp8_e4m3 pages. GB/s = KV bytes / time. Where the kernel runs bf16 decode rows on AMX
-  tiles (rows of at least 128 keys), its vector copy takes turns with the two as a third arm (`vector_ms`,
+  for bf16 and fp8_e4m3 pages. GB/s = KV bytes / time. Where the kernel runs decode rows on AMX tiles
+  (fp8 pages; bf16 from 128 keys), its vector copy takes turns with the two as a third arm (`vector_ms`,
   `vector_over_c`: > 1, the tiles are faster).
 - **rows**: the element-wise kernels at 1 and `max(--rows)` rows: residual add + RMSNorm,
   SwiGLU's activation, RoPE, argmax over the vocabulary, the argmax under grammar mask words
@@ -212,7 +212,7 @@ def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str
                     for k, v in (cache.gather(i, table) for i in range(layers))]
 
         calls = {"c": _in_step(ours), "torch": theirs}
-        if fmt == "bf16" and amx_tiles(True):  # the kernel's AMX tiles take these rows: its vector copy beside
+        if amx_tiles(True):  # the kernel's AMX tiles take these rows: its vector copy beside
 
             def vector(ours: Callable[[], Any] = ours) -> Any:
                 amx_tiles(False)
