@@ -152,8 +152,8 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
 
 
 def amx_tiles(on: bool) -> bool:
-    """Switch the AMX tiles for decode rows over bf16 or fp8 pages with bf16 queries (`attend_amx` in the C file; on by
-    default where built, `EDGESERVE_AMX_ATTENTION=0` off) for this process, e.g. for a benchmark's comparison.
+    """Switch the AMX tiles for decode rows over bf16 or fp8 pages with bf16 queries (`attend_amx` in the C file;
+    on by default where built, `EDGESERVE_AMX_ATTENTION=0` off) for this process, e.g. for a benchmark's comparison.
     Returns whether this build and process have them (False: the vector copy runs either way)."""
     lib = KERNEL.load()
     return bool(lib is not None and lib.paged_decode_set_amx(int(on)))
