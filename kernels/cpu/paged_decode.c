@@ -699,11 +699,11 @@ static inline __m512 exp_nonpositive16(__m512 x) {
 /* The keys after t0 + n of item (row d, KV head h), up to SB of them, else the next item's first SB: the page
  * row of each block of 16 (into rows); returns how many keys. The K and V rows they name are prefetched into
  * L2 while the current SB keys are computed (the pages lie anywhere: the hardware prefetchers do not follow). */
-static int amx_rows_after(const Args *a, int d, int h, int t0, int n, int64_t *rows) {
-    int len = a->lens[d];
-    if (t0 + n >= len) { /* this item's last keys: the next item's first (the next KV head, or the next row) */
+static int amx_rows_after(const Args *a, int t, int h, int t0, int n, int64_t *rows) {
+    int d = tile_first(a, t), len = a->lens[d];
+    if (t0 + n >= len) { /* this item's last keys: the next item's first (the next KV head, or the next tile's) */
         if (h + 1 < a->KVH) h++;
-        else if (d + 1 < a->ntiles) d++, h = 0;
+        else if (t + 1 < a->ntiles) d = tile_first(a, t + 1), h = 0;
         else return 0;
         len = a->lens[d];
         t0 = 0;
@@ -728,6 +728,8 @@ static __thread float amx_out[AMX_G][MAX_HD] __attribute__((aligned(64)));
 
 static void attend_64_3(const Args *a, int t, int h);
 static void attend_128_3(const Args *a, int t, int h);
+static void attend_64_4(const Args *a, int t, int h);
+static void attend_128_4(const Args *a, int t, int h);
 
 /* fp8 pages: the n page rows of a block (from page row `row`, KV head stride KVH) as their exact bfloat16 values
  * into dst [16][HD] (rows past n zero), and each token's 2^e into mul[16] (e from exps). */
@@ -746,14 +748,17 @@ static inline __attribute__((always_inline)) void fp8_block(const uint8_t *base,
     }
 }
 
-/* One work item: KV head h of decode row d (tiles NULL: tile t is row t), bf16 q and bf16 pages, or fp8 pages
- * (`fp8`: each block's K and V rows made their exact bfloat16 values in L1 first, `fp8_block`; the token's 2^e
- * of K into its scores, of V into its weights after the softmax's sum, as the vector copy applies them). Over bf16
- * pages, fewer than AMX_MIN_KEYS keys take the vector copy. */
-static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, int d, int h, const int fp8) {
-    const int G = a->G, HD = a->HD, S = a->S, KVH = a->KVH, len = a->lens[d];
-    if (!fp8 && len < AMX_MIN_KEYS) {
-        (HD == 64 ? attend_64_3 : attend_128_3)(a, d, h);
+/* One work item: KV head h of tile t, a tile of one row d (a decode row; tiles of prompt rows take the vector
+ * copy), bf16 q and bf16 pages, or fp8 pages (`fp8`: each block's K and V rows made their exact bfloat16 values in
+ * L1 first, `fp8_block`; the token's 2^e of K into its scores, of V into its weights after the softmax's sum, as
+ * the vector copy applies them). Over bf16 pages, fewer than AMX_MIN_KEYS keys take the vector copy. A decode row
+ * takes the same path alone or in a call with prompt tiles (a unified worker's step and the fused decode layers'
+ * two calls for it give the same bits). */
+static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, int t, int h, const int fp8) {
+    const int d = tile_first(a, t), G = a->G, HD = a->HD, S = a->S, KVH = a->KVH, len = a->lens[d];
+    if (tile_first(a, t + 1) - d > 1 || (!fp8 && len < AMX_MIN_KEYS)) {
+        if (fp8) (HD == 64 ? attend_64_4 : attend_128_4)(a, t, h);
+        else (HD == 64 ? attend_64_3 : attend_128_3)(a, t, h);
         return;
     }
     const int64_t stride = (int64_t)KVH * HD; /* elements from one token's row of head h to the next's */
@@ -786,7 +791,7 @@ static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, 
         const int n = len - t0 < SB ? len - t0 : SB, blocks = (n + 15) / 16;
         int64_t rows[SB / 16], ahead[SB / 16]; /* page row of each block's first token; of the next SB keys' */
         for (int b = 0; b < blocks; b++) rows[b] = (pages[(t0 + 16 * b) / S] * S + (t0 + 16 * b) % S) * KVH + h;
-        const int m_ahead = amx_rows_after(a, d, h, t0, n, ahead);
+        const int m_ahead = amx_rows_after(a, t, h, t0, n, ahead);
         for (int j = 0; j < m_ahead; j++) { /* the next keys' K and V rows, into L2 while these run */
             prefetch_row(a->k, ahead[j / 16] + (j % 16) * KVH, HD, fp8 ? 2 : 1);
             prefetch_row(a->v, ahead[j / 16] + (j % 16) * KVH, HD, fp8 ? 2 : 1);
@@ -898,8 +903,8 @@ static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, 
         store_out(a, d, h, g, row, 1.0f / l[g]);
     }
 }
-static void attend_amx(const Args *a, int d, int h) { attend_amx_fmt(a, d, h, 0); }
-static void attend_amx_fp8(const Args *a, int d, int h) { attend_amx_fmt(a, d, h, 1); }
+static void attend_amx(const Args *a, int t, int h) { attend_amx_fmt(a, t, h, 0); }
+static void attend_amx_fp8(const Args *a, int t, int h) { attend_amx_fmt(a, t, h, 1); }
 #else
 #define HAVE_AMX 0
 #endif
@@ -951,7 +956,7 @@ static void run_chunk(void *ctx, int i) {
     const int end = (int)((int64_t)job->items * (i + 1) / job->chunks);
 #if HAVE_AMX
     const int tiles = job->attend == attend_amx || job->attend == attend_amx_fp8;
-    if (tiles) amx_attention_config(); /* the chunk's items all run on the tiles */
+    if (tiles) amx_attention_config(); /* for the chunk's decode rows */
 #endif
     for (int w = begin; w < end; w++)
         for (int h = w * job->heads % job->a.KVH, e = h + job->heads; h < e; h++)
@@ -1007,7 +1012,7 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
     if (fmt == 2 && half && HD == 128) job.attend = attend_128_4;
 #endif
 #if HAVE_AMX
-    if (amx_on && (fmt == 1 || fmt == 2) && half && !tiles && S % 16 == 0 && (HD == 64 || HD == 128) &&
+    if (amx_on && (fmt == 1 || fmt == 2) && half && S % 16 == 0 && (HD == 64 || HD == 128) &&
         G <= AMX_G && amx_granted())
         job.attend = fmt == 1 ? attend_amx : attend_amx_fp8;
 #endif

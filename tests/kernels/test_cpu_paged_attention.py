@@ -267,3 +267,21 @@ def test_amx_tiles_report_what_runs() -> None:
     have = amx_tiles(True)
     amx_tiles(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0")
     assert not have or {"amx_bf16", "amx_tile", "avx512_bf16"} <= set(cpu_flags())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_decode_rows_give_the_same_bits_beside_prompt_tiles(fmt: str) -> None:
+    """A decode row (a tile of one row) takes the same path alone and in a call with a prompt chunk's tiles, as a
+    unified worker's mixed step and the fused decode layers' two calls for it need (the AMX tiles where the CPU
+    has them)."""
+    lens = [300, 140, 20, 200]
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(random_sequences(lens, 2, 64), 2, 64, FORMATS[fmt], num_pages, page_table, "cpu")
+    table, keys = _prompt_rows(paged, lens, (150, 170))  # decode rows 140, 20, 200, then 20 prompt rows
+    rows = paged._replace(page_table=table, context_lens=keys)
+    q = torch.randn(len(keys), 6, 64).bfloat16()
+    mixed = paged_decode_attention_cpu(q, *rows, 0.125, threads=2, tiles=torch.tensor([0, 1, 2, 3, 13, 23]))
+    alone = paged_decode_attention_cpu(q[:3], *rows._replace(page_table=table[:3], context_lens=keys[:3]), 0.125,
+                                       threads=2)
+    assert mixed is not None and alone is not None
+    assert torch.equal(mixed[:3], alone)
