@@ -41,8 +41,8 @@ sum adds the rounded weights: the output is within 1.5 bfloat16 steps of its mag
 of |weight| |V|), where the vector copy is within one. SmolLM2's shape, 32 rows x 30 layers' own
 pools, 2 threads, 2-core AMX Xeon VM, the two copies alternating: bfloat16 pages 0.85x the vector
 copy's time at 1,024 keys, 0.91x at 256, even at 128, slower below (hence the 128); FP8 pages
-0.54x at 1,024, 0.61-0.63x at 64-256, 0.88x at 16, so FP8 pages now cost what bfloat16 ones do
-(they took 1.9x at 1,024 keys). The pages are read at ~14 GB/s there where the GEMVs read ~28:
+0.54x at 1,024, 0.61-0.63x at 64-256, 0.88x at 16, so FP8 pages now take 1.18x bfloat16's time
+at 1,024 keys (1.6x before). The pages are read at ~14 GB/s there where the GEMVs read ~28:
 scattered page rows bound both copies more than arithmetic does. `amx_tiles(False)` or
 `EDGESERVE_AMX_ATTENTION=0` keeps the vector copy.
 
