@@ -20,8 +20,8 @@ FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": FP8}
 
 @pytest.fixture
 def tiles_off():
-    """The vector copy for decode rows over bf16 pages also where the AMX tiles would take them (the process's
-    default restored after)."""
+    """The vector copy for decode rows over bf16 or fp8 pages also where the AMX tiles would take them (the
+    process's default restored after)."""
     amx_tiles(False)
     yield
     amx_tiles(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0")
