@@ -52,7 +52,7 @@ def test_ctrl_c_stops_the_reply_not_the_session(gateway: Gateway, worker: Worker
     step = worker.engine.step
 
     def slow_step():  # 400 tokens of the tiny model take under a second: too close to the signal on a busy machine
-        time.sleep(0.005)
+        time.sleep(0.02)  # 8 s for the whole reply (0.005, 2 s, lost the race once in a full suite on 2 cores)
         return step()
 
     monkeypatch.setattr(worker.engine, "step", slow_step)
