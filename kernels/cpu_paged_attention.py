@@ -30,20 +30,24 @@ decode steps, bf16 and FP8 engines alternating step by step, same VM: FP8's step
 1.07-1.09x bf16's at ~115-token contexts and 1.10-1.12x at ~275 before, 1.01-1.02x and
 1.02-1.05x after.
 
-On a CPU with AMX (tiles for bfloat16 products), decode rows with bfloat16 queries run on the
-tile unit (`attend_amx` in the C file): over FP8 pages every row, over bfloat16 pages rows of at
-least 128 keys. Scores of 16 keys by G heads per tile product from the page rows as they lie
-(FP8: each block's rows made their exact bfloat16 values in L1 first), the softmax over 128 keys
+On a CPU with AMX (tiles for bfloat16 products), rows with bfloat16 queries run on the tile unit
+(`attend_amx` in the C file): over FP8 pages every row, over bfloat16 pages decode rows of at least
+128 keys and every prompt tile (in groups of at most 16 query heads, each head masked at its own
+row's keys). Scores of 16 keys by up to 16 query heads per tile product from the page rows as they
+lie (FP8: each block's rows made their exact bfloat16 values in L1 first), the softmax over 128 keys
 at a time, and P . V per 16 keys with V's rows as they lie too (the weights spread with zeros
 between them, so one product sums the even dims and another the odd ones). The weights enter that
 product rounded to bfloat16, as flash attention on GPUs rounds them to 16 bits, and the softmax's
-sum adds the rounded weights: the output is within 1.5 bfloat16 steps of its magnitude (the sum
-of |weight| |V|), where the vector copy is within one. SmolLM2's shape, 32 rows x 30 layers' own
-pools, 2 threads, 2-core AMX Xeon VM, the two copies alternating: bfloat16 pages 0.85x the vector
-copy's time at 1,024 keys, 0.91x at 256, even at 128, slower below (hence the 128); FP8 pages
-0.54x at 1,024, 0.61-0.63x at 64-256, 0.88x at 16, so FP8 pages now take 1.18x bfloat16's time
-at 1,024 keys (1.6x before). The pages are read at ~14 GB/s there where the GEMVs read ~28:
-scattered page rows bound both copies more than arithmetic does. `amx_tiles(False)` or
+sum adds the rounded weights: the output is within 3 bfloat16 rounding units (2^-8) of its magnitude
+(the sum of |weight| |V|; ~1.5 measured), where the vector copy is within one. SmolLM2's shape, 32
+rows x 30 layers' own pools, 2 threads, 2-core AMX Xeon VM, the two copies alternating: bfloat16
+pages 0.85x the vector copy's time at 1,024 keys, 0.91x at 256, even at 128, slower below (hence the
+128); FP8 pages 0.54x at 1,024, 0.61-0.63x at 64-256, 0.88x at 16, so FP8 pages now take 1.18x
+bfloat16's time at 1,024 keys (1.6x before). A 1,024-row prompt chunk in tiles of 10 rows over 30
+layers: 421 -> 100 ms (bf16 pages), 654 -> 156 (FP8). The engine's long prefills pass float32
+queries (their linears run widened), which keep the vector copy; prompt chunks in bf16 steps (beside
+decodes) take the tiles. The pages are read at ~14 GB/s there where the GEMVs read ~28: scattered
+page rows bound both copies more than arithmetic does. `amx_tiles(False)` or
 `EDGESERVE_AMX_ATTENTION=0` keeps the vector copy.
 
 Prompt rows (a prefill chunk: each row a query whose keys end at its own position) come

@@ -616,7 +616,8 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
 #endif
 /* ---- AMX tiles for decode rows over bf16 or fp8 pages (CPUs with AMX-TILE and AMX-BF16) ---------------------
  *
- * A decode row's G query heads (up to 16) against its keys, both products on the tile unit, SB keys at a time:
+ * A decode row's G query heads (or a prompt tile's, up to 16) against its keys, both products on the tile unit,
+ * SB keys at a time:
  *   scores S [16 tokens, 16 heads] = K [16 tokens, HD] . Q^T per block of 16 keys (one page's rows: pages hold a
  *     multiple of 16 tokens): the K rows are the first operand as they lie in the page (a row stride of
  *     KVH * HD), Q the second in its pair layout, heads past G zero (built once per item); HD / 32 `tdpbf16ps`,
@@ -629,14 +630,16 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
  *     SB keys (HD = 128: two sweeps), as 16 even then 16 odd dims per 32, put back in order at the end.
  * Every tile is 16 rows by 64 bytes, so one configuration per chunk of items serves both products.
  * Products exact, sums float32, as the `vdpbf16ps` copy's scores; what differs is P: the vector copies
- * multiply V by float32 weights, this one by their bfloat16 rounding (relative 2^-9 a weight, as flash
- * attention on GPUs rounds P to 16 bits), and the softmax's sum adds the rounded weights, so the output
- * is a weighted mean of V rows whose weights are off by at most ~2^-8 relative after normalising: within
- * 1.5 bfloat16 steps of the output's magnitude (sum of |weight| |V|), not of its value where V rows cancel.
+ * multiply V by float32 weights, this one by their bfloat16 rounding (relative u = 2^-8 at most a weight, as
+ * flash attention on GPUs rounds P to 16 bits), and the softmax's sum adds the rounded weights, so the output
+ * is a weighted mean of V rows whose weights are off by at most 2u relative after normalising: with the
+ * output's own rounding, within 3u of its magnitude (sum of |weight| |V|; measured up to ~1.5u on random
+ * inputs), where the vector copy is within u; not of its value where V rows cancel.
  * Rows of a block past the context get no weight (their scores are not read, their V rows are zeros: a stale
  * page row may hold anything). fp8 pages: each block's K and V rows are first made their exact bfloat16 values in
- * L1 (`fp8x32_to_bf16`), the tokens' 2^e applied to scores and weights. Prompt tiles, float32 queries and fp32
- * pages keep the vector copies. */
+ * L1 (`fp8x32_to_bf16`), the tokens' 2^e applied to scores and weights. Prompt tiles run as groups of at most 16 /
+ * G rows, their query heads the columns of Q, each masked at its own row's keys. Float32 queries and fp32 pages
+ * keep the vector copies. */
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
 #include <sys/syscall.h>
@@ -699,8 +702,8 @@ static inline __m512 exp_nonpositive16(__m512 x) {
 /* The keys after t0 + n of item (row d, KV head h), up to SB of them, else the next item's first SB: the page
  * row of each block of 16 (into rows); returns how many keys. The K and V rows they name are prefetched into
  * L2 while the current SB keys are computed (the pages lie anywhere: the hardware prefetchers do not follow). */
-static int amx_rows_after(const Args *a, int t, int h, int t0, int n, int64_t *rows) {
-    int d = tile_first(a, t), len = a->lens[d];
+static int amx_rows_after(const Args *a, int t, int h, int t0, int n, int len, int64_t *rows) {
+    int d = tile_first(a, t);
     if (t0 + n >= len) { /* this item's last keys: the next item's first (the next KV head, or the next tile's) */
         if (h + 1 < a->KVH) h++;
         else if (t + 1 < a->ntiles) d = tile_first(a, t + 1), h = 0;
@@ -716,20 +719,18 @@ static int amx_rows_after(const Args *a, int t, int h, int t0, int n, int64_t *r
     return m;
 }
 
-/* The weights of the current SB keys as the P . V products' first operands: for block b and head g, the 16 tokens'
- * bfloat16 weights with a zero after each (`even`) or before each (`odd`), so that against 16 V rows as they lie in
- * the page (pairs of consecutive dims) one product sums the even dims and the other the odd ones. Heads past G
- * stay zero: per thread, zeroed when G changes. */
+/* The weights of the current SB keys as the P . V products' first operands: for block b and query head q, the 16
+ * tokens' bfloat16 weights with a zero after each (`even`) or before each (`odd`), so that against 16 V rows as
+ * they lie in the page (pairs of consecutive dims) one product sums the even dims and the other the odd ones.
+ * Per thread. Rows past the item's NQ heads hold whatever an earlier item left: a product's output row reads
+ * only its own first-operand row, so they reach only output rows that are never stored. */
 static __thread uint16_t amx_even[SB / 16][AMX_G][32] __attribute__((aligned(64)));
 static __thread uint16_t amx_odd[SB / 16][AMX_G][32] __attribute__((aligned(64)));
-static __thread int amx_heads = -1;
-/* output sums between steps, rows past G zero likewise: chunk c of 32 dims as its 16 even dims, then its 16 odd */
+/* output sums between steps (rows past NQ likewise): chunk c of 32 dims as its 16 even dims, then its 16 odd */
 static __thread float amx_out[AMX_G][MAX_HD] __attribute__((aligned(64)));
 
 static void attend_64_3(const Args *a, int t, int h);
 static void attend_128_3(const Args *a, int t, int h);
-static void attend_64_4(const Args *a, int t, int h);
-static void attend_128_4(const Args *a, int t, int h);
 
 /* fp8 pages: the n page rows of a block (from page row `row`, KV head stride KVH) as their exact bfloat16 values
  * into dst [16][HD] (rows past n zero), and each token's 2^e into mul[16] (e from exps). */
@@ -748,21 +749,16 @@ static inline __attribute__((always_inline)) void fp8_block(const uint8_t *base,
     }
 }
 
-/* One work item: KV head h of tile t, a tile of one row d (a decode row; tiles of prompt rows take the vector
- * copy), bf16 q and bf16 pages, or fp8 pages (`fp8`: each block's K and V rows made their exact bfloat16 values in
- * L1 first, `fp8_block`; the token's 2^e of K into its scores, of V into its weights after the softmax's sum, as
- * the vector copy applies them). Over bf16 pages, fewer than AMX_MIN_KEYS keys take the vector copy. A decode row
- * takes the same path alone or in a call with prompt tiles (a unified worker's step and the fused decode layers'
- * two calls for it give the same bits). */
-static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, int t, int h, const int fp8) {
-    const int d = tile_first(a, t), G = a->G, HD = a->HD, S = a->S, KVH = a->KVH, len = a->lens[d];
-    if (tile_first(a, t + 1) - d > 1 || (!fp8 && len < AMX_MIN_KEYS)) {
-        if (fp8) (HD == 64 ? attend_64_4 : attend_128_4)(a, t, h);
-        else (HD == 64 ? attend_64_3 : attend_128_3)(a, t, h);
-        return;
-    }
+/* Rows d .. d+R-1 of tile t (R G <= 16 query heads) against KV head h, bf16 q and bf16 pages, or fp8 pages
+ * (`fp8`: each block's K and V rows made their exact bfloat16 values in L1 first, `fp8_block`; the token's 2^e
+ * of K into its scores, of V into its weights after the softmax's sum, as the vector copy applies them). Query
+ * head q (row q / G) sees its row's keys: a prompt chunk's causal diagonal is a per-head mask of the scores. */
+static inline __attribute__((always_inline)) void amx_rows(const Args *a, int t, int h, int d, int R,
+                                                           const int fp8) {
+    const int G = a->G, HD = a->HD, S = a->S, KVH = a->KVH, NQ = R * G, len = a->lens[d + R - 1];
     const int64_t stride = (int64_t)KVH * HD; /* elements from one token's row of head h to the next's */
-    const uint16_t *qs = (const uint16_t *)a->q + ((int64_t)d * KVH + h) * G * HD;
+    int qlen[AMX_G]; /* keys query head q sees: its row's */
+    for (int q = 0; q < NQ; q++) qlen[q] = a->lens[d + q / G];
     const uint16_t *kp = (const uint16_t *)a->k, *vp = (const uint16_t *)a->v;
     const uint8_t *k8 = (const uint8_t *)a->k, *v8 = (const uint8_t *)a->v;
     uint16_t kb[fp8 ? SB : 1][MAX_HD] __attribute__((aligned(64))); /* fp8: the SB keys' K rows as bf16 */
@@ -774,24 +770,19 @@ static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, 
     uint16_t tail[16][MAX_HD] __attribute__((aligned(64)));             /* a last block's V rows, zeros after */
     float(*o)[MAX_HD] = amx_out;
     float m[AMX_G], l[AMX_G];
-    if (amx_heads != G) {
-        memset(amx_even, 0, sizeof(amx_even));
-        memset(amx_odd, 0, sizeof(amx_odd));
-        memset(amx_out, 0, sizeof(amx_out));
-        amx_heads = G;
-    }
     memset(qv, 0, sizeof(qv[0]) * (HD / 32));
-    for (int c = 0; c < HD / 32; c++)
-        for (int r = 0; r < 16; r++)
-            for (int g = 0; g < G; g++)
-                for (int e = 0; e < 2; e++) qv[c][r][g][e] = qs[g * HD + 32 * c + 2 * r + e];
-    for (int g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f, memset(o[g], 0, sizeof(float) * HD);
+    for (int q = 0; q < NQ; q++) { /* query head q: row q / G's head q % G */
+        const uint16_t *qs = (const uint16_t *)a->q + (((int64_t)(d + q / G) * KVH + h) * G + q % G) * HD;
+        for (int c = 0; c < HD / 32; c++)
+            for (int r = 0; r < 16; r++) qv[c][r][q][0] = qs[32 * c + 2 * r], qv[c][r][q][1] = qs[32 * c + 2 * r + 1];
+    }
+    for (int q = 0; q < NQ; q++) m[q] = -INFINITY, l[q] = 0.0f, memset(o[q], 0, sizeof(float) * HD);
     const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
     for (int t0 = 0; t0 < len; t0 += SB) {
         const int n = len - t0 < SB ? len - t0 : SB, blocks = (n + 15) / 16;
         int64_t rows[SB / 16], ahead[SB / 16]; /* page row of each block's first token; of the next SB keys' */
         for (int b = 0; b < blocks; b++) rows[b] = (pages[(t0 + 16 * b) / S] * S + (t0 + 16 * b) % S) * KVH + h;
-        const int m_ahead = amx_rows_after(a, t, h, t0, n, ahead);
+        const int m_ahead = amx_rows_after(a, t, h, t0, n, len, ahead);
         for (int j = 0; j < m_ahead; j++) { /* the next keys' K and V rows, into L2 while these run */
             prefetch_row(a->k, ahead[j / 16] + (j % 16) * KVH, HD, fp8 ? 2 : 1);
             prefetch_row(a->v, ahead[j / 16] + (j % 16) * KVH, HD, fp8 ? 2 : 1);
@@ -832,11 +823,13 @@ static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, 
             if (b0 + 2 < blocks) _tile_stored(T_S2, sc[16 * b0 + 32], 64);
             if (b0 + 3 < blocks) _tile_stored(T_S3, sc[16 * b0 + 48], 64);
         }
-        for (int g = 0; g < G; g++) { /* the softmax step over these n keys */
+        for (int g = 0; g < NQ; g++) { /* the softmax step of query head g over its keys among these n */
             __m512 s[SB / 16];
             __m512 top = _mm512_set1_ps(-INFINITY);
+            const int ng = qlen[g] - t0 < n ? qlen[g] - t0 : n; /* may be <= 0: a row whose keys ended */
             for (int b = 0; b < blocks; b++) {
-                const __mmask16 live = n - 16 * b >= 16 ? 0xffff : (__mmask16)((1u << (n - 16 * b)) - 1);
+                const int left = ng - 16 * b;
+                const __mmask16 live = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
                 s[b] = _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_set1_ps(-INFINITY), live,
                                                                _mm512_add_epi32(column, _mm512_set1_epi32(g)),
                                                                sc[16 * b], 4),
@@ -895,13 +888,26 @@ static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, 
             _tile_stored(T_O3, &o[0][32 * c0 + 48], sizeof(o[0]));
         }
     }
-    for (int g = 0; g < G; g++) { /* even and odd dims back in order */
+    for (int q = 0; q < NQ; q++) { /* even and odd dims back in order */
         float row[MAX_HD];
         for (int c = 0; c < HD / 32; c++)
             for (int i = 0; i < 16; i++)
-                row[32 * c + 2 * i] = o[g][32 * c + i], row[32 * c + 2 * i + 1] = o[g][32 * c + 16 + i];
-        store_out(a, d, h, g, row, 1.0f / l[g]);
+                row[32 * c + 2 * i] = o[q][32 * c + i], row[32 * c + 2 * i + 1] = o[q][32 * c + 16 + i];
+        store_out(a, d + q / G, h, q % G, row, 1.0f / l[q]);
     }
+}
+
+/* One work item: KV head h of tile t (a decode row, or a prompt chunk's rows in groups of 16 / G at most). Over
+ * bf16 pages a decode row of fewer than AMX_MIN_KEYS keys takes the vector copy. A decode row takes the same path
+ * alone or in a call with prompt tiles (a unified worker's step and the fused decode layers' two calls for it
+ * give the same bits). */
+static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, int t, int h, const int fp8) {
+    const int d = tile_first(a, t), R = tile_first(a, t + 1) - d, per = AMX_G / a->G;
+    if (R == 1 && !fp8 && a->lens[d] < AMX_MIN_KEYS) {
+        (a->HD == 64 ? attend_64_3 : attend_128_3)(a, t, h);
+        return;
+    }
+    for (int i = 0; i < R; i += per) amx_rows(a, t, h, d + i, R - i < per ? R - i : per, fp8);
 }
 static void attend_amx(const Args *a, int t, int h) { attend_amx_fmt(a, t, h, 0); }
 static void attend_amx_fp8(const Args *a, int t, int h) { attend_amx_fmt(a, t, h, 1); }
