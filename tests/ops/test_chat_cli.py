@@ -18,10 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _chat(gw: Gateway, tmp_path: Path, *argv: str) -> subprocess.Popen:
+    """`edgeserve chat` as a terminal runs it: with Ctrl-C's signal at its default (a suite started as a shell's
+    background job inherits SIGINT ignored, and Python then leaves it ignored: no KeyboardInterrupt)."""
     env = {**os.environ, "EDGESERVE_NO_REEXEC": "1", "EDGESERVE_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "ops.cli", "chat", "--url", gw.url, "--token", gw.account.token,
                              "--model", MODEL, "--temperature", "0", *argv], cwd=ROOT, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_quit_reset_and_the_trailing_newline(gateway: Gateway, redis_url: str, tmp_path: Path) -> None:  # noqa: F811
@@ -52,7 +55,7 @@ def test_ctrl_c_stops_the_reply_not_the_session(gateway: Gateway, worker: Worker
     step = worker.engine.step
 
     def slow_step():  # 400 tokens of the tiny model take under a second: too close to the signal on a busy machine
-        time.sleep(0.02)  # 8 s for the whole reply (0.005, 2 s, lost the race once in a full suite on 2 cores)
+        time.sleep(0.005)
         return step()
 
     monkeypatch.setattr(worker.engine, "step", slow_step)
