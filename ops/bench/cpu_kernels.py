@@ -22,6 +22,9 @@ only: no weights are read), so the figures the kernels' own comments quote can b
   for bf16 and fp8_e4m3 pages. GB/s = KV bytes / time. Where the kernel runs decode rows on AMX tiles
   (fp8 pages; bf16 from 128 keys), its vector copy takes turns with the two as a third arm (`vector_ms`,
   `vector_over_c`: > 1, the tiles are faster).
+- **prompt**: a prompt chunk of `--prompt-rows` rows, fresh and after `--context` cached keys, in the tiles the
+  engine groups it into, against backend/attention.py's torch path for a chunk (pages gathered once, SDPA under
+  the causal mask), with the vector copy as a third arm where the AMX tiles take it.
 - **rows**: the element-wise kernels at 1 and `max(--rows)` rows: residual add + RMSNorm,
   SwiGLU's activation, RoPE, argmax over the vocabulary, the argmax under grammar mask words
   (half the tokens allowed) and temperature sampling, plain and with top-p 0.9, against their
@@ -66,9 +69,10 @@ SETTLE_S = 0.05
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model whose config gives the shapes")
-    p.add_argument("--sections", default="linear,int4,attention,rows")
+    p.add_argument("--sections", default="linear,int4,attention,prompt,rows")
     p.add_argument("--rows", default=None, help="rows (tokens) of a linear call (default 1,8,32,128; quick 1,32)")
     p.add_argument("--attention-rows", type=int, default=32, help="decode sequences of the attention section")
+    p.add_argument("--prompt-rows", type=int, default=100, help="rows of the prompt section's chunk")
     p.add_argument("--context", type=int, default=None, help="keys per sequence (default 512; quick 256)")
     p.add_argument("--int4-group-size", type=int, default=32, help="INT4 group (divides the in-features)")
     p.add_argument("--reps", type=int, default=None, help="rounds of one C and one torch pass (default 7; quick 3)")
@@ -186,9 +190,42 @@ def _random_cache(cfg: Any, fmt: str, num_pages: int) -> Any:
     return cache
 
 
+def _attention_row(key: str, section: str, shape: str, ours: Callable[[], Any], theirs: Callable[[], Any],
+                   reps: int, kv_bytes: float) -> dict[str, Any]:
+    """The kernel (as in a decode step) against torch's path, and where its AMX tiles take the rows its vector copy
+    as a third arm (`vector_ms`, `vector_over_c`: > 1, the tiles are faster)."""
+    from kernels.cpu_paged_attention import amx_tiles
+
+    calls = {"c": _in_step(ours), "torch": theirs}
+    if amx_tiles(True):
+
+        def vector() -> Any:
+            amx_tiles(False)
+            try:
+                return ours()
+            finally:
+                amx_tiles(True)
+        calls["vector"] = _in_step(vector)
+    times = alternate(calls, reps)
+    row = _row(key, section, "paged_decode_attention_cpu", shape, times, kv_bytes, "GB/s")
+    if "vector" in times:
+        vec = statistics.median(times["vector"])
+        row.update(vector_ms=vec * 1e3, vector_over_c=vec * 1e3 / row["c_ms"],
+                   vector_ms_runs=[x * 1e3 for x in times["vector"]])
+    log(f"  {key}: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms"
+        + (f", the C vector copy {row['vector_ms']:.1f} ms (AMX tiles {row['vector_over_c']:.2f}x faster)"
+           if "vector_ms" in row else ""))
+    return row
+
+
+def _kv_bytes(cache: Any, layers: int, rows: int, kvh: int, hd: int) -> int:
+    """Bytes of K and V pages (and FP8 exponents) `rows` token rows of every layer hold."""
+    return layers * 2 * rows * kvh * (hd * (1 if cache.quantised else 2) + cache.quantised)
+
+
 def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str, Any]]:
     from backend.attention import context_mask
-    from kernels.cpu_paged_attention import amx_tiles, paged_decode_attention_cpu
+    from kernels.cpu_paged_attention import paged_decode_attention_cpu
 
     heads, kvh, hd, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     scale = hd ** -0.5
@@ -211,32 +248,48 @@ def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str
                                                    scale=scale)
                     for k, v in (cache.gather(i, table) for i in range(layers))]
 
-        calls = {"c": _in_step(ours), "torch": theirs}
-        if amx_tiles(True):  # the kernel's AMX tiles take these rows: its vector copy beside
-
-            def vector(ours: Callable[[], Any] = ours) -> Any:
-                amx_tiles(False)
-                try:
-                    return ours()
-                finally:
-                    amx_tiles(True)
-            calls["vector"] = _in_step(vector)
-        times = alternate(calls, reps)
-        kv_bytes = layers * 2 * d * context * kvh * (hd * (1 if cache.quantised else 2) + cache.quantised)
-        row = _row(f"attention_{fmt}", "attention", "paged_decode_attention_cpu",
-                   f"{fmt} pages, {d} seq x {context} keys x {layers} layers", times, kv_bytes, "GB/s")
+        row = _attention_row(f"attention_{fmt}", "attention", f"{fmt} pages, {d} seq x {context} keys x {layers} "
+                             "layers", ours, theirs, reps, _kv_bytes(cache, layers, d * context, kvh, hd))
         row.update(format=fmt, rows=d, context=context)
-        if "vector" in times:
-            vec = statistics.median(times["vector"])
-            row.update(vector_ms=vec * 1e3, vector_over_c=vec * 1e3 / row["c_ms"],
-                       vector_ms_runs=[x * 1e3 for x in times["vector"]])
         out.append(row)
-        log(f"  attention {fmt}: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms"
-            + (f", the C vector copy {row['vector_ms']:.1f} ms (AMX tiles {row['vector_over_c']:.2f}x faster)"
-               if "vector_ms" in row else ""))
         del cache
     return out
 
+
+def _bench_prompt(cfg: Any, n: int, prefix: int, reps: int) -> list[dict[str, Any]]:
+    """A prompt chunk of n rows after `prefix` cached keys, in the kernel's tiles as the engine groups them
+    (`tile_rows`), against backend/attention.py's torch path for a chunk (its pages gathered once, SDPA under the
+    causal mask with the prefix), bf16 queries over bf16 and fp8 pages."""
+    from kernels.cpu_paged_attention import paged_decode_attention_cpu, tile_rows
+
+    heads, kvh, hd, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    g, ctx, scale = heads // kvh, prefix + n, hd ** -0.5
+    pages = -(-ctx // PAGE_SIZE)
+    table = torch.randperm(pages).view(1, pages).expand(n, pages).contiguous()  # every row the sequence's pages
+    lens = torch.arange(prefix + 1, ctx + 1, dtype=torch.int32)  # row i sees the keys up to its own position
+    tiles = torch.tensor([*range(0, n, tile_rows(g)), n], dtype=torch.int32)
+    q = torch.randn(n, heads, hd).bfloat16()
+    mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(prefix, ctx).repeat(g).unsqueeze(1)  # [g n, ctx]
+    out = []
+    for fmt in ("bf16", "fp8_e4m3"):
+        cache = _random_cache(cfg, fmt, pages)
+
+        def ours(cache: Any = cache) -> list:
+            return [paged_decode_attention_cpu(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, lens, scale, tiles=tiles)
+                    for kv in map(cache.layer, range(layers))]
+
+        def theirs(cache: Any = cache) -> list:
+            qp = q.permute(1, 0, 2).reshape(1, kvh, g * n, hd)
+            return [F.scaled_dot_product_attention(qp, k[:, :ctx].transpose(1, 2), v[:, :ctx].transpose(1, 2),
+                                                   attn_mask=mask, scale=scale)
+                    for k, v in (cache.gather(i, table[:1]) for i in range(layers))]
+
+        row = _attention_row(f"prompt_{fmt}_{prefix}", "prompt", f"{fmt} pages, {n} rows after {prefix} keys x "
+                             f"{layers} layers", ours, theirs, reps, _kv_bytes(cache, layers, ctx, kvh, hd))
+        row.update(format=fmt, rows=n, prefix=prefix)
+        out.append(row)
+        del cache
+    return out
 
 def _bench_rows(cfg: Any, rows: list[int], reps: int) -> list[dict[str, Any]]:
     from kernels.cpu_argmax import argmax_rows
@@ -320,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
                          cpu_sample, cpu_silu_mul)
 
     needs = {"linear": [cpu_gemv], "int4": [cpu_gemv_int4], "attention": [cpu_paged_attention],
-             "rows": [cpu_rms_norm, cpu_silu_mul, cpu_rope, cpu_argmax, cpu_sample]}
+             "prompt": [cpu_paged_attention], "rows": [cpu_rms_norm, cpu_silu_mul, cpu_rope, cpu_argmax, cpu_sample]}
     results: list[dict[str, Any]] = []
     unavailable: dict[str, str] = {}
     for section in sections:
@@ -336,6 +389,8 @@ def run(args: argparse.Namespace) -> int:
             results += _bench_int4(cfg, rows, reps, args.int4_group_size)
         elif section == "attention":
             results += _bench_attention(cfg, args.attention_rows, context, reps)
+        elif section == "prompt":  # a fresh prompt's chunk, and one after `context` cached keys
+            results += [r for prefix in (0, context) for r in _bench_prompt(cfg, args.prompt_rows, prefix, reps)]
         else:
             results += _bench_rows(cfg, sorted({1, max(rows)}), reps)
     _print(results, unavailable)

@@ -36,7 +36,7 @@ def test_a_run_on_a_tiny_model_times_every_kernel_that_builds(tiny_chat_dir: Pat
     p = argparse.ArgumentParser()
     cpu_kernels.add_arguments(p)
     args = p.parse_args(["--model", str(tiny_chat_dir), "--rows", "1,3", "--reps", "1", "--context", "40",
-                         "--attention-rows", "2"])
+                         "--attention-rows", "2", "--prompt-rows", "20"])
     args.quick, args.json_path = True, str(out)
     assert cpu_kernels.run(args) == 0
     report = json.loads(out.read_text())
@@ -51,7 +51,7 @@ def test_a_run_on_a_tiny_model_times_every_kernel_that_builds(tiny_chat_dir: Pat
         assert report["headline"][f"torch_over_c.{r['key']}"] == pytest.approx(r["torch_over_c"], abs=1e-3)
     # a section runs where its kernels build, and is reported as unavailable where they do not
     for section, module in [("linear", cpu_gemv), ("int4", cpu_gemv_int4), ("attention", cpu_paged_attention),
-                            ("rows", cpu_rms_norm)]:
+                            ("prompt", cpu_paged_attention), ("rows", cpu_rms_norm)]:
         assert (section in by_section) == module.available()
         assert (section in report["unavailable"]) == (not module.available())
     if "linear" in by_section:
@@ -61,6 +61,9 @@ def test_a_run_on_a_tiny_model_times_every_kernel_that_builds(tiny_chat_dir: Pat
         assert r["pct_of_gemm_bound"] == pytest.approx(100 * r["c_rate"] / bound)
     if "attention" in by_section:
         assert [r["format"] for r in by_section["attention"]] == ["bf16", "fp8_e4m3"]
+    if "prompt" in by_section:  # a fresh chunk and one after the context's keys, each page format
+        assert [(r["format"], r["prefix"], r["rows"]) for r in by_section["prompt"]] == [
+            ("bf16", 0, 20), ("fp8_e4m3", 0, 20), ("bf16", 40, 20), ("fp8_e4m3", 40, 20)]
     if "rows" in by_section:  # one row and the most rows asked for
         assert sorted({r["rows"] for r in by_section["rows"]}) == [1, 3]
     assert report["provenance"]["commit"]
