@@ -80,7 +80,7 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "available", "paged_decode_attention_cpu", "build_error", "tile_rows", "THREADED_ROWS",
-           "fp8_as_bf16", "amx_tiles"]
+           "fp8_as_bf16", "amx_tiles", "amx_default"]
 
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 THREADED_ROWS = 4096  # (sequence, KV head, token) rows below which one thread does the whole step
@@ -96,7 +96,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8_to_bf16.restype = ctypes.c_int
     lib.paged_decode_set_amx.argtypes = [i]
     lib.paged_decode_set_amx.restype = ctypes.c_int
-    lib.paged_decode_set_amx(int(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0"))  # the process's default
+    lib.paged_decode_set_amx(int(amx_default()))
 
 
 KERNEL = CKernel("paged_decode.c", ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
@@ -153,6 +153,11 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
                           page_size, table.shape[1], fmt, int(q.dtype == torch.bfloat16), scale,
                           kernel_threads() if threads is None else threads, min_rows, int(kernels_own_threads()))
     return out if rc == 0 else None
+
+
+def amx_default() -> bool:
+    """Whether this process runs the AMX tiles where they apply unless switched (`EDGESERVE_AMX_ATTENTION=0`: not)."""
+    return os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0"
 
 
 def amx_tiles(on: bool) -> bool:

@@ -654,9 +654,9 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
  * the vector copy's, bf16 pages 1.13x at 16 keys, 1.04-1.07x at 48-64, 0.98-1.00 at 128, 0.91 at 256, 0.85 at
  * 1,024; fp8 pages 0.88x at 16, 0.73 at 32, 0.62 at 64, 0.61 at 128, 0.54 at 1,024 (BENCHMARKS.md). */
 #define AMX_MIN_KEYS 128
-/* tile registers (literals: the tile intrinsics paste them into the instruction) */
-/* scores: K (16 tokens x 32 dims, two in turn) . Q (16 dim pairs x 16 heads, chunks c and c + 1) into four blocks'
- * scores (16 tokens x 16 heads); then outputs: the even- and odd-spread weights (16 heads x 16 tokens, spread)
+/* Tile registers (literals: the tile intrinsics paste them into the instruction). Scores: K (16 tokens x 32 dims,
+ * two in turn) . Q (16 dim pairs x 16 heads, chunks c and c + 1) into four blocks' scores (16 tokens x 16 heads);
+ * then outputs: the even- and odd-spread weights (16 heads x 16 tokens, spread)
  * . V (16 tokens x 32 dims as 16 dim pairs, two chunks in turn) into 16 heads x (16 even or odd dims) x 2 chunks */
 #define T_K0 0
 #define T_K1 6
@@ -699,9 +699,10 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_scalef_ps(p, n));
 }
 
-/* The keys after t0 + n of item (row d, KV head h), up to SB of them, else the next item's first SB: the page
- * row of each block of 16 (into rows); returns how many keys. The K and V rows they name are prefetched into
- * L2 while the current SB keys are computed (the pages lie anywhere: the hardware prefetchers do not follow). */
+/* The keys after t0 + n of item (tile t, KV head h; len its keys), up to SB of them, else the next item's first
+ * SB: the page row of each block of 16 (into rows); returns how many keys. The K and V rows they name are
+ * prefetched into L2 while the current SB keys are computed (the pages lie anywhere: the hardware prefetchers do
+ * not follow). */
 static int amx_rows_after(const Args *a, int t, int h, int t0, int n, int len, int64_t *rows) {
     int d = tile_first(a, t);
     if (t0 + n >= len) { /* this item's last keys: the next item's first (the next KV head, or the next tile's) */

@@ -192,12 +192,13 @@ def _random_cache(cfg: Any, fmt: str, num_pages: int) -> Any:
 
 def _attention_row(key: str, section: str, shape: str, ours: Callable[[], Any], theirs: Callable[[], Any],
                    reps: int, kv_bytes: float) -> dict[str, Any]:
-    """The kernel (as in a decode step) against torch's path, and where its AMX tiles take the rows its vector copy
-    as a third arm (`vector_ms`, `vector_over_c`: > 1, the tiles are faster)."""
-    from kernels.cpu_paged_attention import amx_tiles
+    """The kernel (as in a decode step) against torch's path, and where its AMX tiles take the rows (this process
+    runs them: `amx_default`) its vector copy as a third arm (`vector_ms`, `vector_over_c`: > 1, the tiles are
+    faster)."""
+    from kernels.cpu_paged_attention import amx_default, amx_tiles
 
     calls = {"c": _in_step(ours), "torch": theirs}
-    if amx_tiles(True):
+    if amx_default() and amx_tiles(True):
 
         def vector() -> Any:
             amx_tiles(False)
@@ -290,6 +291,7 @@ def _bench_prompt(cfg: Any, n: int, prefix: int, reps: int) -> list[dict[str, An
         out.append(row)
         del cache
     return out
+
 
 def _bench_rows(cfg: Any, rows: list[int], reps: int) -> list[dict[str, Any]]:
     from kernels.cpu_argmax import argmax_rows

@@ -3,12 +3,14 @@ random inputs: every page format, GQA groups, shuffled pages, NaN in every slot 
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 
-from kernels.cpu_paged_attention import amx_tiles, available, build_error, fp8_as_bf16, paged_decode_attention_cpu
+from kernels.cpu_paged_attention import (amx_default, amx_tiles, available, build_error, fp8_as_bf16,
+                                         paged_decode_attention_cpu)
 from kernels.paged_attention import paged_decode_attention_ref
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 from tests.kernels.test_paged_attention import (FP8, LENS, assert_close_in_mag, build_paged, random_layout,
@@ -18,13 +20,20 @@ pytestmark = pytest.mark.skipif(not available(), reason=f"CPU kernel not built: 
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": FP8}
 
 
-@pytest.fixture
-def tiles_off():
-    """The vector copy for decode rows over bf16 or fp8 pages also where the AMX tiles would take them (the
-    process's default restored after)."""
+@contextmanager
+def vector_copy() -> Iterator[None]:
+    """The kernel's vector copy also where its AMX tiles would take the rows (the process's default after)."""
     amx_tiles(False)
-    yield
-    amx_tiles(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0")
+    try:
+        yield
+    finally:
+        amx_tiles(amx_default())
+
+
+@pytest.fixture
+def tiles_off() -> Iterator[None]:
+    with vector_copy():
+        yield
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -241,12 +250,9 @@ def test_decode_rows_on_amx_tiles_match_the_reference(fmt: str, head_dim: int, g
                         "cpu")
     q = torch.randn(len(lens), 2 * group, head_dim).bfloat16()
     q[2, 1] = float("nan")
-    try:
-        tiled = paged_decode_attention_cpu(q, *paged, 0.125, threads=threads)
-        amx_tiles(False)
+    tiled = paged_decode_attention_cpu(q, *paged, 0.125, threads=threads)
+    with vector_copy():
         vector = paged_decode_attention_cpu(q, *paged, 0.125, threads=threads)
-    finally:
-        amx_tiles(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0")
     ref = paged_decode_attention_ref(q.float(), *paged, 0.125)
     mag = paged_decode_attention_ref(q.float(), *paged.with_abs_v(), 0.125)
     nan = torch.zeros_like(ref, dtype=torch.bool)
@@ -258,15 +264,6 @@ def test_decode_rows_on_amx_tiles_match_the_reference(fmt: str, head_dim: int, g
     assert float(((vector.float() - ref).abs()[finite] / mag[finite]).max()) <= 2.0 ** -8
     assert not torch.equal(tiled[:5], vector[:5])  # the long rows ran another computation (its rounded weights)
     assert torch.equal(tiled[5], vector[5]) == (fmt == "bf16")  # 40 keys: the tiles over fp8 pages only
-
-
-def test_amx_tiles_report_what_runs() -> None:
-    """The switch says whether the tiles exist here; where they do not, switching them on changes nothing."""
-    from backend.cpu_features import cpu_flags
-
-    have = amx_tiles(True)
-    amx_tiles(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0")
-    assert not have or {"amx_bf16", "amx_tile", "avx512_bf16"} <= set(cpu_flags())
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
@@ -304,12 +301,9 @@ def test_prompt_tiles_on_amx_tiles_match_the_reference(fmt: str, head_dim: int, 
     rows = paged._replace(page_table=table, context_lens=keys)
     q = torch.randn(len(keys), 2 * group, head_dim).bfloat16()
     tiles = torch.tensor([0, 1, *range(2, len(keys), per_tile), len(keys)], dtype=torch.int32)
-    try:
-        tiled = paged_decode_attention_cpu(q, *rows, 0.125, threads=2, tiles=tiles)
-        amx_tiles(False)
+    tiled = paged_decode_attention_cpu(q, *rows, 0.125, threads=2, tiles=tiles)
+    with vector_copy():
         vector = paged_decode_attention_cpu(q, *rows, 0.125, threads=2, tiles=tiles)
-    finally:
-        amx_tiles(os.environ.get("EDGESERVE_AMX_ATTENTION", "1") != "0")
     assert tiled is not None and vector is not None
     ref = paged_decode_attention_ref(q.float(), *rows, 0.125)
     mag = paged_decode_attention_ref(q.float(), *rows.with_abs_v(), 0.125)
