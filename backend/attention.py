@@ -28,7 +28,13 @@ torch path below it had, on a 2-core AMD EPYC VM (SmolLM2, bfloat16 pages, 31 de
 rows plus one prompt chunk, the two paths alternating step by step, medians of 6):
 0.92x the step's time at 64 prompt tokens, 0.89x at 97, 0.92x at 150, 0.99x at 256;
 its error against float64 attention was bfloat16's rounding of the result alone
-(mean 3.6e-4 at 150 x 200 keys, SDPA's 4.5e-4). Elsewhere (CUDA, no C kernel) each
+(mean 3.6e-4 at 150 x 200 keys, SDPA's 4.5e-4). Over FP8 pages the prompt rows instead
+read their chunks' pages dequantised once per layer (`dequantised_pages`: code x 2^e,
+exact in the compute dtype, ~30 us for 64 pages) and the decode rows read the FP8 pages
+in place in a call of their own (the bits a step without prompts gives them): a chunk's
+tiles each read every key, and in place each converted it again (SmolLM2, 512 rows
+after 512 keys, 30 layers, 2-core AMX Xeon VM: 173 -> 80 ms, BF16 pages' 73; the same
+bits, `tests/kernels/test_cpu_paged_attention.py`). Elsewhere (CUDA, no C kernel) each
 chunk gathers its pages and runs SDPA with the G query heads of a KV head stacked
 into G*n query rows against it.
 """
@@ -42,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.kv_cache import PagedKVCache
-from kernels.cpu_paged_attention import paged_decode_attention_cpu, tile_rows
+from kernels.cpu_paged_attention import dequantised_pages, paged_decode_attention_cpu, tile_rows
 
 __all__ = ["PrefillChunk", "StepMetadata", "paged_attention"]
 
@@ -79,6 +85,7 @@ class StepMetadata:
     page_size: int  # the cache's tokens per page (`decode_mask`'s width: P * page_size)
     mask_dtype: torch.dtype  # the compute dtype (`decode_mask`'s)
     _tiles: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _prompt_pages: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def decode_mask(self) -> torch.Tensor | None:
@@ -118,6 +125,26 @@ class StepMetadata:
             self._tiles[per_tile] = torch.tensor(starts + [end], dtype=torch.int32)
         return self._tiles[per_tile]
 
+    def prompt_pages(self, per_tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prompt rows alone over a pool of their chunks' pages in order (`dequantised_pages`): the pages'
+        ids [P] (each chunk's table, one after the other), then as `kernel_rows` for those rows, each chunk's
+        table now its own run of that pool: table [T_p, P_max], keys [T_p] (int32), tiles [n + 1] (int32).
+        Built once per step and size."""
+        if per_tile not in self._prompt_pages:
+            ids, tables, lens, starts, first, row = [], [], [], [], 0, 0
+            for c in self.prefills:
+                p = c.page_table.shape[1]
+                ids.append(c.page_table.reshape(-1))
+                tables.append(torch.arange(first, first + p).expand(c.num_tokens, -1))
+                lens.append(torch.arange(c.context_len - c.num_tokens + 1, c.context_len + 1, dtype=torch.int32))
+                starts.extend(range(row, row + c.num_tokens, per_tile))
+                first, row = first + p, row + c.num_tokens
+            width = max(t.shape[1] for t in tables)
+            table = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables])
+            self._prompt_pages[per_tile] = (torch.cat(ids), table, torch.cat(lens),
+                                            torch.tensor(starts + [row], dtype=torch.int32))
+        return self._prompt_pages[per_tile]
+
     def kernel_rows(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What the CPU attention kernel takes for this step's rows with `group` query heads a KV head: page
         table, keys per row and tiles; a step of decode rows only: their own table and lengths, no tiles."""
@@ -136,8 +163,10 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
     d = meta.num_decode
     if meta.prefills and not q.is_cuda:  # prompt rows too: one C call for the whole step (module docstring)
         kv = cache.layer(layer)
-        table, lens, tiles = meta.kernel_rows(group)
-        o = paged_decode_attention_cpu(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, lens, scale, tiles=tiles)
+        o = _over_dequantised_pages(q, cache, layer, meta, scale) if cache.quantised else None
+        if o is None:
+            table, lens, tiles = meta.kernel_rows(group)
+            o = paged_decode_attention_cpu(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, lens, scale, tiles=tiles)
         if o is not None:
             return o.to(q.dtype)
     if d and q.is_cuda:  # Triton: pages read (and dequantised) inside the kernel, no gather
@@ -176,3 +205,22 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
         out[rows] = o.reshape(num_heads, n, head_dim).transpose(0, 1)  # CUDA's SDPA may return other strides
     return out
+
+
+def _over_dequantised_pages(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: StepMetadata,
+                            scale: float) -> torch.Tensor | None:
+    """A step with prompt chunks over FP8 pages on the CPU: the decode rows read the pages in place (as in a
+    step without prompts, the same bits), the prompt rows read their chunks' pages dequantised once
+    (`dequantised_pages`, exact) where the kernel would convert every key once per tile of rows. None where
+    the C kernel cannot (the caller runs the one call over the FP8 pages)."""
+    kv = cache.layer(layer)
+    d = meta.num_decode
+    ids, table, lens, tiles = meta.prompt_pages(tile_rows(q.shape[1] // cache.geometry.num_kv_heads))
+    k = dequantised_pages(kv.k, kv.k_scale, ids, q.dtype)
+    v = dequantised_pages(kv.v, kv.v_scale, ids, q.dtype) if k is not None else None
+    o = paged_decode_attention_cpu(q[d:], k, v, None, None, table, lens, scale, tiles=tiles) if v is not None else None
+    if o is None or not d:
+        return o
+    out = paged_decode_attention_cpu(q[:d], kv.k, kv.v, kv.k_scale, kv.v_scale, meta.decode_page_table,
+                                     meta.decode_context_lens, scale)
+    return None if out is None else torch.cat([out, o])

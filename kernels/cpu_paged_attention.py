@@ -44,10 +44,12 @@ rows x 30 layers' own pools, 2 threads, 2-core AMX Xeon VM, the two copies alter
 pages 0.85x the vector copy's time at 1,024 keys, 0.91x at 256, even at 128, slower below (hence the
 128); FP8 pages 0.54x at 1,024, 0.61-0.63x at 64-256, 0.88x at 16, so FP8 pages now take 1.18x
 bfloat16's time at 1,024 keys (1.6x before). A 1,024-row prompt chunk in tiles of 10 rows over 30
-layers: 421 -> 100 ms (bf16 pages), 654 -> 156 (FP8). The engine's long prefills pass float32
-queries (their linears run widened), which keep the vector copy; prompt chunks in bf16 steps (beside
-decodes) take the tiles. The pages are read at ~14 GB/s there where the GEMVs read ~28: scattered
-page rows bound both copies more than arithmetic does. `amx_tiles(False)` or
+layers: 421 -> 100 ms (bf16 pages), 654 -> 156 (FP8, in place); a 1,024-token prefill in a bfloat16
+engine 0.93 -> 0.47 s (float32 engines pass float32 queries, which keep the vector copy). Prompt rows
+over FP8 pages are better served by `dequantised_pages` (their pages converted once per call, not once
+per tile; the caller then runs them over that bf16 or float32 pool, the same bits). Decode rows read
+the pages at ~14 GB/s where the GEMVs read ~28: scattered page rows bound both copies more than
+arithmetic does. `amx_tiles(False)` or
 `EDGESERVE_AMX_ATTENTION=0` keeps the vector copy.
 
 Prompt rows (a prefill chunk: each row a query whose keys end at its own position) come
@@ -80,7 +82,7 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "available", "paged_decode_attention_cpu", "build_error", "tile_rows", "THREADED_ROWS",
-           "fp8_as_bf16", "amx_tiles", "amx_default"]
+           "fp8_as_bf16", "amx_tiles", "amx_default", "dequantised_pages"]
 
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 THREADED_ROWS = 4096  # (sequence, KV head, token) rows below which one thread does the whole step
@@ -94,6 +96,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.restype = ctypes.c_int
     lib.fp8_to_bf16.argtypes = [p, p, i]
     lib.fp8_to_bf16.restype = ctypes.c_int
+    lib.fp8_pages_dequantise.argtypes = [p, p, p, i, i, i, i, p, i]
+    lib.fp8_pages_dequantise.restype = ctypes.c_int
     lib.paged_decode_set_amx.argtypes = [i]
     lib.paged_decode_set_amx.restype = ctypes.c_int
     lib.paged_decode_set_amx(int(amx_default()))
@@ -182,3 +186,23 @@ def fp8_as_bf16(codes: torch.Tensor) -> torch.Tensor | None:
     if lib.fp8_to_bf16(src.data_ptr(), dst.data_ptr(), src.numel()) != 0:
         return None
     return dst[:n].view(torch.bfloat16).view(codes.shape)
+
+
+def dequantised_pages(pages: torch.Tensor, exps: torch.Tensor, page_ids: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor | None:
+    """Pages `page_ids` [P] (int64) of an fp8_e4m3 pool [N, PAGE_SIZE, kv_heads, head_dim] with exponents
+    [N, PAGE_SIZE, kv_heads] as a new pool [P, PAGE_SIZE, kv_heads, head_dim] of their true values (code x 2^e,
+    exact) in `dtype` (bfloat16 or float32): what a prompt chunk's rows attend to, converted once per call
+    instead of once per tile of rows (`backend/attention.py`). Equal to `kernels.kv_store.dequantize_fp8_table`
+    on the same rows. None where the kernel is not built or has no AVX512-BF16 copy, or head_dim is not a
+    multiple of 32: the caller reads the fp8 pages in place."""
+    lib = KERNEL.load()
+    if lib is None or dtype not in (torch.bfloat16, torch.float32) or not (pages.is_contiguous()
+                                                                         and exps.is_contiguous()):
+        return None
+    _, page_size, kv_heads, hd = pages.shape
+    ids = page_ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), page_size, kv_heads, hd, dtype=dtype)
+    rc = lib.fp8_pages_dequantise(pages.data_ptr(), exps.data_ptr(), ids.data_ptr(), ids.numel(), page_size,
+                                  kv_heads, hd, out.data_ptr(), int(dtype == torch.float32))
+    return out if rc == 0 else None

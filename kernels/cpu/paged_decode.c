@@ -948,6 +948,45 @@ int fp8_to_bf16(const uint8_t *src, uint16_t *dst, int n) {
 #endif
 }
 
+/* Pages table[0 .. P) of an fp8 pool (codes [.., S, KVH, HD], exponents [.., S, KVH]) as their true values, code
+ * x 2^e, into out [P, S, KVH, HD]: bfloat16 (`f32` 0) or float32. Exact either way (an e4m3 code has 3 mantissa
+ * bits and 2^e moves only the exponent; bfloat16 has float32's range) but where code x 2^e leaves float32's normal
+ * range, as the torch dequantiser. For prompt chunks: their rows read each key once per tile and a chunk has many
+ * tiles, so one conversion per call beats one per tile (`dequantised_pages`). Returns -1 where the CPU has no
+ * AVX512-BF16 copy. */
+int fp8_pages_dequantise(const uint8_t *codes, const int8_t *exps, const int64_t *table, int P, int S, int KVH,
+                         int HD, void *out, int f32) {
+#if HAVE_DP
+    if (HD % 32) return -1;
+    const int64_t rows = (int64_t)S * KVH; /* page rows (token, KV head) of one page */
+    for (int p = 0; p < P; p++)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t src = table[p] * rows + r, dst = (int64_t)p * rows + r;
+            const __m512 mul = _mm512_set1_ps(pow2i(exps[src]));
+            for (int c = 0; c < HD; c += 32) {
+                const __m512i b = fp8x32_to_bf16(codes + src * HD + c);
+                const __m512i b0 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(b));
+                const __m512i b1 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1));
+                const __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b0, 16)), mul);
+                const __m512 hi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b1, 16)), mul);
+                if (f32) {
+                    _mm512_storeu_ps((float *)out + dst * HD + c, lo);
+                    _mm512_storeu_ps((float *)out + dst * HD + c + 16, hi);
+                } else { /* exact in bfloat16: the top halves */
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + dst * HD + c),
+                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + dst * HD + c + 16),
+                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16)));
+                }
+            }
+        }
+    return 0;
+#else
+    (void)codes, (void)exps, (void)table, (void)P, (void)S, (void)KVH, (void)HD, (void)out, (void)f32;
+    return -1;
+#endif
+}
+
 #define MAX_CHUNKS 4096 /* chunks of work items a call is cut into, at most */
 
 typedef struct {

@@ -24,7 +24,9 @@ only: no weights are read), so the figures the kernels' own comments quote can b
   `vector_over_c`: > 1, the tiles are faster).
 - **prompt**: a prompt chunk of `--prompt-rows` rows, fresh and after `--context` cached keys, in the tiles the
   engine groups it into, against backend/attention.py's torch path for a chunk (pages gathered once, SDPA under
-  the causal mask), with the vector copy as a third arm where the AMX tiles take it.
+  the causal mask), with the vector copy as a third arm where the AMX tiles take it. Over fp8 pages the kernel
+  runs on the chunk's pages dequantised first, as the engine runs it where the kernel can dequantise, and over
+  the fp8 pages in place as a fourth arm (`in_place_ms`, `in_place_over_c`).
 - **rows**: the element-wise kernels at 1 and `max(--rows)` rows: residual add + RMSNorm,
   SwiGLU's activation, RoPE, argmax over the vocabulary, the argmax under grammar mask words
   (half the tokens allowed) and temperature sampling, plain and with top-p 0.9, against their
@@ -191,13 +193,13 @@ def _random_cache(cfg: Any, fmt: str, num_pages: int) -> Any:
 
 
 def _attention_row(key: str, section: str, shape: str, ours: Callable[[], Any], theirs: Callable[[], Any],
-                   reps: int, kv_bytes: float) -> dict[str, Any]:
+                   reps: int, kv_bytes: float, others: dict[str, Callable[[], Any]] | None = None) -> dict[str, Any]:
     """The kernel (as in a decode step) against torch's path, and where its AMX tiles take the rows (this process
     runs them: `amx_default`) its vector copy as a third arm (`vector_ms`, `vector_over_c`: > 1, the tiles are
-    faster)."""
+    faster); `others`: more ways of running the kernel, each an arm (`NAME_ms`, `NAME_over_c`)."""
     from kernels.cpu_paged_attention import amx_default, amx_tiles
 
-    calls = {"c": _in_step(ours), "torch": theirs}
+    calls = {"c": _in_step(ours), "torch": theirs, **{name: _in_step(f) for name, f in (others or {}).items()}}
     if amx_default() and amx_tiles(True):
 
         def vector() -> Any:
@@ -209,11 +211,12 @@ def _attention_row(key: str, section: str, shape: str, ours: Callable[[], Any], 
         calls["vector"] = _in_step(vector)
     times = alternate(calls, reps)
     row = _row(key, section, "paged_decode_attention_cpu", shape, times, kv_bytes, "GB/s")
-    if "vector" in times:
-        vec = statistics.median(times["vector"])
-        row.update(vector_ms=vec * 1e3, vector_over_c=vec * 1e3 / row["c_ms"],
-                   vector_ms_runs=[x * 1e3 for x in times["vector"]])
+    for name in [*(others or {}), *(["vector"] if "vector" in times else [])]:
+        ms = statistics.median(times[name]) * 1e3
+        row.update({f"{name}_ms": ms, f"{name}_over_c": ms / row["c_ms"],
+                    f"{name}_ms_runs": [x * 1e3 for x in times[name]]})
     log(f"  {key}: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms"
+        + "".join(f", {name} {row[name + '_ms']:.1f} ms ({row[name + '_over_c']:.2f}x C's)" for name in others or {})
         + (f", the C vector copy {row['vector_ms']:.1f} ms (AMX tiles {row['vector_over_c']:.2f}x faster)"
            if "vector_ms" in row else ""))
     return row
@@ -260,8 +263,10 @@ def _bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str
 def _bench_prompt(cfg: Any, n: int, prefix: int, reps: int) -> list[dict[str, Any]]:
     """A prompt chunk of n rows after `prefix` cached keys, in the kernel's tiles as the engine groups them
     (`tile_rows`), against backend/attention.py's torch path for a chunk (its pages gathered once, SDPA under the
-    causal mask with the prefix), bf16 queries over bf16 and fp8 pages."""
-    from kernels.cpu_paged_attention import paged_decode_attention_cpu, tile_rows
+    causal mask with the prefix), bf16 queries over bf16 and fp8 pages. Over fp8 pages the kernel runs as the
+    engine runs it, over the chunk's pages dequantised first (`dequantised_pages`), and over the fp8 pages in
+    place as another arm (`in_place_ms`)."""
+    from kernels.cpu_paged_attention import dequantised_pages, paged_decode_attention_cpu, tile_rows
 
     heads, kvh, hd, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     g, ctx, scale = heads // kvh, prefix + n, hd ** -0.5
@@ -275,8 +280,15 @@ def _bench_prompt(cfg: Any, n: int, prefix: int, reps: int) -> list[dict[str, An
     for fmt in ("bf16", "fp8_e4m3"):
         cache = _random_cache(cfg, fmt, pages)
 
-        def ours(cache: Any = cache) -> list:
+        def in_place(cache: Any = cache) -> list:
             return [paged_decode_attention_cpu(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, lens, scale, tiles=tiles)
+                    for kv in map(cache.layer, range(layers))]
+
+        def dequantised(cache: Any = cache) -> list:  # backend/attention.py's path over fp8 pages
+            own = torch.arange(pages).expand(n, pages)
+            return [paged_decode_attention_cpu(q, dequantised_pages(kv.k, kv.k_scale, table[0], q.dtype),
+                                               dequantised_pages(kv.v, kv.v_scale, table[0], q.dtype), None, None,
+                                               own, lens, scale, tiles=tiles)
                     for kv in map(cache.layer, range(layers))]
 
         def theirs(cache: Any = cache) -> list:
@@ -285,8 +297,11 @@ def _bench_prompt(cfg: Any, n: int, prefix: int, reps: int) -> list[dict[str, An
                                                    attn_mask=mask, scale=scale)
                     for k, v in (cache.gather(i, table[:1]) for i in range(layers))]
 
+        deq = cache.quantised and dequantised_pages(cache.layer(0).k, cache.layer(0).k_scale, table[0, :1],
+                                                    q.dtype) is not None
         row = _attention_row(f"prompt_{fmt}_{prefix}", "prompt", f"{fmt} pages, {n} rows after {prefix} keys x "
-                             f"{layers} layers", ours, theirs, reps, _kv_bytes(cache, layers, ctx, kvh, hd))
+                             f"{layers} layers", dequantised if deq else in_place, theirs, reps,
+                             _kv_bytes(cache, layers, ctx, kvh, hd), {"in_place": in_place} if deq else None)
         row.update(format=fmt, rows=n, prefix=prefix)
         out.append(row)
         del cache

@@ -9,8 +9,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from kernels.cpu_paged_attention import (amx_default, amx_tiles, available, build_error, fp8_as_bf16,
-                                         paged_decode_attention_cpu)
+from kernels.cpu_paged_attention import (amx_default, amx_tiles, available, build_error, dequantised_pages,
+                                         fp8_as_bf16, paged_decode_attention_cpu, tile_rows)
+from kernels.kv_store import dequantize_fp8_table, quantize_fp8_ref
 from kernels.paged_attention import paged_decode_attention_ref
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 from tests.kernels.test_paged_attention import (FP8, LENS, assert_close_in_mag, build_paged, random_layout,
@@ -309,3 +310,55 @@ def test_prompt_tiles_on_amx_tiles_match_the_reference(fmt: str, head_dim: int, 
     mag = paged_decode_attention_ref(q.float(), *rows.with_abs_v(), 0.125)
     assert_close_in_mag(tiled.float(), ref, mag, 3 * 2.0 ** -8, seed)
     assert not torch.equal(tiled[2:], vector[2:])  # the prompt rows ran on the tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantised_pages_equal_the_torch_dequantiser(dtype: torch.dtype) -> None:
+    """Pages picked out of an fp8 pool (out of order, one twice) as their true values, code x 2^e, bit for bit
+    as `dequantize_fp8_table` gives them: tokens whose magnitudes span 1e-30 .. 1e30 (exponents near both ends
+    of int8's range), subnormal codes and zeros included."""
+    pages, size, heads, head_dim = 24, 16, 2, 64
+    x = torch.randn(pages, size, heads, head_dim) * torch.logspace(-30, 30, pages * size).view(pages, size, 1, 1)
+    x[0, 0, 0, :8] = 0.0
+    x[1, 0, 0, 1] = x[1, 0, 0, 0] * 2.0 ** -12  # e = 0 codes beside the row's largest value
+    codes, exps = quantize_fp8_ref(x)
+    codes, exps = codes.view(pages, size, heads, head_dim), exps.view(pages, size, heads)
+    ids = torch.cat([torch.randperm(pages)[:10], torch.tensor([3])])
+    got = dequantised_pages(codes, exps, ids, dtype)
+    if got is None:
+        pytest.skip("no AVX512-BF16 copy here: prompt rows read the fp8 pages in place")
+    want = dequantize_fp8_table(codes.view(torch.uint8)[ids], exps[ids].unsqueeze(-1), dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert int((want == 0).sum()) >= 8 and bool((codes.view(torch.uint8)[1, 0, 0, :2] & 0x78 == 0).any())
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "vector"])
+@pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float32], ids=["bf16_q", "fp32_q"])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (64, 8), (128, 1)])
+def test_prompt_rows_over_dequantised_pages_give_the_fp8_calls_bits(amx: bool, qdtype: torch.dtype, head_dim: int,
+                                                                      group: int) -> None:
+    """A prompt chunk's tiles over its pages dequantised first (as backend/attention.py runs prompt rows over FP8
+    pages) give the bits the call over the fp8 pages gives: the same products (code x 2^e is exact in bfloat16 and
+    float32, where the fp8 copy applies 2^e to scores and weights instead), on the AMX tiles and the vector copy."""
+    with vector_copy():
+        if amx and not amx_tiles(True):
+            pytest.skip("no AMX tiles here (the CPU, the build, or the kernel's tile state)")
+        lens = [187]
+        num_pages, page_table = random_layout(lens)
+        paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FP8, num_pages, page_table, "cpu")
+        start, n = 150, 37
+        pages = -(-lens[0] // 16)
+        ids = paged.page_table[0, :pages].long()
+        k = dequantised_pages(paged.k_cache, paged.k_scale, ids, qdtype)
+        v = dequantised_pages(paged.v_cache, paged.v_scale, ids, qdtype)
+        if k is None:
+            pytest.skip("no AVX512-BF16 copy here: prompt rows read the fp8 pages in place")
+        q = torch.randn(n, 2 * group, head_dim).to(qdtype)
+        keys = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
+        tiles = torch.tensor(list(range(0, n, tile_rows(group))) + [n], dtype=torch.int32)
+        in_place = paged_decode_attention_cpu(q, *paged._replace(page_table=paged.page_table[:1].expand(n, -1),
+                                                                 context_lens=keys), 0.125, tiles=tiles)
+        over = paged_decode_attention_cpu(q, k, v, None, None, torch.arange(pages).expand(n, -1), keys, 0.125,
+                                          tiles=tiles)
+        assert in_place is not None and over is not None
+        assert torch.equal(in_place, over)

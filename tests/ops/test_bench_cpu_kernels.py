@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ops.bench import cpu_kernels
 
@@ -64,6 +65,16 @@ def test_a_run_on_a_tiny_model_times_every_kernel_that_builds(tiny_chat_dir: Pat
     if "prompt" in by_section:  # a fresh chunk and one after the context's keys, each page format
         assert [(r["format"], r["prefix"], r["rows"]) for r in by_section["prompt"]] == [
             ("bf16", 0, 20), ("fp8_e4m3", 0, 20), ("bf16", 40, 20), ("fp8_e4m3", 40, 20)]
+        # over fp8 pages the engine's way (dequantised first, where the kernel can) beside the pages read in place
+        cfg = json.loads((tiny_chat_dir / "config.json").read_text())
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        deq = cpu_paged_attention.dequantised_pages(torch.zeros(1, 16, 1, head_dim, dtype=torch.float8_e4m3fn),
+                                                    torch.zeros(1, 16, 1, dtype=torch.int8), torch.tensor([0]),
+                                                    torch.bfloat16) is not None
+        for r in by_section["prompt"]:
+            assert ("in_place_ms" in r) == (deq and r["format"] == "fp8_e4m3")
+            if "in_place_ms" in r:
+                assert r["in_place_over_c"] == pytest.approx(r["in_place_ms"] / r["c_ms"])
     if "rows" in by_section:  # one row and the most rows asked for
         assert sorted({r["rows"] for r in by_section["rows"]}) == [1, 3]
     assert report["provenance"]["commit"]
