@@ -623,6 +623,11 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
  *     KVH * HD), Q the second in its pair layout, heads past G zero (built once per item); HD / 32 `tdpbf16ps`,
  *     four blocks in flight;
  *   then the softmax over the SB keys at once: one running max and one rescale of O per SB keys, not per block;
+ *     an item of few heads (a decode row) head by head, each head's scores gathered from the key rows
+ *     (`softmax_heads`), one of many (a prompt tile's, from AMX_LANES_FROM) lane-wise over the key rows, the
+ *     weights laid out by head by a transpose a block (`softmax_lanes`; SmolLM2's 512-row chunk after 512 keys,
+ *     30 layers: 73 -> 55 ms). The weights' e^x: 2^x by a degree-4 polynomial (`exp2_weights16`), exact enough
+ *     for the bfloat16 rounding they get next (measured worst error unchanged: 1.53u either way);
  *   O += P . V per block, V's rows again as they lie in the page: the second operand then pairs consecutive
  *     dims, not consecutive tokens, so P enters twice, its weights spread with a zero after each (summing the
  *     even dims) and before each (the odd ones): 2 HD / 32 products a block where interleaving pairs of V rows
@@ -699,10 +704,57 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_scalef_ps(p, n));
 }
 
+/* 2^x for the softmax's weights, which are rounded to bfloat16 next: x = n + r (n = rint(x), |r| <= 1/2), 2^r by a
+ * degree-4 polynomial (Taylor of e^(r ln 2); truncation < 5e-5 relative, against the 2^-9 of that rounding), then
+ * scaled by 2^n. x clamped at -125 (the result then 2^-125, normal, where the true weight is smaller: far
+ * under the rounding of any sum it joins); NaN stays NaN. The caller zeroes the lanes of keys a head does not see. */
+static inline __m512 exp2_weights16(__m512 x) {
+    const __m512 c = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
+    const __m512 n = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(c, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0096181291f), r, _mm512_set1_ps(0.0555041087f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2402265070f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931471806f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* x rounded to bfloat16 (nearest even), as float32: the bfloat16 bits in each lane's top half, zeros below. */
+static inline __m512 round_bf16_hi(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+/* The 16 x 16 matrix v[row] lane col, transposed in place (four rounds of shuffles, 64 in all). */
+static inline void transpose16(__m512 v[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) { /* pairs of rows: lanes interleaved within each 128-bit lane */
+        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) /* pairs of pairs: 64-bit units */
+        for (int k = 0; k < 2; k++) {
+            const __m512d x = _mm512_castps_pd(t[i + k]), y = _mm512_castps_pd(t[i + k + 2]);
+            v[i + 2 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+            v[i + 2 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+        }
+    /* now v[4a + c] holds, in 128-bit lane L, rows 4a .. 4a+3 of column 4L + c; two rounds of 128-bit lane
+     * shuffles (pairing v[a] with v[a + 4], then with v[a + 8]) gather each column's four pieces in order */
+    for (int i = 0; i < 8; i++) {
+        const int a = (i / 4) * 8 + i % 4;
+        t[a] = _mm512_shuffle_f32x4(v[a], v[a + 4], 0x88);
+        t[a + 4] = _mm512_shuffle_f32x4(v[a], v[a + 4], 0xdd);
+    }
+    for (int a = 0; a < 8; a++) {
+        v[a] = _mm512_shuffle_f32x4(t[a], t[a + 8], 0x88);
+        v[a + 8] = _mm512_shuffle_f32x4(t[a], t[a + 8], 0xdd);
+    }
+}
+
 /* The keys after t0 + n of item (tile t, KV head h; len its keys), up to SB of them, else the next item's first
  * SB: the page row of each block of 16 (into rows); returns how many keys. The K and V rows they name are
  * prefetched into L2 while the current SB keys are computed (the pages lie anywhere: the hardware prefetchers do
- * not follow). */
+ * not follow). Decode rows only: a prompt tile's groups read the same keys one after the other, in cache from
+ * the first (prefetching them cost 7-10% of a 512-row chunk's time). */
 static int amx_rows_after(const Args *a, int t, int h, int t0, int n, int len, int64_t *rows) {
     int d = tile_first(a, t);
     if (t0 + n >= len) { /* this item's last keys: the next item's first (the next KV head, or the next tile's) */
@@ -750,6 +802,106 @@ static inline __attribute__((always_inline)) void fp8_block(const uint8_t *base,
     }
 }
 
+/* Query heads of an item from which its softmax runs lane-wise (`softmax_lanes`), not head by head. */
+#define AMX_LANES_FROM 9
+#define LOG2E 1.44269504088896341f
+
+/* Rescales head g's output sums by c[g] where that is not 1 (the running maximum moved). */
+static inline __attribute__((always_inline)) void rescale_out(float (*o)[MAX_HD], const float *c, int NQ, int HD) {
+    for (int g = 0; g < NQ; g++)
+        if (c[g] != 1.0f)
+            for (int i = 0; i < HD; i += 16)
+                _mm512_store_ps(&o[g][i], _mm512_mul_ps(_mm512_load_ps(&o[g][i]), _mm512_set1_ps(c[g])));
+}
+
+/* The softmax step over the n keys of sc (scores: key, head) for query head g < NQ (seeing qlen[g] keys):
+ * running max m and sum l, the output sums o rescaled, and the weights (bfloat16, V's 2^e applied for fp8) into
+ * amx_even / amx_odd. Head by head: each head's scores gathered out of the key rows, 16 keys a gather. */
+static inline __attribute__((always_inline)) void softmax_heads(float (*sc)[16], int n, int blocks, int t0,
+                                                                const int *qlen, int NQ, int HD, float scale,
+                                                                const int fp8, const float *kmul, const float *vmul,
+                                                                float *m, float *l, float (*o)[MAX_HD]) {
+    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    float corr[AMX_G];
+    for (int g = 0; g < NQ; g++) {
+        __m512 s[SB / 16];
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        const int ng = qlen[g] - t0 < n ? qlen[g] - t0 : n; /* may be <= 0: a row whose keys ended */
+        for (int b = 0; b < blocks; b++) {
+            const int left = ng - 16 * b;
+            const __mmask16 live = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+            s[b] = _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_set1_ps(-INFINITY), live,
+                                                           _mm512_add_epi32(column, _mm512_set1_epi32(g)),
+                                                           sc[16 * b], 4),
+                                 _mm512_set1_ps(scale));
+            if (fp8) s[b] = _mm512_mask_mul_ps(s[b], live, s[b], _mm512_loadu_ps(kmul + 16 * b));
+            top = _mm512_max_ps(top, s[b]);
+        }
+        const float bm = fmaxf(m[g], _mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++) {
+            const __mmask16 seen = _mm512_cmp_ps_mask(s[b], _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); /* NaN too */
+            const __m512 x = _mm512_mul_ps(_mm512_sub_ps(s[b], _mm512_set1_ps(bm)), _mm512_set1_ps(LOG2E));
+            __m512 w = round_bf16_hi(_mm512_maskz_mov_ps(seen, exp2_weights16(x)));
+            sum = _mm512_add_ps(sum, w); /* the weights as rounded */
+            if (fp8) w = round_bf16_hi(_mm512_mul_ps(w, _mm512_loadu_ps(vmul + 16 * b))); /* exact: 2^e */
+            _mm512_store_si512(amx_odd[b][g], _mm512_castps_si512(w));
+            _mm512_store_si512(amx_even[b][g], _mm512_srli_epi32(_mm512_castps_si512(w), 16));
+        }
+        corr[g] = expf(m[g] - bm); /* 0 at the first step */
+        l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(sum);
+        m[g] = bm;
+    }
+    rescale_out(o, corr, NQ, HD);
+}
+
+/* softmax_heads' step for every query head at once: a key's score row holds the heads in its lanes, so the
+ * running maxima, sums and weights are lane-wise (lanes past NQ see no key: weight 0), and one 16 x 16
+ * transpose a block lays the weights out by head. Fewer instructions where many heads share the keys (a prompt
+ * tile's rows); a decode row's few heads would leave most lanes idle. */
+static inline __attribute__((always_inline)) void softmax_lanes(float (*sc)[16], int n, int blocks, int t0,
+                                                                const int *qlen, int NQ, int HD, float scale,
+                                                                const int fp8, const float *kmul, const float *vmul,
+                                                                float *m, float *l, float (*o)[MAX_HD]) {
+    const __m512i seen = _mm512_loadu_si512(qlen);
+    const __m512 vscale = _mm512_set1_ps(scale), mv = _mm512_load_ps(m);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < n; j++) {
+        const __m512 sj = fp8 ? _mm512_mul_ps(_mm512_load_ps(sc[j]), _mm512_set1_ps(kmul[j])) : _mm512_load_ps(sc[j]);
+        top = _mm512_mask_max_ps(top, _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(t0 + j)), top, sj);
+    }
+    const __m512 bm = _mm512_max_ps(mv, _mm512_mul_ps(top, vscale)); /* NaN where a head's scores are */
+    const __m512 vscale2 = _mm512_mul_ps(vscale, _mm512_set1_ps(LOG2E)), bm2 = _mm512_mul_ps(bm, _mm512_set1_ps(LOG2E));
+    __m512 sum = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m512 w[16];
+        for (int i = 0; i < 16; i++) {
+            const int j = 16 * b + i;
+            if (j >= n) {
+                w[i] = _mm512_setzero_ps();
+                continue;
+            }
+            const __m512 sj = fp8 ? _mm512_mul_ps(_mm512_load_ps(sc[j]), _mm512_set1_ps(kmul[j]))
+                                  : _mm512_load_ps(sc[j]);
+            const __mmask16 live = _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(t0 + j));
+            w[i] = round_bf16_hi(_mm512_maskz_mov_ps(live, exp2_weights16(_mm512_fmsub_ps(sj, vscale2, bm2))));
+            sum = _mm512_add_ps(sum, w[i]); /* the weights as rounded */
+            if (fp8) w[i] = round_bf16_hi(_mm512_mul_ps(w[i], _mm512_set1_ps(vmul[j]))); /* exact: 2^e */
+        }
+        transpose16(w); /* w[g]: head g's 16 weights */
+        for (int g = 0; g < NQ; g++) {
+            _mm512_store_si512(amx_odd[b][g], _mm512_castps_si512(w[g]));
+            _mm512_store_si512(amx_even[b][g], _mm512_srli_epi32(_mm512_castps_si512(w[g]), 16));
+        }
+    }
+    const __m512 corr = exp_nonpositive16(_mm512_sub_ps(mv, bm)); /* 0 at the first step */
+    _mm512_store_ps(l, _mm512_fmadd_ps(_mm512_load_ps(l), corr, sum));
+    _mm512_store_ps(m, bm);
+    float c[AMX_G] __attribute__((aligned(64)));
+    _mm512_store_ps(c, corr);
+    rescale_out(o, c, NQ, HD);
+}
+
 /* Rows d .. d+R-1 of tile t (R G <= 16 query heads) against KV head h, bf16 q and bf16 pages, or fp8 pages
  * (`fp8`: each block's K and V rows made their exact bfloat16 values in L1 first, `fp8_block`; the token's 2^e
  * of K into its scores, of V into its weights after the softmax's sum, as the vector copy applies them). Query
@@ -758,7 +910,7 @@ static inline __attribute__((always_inline)) void amx_rows(const Args *a, int t,
                                                            const int fp8) {
     const int G = a->G, HD = a->HD, S = a->S, KVH = a->KVH, NQ = R * G, len = a->lens[d + R - 1];
     const int64_t stride = (int64_t)KVH * HD; /* elements from one token's row of head h to the next's */
-    int qlen[AMX_G]; /* keys query head q sees: its row's */
+    int qlen[AMX_G] = {0}; /* keys query head q sees: its row's */
     for (int q = 0; q < NQ; q++) qlen[q] = a->lens[d + q / G];
     const uint16_t *kp = (const uint16_t *)a->k, *vp = (const uint16_t *)a->v;
     const uint8_t *k8 = (const uint8_t *)a->k, *v8 = (const uint8_t *)a->v;
@@ -770,20 +922,20 @@ static inline __attribute__((always_inline)) void amx_rows(const Args *a, int t,
     float sc[SB][16] __attribute__((aligned(64)));                      /* scores: token, head */
     uint16_t tail[16][MAX_HD] __attribute__((aligned(64)));             /* a last block's V rows, zeros after */
     float(*o)[MAX_HD] = amx_out;
-    float m[AMX_G], l[AMX_G];
+    float m[AMX_G] __attribute__((aligned(64))), l[AMX_G] __attribute__((aligned(64))); /* running max, sum */
     memset(qv, 0, sizeof(qv[0]) * (HD / 32));
     for (int q = 0; q < NQ; q++) { /* query head q: row q / G's head q % G */
         const uint16_t *qs = (const uint16_t *)a->q + (((int64_t)(d + q / G) * KVH + h) * G + q % G) * HD;
         for (int c = 0; c < HD / 32; c++)
             for (int r = 0; r < 16; r++) qv[c][r][q][0] = qs[32 * c + 2 * r], qv[c][r][q][1] = qs[32 * c + 2 * r + 1];
     }
-    for (int q = 0; q < NQ; q++) m[q] = -INFINITY, l[q] = 0.0f, memset(o[q], 0, sizeof(float) * HD);
-    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    for (int q = 0; q < AMX_G; q++) m[q] = -INFINITY, l[q] = 0.0f;
+    for (int q = 0; q < NQ; q++) memset(o[q], 0, sizeof(float) * HD);
     for (int t0 = 0; t0 < len; t0 += SB) {
         const int n = len - t0 < SB ? len - t0 : SB, blocks = (n + 15) / 16;
         int64_t rows[SB / 16], ahead[SB / 16]; /* page row of each block's first token; of the next SB keys' */
         for (int b = 0; b < blocks; b++) rows[b] = (pages[(t0 + 16 * b) / S] * S + (t0 + 16 * b) % S) * KVH + h;
-        const int m_ahead = amx_rows_after(a, t, h, t0, n, len, ahead);
+        const int m_ahead = R == 1 ? amx_rows_after(a, t, h, t0, n, len, ahead) : 0;
         for (int j = 0; j < m_ahead; j++) { /* the next keys' K and V rows, into L2 while these run */
             prefetch_row(a->k, ahead[j / 16] + (j % 16) * KVH, HD, fp8 ? 2 : 1);
             prefetch_row(a->v, ahead[j / 16] + (j % 16) * KVH, HD, fp8 ? 2 : 1);
@@ -824,39 +976,10 @@ static inline __attribute__((always_inline)) void amx_rows(const Args *a, int t,
             if (b0 + 2 < blocks) _tile_stored(T_S2, sc[16 * b0 + 32], 64);
             if (b0 + 3 < blocks) _tile_stored(T_S3, sc[16 * b0 + 48], 64);
         }
-        for (int g = 0; g < NQ; g++) { /* the softmax step of query head g over its keys among these n */
-            __m512 s[SB / 16];
-            __m512 top = _mm512_set1_ps(-INFINITY);
-            const int ng = qlen[g] - t0 < n ? qlen[g] - t0 : n; /* may be <= 0: a row whose keys ended */
-            for (int b = 0; b < blocks; b++) {
-                const int left = ng - 16 * b;
-                const __mmask16 live = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-                s[b] = _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_set1_ps(-INFINITY), live,
-                                                               _mm512_add_epi32(column, _mm512_set1_epi32(g)),
-                                                               sc[16 * b], 4),
-                                     _mm512_set1_ps(a->scale));
-                if (fp8) s[b] = _mm512_mask_mul_ps(s[b], live, s[b], _mm512_loadu_ps(kmul + 16 * b));
-                top = _mm512_max_ps(top, s[b]);
-            }
-            const float bm = fmaxf(m[g], _mm512_reduce_max_ps(top));
-            __m512 sum = _mm512_setzero_ps();
-            for (int b = 0; b < blocks; b++) {
-                const __m256bh pb = _mm512_cvtneps_pbh(exp_nonpositive16(_mm512_sub_ps(s[b], _mm512_set1_ps(bm))));
-                __m512i even = _mm512_cvtepu16_epi32((__m256i)pb); /* w, 0, w, 0, ... as bfloat16 */
-                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(even, 16)));
-                if (fp8) /* V's 2^e: exact on the rounded weight (a power of two) */
-                    even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
-                        _mm512_castsi512_ps(_mm512_slli_epi32(even, 16)), _mm512_loadu_ps(vmul + 16 * b))));
-                _mm512_store_si512(amx_even[b][g], even);
-                _mm512_store_si512(amx_odd[b][g], _mm512_slli_epi32(even, 16));
-            }
-            const float corr = expf(m[g] - bm); /* 0 at the first step */
-            l[g] = l[g] * corr + _mm512_reduce_add_ps(sum); /* the weights as rounded */
-            if (corr != 1.0f)
-                for (int i = 0; i < HD; i += 16)
-                    _mm512_store_ps(&o[g][i], _mm512_mul_ps(_mm512_load_ps(&o[g][i]), _mm512_set1_ps(corr)));
-            m[g] = bm;
-        }
+        if (NQ >= AMX_LANES_FROM)
+            softmax_lanes(sc, n, blocks, t0, qlen, NQ, HD, a->scale, fp8, kmul, vmul, m, l, o);
+        else
+            softmax_heads(sc, n, blocks, t0, qlen, NQ, HD, a->scale, fp8, kmul, vmul, m, l, o);
         const int partial = fp8 ? 0 : n % 16; /* a last block past the context: its rows copied, zeros after (stale
                                                * rows may hold anything, and 0 x NaN is NaN; fp8_block did it) */
         if (partial) {
