@@ -45,9 +45,10 @@ pages 0.85x the vector copy's time at 1,024 keys, 0.91x at 256, even at 128, slo
 128); FP8 pages 0.54x at 1,024, 0.61-0.63x at 64-256, 0.88x at 16, so FP8 pages now take 1.18x
 bfloat16's time at 1,024 keys (1.6x before). A 1,024-row prompt chunk in tiles of 10 rows over 30
 layers: 421 -> 100 ms (bf16 pages), 654 -> 156 (FP8, in place); a 1,024-token prefill in a bfloat16
-engine 0.93 -> 0.47 s, 0.39 s since prompt tiles' softmax runs lane-wise (the C file's AMX section) (float32 engines pass float32 queries, which keep the vector copy). Prompt rows
-over FP8 pages are better served by `dequantised_pages` (their pages converted once per call, not once
-per tile; the caller then runs them over that bf16 or float32 pool, the same bits). Decode rows read
+engine 0.93 -> 0.47 s, and 0.39 s since a prompt tile's softmax runs lane-wise (the C file's AMX
+section); float32 engines pass float32 queries, which keep the vector copy. Prompt rows over FP8
+pages are better served by `dequantised_pages` (their pages converted once per call, not once per
+tile; the caller then runs them over that bf16 or float32 pool, the same bits). Decode rows read
 the pages at ~14 GB/s where the GEMVs read ~28: scattered page rows bound both copies more than
 arithmetic does. `amx_tiles(False)` or
 `EDGESERVE_AMX_ATTENTION=0` keeps the vector copy.
