@@ -86,6 +86,26 @@ def test_long_prompt_is_chunked_and_decodes_keep_running(tiny_dir: Path) -> None
     assert steps == 10  # 80 prompt tokens in chunks of 8
 
 
+def test_a_lone_prompt_takes_the_whole_budget_and_a_second_arrival_restores_chunks(tiny_dir: Path) -> None:
+    """With no other sequence running or waiting a prompt is prefilled in steps of the whole budget, not in
+    `prefill_chunk_size` chunks; once a second request arrives, both are chunked from the next step, and the
+    result is the same tokens as chunked all along."""
+    e = make_engine(tiny_dir, num_pages=64, prefill_chunk_size=8, max_num_batched_tokens=32, max_num_seqs=4)
+    lone = e.add_request(list(range(3, 83)), SamplingParams(max_tokens=4, **GREEDY))
+    e.step()
+    assert lone.num_computed_tokens == 32  # the budget, not a chunk of 8
+    other = e.add_request(list(range(5, 45)), SamplingParams(max_tokens=4, **GREEDY))
+    e.step()  # two sequences now: a chunk of 8 each
+    assert (lone.num_computed_tokens, other.num_computed_tokens) == (40, 8)
+    while e.has_work():
+        e.step()
+    chunked = make_engine(tiny_dir, num_pages=64, prefill_chunk_size=8, max_num_batched_tokens=8, max_num_seqs=4)
+    ref = chunked.add_request(list(range(3, 83)), SamplingParams(max_tokens=4, **GREEDY))
+    while chunked.has_work():
+        chunked.step()
+    assert lone.output_ids == ref.output_ids
+
+
 def test_steps_with_decode_rows_are_capped_at_mixed_step_tokens(tiny_dir: Path) -> None:
     """With `mixed_step_tokens`, a prompt arriving among running decodes is cut so the step holds at most that
     many tokens (the rest goes in the next steps, which decode too); a step with no decode rows keeps the full
