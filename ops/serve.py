@@ -94,7 +94,8 @@ def add_engine_args(p: argparse.ArgumentParser, listener: str = "the worker") ->
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="most tokens computed in one step")
     p.add_argument("--prefill-chunk-size", type=int, default=256,
-                   help="a long prompt is computed in chunks of this many tokens, between decode steps")
+                   help="a long prompt is computed in chunks of this many tokens, between decode steps "
+                        "(a prompt alone, nothing else running or waiting, takes the whole step budget)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may queue for a slot; more are refused (429)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
