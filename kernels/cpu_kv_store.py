@@ -20,6 +20,9 @@ Numerics: identical bytes to `store_kv_ref` (tests compare every byte on fresh r
 inputs, with values across the whole float32 range, zeros, subnormals and ties). Build:
 plain `-O3 -march=native`, no reassociation or fast-math flag (the rounding is exact
 integer work and the amax a max), so what the compiler vectorises cannot change a bit.
+A prompt chunk's tokens are shared out over the C kernels' helper pool (contiguous runs of tokens, the
+same bytes as one thread): SmolLM2's K and V (3 KV heads of 64) from bfloat16, 2 threads, 2-core AMX Xeon
+VM, 2,048 tokens 1.17 -> 0.61 ms, 512 tokens 0.22 -> 0.20 ms (waking the helper costs most of the gain).
 Where the kernel cannot be built, or the tensors are not laid out as it reads them,
 `store_kv_fp8_cpu` returns False and the caller takes the torch path.
 """
@@ -31,6 +34,7 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
+from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "ROWS_KERNEL", "available", "store_kv_fp8_cpu", "store_kv_rows_cpu", "build_error"]
 
@@ -42,9 +46,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, q = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.store_kv_fp8.argtypes = [p, p, q, q, q, q, p, p, p, p, p, i, i, i, q, i]
     lib.store_kv_fp8.restype = ctypes.c_int
+    lib.store_kv_fp8_threaded.argtypes = [p, p, q, q, q, q, p, p, p, p, p, i, i, i, q, i, i, i]
+    lib.store_kv_fp8_threaded.restype = ctypes.c_int
 
 
-KERNEL = CKernel("kv_store_fp8.c", (), _declare, "the FP8 KV store runs its torch ops instead")
+KERNEL = CKernel("kv_store_fp8.c", (), _declare, "the FP8 KV store runs its torch ops instead", uses_pool=True)
 
 
 def _declare_rows(lib: ctypes.CDLL) -> None:
@@ -80,9 +86,10 @@ def store_kv_fp8_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
         return False
     t, heads, dim = k.shape
     nslots = k_cache.shape[0] * k_cache.shape[1]
-    rc = lib.store_kv_fp8(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                          k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
-                          slots.data_ptr(), t, heads, dim, nslots, fmt)
+    rc = lib.store_kv_fp8_threaded(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                   k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+                                   slots.data_ptr(), t, heads, dim, nslots, fmt, kernel_threads(),
+                                   int(kernels_own_threads()))
     if rc != 0:
         raise IndexError(f"a KV slot is outside the pool's {nslots} slots")
     return True

@@ -14,13 +14,15 @@
  * +-448, rounded to e4m3 to nearest, ties to even (subnormals below 2^-6 in steps of 2^-9; NaN
  * stays NaN, 0x7f with its sign). A non-finite amax gets the exponent torch's frexp path gives it
  * (inf: -8, NaN: -9), so even a broken model's cache holds the same bytes on both paths.
- * Returns 0, or -1 (nothing written) when a slot is outside [0, NSLOTS).
+ * Returns 0, or -1 (nothing written) when a slot is outside [0, NSLOTS). A prompt chunk's tokens are shared out
+ * over the helper pool (`store_kv_fp8_threaded`).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "bits.h"
+#include "pool.h"
 
 #define MAX_HD 1024
 
@@ -74,19 +76,47 @@ static void store_row(const void *x, int64_t at, int HD, int bf16, uint8_t *out,
     *exponent = (int8_t)e;
 }
 
-int store_kv_fp8(const void *k, const void *v, int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
-                 int64_t v_stride_h, uint8_t *kc, uint8_t *vc, int8_t *ks, int8_t *vs, const int64_t *slots,
-                 int T, int KVH, int HD, int64_t nslots, int bf16) {
+typedef struct {
+    const void *k, *v;
+    int64_t k_stride_t, k_stride_h, v_stride_t, v_stride_h;
+    uint8_t *kc, *vc;
+    int8_t *ks, *vs;
+    const int64_t *slots;
+    int KVH, HD, bf16;
+} Store;
+
+/* Tokens [t0, t1) of a store: each (token, KV head) row of K and V into its slot. */
+static void store_tokens(void *ctx, int64_t t0, int64_t t1) {
+    const Store *a = (const Store *)ctx;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t slot = a->slots[t];
+        for (int h = 0; h < a->KVH; h++) {
+            const int64_t row = slot * a->KVH + h;
+            store_row(a->k, t * a->k_stride_t + h * a->k_stride_h, a->HD, a->bf16, a->kc + row * a->HD, a->ks + row);
+            store_row(a->v, t * a->v_stride_t + h * a->v_stride_h, a->HD, a->bf16, a->vc + row * a->HD, a->vs + row);
+        }
+    }
+}
+
+/* The store of T tokens, its tokens shared out over the helper pool (pool.h's `pool_rows`: contiguous runs, a
+ * row's bytes as on one thread) where the call is large enough (a prompt chunk's), else on the caller. The slots of
+ * one call are distinct (each token has its own). Returns 0, or -1 (nothing written) when a slot is outside
+ * [0, NSLOTS). */
+int store_kv_fp8_threaded(const void *k, const void *v, int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
+                          int64_t v_stride_h, uint8_t *kc, uint8_t *vc, int8_t *ks, int8_t *vs, const int64_t *slots,
+                          int T, int KVH, int HD, int64_t nslots, int bf16, int threads, int linger) {
     for (int t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= nslots)
             return -1;
-    for (int t = 0; t < T; t++) {
-        int64_t slot = slots[t];
-        for (int h = 0; h < KVH; h++) {
-            int64_t row = slot * KVH + h;
-            store_row(k, t * k_stride_t + h * k_stride_h, HD, bf16, kc + row * HD, ks + row);
-            store_row(v, t * v_stride_t + h * v_stride_h, HD, bf16, vc + row * HD, vs + row);
-        }
-    }
+    Store job = {k, v, k_stride_t, k_stride_h, v_stride_t, v_stride_h, kc, vc, ks, vs, slots, KVH, HD, bf16};
+    pool_rows(store_tokens, &job, T, 2 * (int64_t)KVH * HD, threads, linger);
     return 0;
+}
+
+/* store_kv_fp8_threaded on the caller alone (the fused decode layers' entry: a decode step's few tokens). */
+int store_kv_fp8(const void *k, const void *v, int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
+                 int64_t v_stride_h, uint8_t *kc, uint8_t *vc, int8_t *ks, int8_t *vs, const int64_t *slots,
+                 int T, int KVH, int HD, int64_t nslots, int bf16) {
+    return store_kv_fp8_threaded(k, v, k_stride_t, k_stride_h, v_stride_t, v_stride_h, kc, vc, ks, vs, slots, T, KVH,
+                                 HD, nslots, bf16, 1, 0);
 }

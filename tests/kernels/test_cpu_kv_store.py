@@ -45,7 +45,7 @@ def _both(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[list[t
     return as_bytes(ref), as_bytes(ours)
 
 
-@pytest.mark.parametrize("tokens,heads,dim", [(1, 3, 64), (5, 2, 128), (40, 4, 64)])
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 3, 64), (5, 2, 128), (40, 4, 64), (96, 4, 64)])  # 96: on the pool
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_same_bytes_as_the_reference(tokens: int, heads: int, dim: int, dtype: torch.dtype, seed: int) -> None:
     k = _hard_values(tokens, heads, dim).to(dtype)
