@@ -161,7 +161,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Step
     num_kv_heads = cache.geometry.num_kv_heads
     group = num_heads // num_kv_heads
     d = meta.num_decode
-    if meta.prefills and not q.is_cuda:  # prompt rows too: one C call for the whole step (module docstring)
+    if meta.prefills and not q.is_cuda:  # prompt rows too: one C call for the step, two over FP8 pages (docstring)
         kv = cache.layer(layer)
         o = _over_dequantised_pages(q, cache, layer, meta, scale) if cache.quantised else None
         if o is None:

@@ -625,9 +625,9 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
  *   then the softmax over the SB keys at once: one running max and one rescale of O per SB keys, not per block;
  *     an item of few heads (a decode row) head by head, each head's scores gathered from the key rows
  *     (`softmax_heads`), one of many (a prompt tile's, from AMX_LANES_FROM) lane-wise over the key rows, the
- *     weights laid out by head by a transpose a block (`softmax_lanes`; SmolLM2's 512-row chunk after 512 keys,
- *     30 layers: 73 -> 55 ms). The weights' e^x: 2^x by a degree-4 polynomial (`exp2_weights16`), exact enough
- *     for the bfloat16 rounding they get next (measured worst error unchanged: 1.53u either way);
+ *     weights laid out by head by a transpose a block (`softmax_lanes`). The weights' e^x: 2^x by a degree-4
+ *     polynomial (`exp2_weights16`), exact enough for the bfloat16 rounding they get next (measured worst error
+ *     unchanged: 1.53u either way). SmolLM2's 512-row chunk after 512 keys, 30 layers: 73 -> 48 ms;
  *   O += P . V per block, V's rows again as they lie in the page: the second operand then pairs consecutive
  *     dims, not consecutive tokens, so P enters twice, its weights spread with a zero after each (summing the
  *     even dims) and before each (the odd ones): 2 HD / 32 products a block where interleaving pairs of V rows
@@ -1073,8 +1073,8 @@ int fp8_to_bf16(const uint8_t *src, uint16_t *dst, int n) {
 
 /* Pages table[0 .. P) of an fp8 pool (codes [.., S, KVH, HD], exponents [.., S, KVH]) as their true values, code
  * x 2^e, into out [P, S, KVH, HD]: bfloat16 (`f32` 0) or float32. Exact either way (an e4m3 code has 3 mantissa
- * bits and 2^e moves only the exponent; bfloat16 has float32's range) but where code x 2^e leaves float32's normal
- * range, as the torch dequantiser. For prompt chunks: their rows read each key once per tile and a chunk has many
+ * bits and 2^e moves only the exponent; bfloat16 has float32's range), the torch dequantiser's values, unless
+ * code x 2^e leaves float32's normal range. For prompt chunks: their rows read each key once per tile and a chunk has many
  * tiles, so one conversion per call beats one per tile (`dequantised_pages`). Returns -1 where the CPU has no
  * AVX512-BF16 copy. */
 int fp8_pages_dequantise(const uint8_t *codes, const int8_t *exps, const int64_t *table, int P, int S, int KVH,
