@@ -1074,9 +1074,9 @@ int fp8_to_bf16(const uint8_t *src, uint16_t *dst, int n) {
 /* Pages table[0 .. P) of an fp8 pool (codes [.., S, KVH, HD], exponents [.., S, KVH]) as their true values, code
  * x 2^e, into out [P, S, KVH, HD]: bfloat16 (`f32` 0) or float32. Exact either way (an e4m3 code has 3 mantissa
  * bits and 2^e moves only the exponent; bfloat16 has float32's range), the torch dequantiser's values, unless
- * code x 2^e leaves float32's normal range. For prompt chunks: their rows read each key once per tile and a chunk has many
- * tiles, so one conversion per call beats one per tile (`dequantised_pages`). Returns -1 where the CPU has no
- * AVX512-BF16 copy. */
+ * code x 2^e leaves float32's normal range. For prompt chunks: their rows read each key once per tile and a
+ * chunk has many tiles, so one conversion per call beats one per tile (`dequantised_pages`). Returns -1 where
+ * the CPU has no AVX512-BF16 copy. */
 int fp8_pages_dequantise(const uint8_t *codes, const int8_t *exps, const int64_t *table, int P, int S, int KVH,
                          int HD, void *out, int f32) {
 #if HAVE_DP
