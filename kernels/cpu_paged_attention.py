@@ -97,6 +97,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.restype = ctypes.c_int
     lib.fp8_to_bf16.argtypes = [p, p, i]
     lib.fp8_to_bf16.restype = ctypes.c_int
+    lib.fp8_row_to_bf16_test.argtypes = [p, p, i]
+    lib.fp8_row_to_bf16_test.restype = ctypes.c_int
     lib.fp8_pages_dequantise.argtypes = [p, p, p, i, i, i, i, p, i]
     lib.fp8_pages_dequantise.restype = ctypes.c_int
     lib.paged_decode_set_amx.argtypes = [i]
@@ -173,18 +175,20 @@ def amx_tiles(on: bool) -> bool:
     return bool(lib is not None and lib.paged_decode_set_amx(int(on)))
 
 
-def fp8_as_bf16(codes: torch.Tensor) -> torch.Tensor | None:
+def fp8_as_bf16(codes: torch.Tensor, by_table: bool = False) -> torch.Tensor | None:
     """The bfloat16 values the kernel scores fp8_e4m3 keys as (its in-register conversion for `vdpbf16ps`),
     for uint8 `codes` (any length; zero-padded to a multiple of 32 inside). None where the kernel has no
-    AVX512-BF16 copy (it then widens keys to float32 instead)."""
+    AVX512-BF16 copy (it then widens keys to float32 instead). `by_table`: the conversion the AMX tiles and
+    `dequantised_pages` use (two 128-byte tables read by `vpermi2b`), None where the CPU has no AVX512-VBMI."""
     lib = KERNEL.load()
     if lib is None:
         return None
-    n = codes.numel()
-    src = torch.zeros((n + 31) // 32 * 32, dtype=torch.uint8)
+    n, width = codes.numel(), 64 if by_table else 32
+    src = torch.zeros((n + width - 1) // width * width, dtype=torch.uint8)
     src[:n] = codes.reshape(-1)
     dst = torch.empty(src.numel(), dtype=torch.int16)
-    if lib.fp8_to_bf16(src.data_ptr(), dst.data_ptr(), src.numel()) != 0:
+    convert = lib.fp8_row_to_bf16_test if by_table else lib.fp8_to_bf16
+    if convert(src.data_ptr(), dst.data_ptr(), src.numel()) != 0:
         return None
     return dst[:n].view(torch.bfloat16).view(codes.shape)
 

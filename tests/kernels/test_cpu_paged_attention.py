@@ -219,18 +219,23 @@ def test_bfloat16_scores_by_dot_product_match_the_reference(fmt: str, head_dim: 
     assert_close_in_mag(out.float(), ref, mag, 2.0 ** -8, seed)
 
 
-def test_fp8_keys_become_their_exact_bfloat16_values() -> None:
-    """Every fp8_e4m3 code but the two NaNs (which the store never writes) as the kernel scores it: the exact
-    value, as torch converts it, subnormals (e = 0, which a bit placement alone would make bfloat16 subnormals
-    that `vdpbf16ps` reads as zero) and both zeros included."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    got = fp8_as_bf16(codes)
+@pytest.mark.parametrize("by_table", [False, True], ids=["bits", "table"])
+def test_fp8_keys_become_their_exact_bfloat16_values(by_table: bool) -> None:
+    """Every fp8_e4m3 code but the two NaNs (which the store writes only for NaN inputs) as the kernel scores it:
+    the exact value, as torch converts it, subnormals (e = 0, which a bit placement alone would make bfloat16
+    subnormals that `vdpbf16ps` reads as zero) and both zeros included; by bits (the vector copy) and by table
+    (the AMX tiles and `dequantised_pages`, which also turn the NaN codes into NaN, as torch does)."""
+    codes = torch.randperm(256).to(torch.uint8)  # every code, in an order of its own each run
+    got = fp8_as_bf16(codes, by_table=by_table)
     if got is None:
-        pytest.skip("no AVX512-BF16 copy here: fp8 keys are widened to float32 (the tests above)")
+        pytest.skip("no AVX512-BF16 copy here: fp8 keys are widened to float32 (the tests above)" if not by_table
+                    else "no AVX512-VBMI here: the tiles convert by bits")
     want = codes.view(FP8).to(torch.bfloat16)
     finite = ~want.isnan()
     assert int(finite.sum()) == 254
     assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+    if by_table:
+        assert bool(got[~finite].isnan().all())
 
 
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (64, 1), (64, 16), (128, 8)])
