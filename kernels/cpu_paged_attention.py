@@ -83,7 +83,7 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "available", "paged_decode_attention_cpu", "build_error", "tile_rows", "THREADED_ROWS",
-           "fp8_as_bf16", "amx_tiles", "amx_default", "dequantised_pages"]
+           "fp8_as_bf16", "amx_tiles", "amx_default", "dequantised_pages", "dequantises"]
 
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 THREADED_ROWS = 4096  # (sequence, KV head, token) rows below which one thread does the whole step
@@ -95,10 +95,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.argtypes = [p, p, p, p, p, p, p, p, i, p, i, i, i, i, i, i, i, i, ctypes.c_float, i,
                                  ctypes.c_int64, i]
     lib.paged_decode.restype = ctypes.c_int
-    lib.fp8_to_bf16.argtypes = [p, p, i]
+    lib.fp8_to_bf16.argtypes = [p, p, i, i]
     lib.fp8_to_bf16.restype = ctypes.c_int
-    lib.fp8_row_to_bf16_test.argtypes = [p, p, i]
-    lib.fp8_row_to_bf16_test.restype = ctypes.c_int
     lib.fp8_pages_dequantise.argtypes = [p, p, p, i, i, i, i, p, i]
     lib.fp8_pages_dequantise.restype = ctypes.c_int
     lib.paged_decode_set_amx.argtypes = [i]
@@ -187,8 +185,7 @@ def fp8_as_bf16(codes: torch.Tensor, by_table: bool = False) -> torch.Tensor | N
     src = torch.zeros((n + width - 1) // width * width, dtype=torch.uint8)
     src[:n] = codes.reshape(-1)
     dst = torch.empty(src.numel(), dtype=torch.int16)
-    convert = lib.fp8_row_to_bf16_test if by_table else lib.fp8_to_bf16
-    if convert(src.data_ptr(), dst.data_ptr(), src.numel()) != 0:
+    if lib.fp8_to_bf16(src.data_ptr(), dst.data_ptr(), src.numel(), int(by_table)) != 0:
         return None
     return dst[:n].view(torch.bfloat16).view(codes.shape)
 
@@ -211,3 +208,10 @@ def dequantised_pages(pages: torch.Tensor, exps: torch.Tensor, page_ids: torch.T
     rc = lib.fp8_pages_dequantise(pages.data_ptr(), exps.data_ptr(), ids.data_ptr(), ids.numel(), page_size,
                                   kv_heads, hd, out.data_ptr(), int(dtype == torch.float32))
     return out if rc == 0 else None
+
+
+def dequantises(head_dim: int) -> bool:
+    """Whether `dequantised_pages` runs here for pages of `head_dim` (else prompt rows read FP8 pages in place)."""
+    pages = torch.zeros(1, 16, 1, head_dim, dtype=torch.float8_e4m3fn)
+    return dequantised_pages(pages, torch.zeros(1, 16, 1, dtype=torch.int8), torch.tensor([0]),
+                             torch.float32) is not None

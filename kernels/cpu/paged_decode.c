@@ -1113,33 +1113,23 @@ SPECIALISE(64, 3) SPECIALISE(128, 3) SPECIALISE(64, 4) SPECIALISE(128, 4)
 #endif
 static void attend_any(const Args *a, int t, int h) { attend_hd(a, t, h, a->HD, a->fmt); }
 
-/* fp8_row_to_bf16 over n codes (a multiple of 64), for the tests: by table where the CPU has AVX512-VBMI;
- * returns -1 where it has no AVX512-BF16 copy, 1 where it converted without the table. */
-int fp8_row_to_bf16_test(const uint8_t *src, uint16_t *dst, int n) {
+/* fp8 codes to bfloat16 for the tests: n codes (a multiple of 64) by `fp8_row_to_bf16` where `table` (the AMX path's
+ * and the dequantiser's conversion; returns 1 where the CPU has no AVX512-VBMI, so no table), else by
+ * `fp8x32_to_bf16` (the vector copy's; a multiple of 32); returns -1 where the CPU has no AVX512-BF16 copy. */
+int fp8_to_bf16(const uint8_t *src, uint16_t *dst, int n, int table) {
 #if HAVE_DP
-    uint16_t row[64] __attribute__((aligned(64)));
-    for (int i = 0; i + 64 <= n; i += 64) {
-        fp8_row_to_bf16(src + i, row, 64);
-        memcpy(dst + i, row, sizeof(row));
-    }
+    if (table) {
 #ifdef __AVX512VBMI__
-    return 0;
+        for (int i = 0; i + 64 <= n; i += 64) fp8_row_to_bf16(src + i, dst + i, 64);
+        return 0;
 #else
-    return 1;
+        return 1;
 #endif
-#else
-    (void)src, (void)dst, (void)n;
-    return -1;
-#endif
-}
-
-/* fp8x32_to_bf16 over n codes (a multiple of 32), for the tests; returns -1 where the CPU has no AVX512-BF16 copy */
-int fp8_to_bf16(const uint8_t *src, uint16_t *dst, int n) {
-#if HAVE_DP
+    }
     for (int i = 0; i + 32 <= n; i += 32) _mm512_storeu_si512(dst + i, fp8x32_to_bf16(src + i));
     return 0;
 #else
-    (void)src, (void)dst, (void)n;
+    (void)src, (void)dst, (void)n, (void)table;
     return -1;
 #endif
 }

@@ -266,7 +266,7 @@ def _bench_prompt(cfg: Any, n: int, prefix: int, reps: int) -> list[dict[str, An
     causal mask with the prefix), bf16 queries over bf16 and fp8 pages. Over fp8 pages the kernel runs as the
     engine runs it, over the chunk's pages dequantised first (`dequantised_pages`), and over the fp8 pages in
     place as another arm (`in_place_ms`)."""
-    from kernels.cpu_paged_attention import dequantised_pages, paged_decode_attention_cpu, tile_rows
+    from kernels.cpu_paged_attention import dequantised_pages, dequantises, paged_decode_attention_cpu, tile_rows
 
     heads, kvh, hd, layers = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     g, ctx, scale = heads // kvh, prefix + n, hd ** -0.5
@@ -297,8 +297,7 @@ def _bench_prompt(cfg: Any, n: int, prefix: int, reps: int) -> list[dict[str, An
                                                    attn_mask=mask, scale=scale)
                     for k, v in (cache.gather(i, table[:1]) for i in range(layers))]
 
-        deq = cache.quantised and dequantised_pages(cache.layer(0).k, cache.layer(0).k_scale, table[0, :1],
-                                                    q.dtype) is not None
+        deq = cache.quantised and dequantises(hd)
         row = _attention_row(f"prompt_{fmt}_{prefix}", "prompt", f"{fmt} pages, {n} rows after {prefix} keys x "
                              f"{layers} layers", dequantised if deq else in_place, theirs, reps,
                              _kv_bytes(cache, layers, ctx, kvh, hd), {"in_place": in_place} if deq else None)

@@ -11,7 +11,7 @@ from backend.attention import PrefillChunk, StepMetadata, paged_attention
 from backend.config import ModelConfig
 from backend.kv_cache import PagedKVCache
 from kernels.cpu_paged_attention import available as c_kernel_available
-from kernels.cpu_paged_attention import dequantised_pages
+from kernels.cpu_paged_attention import dequantises
 
 PAGE = 16
 
@@ -53,22 +53,15 @@ def kernel_calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return request.param, calls
 
 
-def expected_calls(path: str, fmt: str, decode: int, prompt: int) -> list[int]:
+def expected_calls(path: str, fmt: str, decode: int, prompt: int, head_dim: int) -> list[int]:
     """Row counts of the C kernel's calls for a step: the whole step in one call, or over FP8 pages (where the
     kernel dequantises pages here) the prompt rows over their dequantised pages, then the decode rows; without
     the kernel, the decode rows try it and the chunks gather."""
     if path == "torch":
         return [decode + prompt, decode]
-    if fmt == "fp8_e4m3" and dequantised_pages_run():
+    if fmt == "fp8_e4m3" and dequantises(head_dim):
         return [prompt, decode]
     return [decode + prompt]
-
-
-def dequantised_pages_run() -> bool:
-    """Whether the kernel dequantises FP8 pages on this CPU (its AVX512-BF16 copy)."""
-    codes = torch.zeros(1, PAGE, 1, 32, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    exps = torch.zeros(1, PAGE, 1, dtype=torch.int8)
-    return dequantised_pages(codes, exps, torch.tensor([0]), torch.float32) is not None
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8_e4m3"])
@@ -106,7 +99,7 @@ def test_prefill_chunk_and_decode_rows_match_dense_attention(fmt: str, group: in
     scale = head_dim ** -0.5
     out = paged_attention(q, cache, 0, meta, scale)
     path, calls = kernel_calls
-    assert calls == expected_calls(path, fmt, 1, new)
+    assert calls == expected_calls(path, fmt, 1, new, head_dim)
 
     # tight: against dense attention over what the cache holds (the dequantised values)
     held_a = cache.gather(0, torch.tensor([pages_a]))
@@ -159,7 +152,7 @@ def test_a_step_of_several_decode_rows_and_chunks(fmt: str, kernel_calls: tuple[
                         logits_rows=torch.tensor([0, 1]), page_size=PAGE, mask_dtype=torch.float32)
     scale = head_dim ** -0.5
     out = paged_attention(q, cache, 0, meta, scale)
-    assert kernel_calls[1] == expected_calls(kernel_calls[0], fmt, 2, rows - 2)
+    assert kernel_calls[1] == expected_calls(kernel_calls[0], fmt, 2, rows - 2, head_dim)
     start = 0
     for (ctx, n), (k, v) in zip(seqs, held):
         exp = dense_reference(q[start: start + n], k, v, ctx - n, scale)
