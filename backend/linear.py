@@ -163,14 +163,15 @@ class Linear:
 
     def takes_gemv(self, rows: int) -> bool:
         """Whether a call of `rows` rows runs the C GEMV (`kernels/cpu_gemv.py`, `kernels/cpu_gemv_f32.py`)."""
-        return self.gemv and rows <= self.gemv_rows and not self._widens(rows)
+        return self.gemv and rows <= self.gemv_rows and not self.widens(rows)
 
-    def _widens(self, rows: int) -> bool:
+    def widens(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs widened to float32 (`backend/gemm_widen.py`)."""
         return self.widen and rows >= WIDEN_MIN_ROWS and widening_pays()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self._widens(rows):
+        if self.widens(rows):
             return widened_linear(x, self.weight_t, self.bias)
         if x.dtype != self.weight.dtype:  # e.g. bf16 weights under float32 compute
             return self(x.to(self.weight.dtype)).to(x.dtype)

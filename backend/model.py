@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 from backend.attention import StepMetadata
 from backend.config import ModelConfig, load_config
+from backend.gemm_rows import builds_per_rows, pad_rows
 from backend.kv_cache import PagedKVCache
 from backend.layers.attention import attention, run_linear
 from backend.layers.fused_decode import enabled_by_env, fused_layers, runs_split_step, runs_step
@@ -246,6 +247,9 @@ class DecoderModel:
         freqs = self.rope.tables(meta.positions)  # [T, 1, rotary_dim / 2]
         x = rms_norm(h, layers[0].input_norm, cfg.rms_norm_eps)
         if not self._run_fused(h, x, layers, split, freqs, cache, meta):
+            pad = self._gemm_pad(layers, h.shape[0] - split)
+            if pad:  # zero rows after the step's T up to a multiple of the granule (backend/gemm_rows.py)
+                h, x = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (h, x))
             self._run_layers(h, x, layers, split, freqs, cache, meta)
         h = rms_norm(h[meta.logits_rows], self.norm, cfg.rms_norm_eps)
         if split and h.shape[0] > split:  # decode rows and completed prompts: the LM head per group too
@@ -293,6 +297,14 @@ class DecoderModel:
                            meta.decode_context_lens, scale))
         self.fused_steps += 1
         return True
+
+    def _gemm_pad(self, layers: list[LayerWeights], prompt_rows: int) -> int:
+        """Zero rows to append to a step whose `prompt_rows` rows (after a mixed step's decode rows) run
+        oneDNN GEMMs, which build kernels per row count (`backend/gemm_rows.py`); 0 where they do not, and
+        for MLA or MoE layers."""
+        if any(l.mla is not None or l.moe is not None for l in layers):
+            return 0
+        return pad_rows(prompt_rows) if builds_per_rows(layers[0].qkv, prompt_rows) else 0
 
     def _run_layers(self, h: torch.Tensor, x: torch.Tensor, layers: list[LayerWeights], split: int,
                     freqs: torch.Tensor, cache: PagedKVCache, meta: StepMetadata) -> None:

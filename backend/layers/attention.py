@@ -70,10 +70,11 @@ def attention(cfg: ModelConfig, qkv: LinearOp, decode_qkv: LinearOp, o_proj: Lin
               qk_norm: torch.Tensor | None, x: torch.Tensor, split: int, freqs: torch.Tensor,
               cache: PagedKVCache, layer: int, meta: StepMetadata) -> torch.Tensor:
     """Attention output [T, hidden] of x [T, hidden] (normed), storing this step's K/V into `cache`.
-    `split`: a mixed step's decode rows run the decode_* linears (see `run_linear`)."""
-    t, hd = x.shape[0], cfg.head_dim
+    `split`: a mixed step's decode rows run the decode_* linears (see `run_linear`). Rows of x after the
+    step's tokens (zeros that round its GEMMs' row count, `backend/gemm_rows.py`) get zeros."""
+    t, hd = meta.slots.shape[0], cfg.head_dim
     num_qk_heads = cfg.num_heads + cfg.num_kv_heads
-    qkv_out = run_linear(qkv, decode_qkv, x, split)  # [T, (H + 2 H_kv) * head_dim]
+    qkv_out = run_linear(qkv, decode_qkv, x, split)[:t]  # [T, (H + 2 H_kv) * head_dim]
     qk, v = qkv_out.split([num_qk_heads * hd, cfg.num_kv_heads * hd], dim=-1)
     qk = qk.view(t, num_qk_heads, hd)
     if qk_norm is not None:
@@ -81,5 +82,7 @@ def attention(cfg: ModelConfig, qkv: LinearOp, decode_qkv: LinearOp, o_proj: Lin
     qk = RotaryEmbedding.apply(qk, freqs)
     q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
     cache.store(layer, meta.slots, k, v.view(t, cfg.num_kv_heads, hd))
-    out = paged_attention(q, cache, layer, meta, hd ** -0.5)  # [T, H, head_dim]
-    return run_linear(o_proj, decode_o_proj, out.reshape(t, -1), split)
+    out = paged_attention(q, cache, layer, meta, hd ** -0.5).reshape(t, -1)  # [T, H * head_dim]
+    if x.shape[0] > t:
+        out = torch.cat([out, out.new_zeros(x.shape[0] - t, out.shape[1])])
+    return run_linear(o_proj, decode_o_proj, out, split)

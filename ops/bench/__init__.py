@@ -35,6 +35,7 @@ BENCHES: dict[str, str] = {
     "tp": "ops.bench.tp",
     "sass": "ops.bench.sass",
     "tokenize": "ops.bench.tokenize",
+    "prompt-lengths": "ops.bench.prompt_lengths",
     "all": "ops.bench.all",
 }
 
