@@ -25,7 +25,7 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
-from kernels.cpu_threads import kernel_threads, kernels_own_threads
+from kernels.cpu_threads import kernel_threads, run_mode
 
 __all__ = ["available", "build_error", "argmax_rows", "mask_fill_rows"]
 
@@ -66,7 +66,7 @@ def argmax_rows(logits: torch.Tensor, words: torch.Tensor | None = None) -> torc
     if logits.shape[0]:
         lib.argmax_rows(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
                         int(logits.dtype == torch.bfloat16), None if words is None else words.data_ptr(),
-                        kernel_threads(), int(kernels_own_threads()))
+                        kernel_threads(), run_mode())
     return out
 
 

@@ -13,7 +13,10 @@ torch path.
 Threads: a kernel built with `uses_pool=True` gets the process's one pool of helper threads
 (`kernels/cpu/pool.c`, itself built here) through its `set_pool` at load time, so every such
 kernel of a decode step shares the same helpers; where the pool cannot be built the kernel runs
-each call on its caller's thread.
+each call on its caller's thread. Such a kernel is also built with `-fopenmp` (where the compiler
+can), so that a call may run its chunks on torch's OpenMP pool instead (`kernels/cpu/pool.h`'s
+`run_chunks`, `kernels/cpu_threads.py`'s `run_mode`): `libgomp.so.1` resolves to the copy torch has
+loaded. Where `-fopenmp` does not build, the kernel is built without it and runs every call on the pool.
 """
 
 from __future__ import annotations
@@ -67,17 +70,22 @@ class CKernel:
             raise OSError("no C compiler (gcc or cc) on PATH")
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
         headers = [h.read_text() for h in sorted(self.source.parent.glob("*.h"))]  # what the sources include
-        key = hashlib.sha256("\0".join([self.source.read_text(), *headers, *self.flags, version, _cpu_key()]).encode())
-        out = _cache_dir() / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
-        if not out.exists():
+        tries = [(*self.flags, "-fopenmp"), self.flags] if self.uses_pool else [self.flags]
+        for i, flags in enumerate(tries):
+            key = hashlib.sha256("\0".join([self.source.read_text(), *headers, *flags, version, _cpu_key()]).encode())
+            out = _cache_dir() / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
+            if out.exists():
+                break
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            res = subprocess.run([cc, *self.flags, str(self.source), "-o", str(tmp), "-lm"], capture_output=True,
+            res = subprocess.run([cc, *flags, str(self.source), "-o", str(tmp), "-lm"], capture_output=True,
                                  text=True, check=False)
-            if res.returncode != 0:
-                tmp.unlink(missing_ok=True)
+            if res.returncode == 0:
+                os.replace(tmp, out)  # atomic: concurrent builders each write their own file
+                break
+            tmp.unlink(missing_ok=True)
+            if i + 1 == len(tries):
                 raise OSError(f"{cc} failed: {res.stderr.strip()[:500]}")
-            os.replace(tmp, out)  # atomic: concurrent builders each write their own file
         lib = ctypes.CDLL(str(out))
         self.declare(lib)
         if self.uses_pool:

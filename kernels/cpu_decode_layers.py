@@ -29,7 +29,7 @@ from kernels import (cpu_gemv, cpu_gemv_f32, cpu_gemv_int4, cpu_kv_store, cpu_pa
                      cpu_silu_mul)
 from kernels.cpu_build import CKernel
 from kernels.cpu_gemv_int4 import Int4Panels
-from kernels.cpu_threads import kernel_threads, kernels_own_threads
+from kernels.cpu_threads import kernel_threads, run_mode
 
 __all__ = ["available", "float32_available", "build_error", "DecodeLayers", "LayerTensors", "Refused", "TIMED_PARTS",
            "Weight"]
@@ -234,7 +234,7 @@ class DecodeLayers:
         step = _Step(m, self.hidden, self.H, self.KVH, hd, pairs, self.inter,
                      (_i * 4)(*(p[0] for p in plans)), (_i * 4)(*(p[1] for p in plans)),
                      (_i * 4)(*(p[2] for p in plans)), (_i * 4)(*self._formats), kernel_threads(),
-                     int(kernels_own_threads()),
+                     run_mode(),
                      cpu_paged_attention.THREADED_ROWS, self.eps, scale, int(self.fp8), freqs.data_ptr(),
                      slots.data_ptr(), self.nslots, table.data_ptr(), lens.data_ptr(),
                      None if tiles is None else tiles.data_ptr(), 0 if tiles is None else tiles.numel() - 1,

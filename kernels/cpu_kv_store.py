@@ -34,7 +34,7 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
-from kernels.cpu_threads import kernel_threads, kernels_own_threads
+from kernels.cpu_threads import kernel_threads, run_mode
 
 __all__ = ["KERNEL", "ROWS_KERNEL", "available", "store_kv_fp8_cpu", "store_kv_rows_cpu", "build_error"]
 
@@ -89,7 +89,7 @@ def store_kv_fp8_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
     rc = lib.store_kv_fp8_threaded(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                    k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
                                    slots.data_ptr(), t, heads, dim, nslots, fmt, kernel_threads(),
-                                   int(kernels_own_threads()))
+                                   run_mode())
     if rc != 0:
         raise IndexError(f"a KV slot is outside the pool's {nslots} slots")
     return True

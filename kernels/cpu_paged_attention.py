@@ -80,7 +80,7 @@ import os
 import torch
 
 from kernels.cpu_build import CKernel
-from kernels.cpu_threads import kernel_threads, kernels_own_threads
+from kernels.cpu_threads import kernel_threads, run_mode
 
 __all__ = ["KERNEL", "available", "paged_decode_attention_cpu", "build_error", "tile_rows", "THREADED_ROWS",
            "fp8_as_bf16", "amx_tiles", "amx_default", "dequantised_pages", "dequantises"]
@@ -156,7 +156,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
                           table.data_ptr(), lens.data_ptr(), None if tiles is None else tiles.data_ptr(),
                           0 if tiles is None else tiles.numel() - 1, out.data_ptr(), d, kv_heads, heads // kv_heads, hd,
                           page_size, table.shape[1], fmt, int(q.dtype == torch.bfloat16), scale,
-                          kernel_threads() if threads is None else threads, min_rows, int(kernels_own_threads()))
+                          kernel_threads() if threads is None else threads, min_rows, run_mode())
     return out if rc == 0 else None
 
 

@@ -20,7 +20,7 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
-from kernels.cpu_threads import kernel_threads, kernels_own_threads
+from kernels.cpu_threads import kernel_threads, run_mode
 
 __all__ = ["KERNEL", "available", "build_error", "rms_norm_bf16", "add_rms_norm_bf16"]
 
@@ -61,7 +61,7 @@ def _run(name: str, x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         branch = () if delta is None else (delta.data_ptr(),)
         getattr(lib, name)(x.data_ptr(), *branch, weight.data_ptr(), y.data_ptr(), rows, n, eps, kernel_threads(),
-                           int(kernels_own_threads()))
+                           run_mode())
     return y
 
 

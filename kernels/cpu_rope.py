@@ -16,7 +16,7 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
-from kernels.cpu_threads import kernel_threads, kernels_own_threads
+from kernels.cpu_threads import kernel_threads, run_mode
 
 __all__ = ["KERNEL", "available", "build_error", "rope_bf16"]
 
@@ -51,5 +51,5 @@ def rope_bf16(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty(rows, heads, dim, dtype=torch.bfloat16)
     if rows and heads:  # complex64 is (cos, sin) float pairs in memory
         lib.rope_bf16(x.data_ptr(), freqs.data_ptr(), y.data_ptr(), rows, heads, dim, pairs, x.stride(0),
-                      kernel_threads(), int(kernels_own_threads()))
+                      kernel_threads(), run_mode())
     return y

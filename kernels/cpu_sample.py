@@ -21,7 +21,7 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
-from kernels.cpu_threads import kernel_threads, kernels_own_threads
+from kernels.cpu_threads import kernel_threads, run_mode
 
 __all__ = ["available", "build_error", "sample_rows"]
 
@@ -69,6 +69,6 @@ def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, uniforms: t
                                 int(logits.dtype == torch.bfloat16), inv_temperature.data_ptr(),
                                 uniforms.data_ptr(), *(None if t is None else t.data_ptr()
                                                        for t in (words, top_k, top_p)),
-                                kernel_threads(), int(kernels_own_threads())) != 0:
+                                kernel_threads(), run_mode()) != 0:
         raise MemoryError("sample_rows: out of memory")
     return out

@@ -17,7 +17,7 @@ import ctypes
 import torch
 
 from kernels.cpu_build import CKernel
-from kernels.cpu_threads import kernel_threads, kernels_own_threads
+from kernels.cpu_threads import kernel_threads, run_mode
 
 __all__ = ["KERNEL", "available", "build_error", "silu_mul_bf16"]
 
@@ -48,5 +48,5 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(rows, inter, dtype=torch.bfloat16)
     if rows and inter:
-        lib.silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, inter, kernel_threads(), int(kernels_own_threads()))
+        lib.silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, inter, kernel_threads(), run_mode())
     return y

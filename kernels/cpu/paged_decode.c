@@ -1202,7 +1202,8 @@ static void run_chunk(void *ctx, int i) {
  * at least `min_threaded_rows` (sequence, KV head, key) rows. An item is a tile with all its KV heads, one
  * after the other on one thread (a token's rows of the heads lie side by side in a page: measured in c = 32
  * SmolLM2 decode steps, 4 pairs alternating with one head an item, the attention's time per step 0.78x),
- * or, where there are fewer than 4 tiles a thread, one KV head of a tile. `linger` as pool_run's. */
+ * or, where there are fewer than 4 tiles a thread, one KV head of a tile. `linger`: how, as pool.h's `run_chunks`
+ * (the shared pool, or a region on the caller's OpenMP pool). */
 int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, const int8_t *ve,
                  const int64_t *table, const int32_t *lens, const int32_t *tiles, int ntiles, void *out, int D,
                  int KVH, int G, int HD, int S, int MAXP, int fmt, int half, float scale, int threads,
@@ -1243,10 +1244,6 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
         job.attend = fmt == 1 ? attend_amx : attend_amx_fp8;
 #endif
     job.chunks = job.items < MAX_CHUNKS ? job.items : MAX_CHUNKS;
-    if (run_pool != 0) { /* one thread or one chunk: the pool runs them on this thread */
-        run_pool(run_chunk, &job, job.chunks, threads, linger);
-    } else {
-        for (int i = 0; i < job.chunks; i++) run_chunk(&job, i);
-    }
+    run_chunks(run_chunk, &job, job.chunks, threads, linger); /* one thread or one chunk: all on this thread */
     return 0;
 }

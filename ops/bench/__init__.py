@@ -35,7 +35,7 @@ BENCHES: dict[str, str] = {
     "tp": "ops.bench.tp",
     "sass": "ops.bench.sass",
     "tokenize": "ops.bench.tokenize",
-    "prompt-lengths": "ops.bench.prompt_lengths",
+    "prefill": "ops.bench.prefill",
     "all": "ops.bench.all",
 }
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kernels import cpu_gemv
-from kernels.cpu_threads import kernel_threads, torch_single_threaded
+from kernels.cpu_threads import (RUN_OPENMP, RUN_POOL_LINGER, RUN_POOL_SLEEP, kernel_threads, run_mode,
+                                 torch_runs_libgomp, torch_single_threaded)
 
 
 @pytest.fixture
@@ -78,6 +79,29 @@ def test_only_a_handover_gives_the_kernels_the_other_cores(two_threads) -> None:
     with torch_single_threaded():
         assert kernels_own_threads()
     assert not kernels_own_threads()
+
+
+def test_kernels_share_out_on_torchs_openmp_pool_outside_a_handover(two_threads,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EDGESERVE_KERNEL_OPENMP", raising=False)
+    outside = RUN_OPENMP if torch_runs_libgomp() else RUN_POOL_SLEEP
+    assert run_mode() == outside
+    with torch_single_threaded():
+        assert run_mode() == RUN_POOL_LINGER
+    monkeypatch.setenv("EDGESERVE_KERNEL_OPENMP", "0")
+    assert run_mode() == RUN_POOL_SLEEP
+
+
+def test_a_kernel_built_with_openmp_shares_torchs_libgomp() -> None:
+    """The PyPI torch this project installs runs libgomp; a kernel built with -fopenmp must resolve its
+    libgomp.so.1 to torch's copy, not load a second runtime with a pool of its own."""
+    import kernels.cpu_silu_mul as silu
+
+    assert torch_runs_libgomp()
+    assert silu.available()
+    with open("/proc/self/maps") as maps:
+        gomps = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomps) == 1 and "torch" in next(iter(gomps)), gomps
 
 
 def test_a_yielding_main_thread_starts_no_openmp_pool_and_the_engine_thread_owns_it() -> None:

@@ -1,21 +1,26 @@
-"""Time to first token of prompts whose lengths the process has not seen: GEMM rows rounded vs exact.
+"""Time to first token of lone prompts of lengths the process has not seen: what the prefill's choices are worth.
 
-A bfloat16 engine's prefill GEMMs run through oneDNN, which builds a kernel for each exact row
-count the first time it meets it (`backend/gemm_rows.py`); a server sees new prompt lengths all
-day. One engine in process (default SmolLM2-135M, `--dtype auto`, `--kv-format auto`), lone
-prompts of random token ids (no prefix cache hit), one output token. Lengths: `--prompts` distinct
-random lengths in [`--min-tokens`, `--max-tokens`), none a multiple of the granule. Each length
-runs three arms, the first two in an order that alternates by length:
+One engine in process (default SmolLM2-135M, `--dtype auto`, `--kv-format auto`), lone prompts of
+random token ids (no prefix cache hit), one output token each. Lengths: `--prompts` distinct random
+lengths in [`--min-tokens`, `--max-tokens`), none a multiple of the granule. Every length runs each
+arm once, the arms in a rotated order (the first mover changes from length to length), except
+``exact_seen``, which runs right after ``exact`` by definition:
 
-- ``rounded``: rows rounded up to the granule (`EDGESERVE_GEMM_ROW_GRANULE`, default 16; what
-  serving does). Before the timed lengths, one prompt per rounded size in the range is run, as a
-  server that has served a while has built them;
-- ``exact``: granule 1 (rows as they are): the length is new, so every GEMM shape builds;
-- ``exact_seen``: granule 1 with the same length again (all built): what no build costs, the bound.
+- ``default``: as a worker runs. A bfloat16 step's GEMM rows are rounded up to the granule
+  (`backend/gemm_rows.py`; oneDNN builds a GEMM kernel per exact row count), and the C kernels of a
+  step whose GEMMs run on torch's threads (RMSNorm, SwiGLU, RoPE, the KV store, the attention) share
+  out their chunks on torch's OpenMP pool (`kernels/cpu_threads.py`'s `run_mode`). Before the timed
+  lengths, one prompt per rounded size in the range runs, as in a server that has served a while;
+- ``exact``: rows as they are (`EDGESERVE_GEMM_ROW_GRANULE=1`): the length is new, so every GEMM
+  shape builds;
+- ``exact_seen``: the same length again, rows as they are (all built): what no build costs, the
+  bound the rounding can reach;
+- ``helper_pool``: as ``default`` but the C kernels' chunks on the process's helper pool
+  (`EDGESERVE_KERNEL_OPENMP=0`), whose threads sleep between calls.
 
 TTFT = wall time of the steps that prefill the prompt and sample its token. Figures: the median
-TTFT per arm, and per length the ratios exact / rounded, exact / exact_seen and rounded /
-exact_seen, each as the median over lengths with a 95% bootstrap interval.
+TTFT per arm, and per length the time of each other arm over ``default``'s (and ``exact`` over
+``exact_seen``), each as the median over lengths with a 95% bootstrap interval (lengths resampled).
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ from typing import Any
 import numpy as np
 
 from ops.bench.harness.progress import log
-from ops.bench.harness.stats import block_bootstrap_ci
+from ops.bench.harness.stats import block_bootstrap_ci, rotated
 from ops.bench.report import write_report
 
 __all__ = ["add_arguments", "run", "lengths", "ARMS"]
 
-ARMS = ("rounded", "exact", "exact_seen")
-_ENV = "EDGESERVE_GEMM_ROW_GRANULE"
+_GRANULE, _OPENMP = "EDGESERVE_GEMM_ROW_GRANULE", "EDGESERVE_KERNEL_OPENMP"
+ARMS = ("default", "exact", "exact_seen", "helper_pool")
+_RATIOS = (("exact", "default"), ("exact_seen", "default"), ("exact", "exact_seen"), ("helper_pool", "default"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=None, help="distinct prompt lengths timed (default 60; quick 16)")
     p.add_argument("--min-tokens", type=int, default=130)
     p.add_argument("--max-tokens", type=int, default=600)
-    p.add_argument("--granule", type=int, default=16, help="the rounded arm's row granule")
+    p.add_argument("--granule", type=int, default=16, help="the GEMM row granule of the default arm")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -58,11 +64,12 @@ def lengths(count: int, low: int, high: int, granule: int, seed: int) -> list[in
     return random.Random(seed).sample(pool, count)
 
 
-def _ttft_ms(engine: Any, n: int, rng: random.Random, granule: int) -> float:
-    """Milliseconds from adding a prompt of `n` fresh random ids to its first token, rows rounded to `granule`."""
+def _ttft_ms(engine: Any, n: int, rng: random.Random, granule: int, openmp: bool) -> float:
+    """Milliseconds from adding a prompt of `n` fresh random ids to its first token, rows rounded to `granule`,
+    the C kernels' chunks on torch's OpenMP pool or not."""
     from backend.sampling_params import SamplingParams
 
-    os.environ[_ENV] = str(granule)
+    os.environ[_GRANULE], os.environ[_OPENMP] = str(granule), str(int(openmp))
     ids = [rng.randrange(100, 40_000) for _ in range(n)]
     start = time.perf_counter()
     engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -90,40 +97,40 @@ def run(args: argparse.Namespace) -> int:
     kv = resolve_kv_format(args.kv_format, dtype)
     engine = LLMEngine.from_pretrained(resolve_model(args.model), EngineConfig(
         dtype=dtype, kv_format=kv, kv_cache_bytes=1 << 29, max_num_seqs=8))
-    previous = os.environ.get(_ENV)
+    previous = {name: os.environ.get(name) for name in (_GRANULE, _OPENMP)}
     rng = random.Random(args.seed + 1)
+    g = args.granule
+    settings = {"default": (g, True), "exact": (1, True), "helper_pool": (g, False)}
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     try:
-        g = args.granule
         sizes = range(args.min_tokens - args.min_tokens % g + g, args.max_tokens + g, g)
-        log(f"prompt-lengths: {dtype}, kv {kv}, {torch.get_num_threads()} threads; building the {len(sizes)} "
-            f"rounded sizes, then {count} new lengths x {len(ARMS)} arms")
+        log(f"prefill: {dtype}, kv {kv}, {torch.get_num_threads()} threads; building the {len(sizes)} rounded "
+            f"sizes, then {count} new lengths x {len(ARMS)} arms")
         for n in sizes:
-            _ttft_ms(engine, n, rng, g)
+            _ttft_ms(engine, n, rng, g, True)
         for i, n in enumerate(todo):
-            first = ("rounded", "exact") if i % 2 == 0 else ("exact", "rounded")
-            for arm in first:
-                times[arm].append(_ttft_ms(engine, n, rng, g if arm == "rounded" else 1))
-            times["exact_seen"].append(_ttft_ms(engine, n, rng, 1))
+            for arm in rotated(list(settings), i):
+                times[arm].append(_ttft_ms(engine, n, rng, *settings[arm]))
+                if arm == "exact":
+                    times["exact_seen"].append(_ttft_ms(engine, n, rng, 1, True))
             if (i + 1) % 8 == 0:
                 log(f"  {i + 1}/{count} lengths")
     finally:
-        if previous is None:
-            os.environ.pop(_ENV, None)
-        else:
-            os.environ[_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
     medians = {arm: statistics.median(v) for arm, v in times.items()}
-    ratios = {"exact_over_rounded": _median_ratio(times["exact"], times["rounded"]),
-              "exact_over_exact_seen": _median_ratio(times["exact"], times["exact_seen"]),
-              "rounded_over_exact_seen": _median_ratio(times["rounded"], times["exact_seen"])}
+    ratios = {f"{a}_over_{b}": _median_ratio(times[a], times[b]) for a, b in _RATIOS}
     print(f"{'arm':<12} {'median TTFT ms':>15}")
     for arm in ARMS:
         print(f"{arm:<12} {medians[arm]:>15.1f}")
     for name, r in ratios.items():
-        print(f"{name:<24} {r['median']:.3f}  [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]")
+        print(f"{name:<26} {r['median']:.3f}  [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]")
     write_report(args.json_path, {
-        "model": args.model, "dtype": str(dtype).removeprefix("torch."), "kv_format": kv, "granule": args.granule,
+        "model": args.model, "dtype": str(dtype).removeprefix("torch."), "kv_format": kv, "granule": g,
         "threads": torch.get_num_threads(), "lengths": todo, "ttft_ms": times, "median_ttft_ms": medians,
         "ratios": ratios, "headline": {name: r["median"] for name, r in ratios.items()}})
     return 0
