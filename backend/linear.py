@@ -49,6 +49,7 @@ from typing import Protocol
 
 import torch
 
+from backend import gemm_pack
 from backend.gemm_widen import WIDEN_MIN_ROWS, widened_linear, widening_pays
 from kernels import cpu_gemv, cpu_gemv_f32  # builds nothing at import (the C build runs on first use)
 
@@ -131,6 +132,8 @@ class Linear:
         self.gemv = cpu and ((weight.dtype == torch.bfloat16 and bf16_gemv_available())
                              or (weight.dtype == torch.float32 and f32_gemv_available()))
         self.widen = weight.dtype == torch.bfloat16 and weight.device.type == "cpu"  # if widening_pays()
+        self.packed: torch.Tensor | None = None  # the weight packed for oneDNN (backend/gemm_pack.py), made lazily
+        self.pack_tried = not self.widen  # bfloat16 CPU weights only
 
     @property
     def out_features(self) -> int:
@@ -143,13 +146,20 @@ class Linear:
 
     @property
     def pack_bytes(self) -> int:
-        """Bytes of the MKL packs (~1.3x the weight per bucket). MKL sizes a pack in bytes and
-        torch allocates that many float32 elements, so only the first quarter is written
-        (and resident): the pack's bytes are its numel."""
-        return sum(p.numel() for p in self.packs.values())
+        """Bytes of the MKL packs (~1.3x the weight per bucket; MKL sizes a pack in bytes and torch
+        allocates that many float32 elements, so only the first quarter is written and resident: the
+        pack's bytes are its numel) and of the oneDNN pack (the weight's bytes again)."""
+        return sum(p.numel() for p in self.packs.values()) + (self.weight.nbytes if self.packed is not None else 0)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        """The unpacked GEMM."""
+        """The GEMM without MKL's packs: from the oneDNN pack of a bfloat16 weight (`backend/gemm_pack.py`,
+        made at the first call of enough rows, within the process's budget), else from the weight as it lies."""
+        if x.dtype == torch.bfloat16 and x.shape[0] >= gemm_pack.MIN_ROWS and not self.pack_tried:
+            self.pack_tried = True
+            self.packed = gemm_pack.pack(self.weight, self)
+        if (self.packed is not None and x.dtype == torch.bfloat16 and x.shape[0] >= gemm_pack.MIN_ROWS
+                and gemm_pack.use_packs):
+            return gemm_pack.packed_linear(x, self.packed, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)

@@ -16,7 +16,9 @@ arm once, the arms in a rotated order (the first mover changes from length to le
 - ``exact_seen``: the same length again, rows as they are (all built): what no build costs, the
   bound the rounding can reach;
 - ``helper_pool``: as ``default`` but the C kernels' chunks on the process's helper pool
-  (`EDGESERVE_KERNEL_OPENMP=0`), whose threads sleep between calls.
+  (`EDGESERVE_KERNEL_OPENMP=0`), whose threads sleep between calls;
+- ``plain_weights``: as ``default`` but the GEMMs from the weights as they lie, not from their oneDNN
+  packs (`backend/gemm_pack.py`: oneDNN then reorders each weight on every call).
 
 TTFT = wall time of the steps that prefill the prompt and sample its token. Figures: the median
 TTFT per arm, and per length the time of each other arm over ``default``'s (and ``exact`` over
@@ -41,8 +43,9 @@ from ops.bench.report import write_report
 __all__ = ["add_arguments", "run", "lengths", "ARMS"]
 
 _GRANULE, _OPENMP = "EDGESERVE_GEMM_ROW_GRANULE", "EDGESERVE_KERNEL_OPENMP"
-ARMS = ("default", "exact", "exact_seen", "helper_pool")
-_RATIOS = (("exact", "default"), ("exact_seen", "default"), ("exact", "exact_seen"), ("helper_pool", "default"))
+ARMS = ("default", "exact", "exact_seen", "helper_pool", "plain_weights")
+_RATIOS = (("exact", "default"), ("exact_seen", "default"), ("exact", "exact_seen"), ("helper_pool", "default"),
+           ("plain_weights", "default"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,12 +67,14 @@ def lengths(count: int, low: int, high: int, granule: int, seed: int) -> list[in
     return random.Random(seed).sample(pool, count)
 
 
-def _ttft_ms(engine: Any, n: int, rng: random.Random, granule: int, openmp: bool) -> float:
+def _ttft_ms(engine: Any, n: int, rng: random.Random, granule: int, openmp: bool, packs: bool = True) -> float:
     """Milliseconds from adding a prompt of `n` fresh random ids to its first token, rows rounded to `granule`,
-    the C kernels' chunks on torch's OpenMP pool or not."""
+    the C kernels' chunks on torch's OpenMP pool or not, the GEMMs from the weights' oneDNN packs or not."""
+    from backend import gemm_pack
     from backend.sampling_params import SamplingParams
 
     os.environ[_GRANULE], os.environ[_OPENMP] = str(granule), str(int(openmp))
+    gemm_pack.use_packs = packs
     ids = [rng.randrange(100, 40_000) for _ in range(n)]
     start = time.perf_counter()
     engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -100,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     previous = {name: os.environ.get(name) for name in (_GRANULE, _OPENMP)}
     rng = random.Random(args.seed + 1)
     g = args.granule
-    settings = {"default": (g, True), "exact": (1, True), "helper_pool": (g, False)}
+    settings = {"default": (g, True, True), "exact": (1, True, True), "helper_pool": (g, False, True),
+                "plain_weights": (g, True, False)}
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     try:
         sizes = range(args.min_tokens - args.min_tokens % g + g, args.max_tokens + g, g)
@@ -112,10 +118,13 @@ def run(args: argparse.Namespace) -> int:
             for arm in rotated(list(settings), i):
                 times[arm].append(_ttft_ms(engine, n, rng, *settings[arm]))
                 if arm == "exact":
-                    times["exact_seen"].append(_ttft_ms(engine, n, rng, 1, True))
+                    times["exact_seen"].append(_ttft_ms(engine, n, rng, 1, True, True))
             if (i + 1) % 8 == 0:
                 log(f"  {i + 1}/{count} lengths")
     finally:
+        from backend import gemm_pack
+
+        gemm_pack.use_packs = True
         for name, value in previous.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -38,5 +38,5 @@ def test_bench_prefill_quick_report(smollm2_dir: Path, tmp_path: Path, monkeypat
     assert r["median"] == pytest.approx((a[0] / b[0] + a[1] / b[1]) / 2)
     assert min(a[0] / b[0], a[1] / b[1]) <= r["ci95"][0] <= r["ci95"][1] <= max(a[0] / b[0], a[1] / b[1])
     assert set(report["headline"]) == {"exact_over_default", "exact_seen_over_default", "exact_over_exact_seen",
-                                       "helper_pool_over_default"}
+                                       "helper_pool_over_default", "plain_weights_over_default"}
     assert report["provenance"]["commit"]
