@@ -7,11 +7,12 @@ layer GEMMs (30 layers' own weights) at 208 rows took 37 ms from the plain weigh
 weights packed beforehand (`torch.ops.mkldnn._reorder_linear_weight`, run by
 `torch.ops.mkldnn._linear_pointwise`), 1.25-1.5x from 129 to 300 rows, even from 512 rows up
 (2-core Xeon with AMX, oneDNN 3.12); lone prompts of 130-500 tokens reached their first token
-1.12x sooner. The sums are float32 sums of the same products as the plain GEMM's, rounded once to
+1.12x sooner, of 400-512 as soon, of 900-1,100 (512-row steps) 1.6% later: calls of `MIN_ROWS`
+up to `MAX_ROWS` rows take the pack. The sums are float32 sums of the same products as the plain GEMM's, rounded once to
 bfloat16; oneDNN may block a shape's sums otherwise (seen: one of 24 shapes, one bfloat16 step apart).
 
 A pack is a second copy of the weight (its bytes again; the decode GEMV in C keeps reading the
-plain one), so packing is lazy, at a linear's first GEMM that takes torch's bfloat16 path, and
+plain one), so packing is lazy, at a linear's first GEMM on torch's bfloat16 path that takes it, and
 within a budget for the process: `EDGESERVE_PREFILL_PACK=auto` (default) packs while the packs
 take at most a quarter of the memory available when the first one is made, `1` without a limit,
 `0` never. A linear over the budget keeps the plain GEMM.
@@ -25,7 +26,8 @@ import weakref
 
 import torch
 
-__all__ = ["available", "pack", "packed_linear", "budget_bytes", "packed_bytes", "MIN_ROWS", "use_packs"]
+__all__ = ["available", "pack", "packed_linear", "budget_bytes", "packed_bytes", "takes", "MIN_ROWS", "MAX_ROWS",
+           "use_packs"]
 
 _lock = threading.Lock()
 _budget: int | None = None  # bytes the packs may take, set at the first ask
@@ -34,6 +36,13 @@ _packed = 0  # bytes packed so far in this process
 
 use_packs = True  # process-wide: False runs every linear from its plain weight (`bench prefill` compares both)
 MIN_ROWS = 16  # calls of fewer rows keep the plain GEMM (decode rows where no C GEMV runs: not measured packed)
+MAX_ROWS = 400  # and calls of this many or more: from 400 rows the two measured even, at 1,024-token prompts
+#                 (512-row steps) the packs 1.6% slower in the engine
+
+
+def takes(rows: int) -> bool:
+    """Whether a bfloat16 GEMM of `rows` rows runs from the weight's pack (where it has one)."""
+    return use_packs and MIN_ROWS <= rows < MAX_ROWS
 
 
 def available() -> bool:

@@ -154,12 +154,12 @@ class Linear:
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """The GEMM without MKL's packs: from the oneDNN pack of a bfloat16 weight (`backend/gemm_pack.py`,
         made at the first call of enough rows, within the process's budget), else from the weight as it lies."""
-        if x.dtype == torch.bfloat16 and x.shape[0] >= gemm_pack.MIN_ROWS and not self.pack_tried:
-            self.pack_tried = True
-            self.packed = gemm_pack.pack(self.weight, self)
-        if (self.packed is not None and x.dtype == torch.bfloat16 and x.shape[0] >= gemm_pack.MIN_ROWS
-                and gemm_pack.use_packs):
-            return gemm_pack.packed_linear(x, self.packed, self.bias)
+        if x.dtype == torch.bfloat16 and gemm_pack.takes(x.shape[0]):
+            if not self.pack_tried:
+                self.pack_tried = True
+                self.packed = gemm_pack.pack(self.weight, self)
+            if self.packed is not None:
+                return gemm_pack.packed_linear(x, self.packed, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)

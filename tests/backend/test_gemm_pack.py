@@ -39,6 +39,7 @@ def test_a_linear_packs_at_its_first_large_call_and_computes_the_plain_gemm(fres
     b = torch.randn(96).bfloat16() if bias else None
     lin = Linear(w, b)
     rows = max(lin.gemv_rows + 1, 200)  # past the C GEMV: torch's bfloat16 GEMM
+    assert gemm_pack.takes(rows)
     x = torch.randn(rows, 200).bfloat16()
     assert lin.packed is None
     y = lin(x)
@@ -77,11 +78,13 @@ def test_packing_stops_at_the_budget_and_can_be_turned_off(fresh_budget) -> None
     assert off.packed is None and gemm_pack.budget_bytes() == 0
 
 
-def test_small_calls_and_float32_weights_are_not_packed(fresh_budget) -> None:
+def test_small_and_large_calls_and_float32_weights_are_not_packed(fresh_budget) -> None:
     w = torch.randn(64, 48)
     f32 = Linear(w)
     f32(torch.randn(300, 48))
     assert f32.packed is None
     bf16 = Linear(w.bfloat16())
-    bf16._dense(torch.randn(gemm_pack.MIN_ROWS - 1, 48).bfloat16())
+    for rows in (gemm_pack.MIN_ROWS - 1, gemm_pack.MAX_ROWS):
+        x = torch.randn(rows, 48).bfloat16()
+        assert torch.equal(bf16._dense(x), torch.nn.functional.linear(x, w.bfloat16()))
     assert bf16.packed is None and gemm_pack.packed_bytes() == 0
