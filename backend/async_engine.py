@@ -138,6 +138,7 @@ class AsyncEngine:
         if self._threads:
             torch.set_num_threads(self._threads)
         try:
+            self.engine.model.pack_prompt_weights()  # before the first request, not during it
             while not self._stop.is_set():
                 self.engine.scheduler.wait_for_work(timeout=self._wait_timeout())
                 if self._stop.is_set():

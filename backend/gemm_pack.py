@@ -12,8 +12,10 @@ up to `MAX_ROWS` rows take the pack. The sums are float32 sums of the same produ
 bfloat16; oneDNN may block a shape's sums otherwise (seen: one of 24 shapes, one bfloat16 step apart).
 
 A pack is a second copy of the weight (its bytes again; the decode GEMV in C keeps reading the
-plain one), so packing is lazy, at a linear's first GEMM on torch's bfloat16 path that takes it, and
-within a budget for the process: `EDGESERVE_PREFILL_PACK=auto` (default) packs while the packs
+plain one). A served engine packs its prompt weights when its thread starts
+(`DecoderModel.pack_prompt_weights`: SmolLM2's 202 MB in 0.12 s); otherwise a linear packs at its first
+GEMM on torch's bfloat16 path that takes the pack (the first long prompt then paid ~0.27 s). Within a
+budget for the process: `EDGESERVE_PREFILL_PACK=auto` (default) packs while the packs
 take at most a quarter of the memory available when the first one is made, `1` without a limit,
 `0` never. A linear over the budget keeps the plain GEMM.
 """

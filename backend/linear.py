@@ -151,13 +151,17 @@ class Linear:
         pack's bytes are its numel) and of the oneDNN pack (the weight's bytes again)."""
         return sum(p.numel() for p in self.packs.values()) + (self.weight.nbytes if self.packed is not None else 0)
 
+    def pack_now(self) -> None:
+        """Make the oneDNN pack of a bfloat16 weight now (within the budget), not at the first call that takes it."""
+        if not self.pack_tried:
+            self.pack_tried = True
+            self.packed = gemm_pack.pack(self.weight, self)
+
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """The GEMM without MKL's packs: from the oneDNN pack of a bfloat16 weight (`backend/gemm_pack.py`,
         made at the first call of enough rows, within the process's budget), else from the weight as it lies."""
         if x.dtype == torch.bfloat16 and gemm_pack.takes(x.shape[0]):
-            if not self.pack_tried:
-                self.pack_tried = True
-                self.packed = gemm_pack.pack(self.weight, self)
+            self.pack_now()
             if self.packed is not None:
                 return gemm_pack.packed_linear(x, self.packed, self.bias)
         if self.bias is None:

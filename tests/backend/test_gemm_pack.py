@@ -5,6 +5,7 @@ packing stops at the process's budget and `EDGESERVE_PREFILL_PACK=0` turns it of
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -88,3 +89,24 @@ def test_small_and_large_calls_and_float32_weights_are_not_packed(fresh_budget) 
         x = torch.randn(rows, 48).bfloat16()
         assert torch.equal(bf16._dense(x), torch.nn.functional.linear(x, w.bfloat16()))
     assert bf16.packed is None and gemm_pack.packed_bytes() == 0
+
+
+def test_a_served_engine_packs_its_prompt_weights_before_the_first_request(fresh_budget, tmp_path) -> None:
+    """The async engine's thread packs every bfloat16 prompt linear when it starts; a float32 model packs none."""
+    from backend.async_engine import AsyncEngine
+    from backend.engine import EngineConfig, LLMEngine
+    from tests.backend.tiny_models import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "m", "llama", seed=3)
+    for dtype, packed in (("float32", False), ("bfloat16", True)):
+        engine = LLMEngine.from_pretrained(path, EngineConfig(dtype=dtype, kv_cache_bytes=2**20))
+        served = AsyncEngine(engine)
+        served.start()
+        try:
+            deadline = time.monotonic() + 30
+            linears = [op for layer in engine.model.phase_layers["prefill"] for op in layer.linears()]
+            while packed and not all(op.packed is not None for op in linears) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            served.shutdown()
+        assert all((op.packed is not None) == packed for op in linears), dtype
