@@ -20,9 +20,10 @@ Numerics: identical bytes to `store_kv_ref` (tests compare every byte on fresh r
 inputs, with values across the whole float32 range, zeros, subnormals and ties). Build:
 plain `-O3 -march=native`, no reassociation or fast-math flag (the rounding is exact
 integer work and the amax a max), so what the compiler vectorises cannot change a bit.
-A prompt chunk's tokens are shared out over the C kernels' helper pool (contiguous runs of tokens, the
-same bytes as one thread): SmolLM2's K and V (3 KV heads of 64) from bfloat16, 2 threads, 2-core AMX Xeon
-VM, 2,048 tokens 1.17 -> 0.61 ms, 512 tokens 0.22 -> 0.20 ms (waking the helper costs most of the gain).
+A prompt chunk's tokens are shared out (contiguous runs of tokens, the same bytes as one thread; the
+helper pool or torch's OpenMP pool, `cpu_threads.run_mode`): SmolLM2's K and V (3 KV heads of 64) from
+bfloat16, 2 threads, 2-core AMX Xeon VM, on the helper pool: 2,048 tokens 1.17 -> 0.61 ms, 512 tokens 0.22 ->
+0.20 ms (waking the helper costs most of the gain).
 Where the kernel cannot be built, or the tensors are not laid out as it reads them,
 `store_kv_fp8_cpu` returns False and the caller takes the torch path.
 """

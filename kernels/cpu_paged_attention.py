@@ -65,9 +65,10 @@ let the compiler vectorise float sums (`-fassociative-math -fno-signed-zeros
 -fno-trapping-math`, not `-ffast-math`: no flush-to-zero), cached per source, flags,
 compiler and CPU. Without a C compiler (or when the build fails) `available()` is False,
 the reason is logged once, and the torch path runs.
-Threads: the process's shared helper pool (`kernels/cpu/pool.c`, also the bf16 GEMV's), which
-claims (sequence, KV head) pairs one at a time, `cpu_threads.kernel_threads()` threads when the
-step's context is large enough to pay for waking them. A thread started per call (before) cost
+Threads: the process's shared helper pool (`kernels/cpu/pool.c`, also the bf16 GEMV's), or torch's OpenMP
+pool in steps whose GEMMs run on torch's threads (`cpu_threads.run_mode`); either claims (sequence, KV
+head) pairs one at a time, `cpu_threads.kernel_threads()` threads when the step's context is large enough
+to pay for waking them. A thread started per call (before) cost
 more than it saved: at 32 sequences of 150 tokens (SmolLM2's shape, bf16 pages, 2-core AMD EPYC
 VM) a call took 297 µs at 2 threads against 335 at one; with the pool and the AVX-512 loop, 117.
 """

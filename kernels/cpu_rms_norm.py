@@ -9,8 +9,8 @@ rounding) and returns None where it cannot run (no C compiler, not bfloat16, not
 not on the CPU, a weight that is not one row), so the caller keeps its torch path.
 `add_rms_norm_bf16` first adds a layer's residual branch into the rows in place (rounded as
 torch's bfloat16 add rounds it), so a decoder layer's `h += branch; x = norm(h)` is one call.
-Rows of a large call (a prompt chunk's) are shared out over the C kernels' helper pool in
-contiguous runs (`pool_rows` in `kernels/cpu/pool.h`); a row's arithmetic does not change.
+Rows of a large call (a prompt chunk's) are shared out in contiguous runs (`pool_rows` in `kernels/cpu/pool.h`),
+on the C kernels' helper pool or torch's OpenMP pool (`cpu_threads.run_mode`); a row's arithmetic does not change.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ key heads, multiply by the per-token rotations, narrow to bfloat16, three passes
 The kernel does the same arithmetic in one pass (its header gives the rounding and the measured cost) and
 returns None where it cannot run (no C compiler, not bfloat16 heads on the CPU, heads not contiguous within a
 token), so the caller keeps its torch path.
-Rows of a large call (a prompt chunk's) are shared out over the C kernels' helper pool in
-contiguous runs (`pool_rows` in `kernels/cpu/pool.h`); a row's arithmetic does not change.
+Rows of a large call (a prompt chunk's) are shared out in contiguous runs (`pool_rows` in `kernels/cpu/pool.h`),
+on the C kernels' helper pool or torch's OpenMP pool (`cpu_threads.run_mode`); a row's arithmetic does not change.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ already applied). The probabilities are those of softmax(x / T) up to float32 ro
 of 32 tokens (their sums are added in double; see the C file). torch's path for 32 rows of 49,152
 (float32 copy, division, softmax, a float64 running sum, searchsorted) took ~20 ms on a 2-core AMD EPYC
 VM; its top-p sorts the whole row (~80 ms more), the kernel one narrow bucket of it.
-Rows are shared out over the C kernels' helper pool (`pool_rows` in `kernels/cpu/pool.h`), a row to a thread;
+Rows are shared out (`pool_rows` in `kernels/cpu/pool.h`: the helper pool or torch's OpenMP pool), a row to a thread;
 a row's draw does not depend on which thread makes it.
 None where it cannot run (no C compiler, not a contiguous 2-D float32 or bfloat16 CPU tensor, no
 columns): the caller keeps torch's path.

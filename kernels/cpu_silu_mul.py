@@ -6,8 +6,8 @@ bfloat16. The kernel does the same roundings in one pass (its header gives the a
 its bfloat16 results equal torch's but for the rare element whose float32 silu sits on a
 bfloat16 rounding boundary, one bfloat16 step off then. None where it cannot run (no C
 compiler, not a contiguous 2-D bfloat16 CPU tensor of even width): the caller keeps torch's ops.
-Rows of a large call (a prompt chunk's) are shared out over the C kernels' helper pool in
-contiguous runs (`pool_rows` in `kernels/cpu/pool.h`); a row's arithmetic does not change.
+Rows of a large call (a prompt chunk's) are shared out in contiguous runs (`pool_rows` in `kernels/cpu/pool.h`),
+on the C kernels' helper pool or torch's OpenMP pool (`cpu_threads.run_mode`); a row's arithmetic does not change.
 """
 
 from __future__ import annotations

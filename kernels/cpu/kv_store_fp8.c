@@ -15,7 +15,7 @@
  * stays NaN, 0x7f with its sign). A non-finite amax gets the exponent torch's frexp path gives it
  * (inf: -8, NaN: -9), so even a broken model's cache holds the same bytes on both paths.
  * Returns 0, or -1 (nothing written) when a slot is outside [0, NSLOTS). A prompt chunk's tokens are shared out
- * over the helper pool (`store_kv_fp8_threaded`).
+ * as pool.h's `run_chunks` says (`store_kv_fp8_threaded`).
  */
 #include <math.h>
 #include <stdint.h>
@@ -98,10 +98,10 @@ static void store_tokens(void *ctx, int64_t t0, int64_t t1) {
     }
 }
 
-/* The store of T tokens, its tokens shared out over the helper pool (pool.h's `pool_rows`: contiguous runs, a
- * row's bytes as on one thread) where the call is large enough (a prompt chunk's), else on the caller. The slots of
- * one call are distinct (each token has its own). Returns 0, or -1 (nothing written) when a slot is outside
- * [0, NSLOTS). */
+/* The store of T tokens, its tokens shared out (pool.h's `pool_rows`: contiguous runs, a row's bytes as on
+ * one thread; `linger` the `how` of `run_chunks`) where the call is large enough (a prompt chunk's), else on
+ * the caller. The slots of one call are distinct (each token has its own). Returns 0, or -1 (nothing written)
+ * when a slot is outside [0, NSLOTS). */
 int store_kv_fp8_threaded(const void *k, const void *v, int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
                           int64_t v_stride_h, uint8_t *kc, uint8_t *vc, int8_t *ks, int8_t *vs, const int64_t *slots,
                           int T, int KVH, int HD, int64_t nslots, int bf16, int threads, int linger) {
