@@ -11,9 +11,9 @@ most that many tokens: on a CPU whose bf16 linears run the C GEMV up to
 rate per row, so a new prompt arriving among running decodes is cut to fit (its
 rest goes in the next steps, which also decode); with no decode rows, or too little
 room left for prompts (`MIN_MIXED_PROMPT_TOKENS`), the full budget applies.
-A lone prompt (no other sequence running or waiting) may take the whole budget in one
-chunk: the chunk size exists so that other sequences' tokens do not wait behind a long
-prompt, and there are none (SmolLM2 in bfloat16 on a 2-core AMX Xeon, a 1,024-token
+A lone prompt (no other sequence running, none waiting but on its blocks) may take the whole
+budget in one chunk: the chunk size exists so that other sequences' tokens do not wait behind a
+long prompt, and there are none (SmolLM2 in bfloat16 on a 2-core AMX Xeon, a 1,024-token
 prompt alone: 0.44 s in chunks of 256, 0.34 s in steps of 512). A second arrival puts
 both back on `prefill_chunk_size` chunks from the next step.
 
@@ -27,7 +27,18 @@ Prefix cache (optional, `prefix_cache_pool.py`): admission first shares the
 pages of the prompt's longest cached prefix (whole blocks, at most all but the
 last prompt token, so at least one token is computed and yields logits), and
 allocates only the rest; pages of unreferenced cached blocks are evicted (LRU)
-when the free list is short.
+when the free list is short. A prompt's full blocks enter the cache as its chunks
+complete (`prompt_progress`), not only once the whole prompt is in.
+
+Shared prefixes in flight: a waiting request whose next uncached block is one a
+running prompt is still computing (same hash: same tenant, same tokens up to it)
+is passed over, not admitted, until that prompt's chunks have put the blocks they
+share in the cache; then it is admitted with them as hits. A burst of requests with
+one new system prompt computes the prompt once, not once per request (two at once
+computing the same 1,024 tokens side by side each take the time of both). Requests
+behind a passed-over one are admitted as usual (at most `MAX_PASSED_OVER` are passed
+over a step, which bounds the scan). A running prompt that only such requests wait on
+counts as alone (the whole budget per chunk, below): they wait for it either way.
 
 Disaggregation: a decode worker `reserve`s all of a request's pages before its
 KV is sent (a transfer never lands in a full pool), then `activate`s it once
@@ -73,6 +84,7 @@ log = logging.getLogger(__name__)
 
 
 MIN_MIXED_PROMPT_TOKENS = 32  # below this room for prompts a mixed step is not capped (prompts would crawl)
+MAX_PASSED_OVER = 32  # waiting requests passed over in one step while they wait for a prefix in flight
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,9 @@ class SchedulerConfig:
     # prompt chunks at least MIN_MIXED_PROMPT_TOKENS; the engine sets it where steps up to that size run a
     # faster kernel (the bf16 C GEMV: module docstring)
     mixed_step_tokens: int | None = None
+    # with a prefix cache: a waiting request whose prefix a running prompt is computing waits for its blocks
+    # (module docstring); False computes it side by side (for comparison: `edgeserve bench prefix-burst`)
+    wait_for_shared_prefix: bool = True
 
 
 class ScheduledBatch(NamedTuple):
@@ -282,6 +297,18 @@ class Scheduler:
         with self._lock:
             return [rid for rid, s in self.held.items() if (s.first_token_time or s.arrival_time) < limit]
 
+    def prompt_progress(self, seq: Sequence, computed_before: int) -> None:
+        """Engine thread: a chunk of `seq`'s prompt ran (it had `computed_before` tokens before it);
+        offer the full blocks it completed to the prefix cache, so requests sharing them can start."""
+        if self.prefix_cache is None or not seq.block_hashes:
+            return
+        ps = self.page_size
+        first, end = computed_before // ps, min(seq.num_computed_tokens // ps, len(seq.block_hashes))
+        if end > first:
+            self.prefix_cache.insert_blocks(seq.block_hashes[first:end],
+                                            [seq.prompt_ids[i * ps:(i + 1) * ps] for i in range(first, end)],
+                                            seq.page_ids[first:end])
+
     def prompt_computed(self, seq: Sequence) -> None:
         """Engine thread: `seq`'s whole prompt is in the cache; offer its full blocks to the prefix cache."""
         if self.prefix_cache is not None and seq.block_hashes:
@@ -317,10 +344,14 @@ class Scheduler:
             limit = min(limit, cfg.mixed_step_tokens)
         budget = limit - len(decode)
         chunk = cfg.prefill_chunk_size
+        in_flight = self._blocks_in_flight()
         if not decode:
             with self._lock:
-                if len(self.running) + len(self.waiting) == 1:  # a lone prompt: no one's tokens wait behind it
-                    chunk = limit
+                waiting = list(self.waiting) if len(self.waiting) <= MAX_PASSED_OVER else None
+            # a lone prompt: no one's tokens wait behind it (those waiting for its blocks wait either way)
+            if waiting is not None and len(self.running) + len(waiting) == 1 or (
+                    len(self.running) == 1 and waiting and all(self._waits_for(s, in_flight) for s in waiting)):
+                chunk = limit
         prefill: list[tuple[Sequence, int]] = []
         for s in self.running:
             if budget <= 0:
@@ -329,23 +360,52 @@ class Scheduler:
                 n = min(s.num_prompt_tokens - s.num_computed_tokens, chunk, budget)
                 prefill.append((s, n))
                 budget -= n
+        passed = 0  # waiting requests passed over: they wait for blocks a running prompt is computing
         while budget > 0 and len(self.running) < cfg.max_num_seqs:
-            with self._lock:
-                if not self.waiting:
+            with self._lock:  # other threads only append to `waiting`: index `passed` is still this request
+                if len(self.waiting) <= passed:
                     break
-                seq = self.waiting[0]
+                seq = self.waiting[passed]
+            if self._waits_for(seq, in_flight):
+                passed += 1
+                if passed == MAX_PASSED_OVER:
+                    break
+                continue
             pages = self._admit_pages(seq)
             if pages is None:
                 break
             with self._lock:
-                self.waiting.popleft()
+                del self.waiting[passed]
                 seq.page_ids, seq.page_tags = pages, self.allocator.tags_of(pages)
                 seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if in_flight is not None and seq.block_hashes:
+                in_flight.update(seq.block_hashes[seq.num_computed_tokens // self.page_size:])
             n = min(seq.num_prompt_tokens - seq.num_computed_tokens, chunk, budget)
             prefill.append((seq, n))
             budget -= n
         return ScheduledBatch(decode, prefill, aborted)
+
+    def _blocks_in_flight(self) -> set[bytes] | None:
+        """Hashes of the full prompt blocks running prompts have yet to compute (`prompt_progress` puts each
+        in the prefix cache once computed); None without a prefix cache or anyone waiting."""
+        if self.prefix_cache is None or not self.waiting or not self.config.wait_for_shared_prefix:
+            return None
+        ps = self.page_size
+        out: set[bytes] = set()
+        for s in self.running:
+            if s.is_prefilling and s.block_hashes:
+                out.update(s.block_hashes[s.num_computed_tokens // ps:])
+        return out
+
+    def _waits_for(self, seq: Sequence, in_flight: set[bytes] | None) -> bool:
+        """Whether `seq`'s next block past its cached prefix is one a running prompt is computing (then it
+        is better admitted once that block is cached than computing it side by side)."""
+        if not in_flight or not seq.block_hashes or seq.params.prompt_logprobs is not None:
+            return False
+        limit = (seq.num_prompt_tokens - 1) // self.page_size  # `_admit_pages`'s: one token is always computed
+        cached = self.prefix_cache.leading_cached(seq.block_hashes, limit)  # type: ignore[union-attr]
+        return cached < limit and seq.block_hashes[cached] in in_flight
 
     def _admit_pages(self, seq: Sequence) -> list[int] | None:
         """All pages `seq` needs, cached prefix first (shared), or None (nothing taken) if they do not fit."""

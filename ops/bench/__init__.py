@@ -36,6 +36,7 @@ BENCHES: dict[str, str] = {
     "sass": "ops.bench.sass",
     "tokenize": "ops.bench.tokenize",
     "prefill": "ops.bench.prefill",
+    "prefix-burst": "ops.bench.prefix_burst",
     "all": "ops.bench.all",
 }
 

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.sampling_params import SamplingParams
+from backend.sequence import SequenceStatus
 from prefix_cache.hashing import block_hashes
 from prefix_cache.kv_events import KVEventPublisher, PrefixIndex
 from tests.backend.tiny_models import write_tiny_model
@@ -109,3 +110,95 @@ def test_kv_events_make_the_redis_index_exact(model_dir: Path, redis_url: str) -
         await index.redis.aclose()
 
     asyncio.run(go())
+
+
+# -- a shared prefix still being computed ----------------------------------------------------------------------------
+
+LONG = [(11 * i) % 290 + 5 for i in range(100)]  # 6 full blocks and 4 tokens
+
+
+def make_chunked(model_dir: Path, caching: bool = True, chunk: int = 16, budget: int = 64) -> LLMEngine:
+    return LLMEngine.from_pretrained(model_dir, EngineConfig(
+        kv_cache_bytes=2**20, page_size=16, max_model_len=256, prefix_caching=caching, gemm_buckets=(),
+        prefill_chunk_size=chunk, max_num_batched_tokens=budget))
+
+
+def drain(engine: LLMEngine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def test_blocks_enter_the_cache_as_the_prompts_chunks_complete(model_dir: Path) -> None:
+    engine = make_chunked(model_dir, chunk=16, budget=40)
+    engine.add_request(LONG + [1], GREEDY, cache_salt="t")
+    engine.add_request([9] * 20, GREEDY, cache_salt="t")  # not alone: the long prompt runs in 16-token chunks
+    pool = engine.scheduler.prefix_cache
+    engine.step()
+    assert len(pool) == 1 + 1  # a 16-token chunk of each: their first blocks, before either prompt is done
+    engine.step()
+    assert len(pool) == 2 + 1  # the long prompt's next (the short one's 4 last tokens fill no block)
+    drain(engine)
+    assert len(pool) == 6 + 1
+
+
+def test_a_prefix_in_flight_is_waited_for_not_computed_twice(model_dir: Path) -> None:
+    expected = {tail: run(make(model_dir, False), LONG + [tail])[0] for tail in (1, 2)}
+    engine = make_chunked(model_dir)
+    first = engine.add_request(LONG + [1], GREEDY, cache_salt="t")
+    second = engine.add_request(LONG + [2], GREEDY, cache_salt="t")  # the same 6 blocks, arriving together
+    other = engine.add_request([7] * 30, GREEDY, cache_salt="t")  # behind it, sharing nothing
+    engine.step()
+    assert first.num_computed_tokens == 16  # its first chunk (not alone: others wait)
+    assert second.status is SequenceStatus.WAITING  # passed over: its first block is being computed
+    assert other.status is SequenceStatus.RUNNING  # the request behind it was not held up
+    seen = []  # `first`'s computed tokens at each step's admission while `second` waits, then at its own
+    while second.status is SequenceStatus.WAITING:
+        seen.append(first.num_computed_tokens)
+        engine.step()
+    assert all(n < 96 for n in seen[:-1]) and seen[-1] >= 96  # waits exactly until the 6 shared blocks are in
+    assert second.num_cached_tokens == 96  # then starts from all 6: they were computed once
+    drain(engine)
+    assert first.output_ids == expected[1] and second.output_ids == expected[2]
+    assert engine.allocator.num_free == engine.allocator.num_pages - len(engine.scheduler.prefix_cache)
+
+
+def test_a_prompt_only_others_wait_on_takes_the_whole_budget(model_dir: Path) -> None:
+    engine = make_chunked(model_dir, chunk=16, budget=64)
+    first = engine.add_request(LONG + [1], GREEDY, cache_salt="t")
+    second = engine.add_request(LONG + [2], GREEDY, cache_salt="t")
+    engine.step()
+    assert first.num_computed_tokens == 16 and second.status is SequenceStatus.WAITING
+    engine.step()  # `second` waits for its blocks either way: `first` counts as alone
+    assert first.num_computed_tokens == 16 + 64
+    drain(engine)
+    assert second.num_cached_tokens == 96
+
+
+def test_no_wait_across_tenants_for_scoring_or_without_the_cache(model_dir: Path) -> None:
+    for caching, salt, params in ((True, "u", GREEDY),  # another tenant's hashes differ: nothing to wait for
+                                  (True, "t", SamplingParams(max_tokens=1, prompt_logprobs=0)),  # scoring computes all
+                                  (False, "t", GREEDY)):
+        engine = make_chunked(model_dir, caching=caching)
+        engine.add_request(LONG + [1], GREEDY, cache_salt="t")
+        second = engine.add_request(LONG + [2], params, cache_salt=salt)
+        engine.step()
+        assert second.status is SequenceStatus.RUNNING and second.num_computed_tokens == 16
+        drain(engine)
+        assert second.num_cached_tokens == 0
+
+
+def test_an_aborted_prompt_leaves_its_computed_blocks_to_the_one_waiting(model_dir: Path) -> None:
+    expected = run(make(model_dir, False), LONG + [2])[0]
+    engine = make_chunked(model_dir)
+    first = engine.add_request(LONG + [1], GREEDY, cache_salt="t")
+    second = engine.add_request(LONG + [2], GREEDY, cache_salt="t")
+    engine.step()
+    engine.step()
+    assert second.status is SequenceStatus.WAITING and first.is_prefilling
+    done = first.num_computed_tokens // 16
+    engine.abort(first.request_id)
+    engine.step()
+    assert second.status is SequenceStatus.RUNNING  # nothing in flight to wait for any more
+    drain(engine)
+    assert second.num_cached_tokens == 16 * done and second.output_ids == expected
+    assert engine.allocator.num_free == engine.allocator.num_pages - len(engine.scheduler.prefix_cache)
