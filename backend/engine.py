@@ -219,7 +219,8 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.model.cfg.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise InvalidSamplingParams("stop strings need a tokenizer; this model folder has none", field="stop")
-        seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, self.eos_token_ids, hold_pages=hold)
+        seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, self.eos_token_ids, hold_pages=hold,
+                       tenant=cache_salt or "")
         if params.grammar is not None:
             seq.grammar = self.grammar_compiler().state(params.grammar)
         if self.scheduler.prefix_cache is not None:

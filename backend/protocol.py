@@ -27,7 +27,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     request_id: str | None = None
     model: str | None = None  # checked against the served model when given
-    cache_salt: str | None = None  # prefix-cache namespace, set by the gateway from the tenant (never a client)
+    # the tenant, set by the gateway (never a client): the prefix cache's namespace and admission's share key
+    cache_salt: str | None = None
     prefill_url: str | None = None  # decode role: the prefill worker the router paired it with
     cancel_key: str | None = None  # secret of the caller: /v1/cancel of this request must present it
     stream: bool = True  # False: the caller reads the answer whole; events may be written together

@@ -18,10 +18,18 @@ prompt alone: 0.44 s in chunks of 256, 0.34 s in steps of 512). A second arrival
 both back on `prefill_chunk_size` chunks from the next step.
 
 Admission reserves every page a request may need (prompt + max_tokens) up front,
-first come first served, and stops at the first request that does not fit: the
-pool is never over-committed, so a running request can never run out of pages
-and nothing has to be preempted. A request that could never fit, or arrives to
-a full wait queue, is refused at once with CapacityError.
+and stops at the first request that does not fit: the pool is never over-committed,
+so a running request can never run out of pages and nothing has to be preempted. A
+request that could never fit, or arrives to a full wait queue, is refused at once
+with CapacityError.
+
+Tenants share admission (`fair_tenants`, on): first come first served within a
+tenant, and between tenants the next request is the oldest of the tenant with the
+fewest running sequences (those admitted in the same step counted), so one tenant's
+flood of requests does not queue everyone else's behind it: a request from a
+tenant with nothing running goes first at the next step with room. The tenant is
+the gateway's tenant id (`Sequence.tenant`, from the request's `cache_salt`);
+requests without one are one tenant, first come first served.
 
 Prefix cache (optional, `prefix_cache_pool.py`): admission first shares the
 pages of the prompt's longest cached prefix (whole blocks, at most all but the
@@ -68,8 +76,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -101,6 +109,8 @@ class SchedulerConfig:
     # with a prefix cache: a waiting request whose prefix a running prompt is computing waits for its blocks
     # (module docstring); False computes it side by side (for comparison: `edgeserve bench prefix-burst`)
     wait_for_shared_prefix: bool = True
+    # admission shared between tenants (module docstring); False: first come first served across tenants too
+    fair_tenants: bool = True
 
 
 class ScheduledBatch(NamedTuple):
@@ -361,11 +371,9 @@ class Scheduler:
                 prefill.append((s, n))
                 budget -= n
         passed = 0  # waiting requests passed over: they wait for blocks a running prompt is computing
-        while budget > 0 and len(self.running) < cfg.max_num_seqs:
-            with self._lock:  # other threads only append to `waiting`: index `passed` is still this request
-                if len(self.waiting) <= passed:
-                    break
-                seq = self.waiting[passed]
+        for seq in self._admission_order():
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
             if self._waits_for(seq, in_flight):
                 passed += 1
                 if passed == MAX_PASSED_OVER:
@@ -374,8 +382,8 @@ class Scheduler:
             pages = self._admit_pages(seq)
             if pages is None:
                 break
-            with self._lock:
-                del self.waiting[passed]
+            with self._lock:  # other threads only append to `waiting`
+                self.waiting.remove(seq)
                 seq.page_ids, seq.page_tags = pages, self.allocator.tags_of(pages)
                 seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -385,6 +393,29 @@ class Scheduler:
             prefill.append((seq, n))
             budget -= n
         return ScheduledBatch(decode, prefill, aborted)
+
+    def _admission_order(self) -> Iterator[Sequence]:
+        """The waiting requests in the order admission considers them (those queued now; later arrivals wait for
+        the next step): first come first served within a tenant; between tenants (`fair_tenants`) the oldest
+        request of the tenant with the fewest running sequences, counting each one admitted since (a yielded
+        request found RUNNING on resuming), the earlier arrival on a tie."""
+        with self._lock:
+            waiting = list(self.waiting)
+        if not self.config.fair_tenants or all(s.tenant == waiting[0].tenant for s in waiting):
+            yield from waiting
+            return
+        queues: dict[str, deque[tuple[int, Sequence]]] = defaultdict(deque)
+        for i, s in enumerate(waiting):
+            queues[s.tenant].append((i, s))
+        running = Counter(s.tenant for s in self.running)
+        while queues:
+            tenant = min(queues, key=lambda t: (running[t], queues[t][0][0]))
+            seq = queues[tenant].popleft()[1]
+            if not queues[tenant]:
+                del queues[tenant]
+            yield seq
+            if seq.status is SequenceStatus.RUNNING:
+                running[tenant] += 1
 
     def _blocks_in_flight(self) -> set[bytes] | None:
         """Hashes of the full prompt blocks running prompts have yet to compute (`prompt_progress` puts each

@@ -37,6 +37,7 @@ BENCHES: dict[str, str] = {
     "tokenize": "ops.bench.tokenize",
     "prefill": "ops.bench.prefill",
     "prefix-burst": "ops.bench.prefix_burst",
+    "fairness": "ops.bench.fairness",
     "all": "ops.bench.all",
 }
 

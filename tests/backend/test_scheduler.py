@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,39 @@ def test_stop_token_ids_end_the_request(tiny_dir: Path) -> None:
         e.step()
     assert s.output_ids == probe.output_ids[: first_at + 1]
     assert s.finish_reason == "stop" and s.stop_reason == third
+
+
+def test_a_tenants_flood_does_not_queue_another_tenants_request_behind_it(tiny_dir: Path) -> None:
+    """Admission is first come first served within a tenant, and between tenants the one with the fewest running
+    sequences goes first: a request from a tenant with nothing running takes the next free slot, ahead of a
+    flood that arrived before it. With `fair_tenants` off it waits for the whole flood."""
+    order = {}
+    for fair in (True, False):
+        e = make_engine(tiny_dir, num_pages=64, max_num_seqs=2)
+        e.scheduler.config = dataclasses.replace(e.scheduler.config, fair_tenants=fair)
+        flood = [e.add_request([3 + i] * 10, SamplingParams(max_tokens=3, **GREEDY), cache_salt="flood")
+                 for i in range(6)]
+        light = e.add_request([90] * 10, SamplingParams(max_tokens=3, **GREEDY), cache_salt="light")
+        admitted = []
+        while e.has_work():
+            e.step()
+            admitted += [s for s in (*flood, light) if s.status is not SequenceStatus.WAITING and s not in admitted]
+        order[fair] = [flood.index(s) if s is not light else "light" for s in admitted]
+        assert all(len(s.output_ids) == 3 for s in (*flood, light)) and e.allocator.num_free == 64
+    assert order[True] == [0, "light", 1, 2, 3, 4, 5]  # the second slot: the flood holds one, light none
+    assert order[False] == [0, 1, 2, 3, 4, 5, "light"]
+
+
+def test_between_tenants_the_fewest_running_first_then_the_earlier_arrival(tiny_dir: Path) -> None:
+    e = make_engine(tiny_dir, num_pages=64, max_num_seqs=3)
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    a = [e.add_request([5] * 8, params, cache_salt="a") for _ in range(3)]
+    b = [e.add_request([6] * 8, params, cache_salt="b") for _ in range(2)]
+    c = e.add_request([7] * 8, params, cache_salt="c")
+    e.step()  # all at 0 running: a's oldest (the earliest arrival), then b's and c's (0 running each, in arrival order)
+    assert [s.status is SequenceStatus.RUNNING for s in (*a, *b, c)] == [True, False, False, True, False, True]
+    none = [e.add_request([8] * 8, params) for _ in range(2)]  # requests without a tenant are one tenant ("")
+    assert {s.tenant for s in none} == {""} and a[0].tenant == "a"
+    while e.has_work():
+        e.step()
+    assert all(len(s.output_ids) == 2 for s in (*a, *b, c, *none))

@@ -1,0 +1,149 @@
+"""One tenant's flood of requests and another tenant's few: admission shared between tenants against first come first served.
+
+A worker serves many tenants; when one of them sends a burst far larger than the worker admits at once (a batch
+job, a retry storm), the others' requests queue behind it in a first-come-first-served worker. One engine in
+process (default SmolLM2-135M, `--dtype auto`, `--kv-format auto`, the engine's default limits: 64 running
+sequences, 512 tokens a step): tenant ``flood`` adds `--flood` requests at once, tenant ``light`` one request
+every `--light-gap-ms` from `--light-start-ms`, `--light` in all; every prompt random ids (`--prompt-tokens`),
+`--output-tokens` greedy tokens each. Two arms, the order rotated per round:
+
+- ``fair`` (the scheduler's default): first come first served within a tenant; between tenants the oldest
+  request of the tenant with the fewest running sequences (`backend/scheduler.py`);
+- ``fifo`` (`SchedulerConfig.fair_tenants` False): first come first served across tenants.
+
+Figures per arm (medians over rounds): the light tenant's TTFT p50 and max, the flood's makespan (first arrival
+to its last token) and the output tokens per second of the whole run; ratios fifo / fair for the light tenant's
+TTFT p50 (what sharing buys it) and fair / fifo for the flood's makespan (what it costs the flood), each with a
+95% bootstrap interval (rounds resampled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from ops.bench.harness.progress import log
+from ops.bench.harness.stats import block_bootstrap_ci, rotated
+from ops.bench.report import write_report
+
+__all__ = ["add_arguments", "run", "ARMS"]
+
+ARMS = ("fair", "fifo")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-format", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"])
+    p.add_argument("--flood", type=int, default=96, help="the flood tenant's requests, all at once")
+    p.add_argument("--light", type=int, default=None, help="the light tenant's requests (default 8; quick 4)")
+    p.add_argument("--light-start-ms", type=float, default=50.0)
+    p.add_argument("--light-gap-ms", type=float, default=250.0)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=None, help="rounds (default 5; quick 2)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _round(engine: Any, args: argparse.Namespace, light: int, rng: random.Random) -> dict[str, Any]:
+    """The flood at once, then the light tenant's requests on their schedule; step until every request ends."""
+    from backend.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+    prompt = lambda: [rng.randrange(100, 40_000) for _ in range(args.prompt_tokens)]  # noqa: E731
+    light_due = [(args.light_start_ms + i * args.light_gap_ms) / 1e3 for i in range(light)]
+    start = time.perf_counter()
+    flood = [engine.add_request(prompt(), params, cache_salt="flood") for _ in range(args.flood)]
+    light_seqs: list[tuple[float, Any]] = []
+    first: dict[int, float] = {}
+    ended: dict[int, float] = {}
+    while len(light_seqs) < light or engine.has_work():
+        now = time.perf_counter()
+        while len(light_seqs) < light and now - start >= light_due[len(light_seqs)]:
+            light_seqs.append((now, engine.add_request(prompt(), params, cache_salt="light")))
+        if engine.has_work():
+            engine.step()
+        else:
+            time.sleep(max(0.0, start + light_due[len(light_seqs)] - now))
+        done = time.perf_counter()
+        for s in [*flood, *(s for _, s in light_seqs)]:
+            if s.output_ids and id(s) not in first:
+                first[id(s)] = done
+            if s.finish_reason is not None and id(s) not in ended:
+                ended[id(s)] = done
+    light_ttft = [first[id(s)] - t for t, s in light_seqs]
+    total = time.perf_counter() - start
+    return {"light_ttft_s": light_ttft, "light_ttft_p50_s": statistics.median(light_ttft),
+            "light_ttft_max_s": max(light_ttft), "flood_makespan_s": max(ended[id(s)] for s in flood) - start,
+            "flood_ttft_p50_s": statistics.median(first[id(s)] - start for s in flood),
+            "output_tok_s": (args.flood + light) * args.output_tokens / total, "total_s": total}
+
+
+def _median_ratio(a: list[float], b: list[float]) -> dict[str, Any]:
+    """Median over rounds of a[i] / b[i], with a 95% bootstrap interval (rounds resampled)."""
+    ci = block_bootstrap_ci([(a, b)], lambda x, y: float(np.median(x / y)), block=1)
+    return {"median": statistics.median(x / y for x, y in zip(a, b)), "ci95": list(ci)}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from backend.cpu_features import resolve_dtype, resolve_kv_format
+    from backend.engine import EngineConfig, LLMEngine
+    from ops.pull import resolve_model
+
+    rounds = args.rounds or (2 if args.quick else 5)
+    light = args.light or (4 if args.quick else 8)
+    dtype = resolve_dtype(args.dtype)
+    kv = resolve_kv_format(args.kv_format, dtype)
+    engine = LLMEngine.from_pretrained(resolve_model(args.model), EngineConfig(dtype=dtype, kv_format=kv))
+    configs = {arm: dataclasses.replace(engine.scheduler.config, fair_tenants=arm == "fair") for arm in ARMS}
+    rng = random.Random(args.seed)
+    limits = engine.scheduler.config
+    log(f"fairness: {dtype}, kv {kv}, {torch.get_num_threads()} threads, {limits.max_num_seqs} running at most, "
+        f"{limits.max_num_batched_tokens} tokens a step; flood {args.flood} + light {light} requests of "
+        f"{args.prompt_tokens} + {args.output_tokens} tokens; {len(ARMS)} arms x {rounds} rounds")
+    warm = argparse.Namespace(**{**vars(args), "flood": 8})
+    _round(engine, warm, 1, rng)
+    results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    try:
+        for r in range(rounds):
+            for arm in rotated(list(ARMS), r):
+                engine.scheduler.config = configs[arm]
+                results[arm].append(_round(engine, args, light, rng))
+            log(f"  round {r + 1}/{rounds}")
+    finally:
+        engine.scheduler.config = configs["fair"]
+
+    keys = ("light_ttft_p50_s", "light_ttft_max_s", "flood_ttft_p50_s", "flood_makespan_s", "output_tok_s")
+    medians = {arm: {k: statistics.median(x[k] for x in results[arm]) for k in keys} for arm in ARMS}
+    ratios = {"light_ttft_p50_fifo_over_fair": _median_ratio([x["light_ttft_p50_s"] for x in results["fifo"]],
+                                                             [x["light_ttft_p50_s"] for x in results["fair"]]),
+              "flood_makespan_fair_over_fifo": _median_ratio([x["flood_makespan_s"] for x in results["fair"]],
+                                                             [x["flood_makespan_s"] for x in results["fifo"]]),
+              "output_tok_s_fair_over_fifo": _median_ratio([x["output_tok_s"] for x in results["fair"]],
+                                                           [x["output_tok_s"] for x in results["fifo"]])}
+    print(f"{'arm':<6} {'light TTFT p50 ms':>18} {'light TTFT max ms':>18} {'flood TTFT p50 ms':>18} "
+          f"{'flood makespan s':>17} {'output tok/s':>13}")
+    for arm in ARMS:
+        m = medians[arm]
+        print(f"{arm:<6} {1e3 * m['light_ttft_p50_s']:>18.0f} {1e3 * m['light_ttft_max_s']:>18.0f} "
+              f"{1e3 * m['flood_ttft_p50_s']:>18.0f} {m['flood_makespan_s']:>17.2f} {m['output_tok_s']:>13.0f}")
+    for name, r in ratios.items():
+        print(f"{name:<32} {r['median']:.2f}x  [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]")
+    write_report(args.json_path, {
+        "model": args.model, "dtype": str(dtype).removeprefix("torch."), "kv_format": kv,
+        "threads": torch.get_num_threads(), "max_num_seqs": limits.max_num_seqs,
+        "max_num_batched_tokens": limits.max_num_batched_tokens,
+        "workload": {"flood": args.flood, "light": light, "light_start_ms": args.light_start_ms,
+                     "light_gap_ms": args.light_gap_ms, "prompt_tokens": args.prompt_tokens,
+                     "output_tokens": args.output_tokens},
+        "rounds": rounds, "results": results, "medians": medians, "ratios": ratios,
+        "headline": {name: r["median"] for name, r in ratios.items()}})
+    return 0
