@@ -29,7 +29,11 @@ fewest running sequences (those admitted in the same step counted), so one tenan
 flood of requests does not queue everyone else's behind it: a request from a
 tenant with nothing running goes first at the next step with room. The tenant is
 the gateway's tenant id (`Sequence.tenant`, from the request's `cache_salt`);
-requests without one are one tenant, first come first served.
+requests without one are one tenant, first come first served. Nor does one tenant
+fill the wait queue: a tenant may hold at most `max_waiting - max_waiting // 4` of
+its places (`tenant_waiting_limit`), so the others still find room (192 of 256; a
+request past its share is refused with CapacityError, as past a full queue).
+Requests without a tenant are not limited so.
 
 Prefix cache (optional, `prefix_cache_pool.py`): admission first shares the
 pages of the prompt's longest cached prefix (whole blocks, at most all but the
@@ -179,7 +183,7 @@ class Scheduler:
         """Queue a request, or raise PromptTooLong / CapacityError without queueing it."""
         self.validate(seq)
         with self._lock:
-            self._check_room(0)
+            self._check_room(0, seq.tenant)
             self.waiting.append(seq)
         self._wakeup.set()
 
@@ -188,14 +192,24 @@ class Scheduler:
         will be added later, counting `pending` such requests as already waiting; queue nothing."""
         self.validate(seq)
         with self._lock:
-            self._check_room(pending)
+            self._check_room(pending, seq.tenant)
 
-    def _check_room(self, pending: int) -> None:
-        """Under the lock: refuse when closed or when the wait queue (plus `pending`) is full."""
+    @property
+    def tenant_waiting_limit(self) -> int:
+        """Places of the wait queue one tenant may hold (module docstring)."""
+        return self.config.max_waiting - self.config.max_waiting // 4
+
+    def _check_room(self, pending: int, tenant: str) -> None:
+        """Under the lock: refuse when closed, when the wait queue (plus `pending`) is full, or when `tenant`
+        holds its share of it."""
         self.check_open()
-        if len(self.waiting) + pending >= self.config.max_waiting:
-            raise CapacityError(f"wait queue full ({self.config.max_waiting} requests)",
-                                max_waiting=self.config.max_waiting)
+        cfg = self.config
+        if len(self.waiting) + pending >= cfg.max_waiting:
+            raise CapacityError(f"wait queue full ({cfg.max_waiting} requests)", max_waiting=cfg.max_waiting)
+        limit = self.tenant_waiting_limit
+        if tenant and len(self.waiting) >= limit and sum(s.tenant == tenant for s in self.waiting) >= limit:
+            raise CapacityError(f"this tenant holds {limit} of the wait queue's {cfg.max_waiting} places, its "
+                                "share; retry shortly", max_waiting=cfg.max_waiting, tenant_waiting_limit=limit)
 
     def wake(self) -> None:
         """Wake the engine thread (any thread): something it waits for has happened."""

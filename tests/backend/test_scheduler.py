@@ -201,3 +201,24 @@ def test_between_tenants_the_fewest_running_first_then_the_earlier_arrival(tiny_
     while e.has_work():
         e.step()
     assert all(len(s.output_ids) == 2 for s in (*a, *b, c, *none))
+
+
+def test_one_tenant_may_hold_three_quarters_of_the_wait_queue(tiny_dir: Path) -> None:
+    e = make_engine(tiny_dir, num_pages=64, max_waiting=8, max_num_seqs=1)
+    assert e.scheduler.tenant_waiting_limit == 6
+    params = SamplingParams(max_tokens=1, **GREEDY)
+    for _ in range(6):
+        e.add_request([5] * 8, params, cache_salt="flood")
+    with pytest.raises(CapacityError, match="share") as info:
+        e.add_request([5] * 8, params, cache_salt="flood")
+    assert info.value.http_status == 429 and info.value.details["tenant_waiting_limit"] == 6
+    e.add_request([6] * 8, params, cache_salt="other")  # the others still find room
+    e.add_request([7] * 8, params)  # requests without a tenant are not limited by a share
+    with pytest.raises(CapacityError, match="wait queue full"):
+        e.add_request([6] * 8, params, cache_salt="other")
+    assert e.scheduler.num_waiting == 8
+    e.step()  # one admitted (max_num_seqs 1): the flood's oldest, so it may queue one more
+    e.add_request([5] * 8, params, cache_salt="flood")
+    while e.has_work():
+        e.step()
+    assert e.allocator.num_free == 64
