@@ -25,9 +25,10 @@ with CapacityError.
 
 Tenants share admission (`fair_tenants`, on): first come first served within a
 tenant, and between tenants the next request is the oldest of the tenant with the
-fewest running sequences (those admitted in the same step counted), so one tenant's
-flood of requests does not queue everyone else's behind it: a request from a
-tenant with nothing running goes first at the next step with room. The tenant is
+fewest running sequences (those admitted in the same step counted), of those the one
+admitted least recently (round robin), so one tenant's flood of requests does not
+queue everyone else's behind it: a request from a tenant with nothing running goes
+first at the next step with room, even where the flood has nothing running either. The tenant is
 the gateway's tenant id (`Sequence.tenant`, from the request's `cache_salt`);
 requests without one are one tenant, first come first served. Nor does one tenant
 fill the wait queue: a tenant may hold at most `max_waiting - max_waiting // 4` of
@@ -97,6 +98,7 @@ log = logging.getLogger(__name__)
 
 MIN_MIXED_PROMPT_TOKENS = 32  # below this room for prompts a mixed step is not capped (prompts would crawl)
 MAX_PASSED_OVER = 32  # waiting requests passed over in one step while they wait for a prefix in flight
+MAX_TENANTS_REMEMBERED = 4096  # tenants whose last admission is kept for the round robin (then pruned)
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,8 @@ class Scheduler:
         self._wakeup = threading.Event()
         self._abort_ids: set[str] = set()
         self.cache_stats = {"query_tokens": 0, "hit_tokens": 0}
+        self._admissions = 0  # engine thread: admissions so far, and each tenant's last (`_admission_order`)
+        self._last_admitted: dict[str, int] = {}
         self.closed: EdgeServeError | None = None  # set by `close`: the engine thread stopped
         # engine thread: called with each sequence whose whole prompt is in the cache (after the prefix cache)
         self.prompt_listeners: list[Callable[[Sequence], None]] = []
@@ -412,24 +416,40 @@ class Scheduler:
         """The waiting requests in the order admission considers them (those queued now; later arrivals wait for
         the next step): first come first served within a tenant; between tenants (`fair_tenants`) the oldest
         request of the tenant with the fewest running sequences, counting each one admitted since (a yielded
-        request found RUNNING on resuming), the earlier arrival on a tie."""
+        request found RUNNING on resuming), on a tie the tenant admitted least recently, then the earlier
+        arrival."""
         with self._lock:
             waiting = list(self.waiting)
         if not self.config.fair_tenants or all(s.tenant == waiting[0].tenant for s in waiting):
-            yield from waiting
+            for seq in waiting:
+                yield seq
+                if seq.status is SequenceStatus.RUNNING:
+                    self._admitted(seq.tenant)
             return
         queues: dict[str, deque[tuple[int, Sequence]]] = defaultdict(deque)
         for i, s in enumerate(waiting):
             queues[s.tenant].append((i, s))
         running = Counter(s.tenant for s in self.running)
         while queues:
-            tenant = min(queues, key=lambda t: (running[t], queues[t][0][0]))
+            tenant = min(queues, key=lambda t: (running[t], self._last_admitted.get(t, -1), queues[t][0][0]))
             seq = queues[tenant].popleft()[1]
             if not queues[tenant]:
                 del queues[tenant]
             yield seq
             if seq.status is SequenceStatus.RUNNING:
                 running[tenant] += 1
+                self._admitted(tenant)
+
+    def _admitted(self, tenant: str) -> None:
+        """Note `tenant`'s admission (its turn for the round robin); forget tenants with nothing queued or running
+        once there are many."""
+        self._last_admitted[tenant] = self._admissions
+        self._admissions += 1
+        if len(self._last_admitted) > MAX_TENANTS_REMEMBERED:
+            with self._lock:
+                present = {s.tenant for s in self.waiting}
+            present.update(s.tenant for s in self.running)
+            self._last_admitted = {t: n for t, n in self._last_admitted.items() if t in present}
 
     def _blocks_in_flight(self) -> set[bytes] | None:
         """Hashes of the full prompt blocks running prompts have yet to compute (`prompt_progress` puts each

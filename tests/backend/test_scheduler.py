@@ -222,3 +222,26 @@ def test_one_tenant_may_hold_three_quarters_of_the_wait_queue(tiny_dir: Path) ->
     while e.has_work():
         e.step()
     assert e.allocator.num_free == 64
+
+
+def test_tenants_with_as_many_running_take_turns(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One running slot: whenever it frees, both tenants have nothing running, and the one admitted least
+    recently goes next (round robin), not the one whose oldest request arrived first."""
+    import backend.scheduler as sched
+
+    monkeypatch.setattr(sched, "MAX_TENANTS_REMEMBERED", 3)
+    e = make_engine(tiny_dir, num_pages=64, max_num_seqs=1)
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    a = [e.add_request([5] * 8, params, cache_salt="a") for _ in range(3)]
+    b = [e.add_request([6] * 8, params, cache_salt="b") for _ in range(2)]
+    admitted = []
+    while e.has_work():
+        e.step()
+        admitted += [s for s in (*a, *b) if s.status is not SequenceStatus.WAITING and s not in admitted]
+    assert admitted == [a[0], b[0], a[1], b[1], a[2]]
+    for t in ("c", "d", "e"):  # a fourth tenant remembered: those with nothing queued or running are forgotten
+        e.add_request([7] * 8, params, cache_salt=t)
+        e.step()
+    assert set(e.scheduler._last_admitted) <= {"d", "e"}
+    while e.has_work():
+        e.step()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -173,3 +174,39 @@ def test_health_and_stats(worker) -> None:
     assert 'edgeserve_kv_integrity_aborts_total{cause="tag_mismatch",model="tiny",role="unified"} 0.0' in metrics
     checks = [line for line in metrics.splitlines() if line.startswith("edgeserve_kv_integrity_checks_total")]
     assert checks and float(checks[0].split()[-1]) == engine.stats["integrity_checks"]
+
+
+def test_tenants_share_admission_and_the_wait_queue(worker) -> None:
+    """The gateway's tenant (`cache_salt`) reaches the scheduler: with one running slot, a request of tenant b
+    sent after tenant a's five runs second, not last; and tenant a may hold 6 of the 8 places of the queue."""
+    url, engine = worker
+    before = engine.scheduler.config
+    engine.scheduler.config = dataclasses.replace(before, max_num_seqs=1)
+
+    async def go() -> tuple[list[str], list]:
+        done: list[str] = []
+
+        async def one(name: str, salt: str, n: int) -> list:
+            events = await collect(url, GenerateRequest([5, 6, 7, 8], SamplingParams(max_tokens=n, **GREEDY),
+                                                        cache_salt=salt))
+            done.append(name)
+            return events
+
+        flood = [asyncio.create_task(one(f"a{i}", "a", 40)) for i in range(5)]
+        while engine.scheduler.num_waiting < 4:  # a0 running, a1..a4 queued
+            await asyncio.sleep(0.005)
+        light = asyncio.create_task(one("b", "b", 3))
+        while engine.scheduler.num_waiting < 5:
+            await asyncio.sleep(0.005)
+        more = [asyncio.create_task(one(f"a{i}", "a", 3)) for i in range(5, 8)]  # a holds 6 places: 2 fit
+        return done, await asyncio.gather(*flood, light, *more, return_exceptions=True)
+
+    try:
+        done, results = asyncio.run(go())
+    finally:
+        engine.scheduler.config = before
+    assert done.index("b") == 1  # right after the one running when it came; first come first served: 6th
+    refused = [r for r in results if isinstance(r, BaseException)]  # before any event: a 429
+    assert len(refused) == 1 and isinstance(refused[0], CapacityError) and "share" in refused[0].message
+    assert all(isinstance(r[-1], FinishEvent) for r in results if not isinstance(r, BaseException))
+    wait_idle(engine)
