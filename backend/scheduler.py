@@ -28,13 +28,13 @@ tenant, and between tenants the next request is the oldest of the tenant with th
 fewest running sequences (those admitted in the same step counted), of those the one
 admitted least recently (round robin), so one tenant's flood of requests does not
 queue everyone else's behind it: a request from a tenant with nothing running goes
-first at the next step with room, even where the flood has nothing running either. The tenant is
-the gateway's tenant id (`Sequence.tenant`, from the request's `cache_salt`);
-requests without one are one tenant, first come first served. Nor does one tenant
-fill the wait queue: a tenant may hold at most `max_waiting - max_waiting // 4` of
-its places (`tenant_waiting_limit`), so the others still find room (192 of 256; a
-request past its share is refused with CapacityError, as past a full queue).
-Requests without a tenant are not limited so.
+first at the next step with room, even where the flood has nothing running either.
+The tenant is the gateway's tenant id (`Sequence.tenant`, from the request's
+`cache_salt`); requests without one are one tenant, first come first served. Nor
+does one tenant fill the wait queue: a tenant may hold at most `max_waiting -
+max_waiting // 4` of its places (`tenant_waiting_limit`), so the others still find
+room (192 of 256; a request past its share is refused with CapacityError, as past a
+full queue). Requests without a tenant are not limited so.
 
 Prefix cache (optional, `prefix_cache_pool.py`): admission first shares the
 pages of the prompt's longest cached prefix (whole blocks, at most all but the
@@ -377,8 +377,8 @@ class Scheduler:
             with self._lock:
                 waiting = list(self.waiting) if len(self.waiting) <= MAX_PASSED_OVER else None
             # a lone prompt: no one's tokens wait behind it (those waiting for its blocks wait either way)
-            if waiting is not None and len(self.running) + len(waiting) == 1 or (
-                    len(self.running) == 1 and waiting and all(self._waits_for(s, in_flight) for s in waiting)):
+            if waiting is not None and (len(self.running) + len(waiting) == 1 or (
+                    len(self.running) == 1 and waiting and all(self._waits_for(s, in_flight) for s in waiting))):
                 chunk = limit
         prefill: list[tuple[Sequence, int]] = []
         for s in self.running:

@@ -40,7 +40,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the prompt's full blocks
     hold_pages: bool = False  # keep the pages after finishing (prefill role: they are sent, then released)
-    tenant: str = ""  # who sent it (the gateway's tenant id, which is also its `cache_salt`): admission is shared
+    tenant: str = ""  # who sent it (the gateway's tenant id, also its `cache_salt`): admission is shared by tenant
     direct_deadline: float | None = None  # decode role: a peer may write into the reserved pages until then
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     stop_reason: str | int | None = None  # matched stop string or stop token id

@@ -1,4 +1,4 @@
-"""One tenant's flood of requests and another tenant's few: admission shared between tenants against first come first served.
+"""One tenant's flood and another tenant's few requests: admission shared between tenants against FIFO.
 
 A worker serves many tenants; when one of them sends a burst far larger than the worker admits at once (a batch
 job, a retry storm), the others' requests queue behind it in a first-come-first-served worker. One engine in
