@@ -37,8 +37,10 @@ Where it runs is the router's decision (`router.py`), made in `start`; the clien
 sees it in `x-edgeserve-worker` and `x-edgeserve-route` with workers named by an
 opaque tag (`worker_tag`), never by address; the logs keep the addresses. A worker
 that fails before admitting the request (unreachable, or gone before the HTTP
-200) is retried once on the decision's second candidate; after admission a failure
-ends the stream with an error, since tokens may already have been shown.
+200), or refuses it for capacity (its wait queue full, or the tenant's share of it:
+a 429 from a heartbeat-old view of its load), is retried once on the decision's
+second candidate; after admission a failure ends the stream with an error, since
+tokens may already have been shown.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from typing import NamedTuple
 
 import anyio
 
-from backend.errors import BackendUnavailable, EdgeServeError
+from backend.errors import BackendUnavailable, CapacityError, EdgeServeError
 from backend.protocol import ErrorEvent, Event, FinishEvent, GenerateRequest, Logprobs, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.worker_client import WorkerClient
@@ -289,11 +291,12 @@ class Generation:
                 try:
                     finish_reason, cached = await self._stream_from(client, request)
                     break
-                except BackendUnavailable:
+                except (BackendUnavailable, CapacityError) as exc:
                     if self._accepted.is_set() or attempt == len(candidates) - 1:
                         raise
-                    log.warning("worker %s failed before accepting %s; retrying on the next",
-                                client.base_url, self.request_id)
+                    log.warning("worker %s %s %s; retrying on the next", client.base_url,
+                                "refused for capacity" if isinstance(exc, CapacityError) else "failed before accepting",
+                                self.request_id)
         except asyncio.CancelledError:
             if client is not None and self._accepted.is_set():
                 await client.cancel(self.request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 
@@ -12,10 +13,10 @@ import redis.asyncio as aioredis
 
 from backend.async_engine import AsyncEngine
 from backend.decode_coordinator import DecodeCoordinator
-from backend.errors import BackendUnavailable, NoCapacity
+from backend.errors import BackendUnavailable, CapacityError, NoCapacity
 from backend.kv_transfer import HttpKVTransport
 from backend.prefix_cache_pool import KVEvent
-from backend.registration import Heartbeat, WorkerRecord
+from backend.registration import Heartbeat, WorkerRecord, record_key
 from backend.worker import create_worker_app
 from gateway.app import create_gateway_app
 from gateway.config import GatewayConfig, ModelRoute
@@ -231,6 +232,42 @@ def test_gateway_routes_over_the_registry_retries_before_first_byte_and_drives_a
         assert stats["transfers"] == 1  # the KV came from the routed prefill worker
         wait_pages_free(dec_engine)
         wait_pages_free(pre_engine)
+
+
+async def _forget(redis_url: str, key: str) -> None:
+    r = aioredis.Redis.from_url(redis_url)
+    await r.delete(key)
+    await r.aclose()
+
+
+def test_a_worker_that_refuses_for_capacity_is_retried_on_the_second_candidate(tiny_chat_dir,
+                                                                              redis_url: str) -> None:
+    """A 429 from a worker's full wait queue (its record, a heartbeat old, said idle) is retried once on the
+    decision's second candidate; with no second candidate the client gets the 429, and nothing is metered."""
+    full, spare = tiny_engine(tiny_chat_dir), tiny_engine(tiny_chat_dir)
+    full.scheduler.config = dataclasses.replace(full.scheduler.config, max_waiting=0)  # refuses every request
+    with serve_in_thread(create_worker_app(AsyncEngine(full), MODEL)) as full_url, \
+            serve_in_thread(create_worker_app(AsyncEngine(spare), MODEL)) as spare_url:
+        def worker(wid: str, url: str, running: int) -> WorkerRecord:
+            return WorkerRecord(id=wid, url=url, role="unified", model=MODEL, region="eu", page_size=16,
+                                pages_total=100, pages_free=100, running=running, waiting=0, queued_prefill_tokens=0)
+
+        cfg = GatewayConfig(models=[ModelRoute(MODEL, str(tiny_chat_dir), max_model_len=512)], redis_url=redis_url,
+                            region="eu", routing_policy="least-loaded")
+        account = make_account(redis_url)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        asyncio.run(register(redis_url, worker("full", full_url, 0), worker("spare", spare_url, 2)))
+        with serve_in_thread(create_gateway_app(cfg)) as url:
+            resp = httpx.post(f"{url}/v1/chat/completions", headers=auth(account.token), timeout=60, json=body)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-edgeserve-worker"] == worker_tag("spare")  # "full" looked idler: tried first
+        assert resp.json()["usage"]["completion_tokens"] == 5
+        asyncio.run(_forget(redis_url, record_key(MODEL, "spare")))  # "spare" expired: no second candidate
+        with serve_in_thread(create_gateway_app(cfg)) as url:
+            refused = httpx.post(f"{url}/v1/chat/completions", headers=auth(account.token), timeout=60, json=body)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["edgeserve_code"] == CapacityError.code
+        wait_pages_free(spare)
 
 
 def test_a_warm_worker_whose_pages_hold_evictable_cache_is_not_saturated(redis_url: str) -> None:
