@@ -26,10 +26,8 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
-
 from ops.bench.harness.progress import log
-from ops.bench.harness.stats import block_bootstrap_ci, rotated
+from ops.bench.harness.stats import median_ratio, rotated
 from ops.bench.report import write_report
 
 __all__ = ["add_arguments", "run", "ARMS"]
@@ -85,12 +83,6 @@ def _round(engine: Any, args: argparse.Namespace, light: int, rng: random.Random
             "output_tok_s": (args.flood + light) * args.output_tokens / total, "total_s": total}
 
 
-def _median_ratio(a: list[float], b: list[float]) -> dict[str, Any]:
-    """Median over rounds of a[i] / b[i], with a 95% bootstrap interval (rounds resampled)."""
-    ci = block_bootstrap_ci([(a, b)], lambda x, y: float(np.median(x / y)), block=1)
-    return {"median": statistics.median(x / y for x, y in zip(a, b)), "ci95": list(ci)}
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -123,11 +115,11 @@ def run(args: argparse.Namespace) -> int:
 
     keys = ("light_ttft_p50_s", "light_ttft_max_s", "flood_ttft_p50_s", "flood_makespan_s", "output_tok_s")
     medians = {arm: {k: statistics.median(x[k] for x in results[arm]) for k in keys} for arm in ARMS}
-    ratios = {"light_ttft_p50_fifo_over_fair": _median_ratio([x["light_ttft_p50_s"] for x in results["fifo"]],
+    ratios = {"light_ttft_p50_fifo_over_fair": median_ratio([x["light_ttft_p50_s"] for x in results["fifo"]],
                                                              [x["light_ttft_p50_s"] for x in results["fair"]]),
-              "flood_makespan_fair_over_fifo": _median_ratio([x["flood_makespan_s"] for x in results["fair"]],
+              "flood_makespan_fair_over_fifo": median_ratio([x["flood_makespan_s"] for x in results["fair"]],
                                                              [x["flood_makespan_s"] for x in results["fifo"]]),
-              "output_tok_s_fair_over_fifo": _median_ratio([x["output_tok_s"] for x in results["fair"]],
+              "output_tok_s_fair_over_fifo": median_ratio([x["output_tok_s"] for x in results["fair"]],
                                                            [x["output_tok_s"] for x in results["fifo"]])}
     print(f"{'arm':<6} {'light TTFT p50 ms':>18} {'light TTFT max ms':>18} {'flood TTFT p50 ms':>18} "
           f"{'flood makespan s':>17} {'output tok/s':>13}")

@@ -34,10 +34,8 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
-
 from ops.bench.harness.progress import log
-from ops.bench.harness.stats import block_bootstrap_ci, rotated
+from ops.bench.harness.stats import median_ratio, rotated
 from ops.bench.report import write_report
 
 __all__ = ["add_arguments", "run", "lengths", "ARMS"]
@@ -83,12 +81,6 @@ def _ttft_ms(engine: Any, n: int, rng: random.Random, granule: int, openmp: bool
     return (time.perf_counter() - start) * 1e3
 
 
-def _median_ratio(a: list[float], b: list[float]) -> dict[str, Any]:
-    """Median over lengths of a[i] / b[i], with a 95% bootstrap interval (lengths resampled)."""
-    ci = block_bootstrap_ci([(a, b)], lambda x, y: float(np.median(x / y)), block=1)
-    return {"median": statistics.median(x / y for x, y in zip(a, b)), "ci95": list(ci)}
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -132,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                 os.environ[name] = value
 
     medians = {arm: statistics.median(v) for arm, v in times.items()}
-    ratios = {f"{a}_over_{b}": _median_ratio(times[a], times[b]) for a, b in _RATIOS}
+    ratios = {f"{a}_over_{b}": median_ratio(times[a], times[b]) for a, b in _RATIOS}
     print(f"{'arm':<12} {'median TTFT ms':>15}")
     for arm in ARMS:
         print(f"{arm:<12} {medians[arm]:>15.1f}")

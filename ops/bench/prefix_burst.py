@@ -25,10 +25,8 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
-
 from ops.bench.harness.progress import log
-from ops.bench.harness.stats import block_bootstrap_ci, rotated
+from ops.bench.harness.stats import median_ratio, rotated
 from ops.bench.report import write_report
 
 __all__ = ["add_arguments", "run", "ARMS"]
@@ -81,12 +79,6 @@ def _burst(engine: Any, k: int, gap_s: float, prefix: int, own: int, rng: random
             "cached_tokens": sum(s.num_cached_tokens for s in seqs)}
 
 
-def _median_ratio(a: list[float], b: list[float]) -> dict[str, Any]:
-    """Median over rounds of a[i] / b[i], with a 95% bootstrap interval (rounds resampled)."""
-    ci = block_bootstrap_ci([(a, b)], lambda x, y: float(np.median(x / y)), block=1)
-    return {"median": statistics.median(x / y for x, y in zip(a, b)), "ci95": list(ci)}
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -133,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:<9} {arm:<13} {row[arm]['ttft_p50_ms']:>12.0f} {row[arm]['makespan_ms']:>12.0f} "
                   f"{row[arm]['computed_tokens']:>13.0f}")
         for key in ("ttft_p50_s", "makespan_s"):
-            row[f"{key.removesuffix('_s')}_side_by_side_over_wait"] = _median_ratio(
+            row[f"{key.removesuffix('_s')}_side_by_side_over_wait"] = median_ratio(
                 [b[key] for b in by_arm["side_by_side"]], [b[key] for b in by_arm["wait"]])
         ttft, span = row["ttft_p50_side_by_side_over_wait"], row["makespan_side_by_side_over_wait"]
         print(f"{'':<9} side_by_side / wait: TTFT p50 {ttft['median']:.2f}x [{ttft['ci95'][0]:.2f}, "

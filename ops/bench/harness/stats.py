@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["percentile", "rotated", "spread", "ratio", "block_bootstrap_ci", "throughput_overhead", "verdict"]
+__all__ = ["percentile", "rotated", "spread", "ratio", "block_bootstrap_ci", "median_ratio", "throughput_overhead",
+           "verdict"]
 
 T = TypeVar("T")
 
@@ -69,6 +70,13 @@ def block_bootstrap_ci(strata: Sequence[tuple[Sequence[float], Sequence[float]]]
                         np.concatenate([b[idx[r]] for _, b, idx in picks])) for r in range(resamples)]
     lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
+
+
+def median_ratio(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
+    """The median of a[i] / b[i] over paired measurements (lengths, rounds), with a 95% bootstrap interval
+    (the pairs resampled): {"median", "ci95": [lo, hi]}."""
+    ci = block_bootstrap_ci([(a, b)], lambda x, y: float(np.median(x / y)), block=1)
+    return {"median": statistics.median(x / y for x, y in zip(a, b)), "ci95": list(ci)}
 
 
 def throughput_overhead(a: np.ndarray, b: np.ndarray) -> float:
