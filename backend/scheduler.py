@@ -372,14 +372,14 @@ class Scheduler:
             limit = min(limit, cfg.mixed_step_tokens)
         budget = limit - len(decode)
         chunk = cfg.prefill_chunk_size
-        in_flight = self._blocks_in_flight()
-        if not decode:
-            with self._lock:
-                waiting = list(self.waiting) if len(self.waiting) <= MAX_PASSED_OVER else None
-            # a lone prompt: no one's tokens wait behind it (those waiting for its blocks wait either way)
-            if waiting is not None and (len(self.running) + len(waiting) == 1 or (
-                    len(self.running) == 1 and waiting and all(self._waits_for(s, in_flight) for s in waiting))):
-                chunk = limit
+        with self._lock:  # the requests this step may admit (later arrivals wait for the next step)
+            waiting = list(self.waiting)
+        in_flight = self._blocks_in_flight(waiting)
+        # a lone prompt: no one's tokens wait behind it (those waiting for its blocks wait either way)
+        if not decode and (len(self.running) + len(waiting) == 1 or (
+                len(self.running) == 1 and 0 < len(waiting) <= MAX_PASSED_OVER
+                and all(self._waits_for(s, in_flight) for s in waiting))):
+            chunk = limit
         prefill: list[tuple[Sequence, int]] = []
         for s in self.running:
             if budget <= 0:
@@ -389,7 +389,7 @@ class Scheduler:
                 prefill.append((s, n))
                 budget -= n
         passed = 0  # waiting requests passed over: they wait for blocks a running prompt is computing
-        for seq in self._admission_order():
+        for seq in self._admission_order(waiting):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
             if self._waits_for(seq, in_flight):
@@ -412,14 +412,11 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(decode, prefill, aborted)
 
-    def _admission_order(self) -> Iterator[Sequence]:
-        """The waiting requests in the order admission considers them (those queued now; later arrivals wait for
-        the next step): first come first served within a tenant; between tenants (`fair_tenants`) the oldest
-        request of the tenant with the fewest running sequences, counting each one admitted since (a yielded
-        request found RUNNING on resuming), on a tie the tenant admitted least recently, then the earlier
-        arrival."""
-        with self._lock:
-            waiting = list(self.waiting)
+    def _admission_order(self, waiting: list[Sequence]) -> Iterator[Sequence]:
+        """`waiting` (in arrival order) in the order admission considers them: first come first served within a
+        tenant; between tenants (`fair_tenants`) the oldest request of the tenant with the fewest running
+        sequences, counting each one admitted since (a yielded request found RUNNING on resuming), on a tie the
+        tenant admitted least recently, then the earlier arrival."""
         if not self.config.fair_tenants or all(s.tenant == waiting[0].tenant for s in waiting):
             for seq in waiting:
                 yield seq
@@ -451,10 +448,10 @@ class Scheduler:
             present.update(s.tenant for s in self.running)
             self._last_admitted = {t: n for t, n in self._last_admitted.items() if t in present}
 
-    def _blocks_in_flight(self) -> set[bytes] | None:
+    def _blocks_in_flight(self, waiting: list[Sequence]) -> set[bytes] | None:
         """Hashes of the full prompt blocks running prompts have yet to compute (`prompt_progress` puts each
-        in the prefix cache once computed); None without a prefix cache or anyone waiting."""
-        if self.prefix_cache is None or not self.waiting or not self.config.wait_for_shared_prefix:
+        in the prefix cache once computed); None without a prefix cache or anyone `waiting`."""
+        if self.prefix_cache is None or not waiting or not self.config.wait_for_shared_prefix:
             return None
         ps = self.page_size
         out: set[bytes] = set()

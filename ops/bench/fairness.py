@@ -26,7 +26,9 @@ import statistics
 import time
 from typing import Any
 
+from ops.bench.harness.engines import add_engine_arguments, in_process_engine
 from ops.bench.harness.progress import log
+from ops.bench.harness.prompts import random_ids
 from ops.bench.harness.stats import median_ratio, rotated
 from ops.bench.report import write_report
 
@@ -36,9 +38,7 @@ ARMS = ("fair", "fifo")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--kv-format", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"])
+    add_engine_arguments(p)
     p.add_argument("--flood", type=int, default=96, help="the flood tenant's requests, all at once")
     p.add_argument("--light", type=int, default=None, help="the light tenant's requests (default 8; quick 4)")
     p.add_argument("--light-start-ms", type=float, default=50.0)
@@ -54,17 +54,17 @@ def _round(engine: Any, args: argparse.Namespace, light: int, rng: random.Random
     from backend.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
-    prompt = lambda: [rng.randrange(100, 40_000) for _ in range(args.prompt_tokens)]  # noqa: E731
     light_due = [(args.light_start_ms + i * args.light_gap_ms) / 1e3 for i in range(light)]
     start = time.perf_counter()
-    flood = [engine.add_request(prompt(), params, cache_salt="flood") for _ in range(args.flood)]
+    prompt = args.prompt_tokens
+    flood = [engine.add_request(random_ids(rng, prompt), params, cache_salt="flood") for _ in range(args.flood)]
     light_seqs: list[tuple[float, Any]] = []
     first: dict[int, float] = {}
     ended: dict[int, float] = {}
     while len(light_seqs) < light or engine.has_work():
         now = time.perf_counter()
         while len(light_seqs) < light and now - start >= light_due[len(light_seqs)]:
-            light_seqs.append((now, engine.add_request(prompt(), params, cache_salt="light")))
+            light_seqs.append((now, engine.add_request(random_ids(rng, prompt), params, cache_salt="light")))
         if engine.has_work():
             engine.step()
         else:
@@ -86,15 +86,9 @@ def _round(engine: Any, args: argparse.Namespace, light: int, rng: random.Random
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from backend.cpu_features import resolve_dtype, resolve_kv_format
-    from backend.engine import EngineConfig, LLMEngine
-    from ops.pull import resolve_model
-
     rounds = args.rounds or (2 if args.quick else 5)
     light = args.light or (4 if args.quick else 8)
-    dtype = resolve_dtype(args.dtype)
-    kv = resolve_kv_format(args.kv_format, dtype)
-    engine = LLMEngine.from_pretrained(resolve_model(args.model), EngineConfig(dtype=dtype, kv_format=kv))
+    engine, dtype, kv = in_process_engine(args)
     configs = {arm: dataclasses.replace(engine.scheduler.config, fair_tenants=arm == "fair") for arm in ARMS}
     rng = random.Random(args.seed)
     limits = engine.scheduler.config

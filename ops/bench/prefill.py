@@ -34,7 +34,9 @@ import statistics
 import time
 from typing import Any
 
+from ops.bench.harness.engines import add_engine_arguments, in_process_engine
 from ops.bench.harness.progress import log
+from ops.bench.harness.prompts import random_ids
 from ops.bench.harness.stats import median_ratio, rotated
 from ops.bench.report import write_report
 
@@ -47,9 +49,7 @@ _RATIOS = (("exact", "default"), ("exact_seen", "default"), ("exact", "exact_see
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--kv-format", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"])
+    add_engine_arguments(p)
     p.add_argument("--prompts", type=int, default=None, help="distinct prompt lengths timed (default 60; quick 16)")
     p.add_argument("--min-tokens", type=int, default=130)
     p.add_argument("--max-tokens", type=int, default=600)
@@ -73,7 +73,7 @@ def _ttft_ms(engine: Any, n: int, rng: random.Random, granule: int, openmp: bool
 
     os.environ[_GRANULE], os.environ[_OPENMP] = str(granule), str(int(openmp))
     gemm_pack.use_packs = packs
-    ids = [rng.randrange(100, 40_000) for _ in range(n)]
+    ids = random_ids(rng, n)
     start = time.perf_counter()
     engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     while engine.has_work():
@@ -84,16 +84,9 @@ def _ttft_ms(engine: Any, n: int, rng: random.Random, granule: int, openmp: bool
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from backend.cpu_features import resolve_dtype, resolve_kv_format
-    from backend.engine import EngineConfig, LLMEngine
-    from ops.pull import resolve_model
-
     count = args.prompts or (16 if args.quick else 60)
     todo = lengths(count, args.min_tokens, args.max_tokens, args.granule, args.seed)
-    dtype = resolve_dtype(args.dtype)
-    kv = resolve_kv_format(args.kv_format, dtype)
-    engine = LLMEngine.from_pretrained(resolve_model(args.model), EngineConfig(
-        dtype=dtype, kv_format=kv, kv_cache_bytes=1 << 29, max_num_seqs=8))
+    engine, dtype, kv = in_process_engine(args, kv_cache_bytes=1 << 29, max_num_seqs=8)
     previous = {name: os.environ.get(name) for name in (_GRANULE, _OPENMP)}
     rng = random.Random(args.seed + 1)
     g = args.granule

@@ -25,7 +25,9 @@ import statistics
 import time
 from typing import Any
 
+from ops.bench.harness.engines import add_engine_arguments, in_process_engine
 from ops.bench.harness.progress import log
+from ops.bench.harness.prompts import random_ids
 from ops.bench.harness.stats import median_ratio, rotated
 from ops.bench.report import write_report
 
@@ -35,9 +37,7 @@ ARMS = ("wait", "side_by_side")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--kv-format", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"])
+    add_engine_arguments(p)
     p.add_argument("--prefix-tokens", type=int, default=1024)
     p.add_argument("--own-tokens", type=int, default=32)
     p.add_argument("--bursts", default="2:0,4:0,8:0,4:50",
@@ -50,9 +50,8 @@ def _burst(engine: Any, k: int, gap_s: float, prefix: int, own: int, rng: random
     """Add k requests sharing a fresh prefix, `gap_s` apart, step until each has its token; their TTFTs."""
     from backend.sampling_params import SamplingParams
 
-    ids = lambda n: [rng.randrange(100, 40_000) for _ in range(n)]  # noqa: E731
-    shared = ids(prefix)
-    prompts = [shared + ids(own) for _ in range(k)]
+    shared = random_ids(rng, prefix)
+    prompts = [shared + random_ids(rng, own) for _ in range(k)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     computed_before = engine.stats["prompt_tokens"]
     start = time.perf_counter()
@@ -82,16 +81,9 @@ def _burst(engine: Any, k: int, gap_s: float, prefix: int, own: int, rng: random
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from backend.cpu_features import resolve_dtype, resolve_kv_format
-    from backend.engine import EngineConfig, LLMEngine
-    from ops.pull import resolve_model
-
     rounds = args.rounds or (2 if args.quick else 5)
     workloads = [(int(k), float(g)) for k, g in (w.split(":") for w in args.bursts.split(","))]
-    dtype = resolve_dtype(args.dtype)
-    kv = resolve_kv_format(args.kv_format, dtype)
-    engine = LLMEngine.from_pretrained(resolve_model(args.model), EngineConfig(
-        dtype=dtype, kv_format=kv, kv_cache_bytes=1 << 29, max_num_seqs=16, prefix_caching=True))
+    engine, dtype, kv = in_process_engine(args, kv_cache_bytes=1 << 29, max_num_seqs=16, prefix_caching=True)
     configs = {"wait": dataclasses.replace(engine.scheduler.config, wait_for_shared_prefix=True),
                "side_by_side": dataclasses.replace(engine.scheduler.config, wait_for_shared_prefix=False)}
     rng = random.Random(args.seed)

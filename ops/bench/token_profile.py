@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from kernels.cpu_decode_layers import TIMED_PARTS
+from ops.bench.harness.engines import add_engine_arguments, in_process_engine
 from ops.bench.harness.progress import log
 from ops.bench.report import write_report
 
@@ -60,9 +61,7 @@ LINEAR_OPS = ("aten::mm", "aten::addmm", "mkl::_mkl_linear", "aten::_weight_int4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--kv-format", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"])
+    add_engine_arguments(p)
     p.add_argument("--decode-weights", default=None, choices=["fp32", "bf16", "fp8", "int4"])
     p.add_argument("--int4-group-size", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1)
@@ -170,21 +169,16 @@ def _decode_steps(engine: Any, steps: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from backend.cpu_features import cpu_flags, resolve_dtype, resolve_kv_format
-    from backend.engine import EngineConfig, LLMEngine
+    from backend.cpu_features import cpu_flags
     from backend.layers.fused_decode import fused_layers
     from ops.bench.harness.machine import measure_machine
-    from ops.pull import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     steps = args.steps or (16 if args.quick else 48)
-    dtype = resolve_dtype(args.dtype)
-    kv = resolve_kv_format(args.kv_format, dtype)
     c = args.concurrency
-    engine = LLMEngine.from_pretrained(resolve_model(args.model), EngineConfig(
-        dtype=dtype, kv_format=kv, kv_cache_bytes=1 << 29, max_num_seqs=max(c, 1),
-        decode_weights=args.decode_weights, int4_group_size=args.int4_group_size))
+    engine, dtype, kv = in_process_engine(args, kv_cache_bytes=1 << 29, max_num_seqs=max(c, 1),
+                                          decode_weights=args.decode_weights, int4_group_size=args.int4_group_size)
     machine = measure_machine(engine.model.dtype)
     decode_bytes = engine.model.weight_bytes
     log(f"token-profile: {dtype}, kv {kv}, decode weights {args.decode_weights or 'as stored'} "

@@ -7,6 +7,7 @@
 - `tenants`: tenants and API keys made straight in Redis for a run;
 - `loops`: in-process engine loops (closed loop, decode-only timing, stepping arms in turn, prefill);
 - `prompts`: the synthetic and chat-templated prompts the engine benchmarks share;
+- `engines`: the in-process engine benchmarks' `--model`, `--dtype`, `--kv-format` and the engine they build;
 - `progress`: progress lines on stderr (the table goes to stdout);
 - `plot`: matplotlib when installed, a PNG beside the JSON.
 
