@@ -193,7 +193,7 @@ def test_tenants_share_admission_and_the_wait_queue(worker) -> None:
             return events
 
         flood = [asyncio.create_task(one(f"a{i}", "a", 40)) for i in range(5)]
-        while engine.scheduler.num_waiting < 4:  # a0 running, a1..a4 queued
+        while not (engine.scheduler.running and engine.scheduler.num_waiting == 4):  # a0 running, a1..a4 queued
             await asyncio.sleep(0.005)
         light = asyncio.create_task(one("b", "b", 3))
         while engine.scheduler.num_waiting < 5:
