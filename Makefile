@@ -18,8 +18,9 @@ HASH    := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 RUNTIME := $(VENV)/.runtime-$(HASH)
 TESTS   := $(VENV)/.tests-$(HASH)
 
-# keep freed tensor memory in the heap (see ops/cli.py: ALLOCATOR_TUNABLES)
-export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296
+# keep freed tensor memory in the heap, in transparent huge pages (see ops/cli.py: ALLOCATOR_TUNABLES)
+MALLOC_KEEP := glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296
+export GLIBC_TUNABLES ?= $(MALLOC_KEEP):glibc.malloc.hugetlb=1
 
 .PHONY: serve test install bench ibverbs
 

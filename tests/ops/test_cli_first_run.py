@@ -127,3 +127,45 @@ def test_chat_takes_gateway_token_and_model_from_the_record(tmp_path: Path, monk
     args = build_parser("chat").parse_args(["chat", "--url", "http://gw:1", "--model", "m"])
     chat._resolve(args)
     assert (args.url, args.token, args.model) == ("http://gw:1", "es_env", "m")
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode (the bracketed word), or "" where there is none to read."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+
+
+def test_an_engine_command_restarts_once_with_the_allocator_tunables(monkeypatch) -> None:
+    from ops import cli
+
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("EDGESERVE_NO_REEXEC", raising=False)
+    monkeypatch.setattr(cli.os, "execve", lambda path, argv, env: calls.append((argv, env)))
+    cli._reexec_with_allocator_tunables(["chat", "hi"])  # a client: not restarted
+    cli._reexec_with_allocator_tunables(["serve", "--help"])
+    assert calls == []
+    cli._reexec_with_allocator_tunables(["serve", "--model", "m"])
+    ((argv, env),) = calls
+    assert argv[1:] == ["-m", "ops.cli", "serve", "--model", "m"] and env["GLIBC_TUNABLES"] == cli.ALLOCATOR_TUNABLES
+    monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])  # the restarted process: not again
+    cli._reexec_with_allocator_tunables(["serve", "--model", "m"])
+    assert len(calls) == 1
+
+
+@pytest.mark.skipif(sys.platform != "linux" or _thp_mode() not in ("madvise", "always"),
+                    reason="no transparent huge pages on this host")
+def test_the_allocator_tunables_put_tensor_memory_in_huge_pages() -> None:
+    """A process started with ALLOCATOR_TUNABLES holds a large tensor it wrote in 2 MiB pages: where the kernel
+    grants them only on request (THP "madvise", as on the development VMs) only glibc's `hugetlb=1` asks."""
+    from ops.cli import ALLOCATOR_TUNABLES
+
+    probe = ("import torch; t = torch.ones(64 << 20, dtype=torch.uint8); "
+             "print(next(l.split()[1] for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120,
+                         env={**os.environ, "GLIBC_TUNABLES": ALLOCATOR_TUNABLES}).stdout
+    assert int(out) >= 2048  # kB: at least one huge page of the 64 MiB (others may not be free to have)
