@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from pathlib import Path
 
 import httpx
 import pytest

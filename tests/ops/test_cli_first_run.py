@@ -1,4 +1,5 @@
-"""The command line as a new user meets it: help, version, services that are not running, the cluster record."""
+"""The command line as a new user meets it: help, version, services that are not running, the cluster record, and
+the allocator settings an engine command restarts itself with."""
 
 from __future__ import annotations
 
@@ -157,8 +158,8 @@ def test_an_engine_command_restarts_once_with_the_allocator_tunables(monkeypatch
     assert len(calls) == 1
 
 
-@pytest.mark.skipif(sys.platform != "linux" or _thp_mode() not in ("madvise", "always"),
-                    reason="no transparent huge pages on this host")
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always") or not Path("/proc/self/smaps_rollup").exists(),
+                    reason="no transparent huge pages (or no smaps_rollup to count them) on this host")
 def test_the_allocator_tunables_put_tensor_memory_in_huge_pages() -> None:
     """A process started with ALLOCATOR_TUNABLES holds a large tensor it wrote in 2 MiB pages: where the kernel
     grants them only on request (THP "madvise", as on the development VMs) only glibc's `hugetlb=1` asks."""
