@@ -545,11 +545,10 @@ class LLMEngine:
         for s, n in batch.prefill:
             s.num_computed_tokens += n
             self.stats["prompt_tokens"] += n
+            self.scheduler.prompt_progress(s, s.num_computed_tokens - n)
             if not s.is_prefilling:
                 sampled_seqs.append(s)
                 self.scheduler.prompt_computed(s)
-            else:
-                self.scheduler.prompt_progress(s, s.num_computed_tokens - n)
         if logits.shape[0] == 0:  # only prompt chunks that neither complete nor score
             return []
         if logits.is_cuda:  # sampling runs on the CPU (per-request CPU generators); [B, vocab] is small

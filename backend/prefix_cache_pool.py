@@ -91,12 +91,6 @@ class PrefixCachePool:
             self.stats["hit_blocks"] += len(pages)
         return pages
 
-    def insert(self, hashes: Sequence[bytes], token_ids: Sequence[int], page_ids: Sequence[int]) -> None:
-        """Cache the full blocks of a computed prompt (blocks already cached are only touched)."""
-        bs = self.block_size
-        self.insert_blocks(hashes, [token_ids[i * bs:(i + 1) * bs] for i in range(len(hashes))],
-                           page_ids[:len(hashes)])
-
     def insert_blocks(self, hashes: Sequence[bytes], block_token_ids: Sequence[Sequence[int]],
                       page_ids: Sequence[int]) -> None:
         """Cache blocks given one by one (hash, its token ids, its page); each page gains the cache's own

@@ -327,7 +327,8 @@ class Scheduler:
 
     def prompt_progress(self, seq: Sequence, computed_before: int) -> None:
         """Engine thread: a chunk of `seq`'s prompt ran (it had `computed_before` tokens before it);
-        offer the full blocks it completed to the prefix cache, so requests sharing them can start."""
+        offer the full blocks it completed to the prefix cache, so requests sharing them can start
+        (the last chunk's too: blocks enter the cache once, as they complete)."""
         if self.prefix_cache is None or not seq.block_hashes:
             return
         ps = self.page_size
@@ -338,9 +339,8 @@ class Scheduler:
                                             seq.page_ids[first:end])
 
     def prompt_computed(self, seq: Sequence) -> None:
-        """Engine thread: `seq`'s whole prompt is in the cache; offer its full blocks to the prefix cache."""
-        if self.prefix_cache is not None and seq.block_hashes:
-            self.prefix_cache.insert(seq.block_hashes, seq.prompt_ids, seq.page_ids)
+        """Engine thread: `seq`'s whole prompt is in the KV cache (its full blocks already offered to the
+        prefix cache, `prompt_progress`); tell the listeners."""
         for listener in self.prompt_listeners:
             listener(seq)
 

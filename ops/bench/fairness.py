@@ -23,10 +23,10 @@ import argparse
 import dataclasses
 import random
 import statistics
-import time
 from typing import Any
 
 from ops.bench.harness.engines import add_engine_arguments, in_process_engine
+from ops.bench.harness.loops import open_loop
 from ops.bench.harness.progress import log
 from ops.bench.harness.prompts import random_ids
 from ops.bench.harness.stats import median_ratio, rotated
@@ -54,32 +54,15 @@ def _round(engine: Any, args: argparse.Namespace, light: int, rng: random.Random
     from backend.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
-    light_due = [(args.light_start_ms + i * args.light_gap_ms) / 1e3 for i in range(light)]
-    start = time.perf_counter()
-    prompt = args.prompt_tokens
-    flood = [engine.add_request(random_ids(rng, prompt), params, cache_salt="flood") for _ in range(args.flood)]
-    light_seqs: list[tuple[float, Any]] = []
-    first: dict[int, float] = {}
-    ended: dict[int, float] = {}
-    while len(light_seqs) < light or engine.has_work():
-        now = time.perf_counter()
-        while len(light_seqs) < light and now - start >= light_due[len(light_seqs)]:
-            light_seqs.append((now, engine.add_request(random_ids(rng, prompt), params, cache_salt="light")))
-        if engine.has_work():
-            engine.step()
-        else:
-            time.sleep(max(0.0, start + light_due[len(light_seqs)] - now))
-        done = time.perf_counter()
-        for s in [*flood, *(s for _, s in light_seqs)]:
-            if s.output_ids and id(s) not in first:
-                first[id(s)] = done
-            if s.finish_reason is not None and id(s) not in ended:
-                ended[id(s)] = done
-    light_ttft = [first[id(s)] - t for t, s in light_seqs]
-    total = time.perf_counter() - start
+    due = [0.0] * args.flood + [(args.light_start_ms + i * args.light_gap_ms) / 1e3 for i in range(light)]
+    run = open_loop(engine, due, lambda i: engine.add_request(
+        random_ids(rng, args.prompt_tokens), params, cache_salt="flood" if i < args.flood else "light"))
+    flood, lights = range(args.flood), range(args.flood, args.flood + light)
+    light_ttft = [run.ttft(i) for i in lights]
+    total = max(run.ended) - run.start
     return {"light_ttft_s": light_ttft, "light_ttft_p50_s": statistics.median(light_ttft),
-            "light_ttft_max_s": max(light_ttft), "flood_makespan_s": max(ended[id(s)] for s in flood) - start,
-            "flood_ttft_p50_s": statistics.median(first[id(s)] - start for s in flood),
+            "light_ttft_max_s": max(light_ttft), "flood_makespan_s": max(run.ended[i] for i in flood) - run.start,
+            "flood_ttft_p50_s": statistics.median(run.first[i] - run.start for i in flood),
             "output_tok_s": (args.flood + light) * args.output_tokens / total, "total_s": total}
 
 

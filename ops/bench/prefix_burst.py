@@ -22,10 +22,10 @@ import argparse
 import dataclasses
 import random
 import statistics
-import time
 from typing import Any
 
 from ops.bench.harness.engines import add_engine_arguments, in_process_engine
+from ops.bench.harness.loops import open_loop
 from ops.bench.harness.progress import log
 from ops.bench.harness.prompts import random_ids
 from ops.bench.harness.stats import median_ratio, rotated
@@ -54,28 +54,11 @@ def _burst(engine: Any, k: int, gap_s: float, prefix: int, own: int, rng: random
     prompts = [shared + random_ids(rng, own) for _ in range(k)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     computed_before = engine.stats["prompt_tokens"]
-    start = time.perf_counter()
-    arrivals: list[float] = []
-    seqs: list[Any] = []
-    ttft: dict[int, float] = {}
-    while len(ttft) < k:
-        now = time.perf_counter()
-        while len(seqs) < k and now >= start + len(seqs) * gap_s:
-            arrivals.append(now)
-            seqs.append(engine.add_request(prompts[len(seqs)], params))
-        if engine.has_work():
-            engine.step()
-        else:
-            time.sleep(max(0.0, start + len(seqs) * gap_s - now))
-        done = time.perf_counter()
-        for i, s in enumerate(seqs):
-            if s.output_ids and i not in ttft:
-                ttft[i] = done - arrivals[i]
-    times = [ttft[i] for i in range(k)]
-    return {"ttft_s": times, "ttft_p50_s": statistics.median(times),
-            "makespan_s": max(arrivals[i] + ttft[i] for i in range(k)) - start,
+    run = open_loop(engine, [i * gap_s for i in range(k)], lambda i: engine.add_request(prompts[i], params))
+    times = [run.ttft(i) for i in range(k)]
+    return {"ttft_s": times, "ttft_p50_s": statistics.median(times), "makespan_s": max(run.first) - run.start,
             "computed_tokens": engine.stats["prompt_tokens"] - computed_before,
-            "cached_tokens": sum(s.num_cached_tokens for s in seqs)}
+            "cached_tokens": sum(s.num_cached_tokens for s in run.seqs)}
 
 
 def run(args: argparse.Namespace) -> int:

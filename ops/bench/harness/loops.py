@@ -6,7 +6,8 @@ weight format, the check on or off) are stepped in turn (`step_in_turn`, the ord
 every round), so a burst of load on this shared machine lands on every arm rather than on
 whichever ran last. `DecodeLoop` also times the decode-only steps (every request already
 has a token), the figure decode throughput is read from. `prefill_tok_s` times one long
-prompt per engine in turn.
+prompt per engine in turn. `open_loop` adds requests on a schedule (arrivals that do not wait
+for answers: a burst, a flood) and steps until every one has ended.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ops.bench.harness.stats import percentile, rotated
 
-__all__ = ["ClosedLoop", "SweepRow", "DecodeLoop", "DecodeRow", "decode_row", "step_in_turn", "prefill_tok_s"]
+__all__ = ["ClosedLoop", "SweepRow", "DecodeLoop", "DecodeRow", "decode_row", "step_in_turn", "prefill_tok_s",
+           "OpenLoopRun", "open_loop"]
 
 
 @dataclass
@@ -175,3 +178,42 @@ def prefill_tok_s(engines: dict[str, Any], prompt: list[int], repeats: int) -> d
                 times[name].append(time.perf_counter() - t0)
         order.reverse()
     return {name: len(prompt) / statistics.median(v) for name, v in times.items()}
+
+
+@dataclass
+class OpenLoopRun:
+    """What `open_loop` saw, per request i in the order added (perf_counter seconds)."""
+
+    start: float
+    arrivals: list[float]  # when request i was added
+    seqs: list[Any]  # its Sequence
+    first: list[float]  # the end of the step that gave it its first token
+    ended: list[float]  # the end of the step that finished it
+
+    def ttft(self, i: int) -> float:
+        return self.first[i] - self.arrivals[i]
+
+
+def open_loop(engine: Any, due_s: Sequence[float], add: Callable[[int], Any]) -> OpenLoopRun:
+    """Add request i (`add(i)` adds it to `engine` and returns its Sequence) once `due_s[i]` seconds (ascending)
+    have passed since the start, stepping `engine` meanwhile (sleeping while it has nothing to do), until every
+    request is added and finished."""
+    n = len(due_s)
+    run = OpenLoopRun(time.perf_counter(), [], [], [0.0] * n, [0.0] * n)
+    has_first, has_ended = [False] * n, [False] * n
+    while len(run.seqs) < n or engine.has_work():
+        now = time.perf_counter()
+        while len(run.seqs) < n and now - run.start >= due_s[len(run.seqs)]:
+            run.arrivals.append(now)
+            run.seqs.append(add(len(run.seqs)))
+        if engine.has_work():
+            engine.step()
+        elif len(run.seqs) < n:
+            time.sleep(max(0.0, run.start + due_s[len(run.seqs)] - now))
+        done = time.perf_counter()
+        for i, s in enumerate(run.seqs):
+            if not has_first[i] and s.output_ids:
+                run.first[i], has_first[i] = done, True
+            if not has_ended[i] and s.finish_reason is not None:
+                run.ended[i], has_ended[i] = done, True
+    return run
