@@ -177,11 +177,22 @@ class MooncakeMaster:
         """What workers pass as --kv-store."""
         return f"{self.host}:{self.port}"
 
-    def start(self) -> str:
-        """Start it (again, on the same port) and wait until it accepts connections; return `address`."""
+    def start(self, attempts: int = 3) -> str:
+        """Start it (again, on the same port) and wait until it accepts connections and is still running a
+        moment later; return `address`. A master that exits while starting (its metrics port, picked free, may be
+        taken before it binds it) is started again with another, up to `attempts` times."""
+        from backend.errors import BackendUnavailable
+
+        for _ in range(attempts):
+            if self._start_once():
+                return self.address
+        raise BackendUnavailable(f"mooncake_master on {self.address} did not start in {self.timeout_s:.0f} s "
+                                 f"({attempts} tries; exit status {self.proc.returncode if self.proc else None}); "
+                                 f"its log ends:\n{log_tail(self.log_path)}")
+
+    def _start_once(self) -> bool:
         import socket
 
-        from backend.errors import BackendUnavailable
         from ops.redis_server import free_port
 
         argv = [mooncake_master_binary(), f"--rpc_port={self.port}", f"--rpc_address={self.host}",
@@ -191,11 +202,12 @@ class MooncakeMaster:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
             with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=0.2):
-                return self.address
+                time.sleep(0.2)  # listening; still there a moment later (not on its way out)?
+                if self.proc.poll() is None:
+                    return True
             time.sleep(0.02)
         self.stop()
-        raise BackendUnavailable(f"mooncake_master on {self.address} did not start in {self.timeout_s:.0f} s; "
-                                 f"its log ends:\n{log_tail(self.log_path)}")
+        return False
 
     def kill(self) -> None:
         """SIGKILL it (a crash) and reap it."""
