@@ -43,14 +43,20 @@ from backend.cpu_features import cpu_flags
 from kernels import cpu_gemv
 from kernels.cpu_build import CKernel
 
-__all__ = ["KERNEL", "MAX_ROWS", "AVX2_MAX_ROWS", "SYMBOL", "address", "available", "build_error", "call_plan",
+__all__ = ["KERNEL", "MAX_ROWS", "AVX2_MAX_ROWS", "PLAIN_MAX_ROWS", "SYMBOL", "address", "available", "build_error", "call_plan",
            "gemv_f32", "max_rows"]
 
 # Rows up to which a caller should take the kernel over torch's float32 GEMM: measured with AVX-512 up to 32
-# (0.75-0.91x torch's time there, the table above); past it unmeasured, so torch's GEMM. The AVX2 copy's tiles are
-# not measured against MKL's packed GEMM on an AVX2 host yet: there, only the bandwidth-bound rows (AVX2_MAX_ROWS).
+# (0.75-0.91x torch's time there, the table above); past it unmeasured, so torch's GEMM. The AVX2 copy, on a
+# 2-core AMD EPYC VM (Zen 3 flags, no AVX-512; `edgeserve bench cpu-kernels --sections linear_f32`, SmolLM2's
+# 121 linears, torch/C time): 1.74x at 1 row, 2.71x at 8, 2.00x at 16, 1.26-1.46x at 32, 1.26x at 48, 1.06x at 64
+# (rounds 0.74-1.12), 0.95x at 128. A step within the limit also runs the fused decode layers, which is worth more
+# than the GEMMs alone there: `bench token-profile --dtype float32` steps of 16 / 32 / 48 / 64 requests took
+# 55 / 97-101 / 142-146 / 184-191 ms with the limit at 64 against 151-168 / 149-158 / 274-287 / 266-290 ms with
+# it at 8 (BENCHMARKS.md). Hence 64 there. The plain C copy (neither) is not measured: the bandwidth-bound rows.
 MAX_ROWS = 32
-AVX2_MAX_ROWS = 8
+AVX2_MAX_ROWS = 64
+PLAIN_MAX_ROWS = 8
 
 SYMBOL = "gemv_f32"  # the C entry point: (x, w, y, M, N, K, threads, chunks) -> 0
 
@@ -69,9 +75,12 @@ build_error = KERNEL.build_error  # why not, or None
 
 
 def max_rows() -> int:
-    """Rows up to which the kernel is the faster path on this CPU (`MAX_ROWS` with AVX-512, the measured range;
-    `AVX2_MAX_ROWS` elsewhere)."""
-    return MAX_ROWS if "avx512f" in cpu_flags() else AVX2_MAX_ROWS
+    """Rows up to which the kernel is the faster path on this CPU: `MAX_ROWS` with AVX-512, `AVX2_MAX_ROWS` with
+    AVX2 and FMA (the ranges measured), `PLAIN_MAX_ROWS` for the plain C copy."""
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        return MAX_ROWS
+    return AVX2_MAX_ROWS if {"avx2", "fma"} <= flags else PLAIN_MAX_ROWS
 
 
 def address() -> int | None:

@@ -13,6 +13,9 @@ only: no weights are read), so the figures the kernels' own comments quote can b
   machine's GEMM bound (torch's best 2048^3 GEMM, measured in the same run, the rate
   `bench engine`'s "% of GEMM bound" uses); the weights' bytes a second and their share of the
   read bandwidth measured in the same run (what bounds a step of one row).
+- **linear_f32**: the same pass over float32 weights (a `--dtype float32` model's): `kernels.cpu_gemv_f32.gemv_f32`
+  against `F.linear` in float32 (MKL), the comparison that sets up to how many rows a float32 step takes the kernel
+  (`cpu_gemv_f32.max_rows`).
 - **int4**: the same pass with INT4 weights (group `--int4-group-size`):
   `kernels.cpu_gemv_int4.gemv_int4` against torch's `_weight_int4pack_mm_for_cpu`.
 - **attention**: decode rows (`--attention-rows` sequences of `--context` keys each, the
@@ -71,7 +74,7 @@ SETTLE_S = 0.05
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model whose config gives the shapes")
-    p.add_argument("--sections", default="linear,int4,attention,prompt,rows")
+    p.add_argument("--sections", default="linear,linear_f32,int4,attention,prompt,rows")
     p.add_argument("--rows", default=None, help="rows (tokens) of a linear call (default 1,8,32,128; quick 1,32)")
     p.add_argument("--attention-rows", type=int, default=32, help="decode sequences of the attention section")
     p.add_argument("--prompt-rows", type=int, default=100, help="rows of the prompt section's chunk")
@@ -128,25 +131,32 @@ def _linear_shapes(cfg: Any) -> list[tuple[int, int]]:
     return layer * cfg.num_layers + [(cfg.vocab_size, h)]
 
 
-def _bench_linear(cfg: Any, rows: list[int], reps: int, machine: dict[str, float]) -> list[dict[str, Any]]:
-    from kernels import cpu_gemv
+def _bench_linear(cfg: Any, rows: list[int], reps: int, machine: dict[str, float],
+                  dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """The linear section (bfloat16 weights, `gemv_bf16`) or, with `dtype` float32, the linear_f32 one
+    (`gemv_f32`, against torch's float32 GEMM)."""
+    from kernels import cpu_gemv, cpu_gemv_f32
 
+    f32 = dtype == torch.float32
+    section, kernel = ("linear_f32", "gemv_f32") if f32 else ("linear", "gemv_bf16")
+    gemv = cpu_gemv_f32.gemv_f32 if f32 else cpu_gemv.gemv_bf16
     shapes = _linear_shapes(cfg)
-    weights = [torch.randn(n, k).mul_(k ** -0.5).bfloat16() for n, k in shapes]
+    weights = [torch.randn(n, k).mul_(k ** -0.5).to(dtype) for n, k in shapes]
     params = sum(n * k for n, k in shapes)
+    size = weights[0].element_size()
     out = []
     for m in rows:
-        xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in shapes}}
-        times = alternate({"c": _in_step(lambda: [cpu_gemv.gemv_bf16(xs[w.shape[1]], w) for w in weights]),
+        xs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in shapes}}
+        times = alternate({"c": _in_step(lambda: [gemv(xs[w.shape[1]], w) for w in weights]),
                            "torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}, reps)
-        row = _row(f"linear_{m}", "linear", "gemv_bf16", f"{m} rows x {len(weights)} linears", times,
+        row = _row(f"{section}_{m}", section, kernel, f"{m} rows x {len(weights)} linears", times,
                    2 * m * params, "GFLOP/s")
-        gb_s = 2 * params / (row["c_ms"] * 1e-3) / 1e9
-        row.update(rows=m, weight_bytes=2 * params, c_weight_gb_s=gb_s,
+        gb_s = size * params / (row["c_ms"] * 1e-3) / 1e9
+        row.update(rows=m, weight_bytes=size * params, c_weight_gb_s=gb_s,
                    pct_of_read_bw=100 * gb_s / machine["read_gb_s"],
                    pct_of_gemm_bound=100 * row["c_rate"] / machine["bound_gemm_gflop_s"])
         out.append(row)
-        log(f"  linear {m} rows: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms")
+        log(f"  {section} {m} rows: C {row['c_ms']:.1f} ms, torch {row['torch_ms']:.1f} ms")
     return out
 
 
@@ -385,10 +395,10 @@ def run(args: argparse.Namespace) -> int:
     machine = measure_machine(torch.bfloat16)
     log(f"cpu-kernels: {args.model}, {torch.get_num_threads()} threads, GEMM bound "
         f"{machine['bound_gemm_gflop_s']:.0f} GFLOP/s, read {machine['read_gb_s']:.1f} GB/s")
-    from kernels import (cpu_argmax, cpu_gemv, cpu_gemv_int4, cpu_paged_attention, cpu_rms_norm, cpu_rope,
-                         cpu_sample, cpu_silu_mul)
+    from kernels import (cpu_argmax, cpu_gemv, cpu_gemv_f32, cpu_gemv_int4, cpu_paged_attention, cpu_rms_norm,
+                         cpu_rope, cpu_sample, cpu_silu_mul)
 
-    needs = {"linear": [cpu_gemv], "int4": [cpu_gemv_int4], "attention": [cpu_paged_attention],
+    needs = {"linear": [cpu_gemv], "linear_f32": [cpu_gemv_f32], "int4": [cpu_gemv_int4], "attention": [cpu_paged_attention],
              "prompt": [cpu_paged_attention], "rows": [cpu_rms_norm, cpu_silu_mul, cpu_rope, cpu_argmax, cpu_sample]}
     results: list[dict[str, Any]] = []
     unavailable: dict[str, str] = {}
@@ -401,6 +411,8 @@ def run(args: argparse.Namespace) -> int:
         log(f"{section} ...")
         if section == "linear":
             results += _bench_linear(cfg, rows, reps, machine)
+        elif section == "linear_f32":
+            results += _bench_linear(cfg, rows, reps, machine, torch.float32)
         elif section == "int4":
             results += _bench_int4(cfg, rows, reps, args.int4_group_size)
         elif section == "attention":

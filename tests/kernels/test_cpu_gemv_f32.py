@@ -20,7 +20,7 @@ from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(not available(), reason=f"float32 GEMV not built for this CPU: {build_error()}")
 
-ROWS = [1, 2, 3, 5, 8, 13, 32]
+ROWS = [1, 2, 3, 5, 8, 13, 32, 64]
 SHAPES = [(576, 960), (577, 1539), (31, 7), (1537, 62), (16, 4), (1, 3), (100, 13)]  # (K, N)
 
 
@@ -146,12 +146,21 @@ def test_other_copies_match_reference(copy: str, m: int, k: int, n: int, threads
     _check(y, x, w, seed)
 
 
+@pytest.mark.parametrize("flags,limit", [({"avx2", "fma", "avx512f"}, 32), ({"avx2", "fma"}, 64), ({"avx2"}, 8),
+                                         ({"sse4_2"}, 8)])
+def test_the_row_limit_follows_the_vector_units(monkeypatch: pytest.MonkeyPatch, flags: set[str], limit: int) -> None:
+    """Each copy's measured range: AVX-512 up to 32 rows, the AVX2 copy up to 64, plain C only where a GEMV is bound
+    by reading the weights (8)."""
+    monkeypatch.setattr(cpu_gemv_f32, "cpu_flags", lambda: frozenset(flags))
+    assert cpu_gemv_f32.max_rows() == limit
+
+
 def test_linear_takes_it_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
     """A float32 `Linear` runs the kernel up to `max_rows()` rows and torch's GEMM past it; both right."""
     from backend.linear import Linear
 
     limit = cpu_gemv_f32.max_rows()
-    assert limit in (cpu_gemv_f32.MAX_ROWS, cpu_gemv_f32.AVX2_MAX_ROWS)
+    assert limit in (cpu_gemv_f32.MAX_ROWS, cpu_gemv_f32.AVX2_MAX_ROWS, cpu_gemv_f32.PLAIN_MAX_ROWS)
     calls: list[int] = []
     kernel = cpu_gemv_f32.gemv_f32
     monkeypatch.setattr(cpu_gemv_f32, "gemv_f32", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))

@@ -30,7 +30,7 @@ def test_alternate_times_each_call_by_its_median_and_rotates_who_goes_first() ->
 
 
 def test_a_run_on_a_tiny_model_times_every_kernel_that_builds(tiny_chat_dir: Path, tmp_path: Path) -> None:
-    from kernels import cpu_gemv, cpu_gemv_int4, cpu_paged_attention, cpu_rms_norm
+    from kernels import cpu_gemv, cpu_gemv_f32, cpu_gemv_int4, cpu_paged_attention, cpu_rms_norm
 
     out = tmp_path / "ck.json"
     p = argparse.ArgumentParser()
@@ -50,7 +50,8 @@ def test_a_run_on_a_tiny_model_times_every_kernel_that_builds(tiny_chat_dir: Pat
         assert lo == hi == pytest.approx(r["torch_over_c"]) and len(r["c_ms_runs"]) == 1
         assert report["headline"][f"torch_over_c.{r['key']}"] == pytest.approx(r["torch_over_c"], abs=1e-3)
     # a section runs where its kernels build, and is reported as unavailable where they do not
-    for section, module in [("linear", cpu_gemv), ("int4", cpu_gemv_int4), ("attention", cpu_paged_attention),
+    for section, module in [("linear", cpu_gemv), ("linear_f32", cpu_gemv_f32), ("int4", cpu_gemv_int4),
+                            ("attention", cpu_paged_attention),
                             ("prompt", cpu_paged_attention), ("rows", cpu_rms_norm)]:
         assert (section in by_section) == module.available()
         assert (section in report["unavailable"]) == (not module.available())
@@ -59,6 +60,10 @@ def test_a_run_on_a_tiny_model_times_every_kernel_that_builds(tiny_chat_dir: Pat
         r = by_section["linear"][0]
         bound = report["bench_machine"]["bound_gemm_gflop_s"]
         assert r["pct_of_gemm_bound"] == pytest.approx(100 * r["c_rate"] / bound)
+    if "linear_f32" in by_section:  # float32 weights: twice the bytes of the bfloat16 pass over the same shapes
+        assert [(r["rows"], r["kernel"]) for r in by_section["linear_f32"]] == [(1, "gemv_f32"), (3, "gemv_f32")]
+        if "linear" in by_section:
+            assert by_section["linear_f32"][0]["weight_bytes"] == 2 * by_section["linear"][0]["weight_bytes"]
     if "attention" in by_section:
         assert [r["format"] for r in by_section["attention"]] == ["bf16", "fp8_e4m3"]
     if "prompt" in by_section:  # a fresh chunk and one after the context's keys, each page format
