@@ -4,7 +4,7 @@
 AVX-512F, or its AVX2 copy (`kernels/cpu/gemv_f32_avx2.h`), or plain C on other CPUs, whichever this host
 builds. Up to 8 rows (6 on AVX2) it streams the weight rows once in memory order, prefetched ahead, every
 weight vector multiplied with all x rows; past that it runs register tiles of 6 x rows by 4 weight rows of FMAs
-(4 x 2 on AVX2) over blocks of weight rows kept in L2 (the C file's header has the layout).
+(6 x 2 on AVX2) over blocks of weight rows kept in L2 (the C file's header has the layout).
 
 Numerics: float32 products and float32 sums (fused multiply-adds), as torch's float32 GEMM; only the summation
 order differs, so a result is within a few float32 ulps of sum |x w| of torch's. Each output comes whole from
@@ -49,13 +49,14 @@ __all__ = ["KERNEL", "MAX_ROWS", "AVX2_MAX_ROWS", "PLAIN_MAX_ROWS", "SYMBOL", "a
 # Rows up to which a caller should take the kernel over torch's float32 GEMM: measured with AVX-512 up to 32
 # (0.75-0.91x torch's time there, the table above); past it unmeasured, so torch's GEMM. The AVX2 copy, on a
 # 2-core AMD EPYC VM (Zen 3 flags, no AVX-512; `edgeserve bench cpu-kernels --sections linear_f32`, SmolLM2's
-# 121 linears, torch/C time): 1.74x at 1 row, 2.71x at 8, 2.00x at 16, 1.26-1.46x at 32, 1.26x at 48, 1.06x at 64
-# (rounds 0.74-1.12), 0.95x at 128. A step within the limit also runs the fused decode layers, which is worth more
-# than the GEMMs alone there: `bench token-profile --dtype float32` steps of 16 / 32 / 48 / 64 requests took
-# 55 / 97-101 / 142-146 / 184-191 ms with the limit at 64 against 151-168 / 149-158 / 274-287 / 266-290 ms with
-# it at 8 (BENCHMARKS.md). Hence 64 there. The plain C copy (neither) is not measured: the bandwidth-bound rows.
+# 121 linears, torch/C time, its 6 x 2 tiles): 1.91x at 1 row, 2.33x at 8, 1.87x at 16, 1.51x at 32, 1.27x at 64,
+# 1.09x at 128. A step within the limit also runs the fused decode layers, which is worth more than the GEMMs
+# alone: there a 100-token prompt's step took 171-186 ms with the limit at 128 against 265-321 at 64, a decode step
+# of 96 requests 211-230 against 325-384, and with the limit at 64 against 8 steps of 16 / 32 / 48 / 64 requests
+# 55 / 97-101 / 142-146 / 184-191 ms against 151-168 / 149-158 / 274-287 / 266-290 (BENCHMARKS.md). The plain C
+# copy (neither) is not measured: only the bandwidth-bound rows.
 MAX_ROWS = 32
-AVX2_MAX_ROWS = 64
+AVX2_MAX_ROWS = 128
 PLAIN_MAX_ROWS = 8
 
 SYMBOL = "gemv_f32"  # the C entry point: (x, w, y, M, N, K, threads, chunks) -> 0
