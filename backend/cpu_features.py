@@ -19,11 +19,14 @@ hosts this project has measured (2 cores each, SmolLM2-135M):
   bfloat16 GEMM is emulated (~1.2 GFLOP/s for a 512^3 GEMM on a 2-core Zen 3 VM, 16 at SmolLM2's shapes).
   But the decode GEMV has an AVX2 copy (`kernels/cpu/gemv_bf16_avx2.h`: bfloat16 weights widened in
   registers, float32 FMAs) that reads half of float32's bytes, and the prompt's GEMMs of >= 128 rows run
-  widened to float32 (`backend/gemm_widen.py`), so bfloat16 weights leave no GEMM on the emulated path. On
-  that VM (`edgeserve bench engine --skip-hf --no-llamacpp --concurrency 1,8,32 --rounds 2 --dtype D`,
-  SmolLM2) bfloat16 ran 39.6 / 96.6 / 104.9 tok/s at 1 / 8 / 32 requests against float32's 8.8 / 24.5 /
-  59.7 (4.5x / 3.9x / 1.8x). -> bfloat16, where that GEMV builds (`bf16_gemv`; without it every bfloat16
-  linear would run the emulated GEMM -> float32).
+  widened to float32 (`backend/gemm_widen.py`), so bfloat16 weights leave no GEMM on the emulated path.
+  float32 has C decode steps of its own there too (`kernels/cpu_gemv_f32.py`, up to 128 rows), and
+  `edgeserve bench token-profile --dtype D --concurrency C` (2026-12-05, SmolLM2, two alternating runs, ms a
+  decode step) read bfloat16 / float32: 11.6-16.5 / 19.8-21.6 at 1 request, 27.2-28.5 / 30.5-34.5 at 8,
+  85.6-91.6 / 89.4-90.2 at 32, 170.5-175.0 / 149.5-152.6 at 64. bfloat16 wins where a step reads its weights
+  (one request: half the bytes) and holds KV pages in half the memory; float32 catches up at 32 requests and
+  leads at 64. -> bfloat16, where that GEMV builds (`bf16_gemv`; without it every bfloat16 linear would run
+  the emulated GEMM -> float32).
 - **AVX-512 without BF16 units** (Intel Skylake to Ice Lake): bfloat16 GEMMs are emulated, 51-64 GFLOP/s
   against 200-240 in float32; the AVX2 GEMV would build there but has not been measured. -> float32.
 - **No AVX2** (older or non-x86 CPUs). -> float32.
