@@ -43,8 +43,8 @@ from backend.cpu_features import cpu_flags
 from kernels import cpu_gemv
 from kernels.cpu_build import CKernel
 
-__all__ = ["KERNEL", "MAX_ROWS", "AVX2_MAX_ROWS", "PLAIN_MAX_ROWS", "SYMBOL", "address", "available", "build_error", "call_plan",
-           "gemv_f32", "max_rows"]
+__all__ = ["KERNEL", "MAX_ROWS", "AVX2_MAX_ROWS", "PLAIN_MAX_ROWS", "SYMBOL", "address", "available", "build_error",
+           "call_plan", "gemv_f32", "max_rows"]
 
 # Rows up to which a caller should take the kernel over torch's float32 GEMM: measured with AVX-512 up to 32
 # (0.75-0.91x torch's time there, the table above); past it unmeasured, so torch's GEMM. The AVX2 copy, on a

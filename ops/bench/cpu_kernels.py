@@ -398,8 +398,9 @@ def run(args: argparse.Namespace) -> int:
     from kernels import (cpu_argmax, cpu_gemv, cpu_gemv_f32, cpu_gemv_int4, cpu_paged_attention, cpu_rms_norm,
                          cpu_rope, cpu_sample, cpu_silu_mul)
 
-    needs = {"linear": [cpu_gemv], "linear_f32": [cpu_gemv_f32], "int4": [cpu_gemv_int4], "attention": [cpu_paged_attention],
-             "prompt": [cpu_paged_attention], "rows": [cpu_rms_norm, cpu_silu_mul, cpu_rope, cpu_argmax, cpu_sample]}
+    needs = {"linear": [cpu_gemv], "linear_f32": [cpu_gemv_f32], "int4": [cpu_gemv_int4],
+             "attention": [cpu_paged_attention], "prompt": [cpu_paged_attention],
+             "rows": [cpu_rms_norm, cpu_silu_mul, cpu_rope, cpu_argmax, cpu_sample]}
     results: list[dict[str, Any]] = []
     unavailable: dict[str, str] = {}
     for section in sections:
