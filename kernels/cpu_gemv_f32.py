@@ -36,10 +36,11 @@ torch's time at one row, which is why a decode step hands torch's threads over t
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
-from backend.cpu_features import cpu_flags
+from backend.cpu_features import cpu_flags, has_avx2_only
 from kernels import cpu_gemv
 from kernels.cpu_build import CKernel
 
@@ -78,10 +79,14 @@ build_error = KERNEL.build_error  # why not, or None
 def max_rows() -> int:
     """Rows up to which the kernel is the faster path on this CPU: `MAX_ROWS` with AVX-512, `AVX2_MAX_ROWS` with
     AVX2 and FMA (the ranges measured), `PLAIN_MAX_ROWS` for the plain C copy."""
-    flags = cpu_flags()
+    return _max_rows_for(cpu_flags())  # per Linear call on the Python layers' path: answered from a cache
+
+
+@functools.lru_cache(maxsize=4)
+def _max_rows_for(flags: frozenset[str]) -> int:
     if "avx512f" in flags:
         return MAX_ROWS
-    return AVX2_MAX_ROWS if {"avx2", "fma"} <= flags else PLAIN_MAX_ROWS
+    return AVX2_MAX_ROWS if has_avx2_only(flags) else PLAIN_MAX_ROWS
 
 
 def address() -> int | None:
