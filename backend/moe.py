@@ -112,17 +112,18 @@ class MoEBlock:
 
     def _gemv_ops(self) -> list[LinearOp] | None:
         """An expert's GEMMs and the shared expert's where a call of a few rows runs the routed experts on the
-        loop (`moe_experts.py`), else None."""
-        if self.experts.default_path(1) != "loop" or not self.experts.ops:
+        loop or the grouped C call (`moe_experts.py`; both run those GEMMs' C GEMVs), else None."""
+        path = self.experts.default_path(1)
+        if not self.experts.ops or not (path == "loop" or (path == "grouped" and self.experts.c_rows)):
             return None
         return [op for op in (*self.experts.ops[0], self.shared_gate_up, self.shared_down) if op is not None]
 
     @property
     def gemv(self) -> bool:
         """Whether a call of a few rows runs every GEMM of the block on a C kernel (as `Linear.gemv` and
-        `Int4Linear.gemv` say of a linear): routed experts whose default path is the loop over C GEMVs (dense
-        bfloat16 or INT4 experts, `moe_experts.py`) and a shared expert on them too. The engine then hands small
-        steps' threads to the C kernels."""
+        `Int4Linear.gemv` say of a linear): routed experts whose default path runs C GEMVs (the loop of INT4
+        experts, the grouped C call of dense ones, `moe_experts.py`) and a shared expert on them too. The engine
+        then hands small steps' threads to the C kernels."""
         ops = self._gemv_ops()
         return ops is not None and all(getattr(op, "gemv", False) for op in ops)
 

@@ -11,21 +11,26 @@ has an empty run and costs nothing on any path. The Triton kernel
 (`kernels/fused_moe.py`) pads the same runs to its BLOCK_M.
 
 **Paths** (chosen per call; `default_path` picks one by what the weights allow):
-- ``grouped`` (CPU, dense weights): two `torch._grouped_mm` calls over all E experts
+- ``grouped`` (CPU, dense weights): every expert in one call. Up to the C GEMV's row limit
+  (`c_rows`: an expert holds at most one slot a token, so a call of that many tokens keeps
+  every expert within it) one C call (`kernels/cpu_moe_experts.py`) runs each hit expert's
+  two GEMVs and its SwiGLU activation, the hit experts shared out between the threads, with
+  torch's threads handed over to it: the default for bfloat16 and float32 experts alike
+  where it builds. Past the limit, two `torch._grouped_mm` calls over all E experts
   with ``offs`` = offsets[1:] as int32 (fp32 and bf16 both accepted), on the transposed
   views of the weights stacked as stored (w13 [E, 2I, H], w2 [E, H, I]), the layout
   transformers' own grouped experts use. It needs every stride a multiple of 16 bytes
   (H and I multiples of 4 in float32, of 8 in bfloat16); other shapes take the loop.
   Dense means fp32/bf16 weights, and FP8 ones, which the CPU dequantises at load into
   the compute dtype (it has no FP8 GEMM). torch's CPU kernel is a loop of GEMMs over
-  the groups. The default for float32 experts.
+  the groups. The default for float32 experts past the C call's limit.
 - ``loop`` (any format): one GEMM pair per hit expert on its contiguous slice of
   the sorted tokens. Dense experts are `Linear`s on slices of the stacks, so an
   expert's rows run the C GEMV (`kernels/cpu_gemv.py`, `kernels/cpu_gemv_f32.py`) up
   to its row limit and MKL past it; INT4 runs one `Int4Linear` per expert (bfloat16
-  activations, see `linear.py`). The default for bfloat16 experts where the C GEMV
-  runs them, up to `LOOP_MAX_TOKENS` tokens a call (grouped past it: a 512-token
-  prompt ran 13% slower on the loop).
+  activations, see `linear.py`). The default for INT4 experts, and for bfloat16 ones past
+  the C call's limit up to `LOOP_MAX_TOKENS` tokens a call (grouped GEMMs past it: a
+  512-token prompt ran 13% slower on the loop).
 - ``fused`` (CUDA): `kernels.fused_moe.fused_moe` on the stacked stored tensors in
   the checkpoint layout (w13 [E, 2I, ...], w2 [E, H, ...]) with their scales.
 
@@ -56,6 +61,7 @@ import torch
 from backend.layers.swiglu import swiglu
 from backend.linear import Linear, LinearOp
 from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, StoredWeight, WeightFormat
+from kernels import cpu_moe_experts
 from kernels.cpu_threads import torch_single_threaded
 
 __all__ = ["ExpertLayout", "sort_by_expert", "RoutedExperts", "PATHS", "grouped_mm_available", "fused_format_name",
@@ -151,6 +157,7 @@ class RoutedExperts:
         self.w2: torch.Tensor | None = None  # CPU dense: [E, H, I]; CUDA fused: [E, H, ...]
         self.fused_args: dict[str, object] = {}  # CUDA: fused_moe's fmt, scales, zeros and group size
         self.ops: list[tuple[LinearOp, LinearOp]] = []  # per-expert (gate_up, down) for the loop path
+        self.c_rows = 0  # tokens up to which the grouped path is one C call (`kernels/cpu_moe_experts.py`); 0: never
         if self.device.type == "cuda" and fused_format_name(fmt) is not None:
             self.w13, self.w2, self.fused_args = fused_moe_args(fmt, gate_up, down)
             self.paths: tuple[str, ...] = ("fused",)
@@ -166,6 +173,8 @@ class RoutedExperts:
             if all(b % 16 == 0 for b in row_bytes) and grouped_mm_available():
                 c_first = self.w13.dtype == torch.bfloat16 and self.ops[0][0].gemv  # measured: module doc
                 self.paths = ("loop", "grouped") if c_first else ("grouped", "loop")
+                if cpu_moe_experts.available(self.w13.dtype):
+                    self.c_rows = cpu_moe_experts.max_rows(self.w13.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -176,9 +185,11 @@ class RoutedExperts:
         return sum(t.numel() * t.element_size() for t in tensors) + sum(a.nbytes + b.nbytes for a, b in ops)
 
     def default_path(self, tokens: int) -> str:
-        """The path to run `tokens` tokens on: fused on CUDA; on the CPU the loop where the dense experts have
-        the C GEMV (up to LOOP_MAX_TOKENS tokens: grouped GEMMs past them), else grouped GEMMs where the weights
-        are dense, else the loop."""
+        """The path to run `tokens` tokens on: fused on CUDA; on the CPU grouped where that is one C call (`c_rows`),
+        else the loop where the dense experts have the C GEMV (up to LOOP_MAX_TOKENS tokens: grouped GEMMs past
+        them), else grouped GEMMs where the weights are dense, else the loop."""
+        if tokens <= self.c_rows:
+            return "grouped"
         if self.paths[0] == "loop" and tokens > LOOP_MAX_TOKENS and "grouped" in self.paths:
             return "grouped"
         return self.paths[0]
@@ -196,13 +207,18 @@ class RoutedExperts:
             return fused_moe(x.contiguous(), self.w13, self.w2, topk_weights, topk_ids, **self.fused_args).float()
         layout = sort_by_expert(topk_ids, self.num_experts, topk_weights)
         xs = x[layout.token_index]  # [T*k, H] tokens gathered in expert order
-        ys = self._grouped(xs, layout.offsets) if path == "grouped" else self._loop(xs, layout.offsets)
+        ys = self._grouped(xs, layout.offsets, x.shape[0]) if path == "grouped" else self._loop(xs, layout.offsets)
         out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)  # [T, H]
         return out.index_add_(0, layout.token_index, ys.float().mul_(layout.slot_weight[:, None]))
 
-    def _grouped(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Unweighted expert outputs [T*k, H] of the sorted slots, by two grouped GEMMs."""
+    def _grouped(self, xs: torch.Tensor, offsets: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Unweighted expert outputs [T*k, H] of the sorted slots: one C call with torch's threads handed over to it
+        where no expert can hold more than `c_rows` rows (it holds at most one slot a token), else two grouped
+        GEMMs."""
         dtype = self.w13.dtype
+        if tokens <= self.c_rows:
+            with torch_single_threaded():
+                return cpu_moe_experts.moe_experts(xs.to(dtype), self.w13, self.w2, offsets)
         offs = offsets[1:].to(torch.int32)  # [E] cumulative slot counts
         h = torch._grouped_mm(xs.to(dtype), self.w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
         return torch._grouped_mm(swiglu(h), self.w2.transpose(1, 2), offs=offs)  # [T*k, H]

@@ -46,8 +46,8 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "available", "build_error", "call_plan", "gemv_bf16", "max_rows", "mixed_step_tokens",
-           "amx_available", "AVX2_MIXED_STEP_TOKENS", "AMX_MIN_ROWS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX", "TILE_MODES",
-           "tile_mode", "measure_tiles"]
+           "tile_code", "amx_available", "AVX2_MIXED_STEP_TOKENS", "AMX_MIN_ROWS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX",
+           "TILE_MODES", "tile_mode", "measure_tiles"]
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,14 @@ def call_plan(m: int, n: int, k: int, threads: int | None = None, tiles: str | N
     decode layers (`cpu_decode_layers`) split alike."""
     threads, chunks = weight_plan(n * k * 2, threads)
     mode = tiles or tile_mode()
-    return threads, chunks, _TILE_CODE[mode] if m > (AMX_MIN_ROWS if mode == "amx" else PER_ROW_MAX) else 0
+    return threads, chunks, tile_code(mode) if m > (AMX_MIN_ROWS if mode == "amx" else PER_ROW_MAX) else 0
+
+
+def tile_code(tiles: str | None = None) -> int:
+    """The C entry's `fma` argument for `tiles` (default: `tile_mode()`) at any row count: the C file takes the
+    tiles only past their own row thresholds (those `call_plan` applies), so a caller that does not know its rows
+    in advance (`cpu_moe_experts`) passes this."""
+    return _TILE_CODE[tiles or tile_mode()]
 
 
 def weight_plan(nbytes: int, threads: int | None = None) -> tuple[int, int]:

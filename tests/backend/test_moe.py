@@ -280,48 +280,76 @@ def test_cuda_block_runs_the_fused_kernel(fmt: WeightFormat) -> None:
     torch.testing.assert_close(gpu(x.cuda()).cpu(), want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
-def test_bf16_experts_run_the_c_gemv_in_the_loop_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dense CPU experts are `Linear` views of the stacked weights (one copy); bfloat16 ones default to the loop
-    where the C GEMV takes them, every expert's call running it with torch's threads handed over, and the output
-    is the grouped path's; float32 ones default to grouped GEMMs."""
-    from kernels import cpu_gemv
+def test_dense_experts_run_one_c_call_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense CPU experts are `Linear` views of the stacked weights (one copy); bfloat16 and float32 ones default to
+    the grouped path, which up to the C GEMV's row limit is one C call with torch's threads handed over, its
+    output the loop's; past it bfloat16 experts take the loop (up to LOOP_MAX_TOKENS) and then grouped GEMMs."""
+    from kernels import cpu_moe_experts
     from kernels.cpu_threads import kernels_own_threads
 
     moe = hf_moe(8, 2, 1, 1, True, 1.0, 0, hidden=64, inter=32)
-    assert our_block(moe).experts.default_path(3) == PATHS[0]  # float32: grouped where torch has it
-    experts = our_block(moe, DenseFormat(torch.bfloat16), torch.bfloat16).experts
-    assert all(a.weight.data_ptr() == experts.w13[e].data_ptr() and b.weight.data_ptr() == experts.w2[e].data_ptr()
-               for e, (a, b) in enumerate(experts.ops))
-    gemv = experts.ops[0][0].gemv
-    assert experts.default_path(3) == ("loop" if gemv else PATHS[0])
-    assert experts.default_path(LOOP_MAX_TOKENS + 1) == PATHS[0]  # a long prompt: grouped GEMMs where they run
-    if not gemv:
-        pytest.skip(f"no bfloat16 C GEMV on this host: {cpu_gemv.build_error()}")
-    calls: list[tuple[int, bool]] = []
-    real = cpu_gemv.gemv_bf16
+    for dtype in (torch.float32, torch.bfloat16):
+        experts = our_block(moe, DenseFormat(dtype), dtype).experts
+        assert all(a.weight.data_ptr() == experts.w13[e].data_ptr()
+                   and b.weight.data_ptr() == experts.w2[e].data_ptr() for e, (a, b) in enumerate(experts.ops))
+        c_rows = cpu_moe_experts.max_rows(dtype) if cpu_moe_experts.available(dtype) and "grouped" in PATHS else 0
+        assert experts.c_rows == c_rows
+        assert experts.default_path(3) == ("grouped" if c_rows else experts.paths[0])
+        past = "loop" if dtype == torch.bfloat16 and experts.ops[0][0].gemv else PATHS[0]
+        assert experts.default_path(max(c_rows, 3) + 1) == past
+        assert experts.default_path(LOOP_MAX_TOKENS + 1) == PATHS[0]  # a long prompt: grouped GEMMs where they run
+        if not c_rows:
+            continue
+        calls: list[bool] = []
+        real = cpu_moe_experts.moe_experts
 
-    def counted(x: torch.Tensor, w: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        calls.append((x.shape[0], kernels_own_threads()))
-        return real(x, w, *args, **kwargs)
+        def counted(*args: object) -> torch.Tensor:
+            calls.append(kernels_own_threads())
+            return real(*args)
 
-    monkeypatch.setattr(cpu_gemv, "gemv_bf16", counted)
-    block = our_block(moe, DenseFormat(torch.bfloat16), torch.bfloat16)
-    x = torch.randn(3, 64).bfloat16()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # a handover needs threads to hand over (an earlier test may have left torch at 1)
-    try:
-        out = block(x)
-    finally:
-        torch.set_num_threads(threads)
-    assert len(calls) >= 4 and all(own for _, own in calls), calls  # >= 2 experts hit, 2 GEMVs each
-    if "grouped" in block.experts.paths:
-        torch.testing.assert_close(out, block(x, path="grouped"), rtol=2e-2, atol=2e-2)
+        monkeypatch.setattr(cpu_moe_experts, "moe_experts", counted)
+        block = our_block(moe, DenseFormat(dtype), dtype)
+        x = torch.randn(3, 64).to(dtype)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)  # a handover needs threads to hand over (an earlier test may have left torch at 1)
+        try:
+            out = block(x)
+        finally:
+            torch.set_num_threads(threads)
+        assert calls == [True]
+        loop = block(x, path="loop")
+        if dtype == torch.bfloat16:  # the same GEMVs and activation: the loop's bits
+            assert torch.equal(out.view(torch.int16), loop.view(torch.int16))
+        else:
+            torch.testing.assert_close(out, loop, rtol=1e-5, atol=1e-6)
+        monkeypatch.undo()
+
+
+def test_past_the_c_calls_rows_grouped_runs_torchs_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call of more tokens than the C call takes runs `torch._grouped_mm` and still matches transformers."""
+    from kernels import cpu_moe_experts
+
+    if "grouped" not in PATHS:
+        pytest.skip("no torch._grouped_mm on the CPU here")
+    moe = hf_moe(8, 2, 1, 1, True, 1.0, 1, hidden=32, inter=16)
+    block = our_block(moe)
+    tokens = block.experts.c_rows + 1
+
+    def refused(*args: object) -> torch.Tensor:
+        raise AssertionError("the C call ran past its rows")
+
+    monkeypatch.setattr(cpu_moe_experts, "moe_experts", refused)
+    x = torch.randn(tokens, 32)
+    with torch.no_grad():
+        ref = moe(x[None])[0]
+    torch.testing.assert_close(block(x, path="grouped"), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_a_block_says_whether_the_c_gemv_runs_all_of_it() -> None:
-    """bfloat16 or INT4 experts on the loop of C GEMVs with a shared expert on them too: the engine may hand a
-    small step's threads over (`gemv`, `gemv_rows`); float32 experts (grouped GEMMs) do not qualify."""
-    from kernels import cpu_gemv
+    """INT4 experts on the loop of C GEMVs, or dense ones on the grouped C call, with a shared expert on C GEMVs
+    too: the engine may hand a small step's threads over (`gemv`, `gemv_rows`); float32 experts qualify only where
+    the C call builds (else grouped GEMMs)."""
+    from kernels import cpu_gemv, cpu_gemv_f32
 
     moe = hf_moe(8, 2, 1, 1, True, 1.0, 1, hidden=64, inter=32)
     for block in (our_block(moe, DenseFormat(torch.bfloat16), torch.bfloat16),
@@ -329,4 +357,5 @@ def test_a_block_says_whether_the_c_gemv_runs_all_of_it() -> None:
         c_kernels = block.experts.ops[0][0].gemv and block.shared_gate_up.gemv
         assert block.gemv == c_kernels and block.gemv_rows == (cpu_gemv.max_rows() if c_kernels else 0)
     fp32 = our_block(moe)
-    assert not fp32.gemv and fp32.gemv_rows == 0
+    c_call = bool(fp32.experts.c_rows) and fp32.shared_gate_up.gemv
+    assert fp32.gemv == c_call and fp32.gemv_rows == (cpu_gemv_f32.max_rows() if c_call else 0)
