@@ -15,8 +15,9 @@ has an empty run and costs nothing on any path. The Triton kernel
   (`c_rows`: an expert holds at most one slot a token, so a call of that many tokens keeps
   every expert within it) one C call (`kernels/cpu_moe_experts.py`) runs each hit expert's
   two GEMVs and its SwiGLU activation, the hit experts shared out between the threads, with
-  torch's threads handed over to it: the default for bfloat16 and float32 experts alike
-  where it builds. Past the limit, two `torch._grouped_mm` calls over all E experts
+  torch's threads handed over to it: the default for bfloat16, float32 and INT4 experts
+  alike where it builds (INT4 experts at every size, on bfloat16 activations, as
+  `Int4Linear` runs them). Past the limit, two `torch._grouped_mm` calls over all E experts
   with ``offs`` = offsets[1:] as int32 (fp32 and bf16 both accepted), on the transposed
   views of the weights stacked as stored (w13 [E, 2I, H], w2 [E, H, I]), the layout
   transformers' own grouped experts use. It needs every stride a multiple of 16 bytes
@@ -28,9 +29,9 @@ has an empty run and costs nothing on any path. The Triton kernel
   the sorted tokens. Dense experts are `Linear`s on slices of the stacks, so an
   expert's rows run the C GEMV (`kernels/cpu_gemv.py`, `kernels/cpu_gemv_f32.py`) up
   to its row limit and MKL past it; INT4 runs one `Int4Linear` per expert (bfloat16
-  activations, see `linear.py`). The default for INT4 experts, and for bfloat16 ones past
-  the C call's limit up to `LOOP_MAX_TOKENS` tokens a call (grouped GEMMs past it: a
-  512-token prompt ran 13% slower on the loop).
+  activations, see `linear.py`). The default for bfloat16 experts past the C call's
+  limit up to `LOOP_MAX_TOKENS` tokens a call (grouped GEMMs past it: a 512-token
+  prompt ran 13% slower on the loop), and for experts the C call does not take.
 - ``fused`` (CUDA): `kernels.fused_moe.fused_moe` on the stacked stored tensors in
   the checkpoint layout (w13 [E, 2I, ...], w2 [E, H, ...]) with their scales.
 
@@ -64,13 +65,14 @@ from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, StoredWei
 from kernels import cpu_moe_experts
 from kernels.cpu_threads import torch_single_threaded
 
-__all__ = ["ExpertLayout", "sort_by_expert", "RoutedExperts", "PATHS", "grouped_mm_available", "fused_format_name",
-           "fused_moe_args"]
+__all__ = ["ExpertLayout", "sort_by_expert", "RoutedExperts", "PATHS", "ANY_ROWS", "LOOP_MAX_TOKENS",
+           "grouped_mm_available", "fused_format_name", "fused_moe_args"]
 
 PATHS = ("grouped", "loop", "fused")
 # bfloat16 experts: the C GEMV loop up to this many tokens a call, grouped GEMMs past it (module doc: even at 256,
 # grouped ahead at 512-token prompts)
 LOOP_MAX_TOKENS = 256
+ANY_ROWS = 1 << 31  # `RoutedExperts.c_rows` of INT4 experts: their C GEMV takes every row count, as `Int4Linear`'s
 
 
 class ExpertLayout(NamedTuple):
@@ -165,6 +167,12 @@ class RoutedExperts:
         ops = [(fmt.linear(g, None, compute_dtype), fmt.linear(d, None, compute_dtype)) for g, d in zip(gate_up, down)]
         self.ops = ops
         self.paths = ("loop",)
+        self.int4: cpu_moe_experts.Int4Experts | None = None  # INT4 experts' panels for the grouped C call
+        if all(getattr(a, "panels", None) is not None and getattr(b, "panels", None) is not None for a, b in ops) \
+                and cpu_moe_experts.available(cpu_moe_experts.INT4):
+            with contextlib.suppress(ValueError):  # shapes the C call does not take keep the loop
+                self.int4 = cpu_moe_experts.Int4Experts([a.panels for a, _ in ops], [b.panels for _, b in ops])
+                self.paths, self.c_rows = ("grouped", "loop"), ANY_ROWS
         if self.device.type == "cpu" and all(type(a) is Linear and type(b) is Linear for a, b in ops):
             self.w13 = torch.stack([a.weight for a, _ in ops])  # [E, 2I, H]
             self.w2 = torch.stack([b.weight for _, b in ops])  # [E, H, I]
@@ -215,6 +223,10 @@ class RoutedExperts:
         """Unweighted expert outputs [T*k, H] of the sorted slots: one C call with torch's threads handed over to it
         where no expert can hold more than `c_rows` rows (it holds at most one slot a token), else two grouped
         GEMMs."""
+        if self.int4 is not None:
+            with torch_single_threaded():
+                return cpu_moe_experts.moe_experts_int4(xs.to(torch.bfloat16), self.int4, offsets,
+                                                        round_once=xs.dtype != torch.bfloat16)
         dtype = self.w13.dtype
         if tokens <= self.c_rows:
             with torch_single_threaded():

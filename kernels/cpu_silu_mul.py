@@ -24,8 +24,9 @@ __all__ = ["KERNEL", "available", "build_error", "silu_mul_bf16"]
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, q, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.silu_mul_bf16.argtypes = [p, p, q, q, i, i]
-    lib.silu_mul_bf16.restype = None
+    for name in ("silu_mul_bf16", "silu_mul_bf16_once"):
+        getattr(lib, name).argtypes = [p, p, q, q, i, i]
+        getattr(lib, name).restype = None
 
 
 KERNEL = CKernel("silu_mul_bf16.c", ("-fno-math-errno",), _declare, "SwiGLU's activation runs torch's ops",
@@ -36,9 +37,10 @@ available = KERNEL.available  # whether it builds and loads here (builds it on t
 build_error = KERNEL.build_error  # why not, or None
 
 
-def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
+def silu_mul_bf16(gate_up: torch.Tensor, once: bool = False) -> torch.Tensor | None:
     """`F.silu(gate).mul_(up)` [T, I] for bfloat16 gate_up [T, 2I] (gate = the first I columns) on the CPU,
-    or None when the kernel cannot run this case."""
+    or None when the kernel cannot run this case. `once`: rounded to bfloat16 once, as torch's ops on the rows
+    widened to float32 and the product cast back (`silu_mul_bf16_once`)."""
     if (gate_up.dim() != 2 or gate_up.dtype != torch.bfloat16 or not gate_up.is_cpu
             or not gate_up.is_contiguous() or gate_up.shape[1] % 2):
         return None
@@ -48,5 +50,6 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(rows, inter, dtype=torch.bfloat16)
     if rows and inter:
-        lib.silu_mul_bf16(gate_up.data_ptr(), y.data_ptr(), rows, inter, kernel_threads(), run_mode())
+        (lib.silu_mul_bf16_once if once else lib.silu_mul_bf16)(gate_up.data_ptr(), y.data_ptr(), rows, inter,
+                                                                kernel_threads(), run_mode())
     return y

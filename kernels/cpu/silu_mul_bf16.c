@@ -19,7 +19,8 @@
  * results, NaN and infinities included, checked against a build without AVX2): on a 2-core AMD EPYC VM (Zen 3),
  * one thread, 64 rows of 1536, 1.53 ns an element where the scalar code took 9.73.
  * `silu_mul_f32` is the float32 twin for the float32 decode layers (decode_layers.c): the same silu, times up,
- * no rounding to bfloat16 between (torch's `F.silu(gate) * up` on float32 rows, up to float32 rounding).
+ * no rounding to bfloat16 between (torch's `F.silu(gate) * up` on float32 rows, up to float32 rounding);
+ * `silu_mul_bf16_once` takes and gives bfloat16 but rounds only the product (float32 compute around INT4 GEMVs).
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,9 +41,10 @@ static inline float silu(float x) {
     return x < -88.72283935546875f ? x * 0.0f : s; /* torch's e^-x is inf there: x / inf, a signed zero */
 }
 
-static inline uint16_t silu_mul(uint16_t g, uint16_t u) {
-    const float s = bf16_to_float(float_to_bf16(silu(bf16_to_float(g))));
-    return float_to_bf16(s * bf16_to_float(u));
+/* `once`: silu not rounded to bfloat16 before the product (silu_mul_bf16_once) */
+static inline uint16_t silu_mul(uint16_t g, uint16_t u, const int once) {
+    const float s = silu(bf16_to_float(g));
+    return float_to_bf16((once ? s : bf16_to_float(float_to_bf16(s))) * bf16_to_float(u));
 }
 
 #ifdef __AVX512F__
@@ -69,11 +71,12 @@ static inline __attribute__((always_inline)) __m512 silu16(__m512 x) {
 /* U x 16 lanes of silu_mul; U independent vectors side by side (unrolled), so the long dependency chain of one
  * (~30 operations) overlaps the others' */
 #define U 4
-static inline __attribute__((always_inline)) void silu_mul16(const uint16_t *gp, const uint16_t *up, uint16_t *out) {
+static inline __attribute__((always_inline)) void silu_mul16(const uint16_t *gp, const uint16_t *up, uint16_t *out,
+                                                             const int once) {
     __m512 s[U];
     for (int k = 0; k < U; k++) s[k] = silu16(bf16x16_to_float(gp + 16 * k));
     for (int k = 0; k < U; k++)
-        store_bf16x16(out + 16 * k, _mm512_mul_ps(bf16_round16(s[k]), bf16x16_to_float(up + 16 * k)));
+        store_bf16x16(out + 16 * k, _mm512_mul_ps(once ? s[k] : bf16_round16(s[k]), bf16x16_to_float(up + 16 * k)));
 }
 
 static inline __attribute__((always_inline)) void silu_mul16_f32(const float *gp, const float *up, float *out) {
@@ -102,11 +105,12 @@ static inline __attribute__((always_inline)) __m256 silu8(__m256 x) {
 }
 
 #define U 4
-static inline __attribute__((always_inline)) void silu_mul8(const uint16_t *gp, const uint16_t *up, uint16_t *out) {
+static inline __attribute__((always_inline)) void silu_mul8(const uint16_t *gp, const uint16_t *up, uint16_t *out,
+                                                            const int once) {
     __m256 s[U];
     for (int k = 0; k < U; k++) s[k] = silu8(bf16x8_to_float(gp + 8 * k));
     for (int k = 0; k < U; k++)
-        store_bf16x8(out + 8 * k, _mm256_mul_ps(bf16_round8(s[k]), bf16x8_to_float(up + 8 * k)));
+        store_bf16x8(out + 8 * k, _mm256_mul_ps(once ? s[k] : bf16_round8(s[k]), bf16x8_to_float(up + 8 * k)));
 }
 
 static inline __attribute__((always_inline)) void silu_mul8_f32(const float *gp, const float *up, float *out) {
@@ -122,26 +126,36 @@ typedef struct {
     int64_t inter;
 } Job;
 
-static void silu_mul_rows(void *ctx, int64_t r0, int64_t r1) {
-    const Job *j = (const Job *)ctx;
+static inline __attribute__((always_inline)) void rows_bf16(const Job *j, int64_t r0, int64_t r1, const int once) {
     const int64_t inter = j->inter;
     for (int64_t t = r0; t < r1; t++) {
         const uint16_t *g = j->gate_up + t * 2 * inter, *u = g + inter;
         uint16_t *out = j->y + t * inter;
         int64_t i = 0;
 #ifdef __AVX512F__
-        for (; i + 16 * U <= inter; i += 16 * U) silu_mul16(g + i, u + i, out + i);
+        for (; i + 16 * U <= inter; i += 16 * U) silu_mul16(g + i, u + i, out + i, once);
 #elif defined(__AVX2__) && defined(__FMA__)
-        for (; i + 8 * U <= inter; i += 8 * U) silu_mul8(g + i, u + i, out + i);
+        for (; i + 8 * U <= inter; i += 8 * U) silu_mul8(g + i, u + i, out + i, once);
 #endif
-        for (; i < inter; i++) out[i] = silu_mul(g[i], u[i]);
+        for (; i < inter; i++) out[i] = silu_mul(g[i], u[i], once);
     }
 }
+
+static void silu_mul_rows(void *ctx, int64_t r0, int64_t r1) { rows_bf16((const Job *)ctx, r0, r1, 0); }
+static void silu_mul_rows_once(void *ctx, int64_t r0, int64_t r1) { rows_bf16((const Job *)ctx, r0, r1, 1); }
 
 /* Rows on the shared pool (pool.h's `pool_rows`) where the call is large enough. */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads, int linger) {
     Job job = {gate_up, y, inter};
     pool_rows(silu_mul_rows, &job, rows, inter, threads, linger);
+}
+
+/* The same with one rounding: silu(gate) * up in float32, rounded to bfloat16 once (what torch computes on
+ * bfloat16 rows widened to float32, the product then cast to bfloat16: a float32 model's INT4 experts, whose
+ * GEMVs take and give bfloat16). */
+void silu_mul_bf16_once(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads, int linger) {
+    Job job = {gate_up, y, inter};
+    pool_rows(silu_mul_rows_once, &job, rows, inter, threads, linger);
 }
 
 typedef struct {

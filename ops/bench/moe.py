@@ -9,7 +9,7 @@ hidden 1024, 8 layers (the first dense, intermediate 2048; `first_k_dense_replac
 dimensions and has 2 layers. Float32 compute and FP32 KV unless said otherwise, tokenizer-free (token ids).
 
 1. **Layer** (`ops.bench.moe_layer.moe_layer_ms`): one MoE layer of the same
-   config, median ms per path (`grouped`, `loop`, `int4_loop`, `transformers`) at
+   config, median ms per path (`grouped`, `loop`, `int4_grouped`, `int4_loop`, `transformers`) at
    1, 8, 32 and 256 tokens, paths interleaved, 15 rounds (quick 3).
 2. **Decode**: three engines, ``fp32``, ``bf16`` and ``int4`` (``prefill_weights =
    decode_weights``: every linear layer and expert in that format, the router gate
@@ -128,6 +128,7 @@ def ratios_and_targets(layer_ms: dict[str, dict[str, float]], decode: dict[str, 
         f"grouped_vs_loop_{tokens}": speedup("loop", "grouped"),
         f"grouped_vs_transformers_{tokens}": speedup("transformers", "grouped"),
         f"int4_loop_vs_loop_{tokens}": speedup("loop", "int4_loop"),
+        f"int4_grouped_vs_int4_loop_{tokens}": speedup("int4_loop", "int4_grouped"),
         f"int4_vs_fp32_decode_c{c}": (decode["int4"][c] / decode["fp32"][c]
                                       if c in decode.get("int4", {}) and c in decode.get("fp32", {}) else None),
     }

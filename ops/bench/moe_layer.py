@@ -4,8 +4,9 @@ A random Glm4Moe MoE layer of the given `Glm4MoeConfig` (router with correction
 bias and group-limited top-k, routed experts, shared experts; float32). Each of our
 paths runs the whole `MoEBlock` (router, routed experts, shared expert):
 ``grouped`` and ``loop`` on float32 experts (`backend/moe_experts.py`; grouped only
-where `torch._grouped_mm` runs on this torch and shape), ``int4_loop`` on INT4
-experts (group 128); ``transformers`` is `Glm4MoeMoE.forward` holding the same
+where `torch._grouped_mm` runs on this torch and shape; up to the C GEMV's row limit the
+grouped path is one C call, `kernels/cpu_moe_experts.py`), ``int4_loop`` and ``int4_grouped``
+(the C call, where it builds) on INT4 experts (group 128); ``transformers`` is `Glm4MoeMoE.forward` holding the same
 float32 weights, with the experts implementation a loaded `Glm4MoeForCausalLM` would
 use (`hf_experts_implementation`: ``grouped_mm`` on a torch that has it). Every path
 gets the same input [T, H]; the paths are interleaved (one call each per round, the
@@ -24,7 +25,8 @@ import torch
 
 __all__ = ["moe_layer_ms", "hf_experts_implementation", "LAYER_PATHS"]
 
-LAYER_PATHS = ("grouped", "loop", "int4_loop", "transformers")  # in table order; grouped may be absent
+LAYER_PATHS = ("grouped", "loop", "int4_grouped", "int4_loop", "transformers")  # table order; the grouped ones may
+# be absent
 
 
 def hf_experts_implementation(hf_cfg) -> str:
@@ -67,7 +69,10 @@ def moe_layer_ms(hf_cfg, tokens: list[int], reps: int, seed: int = 0) -> dict[st
     dense = MoEBlock.build(*args, DenseFormat(torch.float32), torch.float32)
     int4 = MoEBlock.build(*args, Int4Format(128), torch.float32)
     paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "loop": lambda x: dense(x, path="loop"), "int4_loop": int4, "transformers": lambda x: hf(x[None])}
+        "loop": lambda x: dense(x, path="loop"), "int4_loop": lambda x: int4(x, path="loop"),
+        "transformers": lambda x: hf(x[None])}
+    if "grouped" in int4.experts.paths:
+        paths = {"int4_grouped": lambda x: int4(x, path="grouped"), **paths}
     if "grouped" in dense.experts.paths:
         paths = {"grouped": lambda x: dense(x, path="grouped"), **paths}
     out: dict[str, dict[int, float]] = {name: {} for name in paths}

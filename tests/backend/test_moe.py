@@ -148,14 +148,14 @@ def test_sort_by_expert_layout() -> None:
 
 
 def test_idle_experts_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """INT4 experts run one Int4Linear pair per *hit* expert (the loop path)."""
+    """On the loop path INT4 experts run one Int4Linear pair per *hit* expert."""
     moe = hf_moe(16, 2, 1, 1, True, 1.0, 0, hidden=64, inter=32)
     block = our_block(moe, Int4Format(32))
     calls = []
     original = Int4Linear.__call__
     monkeypatch.setattr(Int4Linear, "__call__", lambda self, x: calls.append(x.shape[0]) or original(self, x))
     x = torch.randn(3, 64)
-    block(x)
+    block(x, path="loop")
     hit = block.route(x).topk_ids.unique().numel()
     assert hit < 16 and len(calls) == 2 * hit and sum(calls) == 2 * 3 * 2
 
@@ -323,6 +323,44 @@ def test_dense_experts_run_one_c_call_by_default(monkeypatch: pytest.MonkeyPatch
         else:
             torch.testing.assert_close(out, loop, rtol=1e-5, atol=1e-6)
         monkeypatch.undo()
+
+
+def test_int4_experts_run_one_c_call_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INT4 experts whose panels the C call takes default to it at every size, with torch's threads handed over;
+    under bfloat16 compute its output is the loop's bit for bit, under float32 compute it differs from the loop only
+    where the C and torch float32 silu round the product to different bfloat16 values (its activation is rounded
+    once, as the loop's)."""
+    from kernels import cpu_moe_experts
+    from kernels.cpu_threads import kernels_own_threads
+
+    moe = hf_moe(16, 4, 1, 1, True, 1.0, 1, hidden=64, inter=32)
+    experts = our_block(moe, Int4Format(32)).experts
+    if not (cpu_moe_experts.available(cpu_moe_experts.INT4) and experts.ops[0][0].gemv):
+        assert experts.paths == ("loop",) and experts.default_path(3) == "loop"
+        pytest.skip(f"no INT4 C GEMV here: {cpu_moe_experts.build_error()}")
+    assert experts.paths == ("grouped", "loop") and experts.default_path(1 << 20) == "grouped"
+    calls: list[bool] = []
+    real = cpu_moe_experts.moe_experts_int4
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(kernels_own_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_moe_experts, "moe_experts_int4", counted)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a handover needs threads to hand over (an earlier test may have left torch at 1)
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            block = our_block(moe, Int4Format(32), dtype)
+            x = torch.randn(5, 64).to(dtype)
+            out, loop = block(x), block(x, path="loop")
+            if dtype == torch.bfloat16:
+                assert torch.equal(out.view(torch.int16), loop.view(torch.int16))
+            else:
+                assert (out - loop).norm() < 1e-4 * loop.norm()  # two roundings to bfloat16 were ~1e-3
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [True, True]
 
 
 def test_past_the_c_calls_rows_grouped_runs_torchs_gemms(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,6 +46,16 @@ def test_the_whole_range(seed: int) -> None:
     _assert_matches(silu_mul_bf16(gate_up), _reference(gate_up))
 
 
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 17), (32, 1536)])
+def test_once_rounds_torchs_float32_result(rows: int, inter: int, seed: int) -> None:
+    """`once`: torch's ops on the rows widened to float32, the product cast to bfloat16 (one rounding)."""
+    gate_up = (torch.randn(rows, 2 * inter) * 4).to(torch.bfloat16)
+    want = _reference(gate_up.float()).bfloat16()
+    got = silu_mul_bf16(gate_up, once=True)
+    _assert_matches(got, want)
+    assert not torch.equal(got, silu_mul_bf16(gate_up)) or rows * inter < 100  # two roundings differ somewhere
+
+
 def test_declines_what_it_does_not_handle() -> None:
     x = torch.randn(4, 64).to(torch.bfloat16)
     assert silu_mul_bf16(x.float()) is None

@@ -21,7 +21,7 @@ TINY = ["--hidden", "128", "--inter", "128", "--experts", "8", "--top-k", "2", "
 def _figures(grouped: float | None = 10.0) -> tuple[dict, dict]:
     layer = {"loop": {"1": 2.0, "32": 20.0}, "int4_loop": {"1": 1.0, "32": 8.0}, "transformers": {"1": 3.0, "32": 9.5}}
     if grouped is not None:
-        layer = {"grouped": {"1": 2.5, "32": grouped}, **layer}
+        layer = {"grouped": {"1": 2.5, "32": grouped}, "int4_grouped": {"1": 0.5, "32": 5.0}, **layer}
     decode = {"fp32": {"1": 20.0, "8": 40.0}, "bf16": {"1": 26.0, "8": 60.0}, "int4": {"1": 31.0, "8": 100.0}}
     return layer, decode
 
@@ -29,7 +29,8 @@ def _figures(grouped: float | None = 10.0) -> tuple[dict, dict]:
 def test_ratios_are_speedups_and_targets_compare_them_to_the_bounds() -> None:
     ratios, targets = bench_moe.ratios_and_targets(*_figures(grouped=10.0))
     assert ratios == pytest.approx({"grouped_vs_loop_32": 2.0, "grouped_vs_transformers_32": 0.95,
-                                    "int4_loop_vs_loop_32": 2.5, "int4_vs_fp32_decode_c1": 1.55,
+                                    "int4_loop_vs_loop_32": 2.5, "int4_grouped_vs_int4_loop_32": 1.6,
+                                    "int4_vs_fp32_decode_c1": 1.55,
                                     "bf16_vs_fp32_decode_c1": 1.3})
     assert targets == {"grouped_vs_loop_32_ge_2x": True, "grouped_vs_transformers_32_ge_1x": False,
                        "int4_vs_fp32_decode_c1_ge_1.5x": True}  # the bf16 engine's ratio has no target
@@ -40,6 +41,7 @@ def test_ratios_are_speedups_and_targets_compare_them_to_the_bounds() -> None:
 def test_a_missing_grouped_path_has_no_ratio_and_misses_its_targets() -> None:
     ratios, targets = bench_moe.ratios_and_targets(*_figures(grouped=None))
     assert ratios["grouped_vs_loop_32"] is None and ratios["grouped_vs_transformers_32"] is None
+    assert ratios["int4_grouped_vs_int4_loop_32"] is None
     assert not targets["grouped_vs_loop_32_ge_2x"] and not targets["grouped_vs_transformers_32_ge_1x"]
     assert targets["int4_vs_fp32_decode_c1_ge_1.5x"]
 
@@ -83,7 +85,7 @@ def test_tiny_run_writes_every_key_and_the_table(tmp_path: Path, capsys: pytest.
     finally:
         torch.set_num_threads(threads)
     report = json.loads(out.read_text())
-    paths = {"loop", "int4_loop", "transformers"} | ({"grouped"} if "grouped" in report["moe_layer_ms"] else set())
+    paths = {"loop", "int4_loop", "transformers"} | {p for p in ("grouped", "int4_grouped") if p in report["moe_layer_ms"]}
     assert set(report["moe_layer_ms"]) == paths
     assert all(set(row) == {"1", "32"} and all(v > 0 for v in row.values()) for row in report["moe_layer_ms"].values())
     assert set(report["decode_tok_s"]) == {"fp32", "bf16", "int4"}
