@@ -113,8 +113,7 @@ class MoEBlock:
     def _gemv_ops(self) -> list[LinearOp] | None:
         """An expert's GEMMs and the shared expert's where a call of a few rows runs the routed experts on the
         loop or the grouped C call (`moe_experts.py`; both run those GEMMs' C GEMVs), else None."""
-        path = self.experts.default_path(1)
-        if not self.experts.ops or not (path == "loop" or (path == "grouped" and self.experts.c_rows)):
+        if not self.experts.ops or not (self.experts.c_rows or self.experts.default_path(1) == "loop"):
             return None
         return [op for op in (*self.experts.ops[0], self.shared_gate_up, self.shared_down) if op is not None]
 

@@ -36,7 +36,11 @@ has an empty run and costs nothing on any path. The Triton kernel
   the checkpoint layout (w13 [E, 2I, ...], w2 [E, H, ...]) with their scales.
 
 Measured (`edgeserve bench moe`'s layer, hidden 1024, 64 experts of 512, top-8, one
-shared expert, 15 rounds; 2-core Intel Xeon VM with AMX; ms at 1 / 8 / 32 / 256 tokens):
+shared expert, 15 rounds; ms at 1 / 8 / 32 / 256 tokens). The C call, on a 2-core AMD
+EPYC VM with AVX2 only: float32 3.5 / 13.4 / 22.4 (torch's grouped GEMMs 5.1 / 24.0 /
+53.8, the loop 3.8 / 18.2 / 29.7), INT4 1.2 / 4.0 / 11.8 / 81.8 (the loop 2.7 / 8.3 /
+20.8 / 101.1); decode of the bench's 8-layer model 1.3-2.8x faster in all three formats
+(BENCHMARKS.md). Before it, on a 2-core Intel Xeon VM with AMX:
 float32, grouped on the stored layout 3.4 / 13.2 / 29.2 / 62.5 where the K-major stack
 this path used before gave 2.9 / 15.6 / 35.9 / 67.4 (transformers 3.7 / 13.2 / 28.3 /
 71.0), the loop on the float32 C GEMV 5.0 / 20.4 / 31.6 / 87.6 (MKL's transposed GEMMs

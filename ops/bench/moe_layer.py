@@ -1,14 +1,15 @@
-"""One MoE layer's time per expert path (grouped, loop, int4 loop, transformers), the layer part of `bench moe`.
+"""One MoE layer's time per expert path (grouped, loop, their INT4 twins, transformers): `bench moe`'s layer part.
 
 A random Glm4Moe MoE layer of the given `Glm4MoeConfig` (router with correction
 bias and group-limited top-k, routed experts, shared experts; float32). Each of our
 paths runs the whole `MoEBlock` (router, routed experts, shared expert):
 ``grouped`` and ``loop`` on float32 experts (`backend/moe_experts.py`; grouped only
 where `torch._grouped_mm` runs on this torch and shape; up to the C GEMV's row limit the
-grouped path is one C call, `kernels/cpu_moe_experts.py`), ``int4_loop`` and ``int4_grouped``
-(the C call, where it builds) on INT4 experts (group 128); ``transformers`` is `Glm4MoeMoE.forward` holding the same
-float32 weights, with the experts implementation a loaded `Glm4MoeForCausalLM` would
-use (`hf_experts_implementation`: ``grouped_mm`` on a torch that has it). Every path
+grouped path is one C call, `kernels/cpu_moe_experts.py`), ``int4_loop`` and
+``int4_grouped`` (the C call, where it builds) on INT4 experts (group 128);
+``transformers`` is `Glm4MoeMoE.forward` holding the same float32 weights, with the
+experts implementation a loaded `Glm4MoeForCausalLM` would use
+(`hf_experts_implementation`: ``grouped_mm`` on a torch that has it). Every path
 gets the same input [T, H]; the paths are interleaved (one call each per round, the
 order reversed each round) and the median taken, so a noisy neighbour hits them alike.
 The command that prints and records it is `ops/bench/moe.py`.
@@ -25,8 +26,8 @@ import torch
 
 __all__ = ["moe_layer_ms", "hf_experts_implementation", "LAYER_PATHS"]
 
-LAYER_PATHS = ("grouped", "loop", "int4_grouped", "int4_loop", "transformers")  # table order; the grouped ones may
-# be absent
+# in table order; the grouped ones may be absent
+LAYER_PATHS = ("grouped", "loop", "int4_grouped", "int4_loop", "transformers")
 
 
 def hf_experts_implementation(hf_cfg) -> str:

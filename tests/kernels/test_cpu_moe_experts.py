@@ -87,14 +87,17 @@ def test_bfloat16_is_the_loop_of_its_kernels(shape: tuple, seed: int) -> None:
     if not cpu_moe_experts.available(torch.bfloat16):
         pytest.skip("no bfloat16 GEMV here")
     xs, w13, w2, offsets = _case(*shape, torch.bfloat16)
-    got = _run(xs, w13, w2, offsets, 2)
+    _assert_each_expert(_run(xs, w13, w2, offsets, 2), xs, offsets, seed,
+                        lambda e, x: cpu_gemv.gemv_bf16(silu_mul_bf16(cpu_gemv.gemv_bf16(x, w13[e], 1)), w2[e], 1))
+
+
+def _assert_each_expert(got: torch.Tensor, xs: torch.Tensor, offsets: torch.Tensor, seed: int, want) -> None:
+    """got's rows of every hit expert e equal want(e, its rows of xs) bit for bit (bfloat16)."""
     bounds = offsets.tolist()
-    for e in range(w13.shape[0]):
-        if bounds[e + 1] == bounds[e]:
-            continue
-        x = xs[bounds[e]:bounds[e + 1]]
-        want = cpu_gemv.gemv_bf16(silu_mul_bf16(cpu_gemv.gemv_bf16(x, w13[e], 1)), w2[e], 1)
-        assert torch.equal(got[bounds[e]:bounds[e + 1]].view(torch.int16), want.view(torch.int16)), f"seed {seed}"
+    for e in range(len(bounds) - 1):
+        if bounds[e + 1] > bounds[e]:
+            rows = slice(bounds[e], bounds[e + 1])
+            assert torch.equal(got[rows].view(torch.int16), want(e, xs[rows]).view(torch.int16)), f"seed {seed}"
 
 
 INT4_SHAPES = {  # experts, hidden, inter, tokens, top_k, group
@@ -121,14 +124,8 @@ def test_int4_is_the_loop_of_its_kernels(shape: tuple, round_once: bool, seed: i
             got = cpu_moe_experts.moe_experts_int4(xs, experts, offsets, round_once=round_once)
     finally:
         torch.set_num_threads(before)
-    bounds = offsets.tolist()
-    for e in range(w13.shape[0]):
-        if bounds[e + 1] == bounds[e]:
-            continue
-        x = xs[bounds[e]:bounds[e + 1]]
-        up = gemv_int4(x, experts.panels[0][e], 1)
-        want = gemv_int4(silu_mul_bf16(up, once=round_once), experts.panels[1][e], 1)
-        assert torch.equal(got[bounds[e]:bounds[e + 1]].view(torch.int16), want.view(torch.int16)), f"seed {seed}"
+    _assert_each_expert(got, xs, offsets, seed, lambda e, x: gemv_int4(
+        silu_mul_bf16(gemv_int4(x, experts.panels[0][e], 1), once=round_once), experts.panels[1][e], 1))
 
 
 @pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16, cpu_moe_experts.INT4])
