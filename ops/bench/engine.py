@@ -289,8 +289,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
 
     machine = measure_machine(dtype)
-    log(f"machine: read {machine['read_gb_s']:.1f} GB/s, {args.dtype} GEMM {machine['gemm_gflop_s']:.0f} GFLOP/s, "
-        f"bfloat16 GEMM {machine['bf16_gemm_gflop_s']:.0f} GFLOP/s")
+    log(f"machine: read {machine['read_gb_s']:.1f} GB/s, GEMM bound {machine['bound_gemm_gflop_s']:.0f} GFLOP/s "
+        f"({args.dtype} {machine['gemm_gflop_s']:.0f}, float32 {machine['float32_gemm_gflop_s']:.0f})")
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(dtype=args.dtype, kv_format="bf16"
                                                                if args.dtype == "bfloat16" else "fp32",
                                                                kv_cache_bytes=1 << 30, max_num_seqs=max(levels)))
