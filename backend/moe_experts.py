@@ -13,9 +13,10 @@ has an empty run and costs nothing on any path. The Triton kernel
 **Paths** (chosen per call; `default_path` picks one by what the weights allow):
 - ``grouped`` (CPU, dense weights): every expert in one call. Up to the C GEMV's row limit
   (`c_rows`: an expert holds at most one slot a token, so a call of that many tokens keeps
-  every expert within it) one C call (`kernels/cpu_moe_experts.py`) runs each hit expert's
-  two GEMVs and its SwiGLU activation, the hit experts shared out between the threads, with
-  torch's threads handed over to it: the default for bfloat16, float32 and INT4 experts
+  every expert within it; a longer prompt takes it too where its routing does, e.g. 512
+  tokens top-8 over 64 experts, ~64 slots each) one C call (`kernels/cpu_moe_experts.py`)
+  runs each hit expert's two GEMVs and its SwiGLU activation, the hit experts shared out
+  between the threads, with torch's threads handed over to it: the default for bfloat16, float32 and INT4 experts
   alike where it builds (INT4 experts at every size, on bfloat16 activations, as
   `Int4Linear` runs them). Past the limit, two `torch._grouped_mm` calls over all E experts
   with ``offs`` = offsets[1:] as int32 (fp32 and bf16 both accepted), on the transposed
@@ -31,7 +32,10 @@ has an empty run and costs nothing on any path. The Triton kernel
   to its row limit and MKL past it; INT4 runs one `Int4Linear` per expert (bfloat16
   activations, see `linear.py`). The default for bfloat16 experts past the C call's
   limit up to `LOOP_MAX_TOKENS` tokens a call (grouped GEMMs past it: a 512-token
-  prompt ran 13% slower on the loop), and for experts the C call does not take.
+  prompt ran 13% slower on the loop on an AVX-512 BF16 host; where bfloat16 GEMMs are
+  emulated, `gemm_widen.widening_pays`, the loop at every size: torch's grouped GEMMs
+  took 5x its time at 256-512 tokens on an AVX2 host), and for experts the C call does
+  not take.
 - ``fused`` (CUDA): `kernels.fused_moe.fused_moe` on the stacked stored tensors in
   the checkpoint layout (w13 [E, 2I, ...], w2 [E, H, ...]) with their scales.
 
@@ -63,6 +67,7 @@ from typing import NamedTuple
 
 import torch
 
+from backend.gemm_widen import widening_pays
 from backend.layers.swiglu import swiglu
 from backend.linear import Linear, LinearOp
 from backend.weight_formats import DenseFormat, Fp8Format, Int4Format, StoredWeight, WeightFormat
@@ -197,42 +202,50 @@ class RoutedExperts:
         return sum(t.numel() * t.element_size() for t in tensors) + sum(a.nbytes + b.nbytes for a, b in ops)
 
     def default_path(self, tokens: int) -> str:
-        """The path to run `tokens` tokens on: fused on CUDA; on the CPU grouped where that is one C call (`c_rows`),
-        else the loop where the dense experts have the C GEMV (up to LOOP_MAX_TOKENS tokens: grouped GEMMs past
-        them), else grouped GEMMs where the weights are dense, else the loop."""
+        """The path to run `tokens` tokens on before they are routed: fused on CUDA; on the CPU grouped where that is
+        one C call whatever the routing (`c_rows`), else the loop where the dense experts have the C GEMV (up to
+        LOOP_MAX_TOKENS tokens; past them grouped GEMMs, unless this CPU's bfloat16 GEMMs are emulated:
+        `widening_pays`), else grouped GEMMs where the weights are dense, else the loop. `__call__` takes the C
+        call past `c_rows` tokens too where the routing leaves every expert within them."""
         if tokens <= self.c_rows:
             return "grouped"
-        if self.paths[0] == "loop" and tokens > LOOP_MAX_TOKENS and "grouped" in self.paths:
+        if self.paths[0] == "loop" and tokens > LOOP_MAX_TOKENS and "grouped" in self.paths and not widening_pays():
             return "grouped"
         return self.paths[0]
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  path: str | None = None) -> torch.Tensor:
-        """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for x [T, H] -> [T, H] float32."""
-        path = path or self.default_path(x.shape[0])
-        if path not in self.paths:
-            raise ValueError(f"path {path!r} is not available for {self.fmt!r} experts on {self.device.type}; "
+        """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for x [T, H] -> [T, H] float32. Without `path`,
+        `default_path`'s, or grouped where the routing leaves every expert within the C call's rows."""
+        tokens = x.shape[0]
+        chosen = path or self.default_path(tokens)
+        if chosen not in self.paths:
+            raise ValueError(f"path {chosen!r} is not available for {self.fmt!r} experts on {self.device.type}; "
                              f"available: {', '.join(self.paths)}")
-        if path == "fused":
+        if chosen == "fused":
             from kernels.fused_moe import fused_moe
 
             return fused_moe(x.contiguous(), self.w13, self.w2, topk_weights, topk_ids, **self.fused_args).float()
         layout = sort_by_expert(topk_ids, self.num_experts, topk_weights)
+        # the most slots an expert holds: at most one a token, so counted only where that bound is past the C call's
+        rows = tokens if tokens <= self.c_rows or not self.c_rows else int(layout.offsets.diff().max())
+        if path is None and rows <= self.c_rows:
+            chosen = "grouped"  # a prompt whose routing keeps every expert within the C call's rows
         xs = x[layout.token_index]  # [T*k, H] tokens gathered in expert order
-        ys = self._grouped(xs, layout.offsets, x.shape[0]) if path == "grouped" else self._loop(xs, layout.offsets)
+        ys = self._grouped(xs, layout.offsets, rows) if chosen == "grouped" else self._loop(xs, layout.offsets)
         out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)  # [T, H]
         return out.index_add_(0, layout.token_index, ys.float().mul_(layout.slot_weight[:, None]))
 
-    def _grouped(self, xs: torch.Tensor, offsets: torch.Tensor, tokens: int) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, offsets: torch.Tensor, rows: int) -> torch.Tensor:
         """Unweighted expert outputs [T*k, H] of the sorted slots: one C call with torch's threads handed over to it
-        where no expert can hold more than `c_rows` rows (it holds at most one slot a token), else two grouped
+        where no expert holds more than `c_rows` of them (`rows`: the most one holds, or a bound), else two grouped
         GEMMs."""
         if self.int4 is not None:
             with torch_single_threaded():
                 return cpu_moe_experts.moe_experts_int4(xs.to(torch.bfloat16), self.int4, offsets,
                                                         round_once=xs.dtype != torch.bfloat16)
         dtype = self.w13.dtype
-        if tokens <= self.c_rows:
+        if rows <= self.c_rows:
             with torch_single_threaded():
                 return cpu_moe_experts.moe_experts(xs.to(dtype), self.w13, self.w2, offsets)
         offs = offsets[1:].to(torch.int32)  # [E] cumulative slot counts

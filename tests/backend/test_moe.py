@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backend.gemm_widen import widening_pays
 from backend.linear import Int4Linear
 from backend.moe import MoEBlock, MoEConfig, route
 from backend.moe_experts import (LOOP_MAX_TOKENS, RoutedExperts, fused_moe_args, grouped_mm_available,
@@ -297,7 +298,17 @@ def test_dense_experts_run_one_c_call_by_default(monkeypatch: pytest.MonkeyPatch
         assert experts.default_path(3) == ("grouped" if c_rows else experts.paths[0])
         past = "loop" if dtype == torch.bfloat16 and experts.ops[0][0].gemv else PATHS[0]
         assert experts.default_path(max(c_rows, 3) + 1) == past
-        assert experts.default_path(LOOP_MAX_TOKENS + 1) == PATHS[0]  # a long prompt: grouped GEMMs where they run
+        # a long prompt: grouped GEMMs where they run, but bfloat16 experts stay on the loop where bfloat16 GEMMs are
+        # emulated (`widening_pays`, forced both ways here and forgotten after)
+        try:
+            for emulated in (False, True):
+                monkeypatch.setenv("EDGESERVE_BF16_WIDEN", str(int(emulated)))
+                widening_pays.cache_clear()
+                loop = emulated and dtype == torch.bfloat16 and experts.ops[0][0].gemv
+                assert experts.default_path(LOOP_MAX_TOKENS + 1) == ("loop" if loop else PATHS[0])
+        finally:
+            monkeypatch.delenv("EDGESERVE_BF16_WIDEN")
+            widening_pays.cache_clear()
         if not c_rows:
             continue
         calls: list[bool] = []
@@ -363,24 +374,27 @@ def test_int4_experts_run_one_c_call_by_default(monkeypatch: pytest.MonkeyPatch)
     assert calls == [True, True]
 
 
-def test_past_the_c_calls_rows_grouped_runs_torchs_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A call of more tokens than the C call takes runs `torch._grouped_mm` and still matches transformers."""
+def test_past_the_c_calls_rows_the_routing_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More tokens than the C call's rows: it still runs where the routing leaves every expert within them (16
+    experts, top-2), and `torch._grouped_mm` where one expert holds more (2 experts, top-2: each holds every token);
+    both match transformers."""
     from kernels import cpu_moe_experts
 
     if "grouped" not in PATHS:
         pytest.skip("no torch._grouped_mm on the CPU here")
-    moe = hf_moe(8, 2, 1, 1, True, 1.0, 1, hidden=32, inter=16)
-    block = our_block(moe)
-    tokens = block.experts.c_rows + 1
-
-    def refused(*args: object) -> torch.Tensor:
-        raise AssertionError("the C call ran past its rows")
-
-    monkeypatch.setattr(cpu_moe_experts, "moe_experts", refused)
-    x = torch.randn(tokens, 32)
-    with torch.no_grad():
-        ref = moe(x[None])[0]
-    torch.testing.assert_close(block(x, path="grouped"), ref, rtol=1e-5, atol=1e-5)
+    calls: list[int] = []
+    real = cpu_moe_experts.moe_experts
+    monkeypatch.setattr(cpu_moe_experts, "moe_experts", lambda *args: calls.append(args[0].shape[0]) or real(*args))
+    for experts, c_call in ((16, True), (2, False)):
+        moe = hf_moe(experts, 2, 1, 1, True, 1.0, 1, hidden=32, inter=16)
+        block = our_block(moe)
+        tokens = block.experts.c_rows + 1
+        x = torch.randn(tokens, 32)
+        with torch.no_grad():
+            ref = moe(x[None])[0]
+        calls.clear()
+        torch.testing.assert_close(block(x), ref, rtol=1e-5, atol=1e-5)
+        assert calls == ([2 * tokens] if c_call and block.experts.c_rows else [])
 
 
 def test_a_block_says_whether_the_c_gemv_runs_all_of_it() -> None:
