@@ -37,21 +37,22 @@ typedef void (*silu_fn)(const void *gate_up, void *y, int64_t rows, int64_t inte
 
 typedef struct {
     void *gemv; /* gemv_f32, gemv_bf16 or gemv_int4, as the weights' format */
-    void *silu; /* silu_mul_f32 (float32) or silu_mul_bf16 (bfloat16 and INT4: bfloat16 activations) */
+    void *silu; /* silu_mul_f32 (float32), silu_mul_bf16 (bfloat16 activations), or silu_mul_bf16_once (INT4 in a
+                 * float32 model: the activation rounded once, as its loop of `Int4Linear`s rounds it) */
 } MoeKernels;
 
 enum { F32, BF16, INT4 };
 
 typedef struct {
     const MoeKernels *k;
-    int format, elem;              /* F32 / BF16 / INT4; bytes of an activation (4, 2, 2) */
-    const char *xs, *w13, *w2;     /* dense: the stacked weights */
-    const void *const *q[2];       /* INT4: per expert, gate_up's and down's packed codes ... */
-    const void *const *sz[2];      /* ... and scales and zeros (kernels/cpu_gemv_int4.py's panels) */
+    int format, elem;               /* F32 / BF16 / INT4; bytes of an activation (4, 2, 2) */
+    const char *xs, *w13, *w2;      /* dense: the stacked weights */
+    const void *const *q[2];        /* INT4: per expert, gate_up's and down's packed codes ... */
+    const void *const *sz[2];       /* ... and scales and zeros (kernels/cpu_gemv_int4.py's panels) */
     char *h, *act, *ys;
     const int64_t *offsets;
-    const int32_t *hits; /* hit experts, most rows first */
-    int H, I, group, fma, how;     /* fma: gemv_bf16's tile code, or gemv_int4's AMX flag */
+    const int32_t *hits;            /* hit experts, most rows first */
+    int H, I, group, fma, how;      /* fma: gemv_bf16's tile code, or gemv_int4's AMX flag */
     int threads, chunks13, chunks2; /* of one expert's calls when the experts run one after another */
     int failed;                     /* a GEMV refused (its x could not be widened): set, never cleared */
 } Job;
