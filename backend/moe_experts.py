@@ -191,7 +191,7 @@ class RoutedExperts:
                 c_first = self.w13.dtype == torch.bfloat16 and self.ops[0][0].gemv  # measured: module doc
                 self.paths = ("loop", "grouped") if c_first else ("grouped", "loop")
                 if cpu_moe_experts.available(self.w13.dtype):
-                    self.c_rows = cpu_moe_experts.max_rows(self.w13.dtype)
+                    self.c_rows = self.ops[0][0].gemv_rows  # the C GEMV's limit, past which torch's GEMMs win
 
     @property
     def nbytes(self) -> int:

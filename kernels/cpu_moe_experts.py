@@ -30,7 +30,7 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_gemv_int4 import Int4Panels
 from kernels.cpu_threads import run_mode
 
-__all__ = ["KERNEL", "INT4", "Int4Experts", "available", "build_error", "max_rows", "moe_experts", "moe_experts_int4"]
+__all__ = ["KERNEL", "INT4", "Int4Experts", "available", "build_error", "moe_experts", "moe_experts_int4"]
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
 INT4 = "int4"  # `available`'s key for INT4 experts (the others are their torch dtype)
@@ -74,17 +74,12 @@ def available(kind: torch.dtype | str) -> bool:
     return _kernels(kind) is not None
 
 
-def max_rows(dtype: torch.dtype) -> int:
-    """Rows an expert may hold in a call: the GEMV's own limit for `dtype` (`cpu_gemv.max_rows`,
-    `cpu_gemv_f32.max_rows`), past which torch's GEMMs are the faster path."""
-    return cpu_gemv.max_rows() if dtype == torch.bfloat16 else cpu_gemv_f32.max_rows()
-
-
 def moe_experts(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """ys [S, H]: for each expert e, rows offsets[e]..offsets[e+1] of xs [S, H] through `down(silu(gate) * up)` with
     w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; offsets [E + 1] int64, offsets[E] = S. Contiguous
-    CPU tensors of one dtype, `available(dtype)` first; an expert's rows should stay within `max_rows` (more are
-    computed right, only slower than torch's GEMMs). Raises ValueError on other shapes, dtypes or layouts."""
+    CPU tensors of one dtype, `available(dtype)` first; an expert's rows should stay within the GEMV's row limit
+    (`Linear.gemv_rows`: more are computed right, only slower than torch's GEMMs). Raises ValueError on other
+    shapes, dtypes or layouts."""
     e, two_i, h = w13.shape
     i = two_i // 2
     if not (xs.dtype == w13.dtype == w2.dtype and xs.dim() == 2 and xs.shape[1] == h and two_i == 2 * i

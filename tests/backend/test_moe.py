@@ -285,7 +285,7 @@ def test_dense_experts_run_one_c_call_by_default(monkeypatch: pytest.MonkeyPatch
     """Dense CPU experts are `Linear` views of the stacked weights (one copy); bfloat16 and float32 ones default to
     the grouped path, which up to the C GEMV's row limit is one C call with torch's threads handed over, its
     output the loop's; past it bfloat16 experts take the loop (up to LOOP_MAX_TOKENS) and then grouped GEMMs."""
-    from kernels import cpu_moe_experts
+    from kernels import cpu_gemv, cpu_gemv_f32, cpu_moe_experts
     from kernels.cpu_threads import kernels_own_threads
 
     moe = hf_moe(8, 2, 1, 1, True, 1.0, 0, hidden=64, inter=32)
@@ -293,7 +293,8 @@ def test_dense_experts_run_one_c_call_by_default(monkeypatch: pytest.MonkeyPatch
         experts = our_block(moe, DenseFormat(dtype), dtype).experts
         assert all(a.weight.data_ptr() == experts.w13[e].data_ptr()
                    and b.weight.data_ptr() == experts.w2[e].data_ptr() for e, (a, b) in enumerate(experts.ops))
-        c_rows = cpu_moe_experts.max_rows(dtype) if cpu_moe_experts.available(dtype) and "grouped" in PATHS else 0
+        c_rows = experts.ops[0][0].gemv_rows if cpu_moe_experts.available(dtype) and "grouped" in PATHS else 0
+        assert c_rows == 0 or c_rows == (cpu_gemv_f32.max_rows() if dtype == torch.float32 else cpu_gemv.max_rows())
         assert experts.c_rows == c_rows
         assert experts.default_path(3) == ("grouped" if c_rows else experts.paths[0])
         past = "loop" if dtype == torch.bfloat16 and experts.ops[0][0].gemv else PATHS[0]
