@@ -56,7 +56,8 @@ def available() -> bool:
                 and hasattr(torch.ops.mkldnn, "_linear_pointwise") and (has_avx512_bf16() or has_amx_bf16()))
 
 
-def _mem_available() -> int:
+def mem_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo in bytes; 0 when unreadable."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -72,7 +73,7 @@ def budget_bytes() -> int:
     global _budget
     if _budget is None:
         mode = os.environ.get("EDGESERVE_PREFILL_PACK", "auto")
-        _budget = 0 if mode == "0" else (1 << 62) if mode == "1" else _mem_available() // 4
+        _budget = 0 if mode == "0" else (1 << 62) if mode == "1" else mem_available_bytes() // 4
     return _budget
 
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -77,8 +78,11 @@ from ops.calibration_inputs import (CALIB_GENRES, DEFAULT_CALIB_TOKENS, EVAL_GEN
                                     calibration_ids, in_layer_order, layer_of)
 from ops.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_quantize, prepare_hessian
 
+if TYPE_CHECKING:
+    from ops.scale_tune import TuneStats
+
 __all__ = ["CALIB_GENRES", "EVAL_GENRES", "DEFAULT_CALIB_TOKENS", "CalibrationStats", "LayerCalibrator",
-           "DenseWeights", "calibration_ids", "in_layer_order", "layer_of"]
+           "gqa_attention", "DenseWeights", "calibration_ids", "in_layer_order", "layer_of"]
 
 
 
@@ -92,7 +96,33 @@ class CalibrationStats:
     gptq_linears: int = 0  # linear modules quantised by GPTQ
     rtn_experts: list[str] = field(default_factory=list)  # routed experts rounded to nearest (too few tokens)
     awq_alphas: list[float] = field(default_factory=list)  # AWQ's exponent per scaled input, in order
-    seconds: float = 0.0  # spent in calibration and GPTQ
+    seconds: float = 0.0  # spent in calibration and GPTQ (and scale tuning)
+    tune: TuneStats | None = None  # when the scales were tuned end to end afterwards (`ops/scale_tune.py`)
+
+
+def gqa_attention(cfg: ModelConfig, get: Callable[[str], torch.Tensor], has: Callable[[str], bool], a: str,
+                  x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention [S, L, H * hd] (before o_proj) of x [S, L, hidden] with the projections
+    w = (wq, wk, wv) of module `a` ("model.layers.{i}.self_attn."): q/k/v biases when the config has them
+    and `has` says the checkpoint does, per-head q/k RMSNorm (`use_qk_norm`), NeoX RoPE with cos, sin
+    [L, rot/2], scale head_dim^-0.5; float32 and differentiable (`ops/scale_tune.py` trains through it)."""
+    s, length, _ = x.shape
+    hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    q, k, v = (x @ wi.t() for wi in w)
+    if cfg.attention_bias and has(f"{a}q_proj.bias"):
+        q, k, v = (t + get(f"{a}{n}_proj.bias").float() for t, n in zip((q, k, v), "qkv"))
+    q, k, v = q.view(s, length, nh, hd), k.view(s, length, nkv, hd), v.view(s, length, nkv, hd)
+    if cfg.use_qk_norm:
+        q = rms_norm(q, get(f"{a}q_norm.weight").float(), cfg.rms_norm_eps)
+        k = rms_norm(k, get(f"{a}k_norm.weight").float(), cfg.rms_norm_eps)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    heads = []
+    for j in range(s):  # one sequence at a time: bounded attention memory
+        o = F.scaled_dot_product_attention(q[j].transpose(0, 1), k[j].transpose(0, 1), v[j].transpose(0, 1),
+                                           is_causal=True, scale=hd ** -0.5, enable_gqa=True)  # [H, L, hd]
+        heads.append(o.transpose(0, 1).reshape(length, nh * hd))
+    return torch.stack(heads)  # [S, L, H * hd]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -237,23 +267,7 @@ class LayerCalibrator:
 
     def _gqa(self, a: str, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
         """The attention output [S, L, H * hd] of x [S, L, hidden] with projections wq/wk/wv (module `a`)."""
-        cfg = self.cfg
-        s, length, _ = x.shape
-        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        q, k, v = (x @ w.t() for w in (wq, wk, wv))
-        if cfg.attention_bias and self.has(f"{a}q_proj.bias"):
-            q, k, v = (t + self.get(f"{a}{n}_proj.bias").float() for t, n in zip((q, k, v), "qkv"))
-        q, k, v = q.view(s, length, nh, hd), k.view(s, length, nkv, hd), v.view(s, length, nkv, hd)
-        if cfg.use_qk_norm:
-            q = rms_norm(q, self.get(f"{a}q_norm.weight").float(), cfg.rms_norm_eps)
-            k = rms_norm(k, self.get(f"{a}k_norm.weight").float(), cfg.rms_norm_eps)
-        q, k = _rope(q, self.cos, self.sin), _rope(k, self.cos, self.sin)
-        heads = []
-        for j in range(s):  # one sequence at a time: bounded attention memory
-            o = F.scaled_dot_product_attention(q[j].transpose(0, 1), k[j].transpose(0, 1), v[j].transpose(0, 1),
-                                               is_causal=True, scale=hd ** -0.5, enable_gqa=True)  # [H, L, hd]
-            heads.append(o.transpose(0, 1).reshape(length, nh * hd))
-        return torch.stack(heads)  # [S, L, H * hd]
+        return gqa_attention(self.cfg, self.get, self.has, a, x, (wq, wk, wv), self.cos, self.sin)
 
     def _bias(self, module: str) -> torch.Tensor | float:
         """`module`'s bias (float32) when the config has attention biases and the checkpoint holds it, else 0."""

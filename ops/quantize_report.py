@@ -114,6 +114,10 @@ def print_report(report: SizeReport, target: WeightFormat, cfg: ModelConfig) -> 
         print(f"  calibration    {cal.tokens:>12,} tokens ({cal.sequences} x {cal.seq_len}); GPTQ on "
               f"{cal.gptq_linears} linears, {len(cal.rtn_experts)} routed experts rounded to nearest "
               f"(fewer calibration tokens than the group size)")
+        if cal.tune is not None:
+            t = cal.tune
+            print(f"  scales tuned   {t.epochs:>12} epochs ({t.steps} steps of {t.seq_len} tokens, {t.seconds:.0f} s); "
+                  f"KL to the dense model {t.kl_start:.4f} -> {t.kl_end:.4f}")
         if cal.awq_alphas:
             alphas = sorted(cal.awq_alphas)
             print(f"  AWQ scales     {len(alphas):>12} inputs scaled, alpha median {alphas[len(alphas) // 2]:.2f} "

@@ -37,9 +37,10 @@ the compute dtype, in every engine.
    (20; quick 1 of 512) of held-out Brown corpus text, genres J-R (`ops.calibration.
    EVAL_GENRES`; GPTQ calibrates on genres A-H, so no document is shared), scored
    teacher-forced through the serving path (`LLMEngine.score_tokens`) with the engine's
-   format, for bf16, fp8, int4_rtn_g128, int4_rtn_g32, int4_gptq_g128, int4_gptq_g32 and int4_awq_g128
-   (`edgeserve quantize`'s methods with their defaults; awq is AWQ-style input scales, then round
-   to nearest).
+   format, for bf16, fp8, int4_rtn_g128, int4_rtn_g32, int4_gptq_g128, int4_gptq_g32, int4_gptq_untuned_g128
+   and int4_awq_g128 (`edgeserve quantize`'s methods with their defaults: gptq is followed by the end-to-end
+   tuning of the group scales, `ops/scale_tune.py`, which the untuned row leaves out; awq is AWQ-style input
+   scales, then round to nearest).
    Each quantised checkpoint is written by `edgeserve quantize` (`quantize_checkpoint`)
    in a fresh process of its own, which gives its `quantize_s` and
    `quantize_peak_rss_bytes` (the child's ru_maxrss); GPTQ calibrates on C tokens
@@ -85,10 +86,11 @@ SPEED_FORMATS: dict[str, tuple[str, int]] = {  # report name -> (format, int4 gr
 QUANTIZED: dict[str, tuple[str, int, str]] = {  # report name -> (format, group size, method) written by quantize
     "fp8": ("fp8", 128, "rtn"), "int4_rtn_g128": ("int4", 128, "rtn"), "int4_rtn_g32": ("int4", 32, "rtn"),
     "int4_gptq_g128": ("int4", 128, "gptq"), "int4_gptq_g32": ("int4", 32, "gptq"),
-    "int4_awq_g128": ("int4", 128, "awq")}
+    "int4_gptq_untuned_g128": ("int4", 128, "gptq-untuned"), "int4_awq_g128": ("int4", 128, "awq")}
 QUALITY_FORMATS: dict[str, str] = {  # report name -> the engine it is measured on
     "bf16": "fp32", "fp8": "fp8", "int4_rtn_g128": "int4", "int4_rtn_g32": "int4_g32",
-    "int4_gptq_g128": "int4_gptq_g128", "int4_gptq_g32": "int4_gptq_g32", "int4_awq_g128": "int4_awq_g128"}
+    "int4_gptq_g128": "int4_gptq_g128", "int4_gptq_g32": "int4_gptq_g32",
+    "int4_gptq_untuned_g128": "int4_gptq_untuned_g128", "int4_awq_g128": "int4_awq_g128"}
 
 
 def checkpoint_sizes(model_dir) -> tuple[dict[str, int], dict[str, int]]:
@@ -129,14 +131,19 @@ def _quantize_job(src: str, dst: str, fmt: str, group: int, method: str, calib_t
     from backend.weight_formats import weight_format
     from ops.quantize import quantize_checkpoint
 
-    report = quantize_checkpoint(Path(src), Path(dst), weight_format(fmt, group), method=method,
-                                 calib_tokens=calib_tokens, progress=False)
+    untuned = method.endswith("-untuned")  # GPTQ without the end-to-end scale tuning that follows it
+    report = quantize_checkpoint(Path(src), Path(dst), weight_format(fmt, group),
+                                 method=method.removesuffix("-untuned"), calib_tokens=calib_tokens, progress=False,
+                                 tune_epochs=0 if untuned else None)
     cal = report.calibration
+    tune = None if cal is None or cal.tune is None else \
+        {"epochs": cal.tune.epochs, "steps": cal.tune.steps, "kl_start": cal.tune.kl_start,
+         "kl_end": cal.tune.kl_end, "seconds": cal.tune.seconds}
     return {"quantize_s": report.quantize_s, "peak_rss_bytes": report.peak_rss_bytes,
             "output_bytes": report.output_bytes,
             "calibration": None if cal is None else {"tokens": cal.tokens, "seq_len": cal.seq_len,
                                                      "gptq_linears": cal.gptq_linears,
-                                                     "rtn_experts": len(cal.rtn_experts)}}
+                                                     "rtn_experts": len(cal.rtn_experts), "tune": tune}}
 
 
 def quantize_in_child(src: Path, dst: Path, fmt: str, group: int, method: str, calib_tokens: int) -> dict[str, Any]:
