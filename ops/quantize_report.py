@@ -117,7 +117,8 @@ def print_report(report: SizeReport, target: WeightFormat, cfg: ModelConfig) -> 
         if cal.tune is not None:
             t = cal.tune
             print(f"  scales tuned   {t.epochs:>12} epochs ({t.steps} steps of {t.seq_len} tokens, {t.seconds:.0f} s); "
-                  f"KL to the dense model {t.kl_start:.4f} -> {t.kl_end:.4f}")
+                  f"KL to the dense model {t.kl_start:.4f} -> {t.kl_end:.4f}"
+                  + (" (no better: GPTQ's scales kept)" if t.kept_gptq else ""))
         if cal.awq_alphas:
             alphas = sorted(cal.awq_alphas)
             print(f"  AWQ scales     {len(alphas):>12} inputs scaled, alpha median {alphas[len(alphas) // 2]:.2f} "

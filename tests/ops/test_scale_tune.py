@@ -84,7 +84,7 @@ def test_tuning_lowers_the_kl_and_changes_only_scales(tiny: Path, tmp_path: Path
     plain = quantize.quantize_checkpoint(tiny, tmp_path / "gptq", fmt, method="gptq", calib_ids=calib,
                                          tune_epochs=0, progress=False)
     tuned = quantize.quantize_checkpoint(tiny, tmp_path / "tuned", fmt, method="gptq", calib_ids=calib,
-                                         tune_epochs=4, progress=False)
+                                         tune_epochs=4, tune_lr=4e-3, progress=False)
     assert plain.calibration.tune is None
     stats = tuned.calibration.tune
     assert stats.steps == 4 * calib.shape[0] and stats.kl_end < 0.8 * stats.kl_start, stats
@@ -113,3 +113,32 @@ def test_what_tuning_does_not_cover(tmp_path: Path) -> None:
     with pytest.raises(WeightsError, match="0 or more"):
         quantize.quantize_checkpoint(moe, tmp_path / "c", fmt, method="gptq", calib_ids=_ids(0, 2, 32),
                                      tune_epochs=-1, progress=False)
+
+
+def test_a_linear_kept_dense_stays_dense_through_tuning(tiny: Path, tmp_path: Path) -> None:
+    """An ignored linear is written dense and the tuned model runs it dense: the tuner's final KL is the
+    runtime's KL of the written checkpoint."""
+    calib = _ids(0)
+    kept = "model.layers.1.mlp.down_proj"
+    report = quantize.quantize_checkpoint(tiny, tmp_path / "q", weight_format("int4", 32), method="gptq",
+                                          calib_ids=calib, ignore=[kept], tune_epochs=2, tune_lr=4e-3, progress=False)
+    written = CheckpointReader(tmp_path / "q")
+    assert f"{kept}.weight" in written and f"{kept}.qweight" not in written
+    torch.testing.assert_close(written.get(f"{kept}.weight"), CheckpointReader(tiny).get(f"{kept}.weight"))
+    stats = report.calibration.tune
+    assert stats.kl_end < stats.kl_start
+    assert _runtime_kl(tiny, tmp_path / "q", calib) == pytest.approx(stats.kl_end, rel=0.05)
+
+
+def test_tuning_that_does_not_help_keeps_gptqs_scales(tiny: Path, tmp_path: Path) -> None:
+    """Steps far too large (the learning rate 1, in units of a group's scale) leave the model further from
+    the dense one on the calibration tokens: the written checkpoint is GPTQ's, bit for bit, and says so."""
+    fmt, calib = weight_format("int4", 32), _ids(0)
+    quantize.quantize_checkpoint(tiny, tmp_path / "gptq", fmt, method="gptq", calib_ids=calib, tune_epochs=0,
+                                 progress=False)
+    report = quantize.quantize_checkpoint(tiny, tmp_path / "wild", fmt, method="gptq", calib_ids=calib,
+                                          tune_epochs=1, tune_lr=1.0, progress=False)
+    stats = report.calibration.tune
+    assert stats.kept_gptq and stats.kl_end > stats.kl_start
+    a, b = CheckpointReader(tmp_path / "gptq"), CheckpointReader(tmp_path / "wild")
+    assert all(torch.equal(a.get(n), b.get(n)) for n in a.names())
