@@ -33,6 +33,7 @@ layer forward of `ops/calibration.py` (`gqa_attention`). MoE and MLA decoders ar
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -192,6 +193,7 @@ def tune_scales(cfg: ModelConfig, ids: torch.Tensor, get: Callable[[str], torch.
     if ids.shape[1] % seq_len == 0 and ids.shape[1] > seq_len:
         ids = ids.reshape(-1, seq_len)
     stats.sequences, stats.seq_len = ids.shape
+    get = functools.cache(get)  # norms, biases, embedding: read from the checkpoint once, not every step
     model = _Decoder(cfg, get, has, ids.shape[1])
     groups = [{m: _Groups(sw, group_size, fixed_zero) for m, sw in layer.items()} for layer in layers]
 

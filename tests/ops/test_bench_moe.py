@@ -85,7 +85,8 @@ def test_tiny_run_writes_every_key_and_the_table(tmp_path: Path, capsys: pytest.
     finally:
         torch.set_num_threads(threads)
     report = json.loads(out.read_text())
-    paths = {"loop", "int4_loop", "transformers"} | {p for p in ("grouped", "int4_grouped") if p in report["moe_layer_ms"]}
+    grouped = {p for p in ("grouped", "int4_grouped") if p in report["moe_layer_ms"]}
+    paths = {"loop", "int4_loop", "transformers"} | grouped
     assert set(report["moe_layer_ms"]) == paths
     assert all(set(row) == {"1", "32"} and all(v > 0 for v in row.values()) for row in report["moe_layer_ms"].values())
     assert set(report["decode_tok_s"]) == {"fp32", "bf16", "int4"}
