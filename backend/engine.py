@@ -124,6 +124,7 @@ class EngineConfig:
 class TokenScores(NamedTuple):
     logprobs: torch.Tensor  # [len - 1] float32: log p(token i + 1 | tokens ..i)
     top1: torch.Tensor  # [len - 1] bool: token i + 1 was the argmax
+    dist: torch.Tensor | None = None  # [len - 1, vocab] log-probabilities of every token (when asked)
 
 
 class StepOutput(NamedTuple):
@@ -664,14 +665,15 @@ class LLMEngine:
         return self.score_tokens(token_ids).logprobs
 
     @torch.inference_mode()
-    def score_tokens(self, token_ids: list[int]) -> TokenScores:
-        """`score`'s log-probabilities plus whether each token was the model's top-1 prediction."""
+    def score_tokens(self, token_ids: list[int], dist: bool = False) -> TokenScores:
+        """`score`'s log-probabilities plus whether each token was the model's top-1 prediction (and with
+        `dist` the whole next-token distribution at every position, e.g. for a KL between two formats)."""
         seq = Sequence("score-" + uuid.uuid4().hex, list(token_ids), SamplingParams(max_tokens=1))
         n = len(token_ids)
         if not 2 <= n <= self.max_model_len:
             raise InvalidRequest(f"score needs 2..{self.max_model_len} tokens, got {n}")
         seq.page_ids = self.allocator.allocate(self.scheduler.pages_for(n))
-        logprobs, top1 = [], []
+        logprobs, top1, dists = [], [], []
         try:
             chunk = self.config.prefill_chunk_size
             for start in range(0, n - 1, chunk):
@@ -681,13 +683,16 @@ class LLMEngine:
                 meta.logits_rows = torch.arange(take, device=self.runner.device)
                 logits = self.model.forward(input_ids, meta, self.cache).cpu()
                 targets = torch.tensor(token_ids[start + 1: start + 1 + take])
-                logprobs.append(logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1))
+                rows = logits.log_softmax(-1)
+                logprobs.append(rows.gather(1, targets.unsqueeze(1)).squeeze(1))
+                if dist:
+                    dists.append(rows)
                 top1.append(logits.argmax(-1) == targets)
                 seq.num_computed_tokens += take
         finally:
             self.allocator.release(seq.page_ids)
             seq.page_ids = []
-        return TokenScores(torch.cat(logprobs), torch.cat(top1))
+        return TokenScores(torch.cat(logprobs), torch.cat(top1), torch.cat(dists) if dist else None)
 
     # -- introspection -----------------------------------------------------------------
     def snapshot(self) -> dict[str, object]:

@@ -49,6 +49,10 @@ the compute dtype, in every engine.
    run the engines of step 1 (quantise-at-load equals the written checkpoint bit for
    bit, `tests/ops/test_quantize.py`); the gptq rows load their checkpoints. Targets:
    INT4 g128 GPTQ top-1 within 0.8 percentage points of FP8 and perplexity within 3%.
+   Beside them, the mean KL(bf16 || format) of the next-token distributions over the first K windows
+   (4; quick 1): how far a format moved the model, not how well it predicts this corpus. Perplexity on
+   Brown text can reward a quantiser that fits its Brown calibration text (genres A-H) rather than the
+   dense model (BENCHMARKS.md, the scale tuning's learning rate); the KL cannot.
 5. **Memory** of a unified worker holding fp32 prefill + int4 decode weights against
    one format, from the engines' `weight_memory()`; and micro-measurements (median of
    repeated calls): every linear layer of one forward at M = 1 per format (the format's
@@ -65,10 +69,11 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -115,15 +120,35 @@ def checkpoint_sizes(model_dir) -> tuple[dict[str, int], dict[str, int]]:
     return size, linear
 
 
-def quality(engine, windows: list[list[int]]) -> tuple[float, float, int]:
-    """(perplexity, top-1 accuracy, tokens scored) over `windows`, each scored from its first token."""
-    nll, hits, n = 0.0, 0, 0
-    for window in windows:
-        scores = engine.score_tokens(window)
+class Quality(NamedTuple):
+    """What `quality` measured of one format."""
+
+    ppl: float
+    top1: float  # top-1 next-token accuracy, 0..1
+    tokens: int  # tokens scored
+    kl: float | None  # mean KL(reference || this format) over the reference's windows (None without one)
+    dists: list[torch.Tensor]  # the first `keep` windows' next-token log-probabilities, float16 [len - 1, vocab]
+
+
+def quality(engine, windows: list[list[int]], reference: Sequence[torch.Tensor] = (), keep: int = 0) -> Quality:
+    """Perplexity and top-1 accuracy over `windows`, each scored from its first token; with `reference` (another
+    format's `dists` of the first windows) the mean KL from it over those windows; `keep` windows' distributions
+    returned (float16), to be the reference of later formats."""
+    nll, hits, n, kls, dists = 0.0, 0, 0, [], []
+    for j, window in enumerate(windows):
+        full = j < max(len(reference), keep)
+        scores = engine.score_tokens(window, dist=full)
         nll -= float(scores.logprobs.double().sum())
         hits += int(scores.top1.sum())
         n += scores.logprobs.numel()
-    return math.exp(nll / n), hits / n, n
+        if full:
+            this = scores.dist.float()
+            if j < len(reference):
+                ref = reference[j].float()
+                kls.append(float((ref.exp() * (ref - this)).sum(-1).mean()))
+            if j < keep:
+                dists.append(this.half())  # float16: log-probs to ~0.004 (bfloat16 put 2e-4 in a KL of itself)
+    return Quality(math.exp(nll / n), hits / n, n, sum(kls) / len(kls) if kls else None, dists)
 
 
 def _quantize_job(src: str, dst: str, fmt: str, group: int, method: str, calib_tokens: int) -> dict[str, Any]:
@@ -213,6 +238,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-repeats", type=int, default=None, help="R (default 3; quick 1)")
     p.add_argument("--ppl-window", type=int, default=None, help="tokens per scored window (default 1024; quick 512)")
     p.add_argument("--ppl-windows", type=int, default=None, help="windows scored (default 20; quick 1)")
+    p.add_argument("--kl-windows", type=int, default=None,
+                   help="of those, the first ones scored by the KL to the bf16 model too (default 4; quick 1)")
     p.add_argument("--calib-tokens", type=int, default=None, help="GPTQ calibration tokens (default 8192; quick 2048)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -247,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
     prefill_repeats = args.prefill_repeats or (1 if quick else 3)
     window = args.ppl_window or (512 if quick else 1024)
     num_windows = args.ppl_windows or (1 if quick else 20)
+    kl_windows = min(num_windows, args.kl_windows or (1 if quick else 4))
     calib_tokens = args.calib_tokens or (2048 if quick else 8192)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -315,6 +343,8 @@ def run(args: argparse.Namespace) -> int:
     windows = [stream[i * window:(i + 1) * window] for i in range(num_windows)]
     ppl: dict[str, float] = {}
     top1: dict[str, float] = {}
+    kl: dict[str, float] = {}  # KL(bf16 || format) over the first kl_windows windows
+    reference: list[torch.Tensor] = []
     scored = 0
     micro_ms = micro(engines)
     memory = {name: e.model.weight_memory() for name, e in speed.items()}
@@ -332,11 +362,20 @@ def run(args: argparse.Namespace) -> int:
                 engines[on] = engine("int4", 32) if on == "int4_g32" else engine(None, 128, Path(tmp) / on)
                 timings[f"load_{on}_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            ppl[name], top1[name], scored = quality(engines.pop(on), windows)
+            first = name == next(iter(QUALITY_FORMATS))  # bf16: the reference of every KL
+            got = quality(engines.pop(on), windows, reference, kl_windows if first else 0)
+            ppl[name], top1[name], scored = got.ppl, got.top1, got.tokens
+            if first:
+                reference = got.dists
+            else:
+                kl[name] = got.kl
+            del got
             gc.collect()
             timings[f"quality_{name}_s"] = time.perf_counter() - t0
-            log(f"quality {name}: ppl {ppl[name]:.4f}, top-1 {100 * top1[name]:.2f}% over {scored} tokens "
-                f"({timings[f'quality_{name}_s']:.0f} s)")
+            log(f"quality {name}: ppl {ppl[name]:.4f}, top-1 {100 * top1[name]:.2f}%"
+                + (f", KL to bf16 {kl[name]:.4f}" if name in kl else "")
+                + f" over {scored} tokens ({timings[f'quality_{name}_s']:.0f} s)")
+    del reference
     timings["quality_s"] = time.perf_counter() - t
 
     # -- memory of two formats, from the one-format engines' parts
@@ -356,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
         "int4_over_fp32_decode_c1": decode["int4"][c1] / decode["fp32"][c1],
         **{f"{n}_minus_fp8_top1_pp": 100 * (top1[n] - top1["fp8"]) for n in QUALITY_FORMATS if n.startswith("int4")},
         **{f"{n}_over_fp8_ppl": ppl[n] / ppl["fp8"] for n in QUALITY_FORMATS if n.startswith("int4")},
+        "int4_gptq_g128_kl_over_untuned": kl["int4_gptq_g128"] / kl["int4_gptq_untuned_g128"],
     }
     targets = {
         "int4_linear_bytes_le_0.54x_fp8": ratios["int4_over_fp8_linear_bytes"] <= 0.54,
@@ -381,11 +421,12 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{n} {v:.0f}" for n, v in prefill.items()) + f"; fastest: {prefill_default}")
     print(f"\nquality: Brown corpus, {num_windows} windows x {window} tokens = {scored} scored tokens "
           f"({docs[0]}..{docs[-1]})")
-    print(f"{'format':<16}{'top-1 %':>9}{'ppl':>10}{'quantize s':>12}{'peak RSS MB':>13}")
+    print(f"{'format':<24}{'top-1 %':>9}{'ppl':>10}{'KL to bf16':>12}{'quantize s':>12}{'peak RSS MB':>13}")
     for name in QUALITY_FORMATS:
         q = quantized.get(name)
         cost = f"{q['quantize_s']:>12.1f}{q['peak_rss_bytes'] / 1e6:>13.0f}" if q else ""
-        print(f"{name:<16}{100 * top1[name]:>9.2f}{ppl[name]:>10.4f}{cost}")
+        print(f"{name:<24}{100 * top1[name]:>9.2f}{ppl[name]:>10.4f}" + (f"{kl[name]:>12.4f}" if name in kl
+                                                                         else f"{'':>12}") + cost)
     print("\nweight memory (MB): " + "; ".join(
         f"{n}: total {m['total'] / 1e6:.0f} (linear prefill {m['prefill'] / 1e6:.0f}, decode {m['decode'] / 1e6:.0f}, "
         f"packs {m['packs'] / 1e6:.0f})" for n, m in memory.items()))
@@ -400,7 +441,8 @@ def run(args: argparse.Namespace) -> int:
                    "output_tokens": {str(c): _output_tokens(c, quick) for c in points},
                    "prefill_tokens": prefill_tokens, "prefill_repeats": prefill_repeats,
                    "ppl_window": window, "ppl_windows": num_windows, "ppl_documents": docs,
-                   "ppl_genres": EVAL_GENRES, "calib_tokens": calib_tokens, "quality_engine": QUALITY_FORMATS},
+                   "ppl_genres": EVAL_GENRES, "kl_windows": kl_windows, "calib_tokens": calib_tokens,
+                   "quality_engine": QUALITY_FORMATS},
         "size_bytes": size,
         "linear_size_bytes": linear_size,
         "decode_tok_s": decode,
@@ -410,6 +452,8 @@ def run(args: argparse.Namespace) -> int:
         "top1_acc": top1,
         "ppl": ppl,
         "ppl_tokens": scored,
+        "kl_to_bf16": kl,
+        "kl_tokens": kl_windows * (window - 1),
         "quantize_s": {n: q["quantize_s"] for n, q in quantized.items()},
         "quantize_peak_rss_bytes": {n: q["peak_rss_bytes"] for n, q in quantized.items()},
         "calibration": {n: q["calibration"] for n, q in quantized.items() if q["calibration"]},

@@ -1,0 +1,56 @@
+"""`bench weights`' quality measure (ops/bench/weights.py `quality`): perplexity, top-1 and the KL to a reference
+format are those of the engines' own next-token distributions, over the windows they say."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ops.bench.weights import quality
+from tests.backend.test_weight_formats import _engine, _prefill_logits
+from tests.backend.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("bw") / "m", "llama", seed=3, initializer_range=0.1)
+
+
+def _windows(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 320, (n,), generator=g).tolist() for n in (40, 33, 57)]
+
+
+def test_quality_kl_is_the_engines_distributions(tiny: Path) -> None:
+    """The KL from the reference's kept windows is the mean over those windows of KL(dense || int4) computed
+    from the two engines' logits; a format against itself scores 0; windows past the reference's count
+    only in perplexity and top-1, which are the mean log-probability and argmax hits of every window."""
+    windows = _windows(1)
+    dense, int4 = _engine(tiny), _engine(tiny, prefill_weights="int4", decode_weights="int4", int4_group_size=32)
+    ref = quality(dense, windows, keep=2)
+    assert ref.kl is None and len(ref.dists) == 2 and ref.dists[0].dtype == torch.float16
+    assert ref.dists[1].shape == (len(windows[1]) - 1, dense.model.cfg.vocab_size)
+
+    nll, hits, n = 0.0, 0, 0
+    want_kl = []
+    for j, w in enumerate(windows):
+        p, q = (F.log_softmax(_prefill_logits(e, w)[:-1].float(), dim=-1) for e in (dense, int4))
+        target = torch.tensor(w[1:])
+        nll -= float(q.gather(1, target[:, None]).sum())
+        hits += int((q.argmax(-1) == target).sum())
+        n += len(w) - 1
+        if j < 2:
+            p = ref.dists[j].float()  # the reference as kept (float16)
+            want_kl.append(float((p.exp() * (p - q)).sum(-1).mean()))
+
+    got = quality(int4, windows, ref.dists)
+    assert got.tokens == n and got.dists == []
+    assert got.ppl == pytest.approx(math.exp(nll / n), rel=1e-4)
+    assert got.top1 == pytest.approx(hits / n)
+    assert got.kl > 1e-4  # INT4 g32 of random weights moves the model
+    assert got.kl == pytest.approx(sum(want_kl) / 2, rel=1e-3)
+    assert quality(dense, windows, ref.dists).kl == pytest.approx(0.0, abs=5e-5)  # float16-rounded reference
