@@ -21,7 +21,7 @@ tensor read once for its experts.
 
 Method: ``rtn`` rounds each weight to nearest on its own. ``gptq`` (INT4 only; the
 default for INT4) chooses the codes against each linear's inputs on calibration text
-(`--calib-tokens`, 8192, of Brown genres A-H or `--calib-file`), walking the model layer
+(`--calib-tokens`, 16384, of Brown genres A-H or `--calib-file`), walking the model layer
 by layer (`ops/calibration.py`, `ops/gptq.py`; GQA and MLA decoders), by default with
 activation order and a clip search of each group's range (`--no-act-order`, `--no-clip`:
 measured worse on SmolLM2, `BENCHMARKS.md`). `--awq` scales the inputs AWQ-style first
@@ -30,9 +30,9 @@ measured worse on SmolLM2, `BENCHMARKS.md`). `--awq` scales the inputs AWQ-style
 held-out tokens, so both are off. ``awq`` is the AWQ scaling followed by round to nearest.
 After GPTQ, the group scales and zeros of a GQA decoder are tuned end to end against the
 dense model's next-token distribution on the calibration tokens, codes fixed (`ops/scale_tune.py`;
-`--tune-epochs`, 4 by default where it fits in memory, 0 off; ``awq`` and ``rtn`` are not tuned):
-on SmolLM2 at g128 it takes GPTQ's perplexity from +7.1% over FP8 to +4.0% and the held-out KL
-to the dense model down 11% (`BENCHMARKS.md`).
+`--tune-epochs`, 2 by default where it fits in memory, 0 off; ``awq`` and ``rtn`` are not tuned):
+on SmolLM2 at g128 it takes GPTQ's perplexity from +7.1% over FP8 to +3.1% and the held-out KL
+to the dense model from 0.093 to 0.069 (`BENCHMARKS.md`).
 Every layer is then quantised before the first is written, so the whole model's INT4 weights
 are held at once.
 All write the same tensors, dtypes, shapes and order: the checkpoints differ only in values

@@ -44,7 +44,7 @@ the compute dtype, in every engine.
    Each quantised checkpoint is written by `edgeserve quantize` (`quantize_checkpoint`)
    in a fresh process of its own, which gives its `quantize_s` and
    `quantize_peak_rss_bytes` (the child's ru_maxrss); GPTQ calibrates on C tokens
-   (8192; quick 2048). The bf16 row runs on the fp32 engine: it holds exactly the BF16
+   (`edgeserve quantize`'s 16,384; quick 2048). The bf16 row runs on the fp32 engine: it holds exactly the BF16
    checkpoint's values (under float32 compute a BF16 GEMM would also round activations). The rtn and fp8 rows
    run the engines of step 1 (quantise-at-load equals the written checkpoint bit for
    bit, `tests/ops/test_quantize.py`); the gptq rows load their checkpoints. Targets:
@@ -82,6 +82,7 @@ from ops.bench.harness.machine import load_average_text
 from ops.bench.harness.progress import log
 from ops.bench.harness.prompts import fixed_length_prompts
 from ops.bench.report import write_report
+from ops.calibration_inputs import DEFAULT_CALIB_TOKENS
 
 __all__ = ["add_arguments", "run", "checkpoint_sizes", "quality", "quantize_in_child", "SPEED_FORMATS",
            "QUALITY_FORMATS", "QUANTIZED"]
@@ -240,7 +241,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ppl-windows", type=int, default=None, help="windows scored (default 20; quick 1)")
     p.add_argument("--kl-windows", type=int, default=None,
                    help="of those, the first ones scored by the KL to the bf16 model too (default 4; quick 1)")
-    p.add_argument("--calib-tokens", type=int, default=None, help="GPTQ calibration tokens (default 8192; quick 2048)")
+    p.add_argument("--calib-tokens", type=int, default=None, help=f"GPTQ calibration tokens (default {DEFAULT_CALIB_TOKENS}; quick 2048)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype of every engine (default auto: the host's, as serve); KV pages in it")
@@ -275,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     window = args.ppl_window or (512 if quick else 1024)
     num_windows = args.ppl_windows or (1 if quick else 20)
     kl_windows = min(num_windows, args.kl_windows or (1 if quick else 4))
-    calib_tokens = args.calib_tokens or (2048 if quick else 8192)
+    calib_tokens = args.calib_tokens or (2048 if quick else DEFAULT_CALIB_TOKENS)
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
