@@ -164,7 +164,7 @@ def _quantize_job(src: str, dst: str, fmt: str, group: int, method: str, calib_t
     cal = report.calibration
     tune = None if cal is None or cal.tune is None else \
         {"epochs": cal.tune.epochs, "steps": cal.tune.steps, "kl_start": cal.tune.kl_start,
-         "kl_end": cal.tune.kl_end, "seconds": cal.tune.seconds}
+         "kl_end": cal.tune.kl_end, "kept_gptq": cal.tune.kept_gptq, "seconds": cal.tune.seconds}
     return {"quantize_s": report.quantize_s, "peak_rss_bytes": report.peak_rss_bytes,
             "output_bytes": report.output_bytes,
             "calibration": None if cal is None else {"tokens": cal.tokens, "seq_len": cal.seq_len,
