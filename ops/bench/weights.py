@@ -241,7 +241,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ppl-windows", type=int, default=None, help="windows scored (default 20; quick 1)")
     p.add_argument("--kl-windows", type=int, default=None,
                    help="of those, the first ones scored by the KL to the bf16 model too (default 4; quick 1)")
-    p.add_argument("--calib-tokens", type=int, default=None, help=f"GPTQ calibration tokens (default {DEFAULT_CALIB_TOKENS}; quick 2048)")
+    p.add_argument("--calib-tokens", type=int, default=None,
+                   help=f"GPTQ calibration tokens (default {DEFAULT_CALIB_TOKENS}; quick 2048)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype of every engine (default auto: the host's, as serve); KV pages in it")
