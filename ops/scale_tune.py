@@ -52,8 +52,8 @@ from backend.rope import rope_inv_freq
 from backend.weight_formats import StoredWeight
 from ops.calibration import LayerCalibrator, gqa_attention
 
-__all__ = ["TuneStats", "TunedLayers", "tune_scales", "untunable", "tune_bytes", "DEFAULT_TUNE_EPOCHS",
-           "DEFAULT_TUNE_LR", "DEFAULT_TUNE_SEQ_LEN"]
+__all__ = ["TuneStats", "TunedLayers", "tune_scales", "untunable", "tune_bytes", "kl_divergence",
+           "DEFAULT_TUNE_EPOCHS", "DEFAULT_TUNE_LR", "DEFAULT_TUNE_SEQ_LEN"]
 
 DEFAULT_TUNE_EPOCHS = 2  # over 16,384 tokens: as close to the dense model held out as 1 over 32,768, cheaper
 # Adam's step in units of a group's scale (a: log scale, b: zero in steps). Of 1e-3, 3e-3 and 6e-3 on SmolLM2 g128,
@@ -173,8 +173,9 @@ class _Decoder:
         return F.log_softmax(rms_norm(h, self.final_norm, self.cfg.rms_norm_eps) @ self.head.t(), dim=-1)
 
 
-def _kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of KL(teacher || student), both log-probabilities [L, vocab]."""
+def kl_divergence(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(teacher || student), both log-probabilities [L, vocab] (the teacher in any float
+    dtype; `bench weights` scores formats by it too)."""
     t = teacher.float()
     return (t.exp() * (t - student)).sum(dim=-1).mean()
 
@@ -227,7 +228,7 @@ def tune_scales(cfg: ModelConfig, ids: torch.Tensor, get: Callable[[str], torch.
 
     def mean_kl() -> float:
         with torch.no_grad():
-            return sum(float(_kl(teacher[j], student(j))) for j in range(ids.shape[0])) / ids.shape[0]
+            return sum(float(kl_divergence(teacher[j], student(j))) for j in range(ids.shape[0])) / ids.shape[0]
 
     params = [t for g in groups for one in g.values() for t in (one.a, one.b) if t.requires_grad]
     stats.kl_start = mean_kl()
@@ -238,7 +239,7 @@ def tune_scales(cfg: ModelConfig, ids: torch.Tensor, get: Callable[[str], torch.
     with tqdm(total=total, desc="tune INT4 scales", unit="seq", disable=not progress) as bar:
         for _ in range(epochs):
             for j in torch.randperm(ids.shape[0], generator=rng).tolist():
-                loss = _kl(teacher[j], student(j))
+                loss = kl_divergence(teacher[j], student(j))
                 optim.zero_grad(set_to_none=True)
                 loss.backward()
                 optim.step()

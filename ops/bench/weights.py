@@ -83,6 +83,7 @@ from ops.bench.harness.progress import log
 from ops.bench.harness.prompts import fixed_length_prompts
 from ops.bench.report import write_report
 from ops.calibration_inputs import DEFAULT_CALIB_TOKENS
+from ops.scale_tune import kl_divergence
 
 __all__ = ["add_arguments", "run", "checkpoint_sizes", "quality", "quantize_in_child", "SPEED_FORMATS",
            "QUALITY_FORMATS", "QUANTIZED"]
@@ -145,8 +146,7 @@ def quality(engine, windows: list[list[int]], reference: Sequence[torch.Tensor] 
         if full:
             this = scores.dist.float()
             if j < len(reference):
-                ref = reference[j].float()
-                kls.append(float((ref.exp() * (ref - this)).sum(-1).mean()))
+                kls.append(float(kl_divergence(reference[j], this)))
             if j < keep:
                 dists.append(this.half())  # float16: log-probs to ~0.004 (bfloat16 put 2e-4 in a KL of itself)
     return Quality(math.exp(nll / n), hits / n, n, sum(kls) / len(kls) if kls else None, dists)
