@@ -37,15 +37,21 @@
 Load between heartbeats: the router remembers what it dispatched to each worker
 until the request ends (`done`), and adds what was sent after the worker's last
 record (requests and prompt tokens), so a burst within one refresh interval does
-not all land on the worker that looked idlest. Static workers (no records) count
-everything in flight.
+not all land on the worker that looked idlest. It also takes off what the record
+still counts but has ended since (requests dispatched before the record was
+written and ended after it): a conversation's next turn, sent the moment the last
+one ends, otherwise finds its own worker loaded by that very turn for up to a
+heartbeat and goes to a worker that must compute the whole prompt again. Only the
+request count is corrected, not `queued_prefill_tokens` (whether an ended request's
+prompt was still queued when the record was written is not known here). Static
+workers (no records) count everything in flight.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import NamedTuple
 
 from backend.errors import NoCapacity
@@ -81,18 +87,32 @@ class RouteDecision(NamedTuple):
     overlap_blocks: int = 0
 
 
+ENDED_KEEP_S = 10.0  # how long an ended request is remembered: longer than a record lives (3 s TTL)
+
+
 class _InFlight:
-    """Requests this gateway dispatched and that have not ended: per worker, (dispatch time, tokens)."""
+    """Requests this gateway dispatched, per worker: those not ended, (dispatch time, tokens), and those
+    that ended in the last `ENDED_KEEP_S`, (dispatch time, end time)."""
 
     def __init__(self) -> None:
         self.active: dict[str, dict[str, tuple[float, int]]] = defaultdict(dict)
+        self.ended: dict[str, deque[tuple[float, float]]] = defaultdict(deque)
 
     def add(self, worker_id: str, request_id: str, tokens: int) -> None:
         self.active[worker_id][request_id] = (time.time(), tokens)
 
     def done(self, request_id: str) -> None:
-        for requests in self.active.values():
-            requests.pop(request_id, None)
+        now = time.time()
+        for worker_id, requests in self.active.items():
+            if (item := requests.pop(request_id, None)) is not None:
+                ended = self.ended[worker_id]
+                ended.append((item[0], now))
+                while ended[0][1] < now - ENDED_KEEP_S:
+                    ended.popleft()
+
+    def gone(self, rec: WorkerRecord) -> int:
+        """Requests `rec` still counts (dispatched before it was written) that have ended since."""
+        return sum(1 for sent, end in self.ended[rec.id] if sent <= rec.updated_at < end)
 
     def unseen(self, rec: WorkerRecord) -> tuple[int, int]:
         """(requests, prompt tokens) sent after `rec` was written, so not in its load figures yet."""
@@ -169,7 +189,8 @@ class Router:
         return room >= need and w.waiting + self._inflight.unseen(w)[0] < self.max_waiting
 
     def _load(self, w: WorkerRecord) -> int:
-        return w.running + w.waiting + self._inflight.unseen(w)[0]
+        """Running + waiting requests on `w` now: its record's, plus what was sent since, less what ended since."""
+        return max(0, w.running + w.waiting + self._inflight.unseen(w)[0] - self._inflight.gone(w))
 
     async def _rank(self, model: str, tenant_id: str, prompt_ids: list[int], need: int,
                     front: list[WorkerRecord], workers: list[WorkerRecord], region: str

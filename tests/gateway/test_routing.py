@@ -136,6 +136,30 @@ def test_prefix_overlap_wins_until_the_load_outweighs_it(redis_url: str) -> None
     asyncio.run(go())
 
 
+def test_a_conversations_next_turn_is_not_pushed_off_its_worker_by_the_turn_that_just_ended(redis_url: str) -> None:
+    """The record written while turn 1 ran still counts it when turn 2 arrives the moment turn 1 ends;
+    the router takes ended requests off, so turn 2 goes where its prefix is cached. A request that
+    ended before the record was written is not taken off twice."""
+    async def go() -> None:
+        rt, r = router(redis_url)
+        await register(redis_url, rec("a"), rec("b"))
+        await holds(redis_url, "b", "tenant-1", PROMPT, 4)
+        assert (await rt.route("m", "tenant-1", PROMPT[:64], 8, "eu", "turn1")).candidates[0].worker.id == "b"
+        await register(redis_url, rec("b", running=1))  # b's heartbeat while turn 1 runs
+        rt.done("turn1")
+        d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "turn2")
+        assert d.candidates[0].worker.id == "b" and d.overlap_blocks == 4, d.reason
+        rt.done("turn2")
+        # a record written after both ended that still says running=1 is another request: b is loaded
+        time.sleep(0.01)
+        await register(redis_url, rec("b", running=1))
+        d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "turn3")
+        assert d.candidates[0].worker.id == "a", d.reason  # 16 + 256 x 1 on b against 80 on a
+        await r.aclose()
+
+    asyncio.run(go())
+
+
 def test_a_sole_worker_is_chosen_without_asking_the_prefix_index(redis_url: str) -> None:
     """One candidate wins whatever it caches, so the Redis lookup is skipped; a second one brings it back."""
     async def go() -> None:
