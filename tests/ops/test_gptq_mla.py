@@ -77,8 +77,10 @@ def test_mla_gptq_output_error_below_rtn_and_serves(mla_dir: Path, tmp_path: Pat
     fmt = weight_format("int4", 32)
     calib, held = torch.randint(3, 320, (8, 64)), torch.randint(3, 320, (96,)).tolist()
     quantize.quantize_checkpoint(mla_dir, tmp_path / "rtn", fmt, method="rtn", progress=False)
+    # at the GPTQ paper's 1% dampening: the default 10% (best end to end on SmolLM2) leaves random weights
+    # calibrated on 512 random tokens closer to RTN (0.87-0.93 of its error), a weaker test of the MLA path
     report = quantize.quantize_checkpoint(mla_dir, tmp_path / "gptq", fmt, method="gptq", calib_ids=calib,
-                                          progress=False)
+                                          damp=0.01, progress=False)
     assert report.calibration.gptq_linears > 0
     dense = _prefill_logits(_engine(mla_dir), held)
     err = {m: (_prefill_logits(_engine(tmp_path / m), held) - dense).norm().item() for m in ("rtn", "gptq")}
