@@ -111,8 +111,14 @@ class _InFlight:
                     ended.popleft()
 
     def gone(self, rec: WorkerRecord) -> int:
-        """Requests `rec` still counts (dispatched before it was written) that have ended since."""
-        return sum(1 for sent, end in self.ended[rec.id] if sent <= rec.updated_at < end)
+        """Requests `rec` still counts (dispatched before it was written) that have ended since. Those that
+        ended before it are dropped: a worker's records only get newer, so no record will count them again."""
+        if not rec.updated_at:  # a static worker: no record counts anything
+            return 0
+        ended = self.ended[rec.id]
+        while ended and ended[0][1] <= rec.updated_at:
+            ended.popleft()
+        return sum(1 for sent, _ in ended if sent <= rec.updated_at)
 
     def unseen(self, rec: WorkerRecord) -> tuple[int, int]:
         """(requests, prompt tokens) sent after `rec` was written, so not in its load figures yet."""
