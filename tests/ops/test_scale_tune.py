@@ -70,8 +70,8 @@ def test_the_tuners_kl_is_the_runtimes(tiny: Path, tmp_path: Path) -> None:
     assert stats.steps == 0 and stats.sequences == 2 and stats.seq_len == 48
     runtime = _runtime_kl(tiny, tmp_path / "q", ids)
     assert stats.kl_start > 1e-4  # INT4 g32 of random weights is far from exact
-    # the tuner holds its teacher's log-probs in bfloat16 (~0.03 apart at -10): rounding the engine's dense
-    # log-probs to bfloat16 moves this KL by 2e-4 (0.02664 -> 0.02684), so they agree to that, not closer
+    # the tuner holds its teacher's log-probs in bfloat16 (8 significant bits: 0.0625 apart at -10); rounding
+    # the engine's dense log-probs to bfloat16 moves this KL by 2e-4 (0.02664 -> 0.02684): they agree to that
     assert stats.kl_start == pytest.approx(runtime, abs=3e-4)
     assert stats.kl_end == pytest.approx(stats.kl_start, rel=1e-6)  # no step: the stored values are GPTQ's
 
