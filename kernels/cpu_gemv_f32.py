@@ -4,7 +4,8 @@
 AVX-512F, or its AVX2 copy (`kernels/cpu/gemv_f32_avx2.h`), or plain C on other CPUs, whichever this host
 builds. Up to 8 rows (6 on AVX2) it streams the weight rows once in memory order, prefetched ahead, every
 weight vector multiplied with all x rows; past that it runs register tiles of 6 x rows by 4 weight rows of FMAs
-(6 x 2 on AVX2) over blocks of weight rows kept in L2 (the C file's header has the layout).
+(6 x 2 on AVX2, where from 12 rows K also runs in blocks of at most 768 columns so an x tile stays in L1) over
+blocks of weight rows kept in L2 (the C files' headers have the layout and the measurements).
 
 Numerics: float32 products and float32 sums (fused multiply-adds), as torch's float32 GEMM; only the summation
 order differs, so a result is within a few float32 ulps of sum |x w| of torch's. Each output comes whole from

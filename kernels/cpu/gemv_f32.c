@@ -39,7 +39,7 @@ typedef struct {
     const float *x, *w;
     float *y;
     int M, N, K, n0, n1;
-    int ld;  /* x's and w's row stride: K, or more for one block of K (`rows`) */
+    int ld;  /* x's and w's row stride: K, or more for one block of K (`rows`; only the tiles take blocks) */
     int add; /* 1: add the sums to y (a block of K after the first), 0: store them */
 } Args;
 
