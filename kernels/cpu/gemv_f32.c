@@ -6,7 +6,8 @@
  *
  * Numerics: float32 products and float32 sums (fused multiply-adds), as torch's float32 GEMM; only the
  * summation order differs (16 or 8 lanes, two chains per x row or one per tile output, then a tree of the
- * lanes), so a result is within a few float32 ulps of sum |x w| of torch's.
+ * lanes; the AVX2 tiles' blocks of K, each summed so, then added in order), so a result is within a few float32
+ * ulps of sum |x w| of torch's.
  *
  * Up to CHUNK x rows (a decode step of a few requests) a call is bound by reading the weights once: one weight
  * row at a time in memory order (one long stream for the hardware prefetchers), each 32-column step loaded once
@@ -209,7 +210,7 @@ static void tail_tiles(const Args *a, int n, int valid) {
     last_rows(a, n, m, valid);
 }
 
-/* Every tile over K at once (K <= KBLK, or every K on a copy without KBLK) */
+/* Every tile over all of the call's K columns (or one block of them: `rows`) */
 static void tiles(const Args *a) {
     const int nfull = a->n0 + (a->n1 - a->n0) / NR * NR;
     ftile_blocks(a, nfull);
@@ -222,7 +223,8 @@ static void rows(const Args *a) {
         return;
     }
 #ifdef KBLK
-    if (a->K > KBLK && a->M >= KBLK_ROWS) { /* blocks of at most KBLK columns (multiples of 8), the first storing, the others adding */
+    if (a->K > KBLK && a->M >= KBLK_ROWS) { /* blocks of at most KBLK columns (multiples of 8), in order: the first
+                                              * stores its sums, the others add theirs */
         const int blocks = (a->K + KBLK - 1) / KBLK, len = ((a->K + blocks - 1) / blocks + 7) & ~7;
         for (int k0 = 0; k0 < a->K; k0 += len) {
             Args b = *a;
