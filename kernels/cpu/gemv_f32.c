@@ -41,7 +41,8 @@ typedef struct {
     float *y;
     int M, N, K, n0, n1;
     int ld;  /* x's and w's row stride: K, or more for one block of K (`rows`; only the tiles take blocks) */
-    int add; /* 1: add the sums to y (a block of K after the first), 0: store them */
+    int add; /* 1: add the sums to y (a block of K after the first), 0: store them; only copies with KBLK
+              * (AVX2's) take blocks, so only their tiles read it */
 } Args;
 
 /* Weights are prefetched into L2 this many floats (4 KB) ahead of the per-row loads, as gemv_bf16.c's PF_DIST
@@ -126,11 +127,11 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
         float *yr = a->y + (int64_t)(m0 + m) * a->N + n;
         const __m128 s = sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
         if (valid == NR) {
-            _mm_storeu_ps(yr, a->add ? _mm_add_ps(_mm_loadu_ps(yr), s) : s);
+            _mm_storeu_ps(yr, s);
         } else {
             float t[4];
             _mm_storeu_ps(t, s);
-            for (int j = 0; j < valid; j++) yr[j] = a->add ? yr[j] + t[j] : t[j];
+            for (int j = 0; j < valid; j++) yr[j] = t[j];
         }
     }
 }
@@ -223,7 +224,7 @@ static void rows(const Args *a) {
         return;
     }
 #ifdef KBLK
-    if (a->K > KBLK && a->M >= KBLK_ROWS) { /* blocks of at most KBLK columns (multiples of 8), in order: the first
+    if (a->K > KBLK && a->M >= WIDE_ROWS) { /* blocks of at most KBLK columns (multiples of 8), in order: the first
                                               * stores its sums, the others add theirs */
         const int blocks = (a->K + KBLK - 1) / KBLK, len = ((a->K + blocks - 1) / blocks + 7) & ~7;
         for (int k0 = 0; k0 < a->K; k0 += len) {

@@ -12,12 +12,12 @@
  * runs each alternating: 8 rows 30.8 against 36.7 ms, 16 rows 48.2 / 55.2, 32 rows 78.8 / 86.4, 64 rows
  * 141 / 159 (1.10-1.19x); 135 GFLOP/s at 96-128 rows, ~70% of the cores' FMA peak.
  *
- * From XREG_ROWS rows two more things (the same VM kind, 2026-12-05): gcc had folded each x load into both of
+ * From WIDE_ROWS rows two more things (the same VM kind, 2026-12-05): gcc had folded each x load into both of
  * its FMAs (14 loads per 12 FMAs: bound by the two load ports, not the FMAs), so a full tile now keeps its x
  * vector in a register; and K past KBLK runs in blocks (the first stores, the others add), since an x tile's 6
  * rows of a 1,536-column down projection (36 KB) overflowed L1 and every x load went to L2 (bound by L2's 32
  * bytes a cycle). One thread, SmolLM2's four shapes, weights from memory: 64 -> 70 GFLOP/s at 32 rows, 72 -> 82
- * at 128 (the down projection 60 -> 66 and 67 -> 77); fewer rows than XREG_ROWS lost 3-10% to either change, so
+ * at 128 (the down projection 60 -> 66 and 67 -> 77); fewer rows than WIDE_ROWS lost 3-10% to either change, so
  * they keep the old code. Two threads, the 121 linears, two alternating runs: 32 rows 76.6 / 76.2 -> 73.9 /
  * 69.7 ms, 128 rows 263 / 265 -> 242 / 240, 8 and 16 rows unchanged. Tried and dropped: splitting the last full
  * tile with one or two rows left (`last_rows`), the tile's sums by `hadd` pairs (no change), FNB 32 or 128 (no
@@ -29,9 +29,8 @@
 #define NR 2
 #define MR 6
 #define FNB 64
-#define XREG_ROWS 12 /* rows from which a full tile keeps its x vectors in registers (`ftile`) */
-#define KBLK 768      /* columns of a block of K: an x tile's 6 rows of it, 18 KB, stay in L1 with the weight lines */
-#define KBLK_ROWS 12  /* rows from which a call takes K in such blocks (fewer: the weights' reads dominate) */
+#define WIDE_ROWS 12 /* rows from which a call's full tiles keep x in registers (`ftile`) and K runs in blocks */
+#define KBLK 768     /* columns of a block of K: an x tile's 6 rows of it, 18 KB, stay in L1 with the weight lines */
 
 /* The first `left` (0..8) lanes set: the mask of the K tail's `vmaskmovps` */
 static inline __m256i tail_mask(int left) {
@@ -108,13 +107,13 @@ static inline __attribute__((always_inline)) void ftile_x(const Args *a, int n, 
         }
 }
 
-/* A full tile of a call of XREG_ROWS rows or more loads each x vector once into a register; gcc otherwise folds
+/* A full tile of a call of WIDE_ROWS rows or more loads each x vector once into a register; gcc otherwise folds
  * it into both FMAs as a memory operand (15 of the 16 registers are taken), 14 loads per 12 FMAs where the two
  * load ports pass 12 in the FMAs' 6 cycles. With fewer rows the tiles wait on the weights from memory more than
  * on loads, and the folded form (fewer instructions a step, so more steps' weight loads in flight) is faster. */
 static inline __attribute__((always_inline)) void ftile(const Args *a, int n, int m0, const int rows,
                                                         const float *prefetch, const int valid) {
-    if (rows == MR && a->M >= XREG_ROWS)
+    if (rows == MR && a->M >= WIDE_ROWS)
         ftile_x(a, n, m0, rows, prefetch, valid, 1);
     else
         ftile_x(a, n, m0, rows, prefetch, valid, 0);
