@@ -22,7 +22,8 @@
  * it for bf16 q against bf16 or fp8 pages that score with `vdpbf16ps` where the CPU has AVX512-BF16: exact
  * products, float32 sums in pairs, no widened K; fp8 keys become their exact bfloat16 values in registers,
  * `fp8x32_to_bf16`), or `attend_vec8`, its scheme in AVX2 intrinsics where the CPU has AVX2 and FMA but no
- * AVX-512 (K widened to float32 for every format). Queries come in tiles: one row, or
+ * AVX-512 (K widened to float32 for every format; decode rows over fp32 or bf16 pages take `attend_dec8`, which
+ * reads a row's KV heads together, each key row converted once in registers). Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
  * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few). Decode
  * rows over bf16 or fp8 pages with bf16 q run on AMX tiles where the CPU has them (`attend_amx`, its section below).
@@ -57,6 +58,7 @@ typedef struct {
     void *out; /* q's type */
     int D, KVH, G, HD, S, MAXP, fmt, half, ntiles;
     float scale;
+    int item_heads; /* KV heads a work item holds: KVH (one after the other on one thread), or 1 */
 } Args;
 
 /* Tile t: rows tile_first(t) .. tile_first(t + 1) - 1 */
@@ -202,17 +204,17 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *base,
     for (int b = 0; b < bytes; b += 64) _mm_prefetch((const char *)base + row * bytes + b, _MM_HINT_T1);
 }
 
-/* The page rows that come after the block of tokens t0 .. t0+n-1 of item (tile t, KV head h), for the vector
- * copies to prefetch while that block is computed: this item's next block (into `next`, which the caller then
- * computes), or where there is none the next item's first block (into `first`). *pf points at them; returns
- * how many. */
-static inline int rows_after(const Args *a, int t, int h, const int64_t *pages, int t0, int n, int len,
+/* The page rows that come after the block of tokens t0 .. t0+n-1 of item (tile t, KV heads h .. h+nh-1), for the
+ * vector copies to prefetch while that block is computed: this item's next block (head h's rows, into `next`,
+ * which the caller then computes), or where there is none the next item's first block (into `first`). *pf points
+ * at them; returns how many. */
+static inline int rows_after(const Args *a, int t, int h, int nh, const int64_t *pages, int t0, int n, int len,
                              int64_t *next, int64_t *first, const int64_t **pf) {
     int n_next = len - t0 - n < BLOCK ? len - t0 - n : BLOCK;
     block_rows(pages, t0 + n, n_next, a->S, a->KVH, h, next);
     *pf = next;
-    if (n_next == 0 && (h + 1 < a->KVH || t + 1 < a->ntiles)) {
-        const int t2 = h + 1 < a->KVH ? t : t + 1, h2 = h + 1 < a->KVH ? h + 1 : 0;
+    if (n_next == 0 && (h + nh < a->KVH || t + 1 < a->ntiles)) {
+        const int t2 = h + nh < a->KVH ? t : t + 1, h2 = h + nh < a->KVH ? h + nh : 0;
         const int d2 = tile_first(a, t2), len2 = a->lens[tile_first(a, t2 + 1) - 1];
         n_next = len2 < BLOCK ? len2 : BLOCK;
         block_rows(a->table + (int64_t)d2 * a->MAXP, 0, n_next, a->S, a->KVH, h2, first);
@@ -438,7 +440,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
          * at a time while this block is computed: K rows during the first head's scores, V rows during
          * the first heads' sums */
         const int64_t *pf;
-        const int n_next = rows_after(a, t, h, pages, t0, n, len, next, first, &pf);
+        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf);
         for (int j = 0; j < n; j++) {
             if (!dp) kr[j] = widen_row(a->k, rows[j], kb[j], HD, fmt);
             kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * a->scale;
@@ -574,12 +576,185 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
     return dst;
 }
 
+/* ---- Decode rows on AVX2 over fp32 or bf16 pages: a decode row (a tile of one row, what each sequence of a decode
+ * step is) against all its KV heads at once, every key row read once and kept in registers.
+ * attend_vec8 below converts a block's K and V rows into float32 buffers and reads them back for each query head,
+ * one KV head an item. Here an item's KV heads run together (up to DEC_Q query heads; SmolLM2's 3 KV heads x 3),
+ * so a token's rows of those heads, which lie side by side in the page, are read as one span; per block of up to
+ * 32 keys:
+ *   scores: each K row becomes HD / 8 float32 vectors in registers (`row16`: a bf16 row gives 16 dims a 32-byte
+ *     load, the even dims by a shift and the odd ones by a mask, so the lanes hold dims c, c + 2, ... then c + 1,
+ *     c + 3, ...; q and the output are kept in that order and put back at the end), and each of its query heads'
+ *     dots with it is two chains of FMAs into one vector of partial sums (`part`); `sum8` folds 8 keys' vectors
+ *     into their 8 scores;
+ *   softmax: 8 scores a vector (`exp_nonpositive8`: exp_reduced's operations lane by lane), keys past the block's
+ *     end masked to -inf;
+ *   values: per query head its output stays in registers over the block's keys, each V row converted in registers
+ *     as K's (the rescale by the new maximum folded into loading the output).
+ * Sums are float32 in another order than attend_vec8's (per head: two chains over HD, then the lanes' tree); the
+ * exponentials are the same polynomial. A 2-core AMD EPYC VM (AVX2, Zen 3 flags), SmolLM2's shape (3 KV heads x 3,
+ * HD = 64), 32 sequences x 30 layers' own pools, 2 threads, the two copies alternating in one process: bf16 pages
+ * 0.99x attend_vec8's time at 128 keys, 0.85x at 256, 0.90x at 1,024, fp32 pages 0.82x at 512; with the pages in
+ * L2 (2 sequences, one thread) 0.80x. The pages come from memory in a decode step, and there the pattern of reads
+ * (128 of every 384 bytes of a token's row, pages scattered; a plain C loop reading the same bytes gets ~8 GB/s
+ * on one core, ~11 GB/s whole rows) bounds both copies more than their arithmetic. Over fp8 pages (a dearer
+ * row conversion) this loop took 1.09x attend_vec8's time: fp8 keeps it. */
+#define DEC_Q 16 /* query heads one call holds: G <= DEC_Q (more: attend_vec8); KV heads in groups of DEC_Q / G */
+
+/* e^x for x <= 0 on 8 lanes, as exp_nonpositive: below -87 (and -inf) 0; NaN stays NaN. */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 c = _mm256_max_ps(_mm256_set1_ps(-87.0f), x); /* the second operand where either is NaN */
+    __m256 n;
+    const __m256 p = exp_reduced8(c, &n);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ),
+                            _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* Dims c .. c+15 of page row `row` (fp32 or bf16) as two float32 vectors in attend_dec8's lane order: bf16 the even
+ * dims then the odd ones (one 32-byte load, a shift and a mask), fp32 c .. c+7 then c+8 .. c+15. */
+static inline __attribute__((always_inline)) void row16(const void *base, int64_t row, int c, const int HD,
+                                                        const int fmt, __m256 *lo, __m256 *hi) {
+    if (fmt == 0) {
+        *lo = _mm256_loadu_ps((const float *)base + row * HD + c);
+        *hi = _mm256_loadu_ps((const float *)base + row * HD + c + 8);
+    } else {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + row * HD + c));
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        *hi = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
+    }
+}
+
+/* Prefetch `nrows` consecutive page rows from `row` on (KV heads side by side) into L2, as prefetch_row. */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *base, int64_t row, int nrows,
+                                                                const int HD, const int fmt) {
+    const int bytes = HD << (2 - fmt);
+    for (int b = 0; b < bytes * nrows; b += 64) _mm_prefetch((const char *)base + row * bytes + b, _MM_HINT_T1);
+}
+
+/* KV heads h .. h+NH-1 of decode row t (fp32 or bf16 pages), its NQ = NH x G query heads (head hh's g-th is query
+ * hh * G + g), NQ <= DEC_Q. */
+static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int t, int h, int NH, const int HD,
+                                                              const int fmt) {
+    const int d = tile_first(a, t), G = a->G, NQ = NH * G, NV = HD / 8, len = a->lens[d];
+    float q[DEC_Q * MAX_HD] __attribute__((aligned(32))); /* in row16's lane order */
+    float acc[DEC_Q][MAX_HD] __attribute__((aligned(32)));
+    float part[BLOCK][DEC_Q][8] __attribute__((aligned(32))); /* per key and query head: 8 partial sums of its dot */
+    float s[DEC_Q][BLOCK] __attribute__((aligned(32)));
+    float m[DEC_Q], l[DEC_Q], corr[DEC_Q];
+    for (int hh = 0; hh < NH; hh++) {
+        float qbuf[MAX_G * MAX_HD];
+        const float *qd = load_q(a, d, h + hh, qbuf);
+        float *qh = q + hh * G * HD;
+        for (int i = 0; i < G * HD; i += 16) /* bf16: each 16 dims' even ones, then the odd ones */
+            for (int j = 0; j < 8; j++) {
+                qh[i + j] = qd[i + (fmt == 1 ? 2 * j : j)];
+                qh[i + 8 + j] = qd[i + (fmt == 1 ? 2 * j + 1 : 8 + j)];
+            }
+    }
+    for (int g = 0; g < NQ; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
+    }
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    const int64_t *pages = a->table + (int64_t)d * a->MAXP;
+    int64_t rows[BLOCK], next[BLOCK], first[BLOCK]; /* head h's page rows (head h + hh's: rows + hh) */
+    block_rows(pages, 0, len < BLOCK ? len : BLOCK, a->S, a->KVH, h, next);
+    for (int t0 = 0; t0 < len; t0 += BLOCK) {
+        const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
+        memcpy(rows, next, sizeof(int64_t) * n);
+        const int64_t *pf; /* the rows that come next, prefetched while this block's are read */
+        const int n_next = rows_after(a, t, h, NH, pages, t0, n, len, next, first, &pf);
+        for (int j = 0; j < n; j++) {
+            if (j < n_next) prefetch_rows(a->k, pf[j], NH, HD, fmt);
+            for (int hh = 0; hh < NH; hh++)
+                for (int c0 = 0; c0 < HD; c0 += 64) { /* 8 vectors of the row at a time */
+                    const int nv = HD - c0 < 64 ? (HD - c0) / 8 : 8;
+                    __m256 k[8];
+                    for (int c = 0; c < nv; c += 2) row16(a->k, rows[j] + hh, c0 + 8 * c, HD, fmt, &k[c], &k[c + 1]);
+                    for (int g = hh * G; g < hh * G + G; g++) {
+                        const float *qg = q + g * HD + c0;
+                        __m256 x0 = _mm256_mul_ps(_mm256_load_ps(qg), k[0]);
+                        __m256 x1 = _mm256_mul_ps(_mm256_load_ps(qg + 8), k[1]);
+                        for (int c = 2; c < nv; c += 2) {
+                            x0 = _mm256_fmadd_ps(_mm256_load_ps(qg + 8 * c), k[c], x0);
+                            x1 = _mm256_fmadd_ps(_mm256_load_ps(qg + 8 * c + 8), k[c + 1], x1);
+                        }
+                        __m256 x = _mm256_add_ps(x0, x1);
+                        if (c0) x = _mm256_add_ps(x, _mm256_load_ps(part[j][g]));
+                        _mm256_store_ps(part[j][g], x);
+                    }
+                }
+        }
+        const int nb = (n + 7) / 8; /* vectors of 8 keys; lanes past n masked */
+        for (int g = 0; g < NQ; g++) {
+            __m256 top = _mm256_set1_ps(m[g]);
+            for (int b = 0; b < nb; b++) {
+                __m256 v[8];
+                for (int jj = 0; jj < 8; jj++) v[jj] = _mm256_load_ps(part[8 * b + jj][g]);
+                const __m256 live = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)(8 * b - n)),
+                                                                _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
+                                                  _mm256_setzero_ps(), _CMP_LT_OQ);
+                const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(sum8(v), scale), live);
+                _mm256_store_ps(&s[g][8 * b], sc);
+                top = _mm256_max_ps(top, sc);
+            }
+            top = _mm256_max_ps(top, _mm256_permute2f128_ps(top, top, 1)); /* the maximum in every lane */
+            top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0x4E));
+            top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0xB1));
+            const float bm = _mm256_cvtss_f32(top);
+            corr[g] = exp_nonpositive(m[g] - bm); /* 0 on the first block (m = -inf) */
+            __m256 sum = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                const __m256 w = exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(&s[g][8 * b]), top));
+                _mm256_store_ps(&s[g][8 * b], w);
+                sum = _mm256_add_ps(sum, w);
+            }
+            l[g] = l[g] * corr[g] + hsum8(sum);
+            m[g] = bm;
+        }
+        for (int j = 0; j < n_next; j++) prefetch_rows(a->v, pf[j], NH, HD, fmt);
+        for (int g = 0; g < NQ; g++)
+            for (int c0 = 0; c0 < NV; c0 += 8) { /* 8 vectors of the output in registers */
+                const int nv = NV - c0 < 8 ? NV - c0 : 8;
+                const __m256 cg = _mm256_set1_ps(corr[g]);
+                __m256 o[8];
+                for (int c = 0; c < nv; c++) o[c] = _mm256_mul_ps(_mm256_load_ps(&acc[g][8 * (c0 + c)]), cg);
+                for (int j = 0; j < n; j++) {
+                    const __m256 p = _mm256_set1_ps(s[g][j]);
+                    for (int c = 0; c < nv; c += 2) {
+                        __m256 lo, hi;
+                        row16(a->v, rows[j] + g / G, 8 * (c0 + c), HD, fmt, &lo, &hi);
+                        o[c] = _mm256_fmadd_ps(p, lo, o[c]);
+                        o[c + 1] = _mm256_fmadd_ps(p, hi, o[c + 1]);
+                    }
+                }
+                for (int c = 0; c < nv; c++) _mm256_store_ps(&acc[g][8 * (c0 + c)], o[c]);
+            }
+    }
+    for (int g = 0; g < NQ; g++) { /* back in dim order */
+        float o[MAX_HD];
+        for (int i = 0; i < HD; i += 16)
+            for (int j = 0; j < 8; j++) {
+                o[i + (fmt == 1 ? 2 * j : j)] = acc[g][i + j];
+                o[i + (fmt == 1 ? 2 * j + 1 : 8 + j)] = acc[g][i + 8 + j];
+            }
+        store_out(a, d, h + g / G, g % G, o, 1.0f / l[g]);
+    }
+}
+
 static const float zero_row[MAX_HD] __attribute__((aligned(32))); /* the K row of a token past a query's keys */
 
 /* One work item as in attend_vec: KV head h of tile t, its NQ = R * G query heads against each block of keys. */
 static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int t, int h, const int HD,
                                                               const int fmt) {
     const int d = tile_first(a, t), R = tile_first(a, t + 1) - d;
+    if (R == 1 && fmt != 2 && a->G <= DEC_Q) { /* a decode row: an item of all KV heads takes DEC_Q / G at a time */
+        const int per = a->item_heads == 1 ? 1 : DEC_Q / a->G;
+        if (h % per == 0) attend_dec8(a, t, h, a->KVH - h < per ? a->KVH - h : per, HD, fmt);
+        return; /* the other heads of its group: done with the first */
+    }
     const int NV = HD / 8, G = a->G, NQ = R * G;
     const int len = a->lens[d + R - 1]; /* rows ascend: the tile's last row sees the most keys */
     float q[MAX_G * MAX_HD] __attribute__((aligned(32)));
@@ -608,7 +783,7 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
         const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
         memcpy(rows, next, sizeof(int64_t) * n);
         const int64_t *pf; /* the rows that come next, prefetched while this block's are widened */
-        const int n_next = rows_after(a, t, h, pages, t0, n, len, next, first, &pf);
+        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf);
         for (int j = 0; j < n; j++) {
             if (j < n_next) prefetch_row(a->k, pf[j], HD, fmt);
             kr[j] = widen_row8(a->k, rows[j], kb + j * HD, HD, fmt);
@@ -1230,6 +1405,7 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
         job.heads = 1;
         job.items = ntiles * KVH;
     }
+    job.a.item_heads = job.heads;
     if (HD == 64) job.attend = fmt == 0 ? attend_64_0 : fmt == 1 ? attend_64_1 : attend_64_2;
     if (HD == 128) job.attend = fmt == 0 ? attend_128_0 : fmt == 1 ? attend_128_1 : attend_128_2;
 #if HAVE_DP
