@@ -285,10 +285,11 @@ class Scheduler:
         return len(self.waiting)
 
     def queued_prefill_tokens(self) -> int:
-        """Prompt tokens admitted or waiting but not yet computed (routing load; racy reads are fine)."""
+        """Prompt tokens admitted or waiting but not yet computed (routing load; racy reads are fine). A decoding
+        request adds nothing (its computed tokens are past its prompt)."""
         with self._lock:
             waiting = sum(s.num_prompt_tokens for s in self.waiting)
-        return waiting + sum(s.num_prompt_tokens - s.num_computed_tokens for s in list(self.running))
+        return waiting + sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in list(self.running))
 
     # -- engine thread ---------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:

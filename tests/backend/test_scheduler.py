@@ -87,6 +87,22 @@ def test_long_prompt_is_chunked_and_decodes_keep_running(tiny_dir: Path) -> None
     assert steps == 10  # 80 prompt tokens in chunks of 8
 
 
+def test_queued_prefill_counts_only_prompt_tokens_left(tiny_dir: Path) -> None:
+    """The routing load a worker publishes: prompt tokens admitted or waiting but not computed. A decoding request
+    has computed more tokens than its prompt holds; it adds nothing (it had taken its output tokens off the sum, so
+    a worker busy decoding published less queued prefill work than it had, down to negative)."""
+    e = make_engine(tiny_dir, num_pages=64, prefill_chunk_size=8, max_num_batched_tokens=16)
+    decoding = e.add_request([5, 6, 7], SamplingParams(max_tokens=40, **GREEDY))
+    for _ in range(12):
+        e.step()
+    assert not decoding.is_prefilling and decoding.num_computed_tokens > decoding.num_prompt_tokens
+    assert e.scheduler.queued_prefill_tokens() == 0
+    long = e.add_request(list(range(3, 83)), SamplingParams(max_tokens=2, **GREEDY))
+    assert e.scheduler.queued_prefill_tokens() == 80  # waiting
+    e.step()
+    assert long.is_prefilling and e.scheduler.queued_prefill_tokens() == 80 - long.num_computed_tokens > 0
+
+
 def test_a_lone_prompt_takes_the_whole_budget_and_a_second_arrival_restores_chunks(tiny_dir: Path) -> None:
     """With no other sequence running or waiting a prompt is prefilled in steps of the whole budget, not in
     `prefill_chunk_size` chunks; once a second request arrives, both are chunked from the next step, and the
