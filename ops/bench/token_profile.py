@@ -1,7 +1,8 @@
 """Where one decode token's time goes inside the engine, at concurrency c (default 1).
 
 One engine in process (the worker's own code, `serve`'s defaults: `--dtype auto` and
-its KV format, or the given ones) decodes c requests of ~80 prompt tokens; after a
+its KV format, or the given ones) decodes c requests of 80 prompt tokens (`--prompt-tokens`: the
+context the decode steps attend to grows from there); after a
 warm-up, every decode step of a measured window is timed (wall clock) and profiled,
 and the step's time is split into:
 
@@ -65,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-weights", default=None, choices=["fp32", "bf16", "fp8", "int4"])
     p.add_argument("--int4-group-size", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=80,
+                   help="prompt tokens of every request: the decode steps' context starts there")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, as serve)")
     p.add_argument("--steps", type=int, default=None, help="decode steps measured (default 48; quick 16)")
     p.add_argument("--unfused", action="store_true",
@@ -143,13 +146,23 @@ class _FusedSeconds(dict):
             self.fused.seconds = None
 
 
-def _requests(engine: Any, c: int, n: int, seed: int) -> None:
+def _requests(engine: Any, c: int, n: int, seed: int, prompt_tokens: int = 80) -> None:
     from backend.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     for _ in range(c):
-        prompt = torch.randint(200, 40000, (80,), generator=g).tolist()
+        prompt = torch.randint(200, 40000, (prompt_tokens,), generator=g).tolist()
         engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+
+
+def _kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """An upper bound on one token's KV bytes over every layer (float32 K and V rows, a page's slack) for
+    `args.model`: the pool `run` sizes holds every request's whole context."""
+    from backend.config import load_config
+    from ops.pull import resolve_model
+
+    cfg = load_config(resolve_model(args.model))
+    return int(2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 1.25)
 
 
 def _decode_steps(engine: Any, steps: int) -> float:
@@ -177,7 +190,11 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     steps = args.steps or (16 if args.quick else 48)
     c = args.concurrency
-    engine, dtype, kv = in_process_engine(args, kv_cache_bytes=1 << 29, max_num_seqs=max(c, 1),
+    # the prompts take at least c * prompt_tokens / 256 steps, in which the requests already prefilled decode too
+    n = 3 * steps + 8 + -(-c * args.prompt_tokens // 256)
+    tokens = args.prompt_tokens + n  # a request's context at its last step
+    engine, dtype, kv = in_process_engine(args, kv_cache_bytes=max(1 << 29, c * tokens * _kv_bytes_per_token(args)),
+                                          max_num_seqs=max(c, 1),
                                           decode_weights=args.decode_weights, int4_group_size=args.int4_group_size)
     machine = measure_machine(engine.model.dtype)
     decode_bytes = engine.model.weight_bytes
@@ -185,8 +202,10 @@ def run(args: argparse.Namespace) -> int:
         f"({decode_bytes / 1e6:.0f} MB per step), c={c}, {torch.get_num_threads()} threads")
 
     engine.model.fused_decode = not args.unfused
-    _requests(engine, c, 3 * steps + 8, seed=1)
-    _decode_steps(engine, 4)  # prefill + warm-up
+    _requests(engine, c, n, seed=1, prompt_tokens=args.prompt_tokens)
+    while engine.scheduler.queued_prefill_tokens():  # every prompt computed first: the windows time decode steps
+        engine.step()
+    _decode_steps(engine, 4)  # warm-up
     fused = fused_layers(engine.model, engine.cache)  # the layers' one C call, when the steps take it
     fused_before = engine.model.fused_steps
     from torch.profiler import ProfilerActivity, profile
@@ -219,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
     top = sorted(((v, k) for k, v in self_us.items()), reverse=True)[:12]
     report = {
         "model": args.model, "dtype": dtype, "kv_format": kv, "decode_weights": args.decode_weights,
-        "concurrency": c, "threads": torch.get_num_threads(), "steps": steps, "quick": args.quick,
+        "concurrency": c, "prompt_tokens": args.prompt_tokens, "threads": torch.get_num_threads(), "steps": steps,
+        "quick": args.quick,
         "cpu_flags_bf16": sorted(f for f in cpu_flags() if "bf16" in f or f.startswith("amx")),
         "machine": machine, "decode_weight_bytes": decode_bytes,
         "step_ms": step_ms, "plain_step_ms": plain_s / steps * 1e3, "profiler_overhead": profiled_s / plain_s,
@@ -235,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                                                              report["share"].items()},
                           "linear_vs_bound": round(report["linear_vs_bound"], 2)}
     print(f"\nedgeserve bench token-profile  {dtype}, kv {kv}, decode weights {args.decode_weights or 'as stored'}, "
-          f"c={c}, {torch.get_num_threads()} threads; {steps} steps")
+          f"c={c}, {args.prompt_tokens} prompt tokens, {torch.get_num_threads()} threads; {steps} steps")
     print(f"decoder layers: {'one fused C call' if fused_steps else 'called from Python'} "
           f"({fused_steps} of {2 * steps} measured steps fused)")
     print(f"step {step_ms:.2f} ms profiled ({report['plain_step_ms']:.2f} ms plain); weights read once at "

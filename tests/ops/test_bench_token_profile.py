@@ -59,3 +59,25 @@ def test_a_run_on_a_tiny_model_accounts_for_the_step(tiny_chat_dir: Path, tmp_pa
     assert sum(parts.values()) == pytest.approx(report["step_ms"], rel=1e-6)
     assert report["steps"] == 4 and report["concurrency"] == 2 and report["kv_format"] == kv
     assert report["provenance"]["commit"]
+
+
+def test_long_prompts_are_computed_before_the_timed_decode_steps(tiny_chat_dir: Path, tmp_path: Path) -> None:
+    """`--prompt-tokens`: four 300-token prompts take more than one step of prompt chunks, in which the requests
+    already prefilled decode beside them; the timed windows start once every prompt is computed (before, a long
+    prompt's requests could run out of tokens first, and the plain window timed no decode step at all)."""
+    import argparse
+
+    from ops.bench import token_profile
+
+    out = tmp_path / "tp.json"
+    p = argparse.ArgumentParser()
+    token_profile.add_arguments(p)
+    args = p.parse_args(["--model", str(tiny_chat_dir), "--dtype", "float32", "--kv-format", "fp32", "--steps", "4",
+                         "--concurrency", "4", "--threads", "1", "--prompt-tokens", "300"])
+    args.quick, args.json_path = True, str(out)
+    assert token_profile.run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["prompt_tokens"] == 300 and report["plain_step_ms"] > 0 and report["step_ms"] > 0
+    from backend.engine import EngineConfig
+
+    assert 4 * 300 > EngineConfig().max_num_batched_tokens  # the prompts did take several steps
