@@ -197,11 +197,17 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int t
 }
 
 #if VECTOR_COPY
-/* Prefetch page row `row` of `base` (HD values of 4, 2 or 1 bytes by fmt: whole 64-byte lines) into L2. */
-static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t row, const int HD,
-                                                               const int fmt) {
+/* Prefetch `nrows` consecutive page rows of `base` from `row` on (each HD values of 4, 2 or 1 bytes by fmt: whole
+ * 64-byte lines; a token's rows of consecutive KV heads are consecutive) into L2. */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *base, int64_t row, int nrows,
+                                                                const int HD, const int fmt) {
     const int bytes = HD << (2 - fmt);
-    for (int b = 0; b < bytes; b += 64) _mm_prefetch((const char *)base + row * bytes + b, _MM_HINT_T1);
+    for (int b = 0; b < bytes * nrows; b += 64) _mm_prefetch((const char *)base + row * bytes + b, _MM_HINT_T1);
+}
+
+static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t row, const int HD,
+                                                               const int fmt) { /* one row */
+    prefetch_rows(base, row, 1, HD, fmt);
 }
 
 /* The page rows that come after the block of tokens t0 .. t0+n-1 of item (tile t, KV heads h .. h+nh-1), for the
@@ -623,13 +629,6 @@ static inline __attribute__((always_inline)) void row16(const void *base, int64_
         *lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
         *hi = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
     }
-}
-
-/* Prefetch `nrows` consecutive page rows from `row` on (KV heads side by side) into L2, as prefetch_row. */
-static inline __attribute__((always_inline)) void prefetch_rows(const void *base, int64_t row, int nrows,
-                                                                const int HD, const int fmt) {
-    const int bytes = HD << (2 - fmt);
-    for (int b = 0; b < bytes * nrows; b += 64) _mm_prefetch((const char *)base + row * bytes + b, _MM_HINT_T1);
 }
 
 /* KV heads h .. h+NH-1 of decode row t (fp32 or bf16 pages), its NQ = NH x G query heads (head hh's g-th is query
@@ -1347,8 +1346,7 @@ int fp8_pages_dequantise(const uint8_t *codes, const int8_t *exps, const int64_t
 typedef struct {
     Args a;
     void (*attend)(const Args *, int, int);
-    int heads;         /* KV heads an item holds: all of its tile's (KVH), or one */
-    int items, chunks; /* work items (a tile's KV heads, or one of them) and the chunks they are cut into */
+    int items, chunks; /* work items (a tile's KV heads, or one of them: a.item_heads) and the chunks they are cut into */
 } Job;
 
 static void run_chunk(void *ctx, int i) {
@@ -1360,8 +1358,8 @@ static void run_chunk(void *ctx, int i) {
     if (tiles) amx_attention_config(); /* for the chunk's decode rows */
 #endif
     for (int w = begin; w < end; w++)
-        for (int h = w * job->heads % job->a.KVH, e = h + job->heads; h < e; h++)
-            job->attend(&job->a, w * job->heads / job->a.KVH, h);
+        for (int h = w * job->a.item_heads % job->a.KVH, e = h + job->a.item_heads; h < e; h++)
+            job->attend(&job->a, w * job->a.item_heads / job->a.KVH, h);
 #if HAVE_AMX
     if (tiles) _tile_release();
 #endif
@@ -1394,18 +1392,17 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
     } else {
         ntiles = D;
     }
-    Job job = {{q, k, v, ke, ve, table, lens, tiles, out, D, KVH, G, HD, S, MAXP, fmt, half, ntiles, scale},
-               attend_any, KVH, ntiles, 0};
+    Job job = {{q, k, v, ke, ve, table, lens, tiles, out, D, KVH, G, HD, S, MAXP, fmt, half, ntiles, scale, KVH},
+               attend_any, ntiles, 0};
     if (threads > 1) {
         int64_t rows = 0;
         for (int d = 0; d < D; d++) rows += lens[d];
         if (rows * KVH < min_threaded_rows) threads = 1;
     }
     if (threads > 1 && ntiles < 4 * threads) { /* too few tiles to share out: one KV head an item */
-        job.heads = 1;
+        job.a.item_heads = 1;
         job.items = ntiles * KVH;
     }
-    job.a.item_heads = job.heads;
     if (HD == 64) job.attend = fmt == 0 ? attend_64_0 : fmt == 1 ? attend_64_1 : attend_64_2;
     if (HD == 128) job.attend = fmt == 0 ? attend_128_0 : fmt == 1 ? attend_128_1 : attend_128_2;
 #if HAVE_DP

@@ -156,13 +156,13 @@ def _requests(engine: Any, c: int, n: int, seed: int, prompt_tokens: int = 80) -
 
 
 def _kv_bytes_per_token(args: argparse.Namespace) -> int:
-    """An upper bound on one token's KV bytes over every layer (float32 K and V rows, a page's slack) for
-    `args.model`: the pool `run` sizes holds every request's whole context."""
+    """An upper bound on one token's KV bytes over every layer for `args.model` (float32 rows, the largest format,
+    and a quarter for the pages' slack): the pool `run` sizes holds every request's whole context."""
     from backend.config import load_config
+    from backend.kv_cache import kv_bytes_per_token
     from ops.pull import resolve_model
 
-    cfg = load_config(resolve_model(args.model))
-    return int(2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 1.25)
+    return int(kv_bytes_per_token(load_config(resolve_model(args.model)), "fp32") * 1.25)
 
 
 def _decode_steps(engine: Any, steps: int) -> float:
