@@ -1346,7 +1346,7 @@ int fp8_pages_dequantise(const uint8_t *codes, const int8_t *exps, const int64_t
 typedef struct {
     Args a;
     void (*attend)(const Args *, int, int);
-    int items, chunks; /* work items (a tile's KV heads, or one of them: a.item_heads) and the chunks they are cut into */
+    int items, chunks; /* work items (a tile's KV heads, or one: a.item_heads) and the chunks they are cut into */
 } Job;
 
 static void run_chunk(void *ctx, int i) {
