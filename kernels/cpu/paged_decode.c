@@ -687,15 +687,17 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
                 }
         }
         const int nb = (n + 7) / 8; /* vectors of 8 keys; lanes past n masked */
+        __m256 live[BLOCK / 8];    /* the lanes of keys within the block */
+        for (int b = 0; b < nb; b++)
+            live[b] = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)(8 * b - n)),
+                                                  _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
+                                    _mm256_setzero_ps(), _CMP_LT_OQ);
         for (int g = 0; g < NQ; g++) {
             __m256 top = _mm256_set1_ps(m[g]);
             for (int b = 0; b < nb; b++) {
                 __m256 v[8];
                 for (int jj = 0; jj < 8; jj++) v[jj] = _mm256_load_ps(part[8 * b + jj][g]);
-                const __m256 live = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)(8 * b - n)),
-                                                                _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
-                                                  _mm256_setzero_ps(), _CMP_LT_OQ);
-                const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(sum8(v), scale), live);
+                const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(sum8(v), scale), live[b]);
                 _mm256_store_ps(&s[g][8 * b], sc);
                 top = _mm256_max_ps(top, sc);
             }
