@@ -22,8 +22,8 @@
  * it for bf16 q against bf16 or fp8 pages that score with `vdpbf16ps` where the CPU has AVX512-BF16: exact
  * products, float32 sums in pairs, no widened K; fp8 keys become their exact bfloat16 values in registers,
  * `fp8x32_to_bf16`), or `attend_vec8`, its scheme in AVX2 intrinsics where the CPU has AVX2 and FMA but no
- * AVX-512 (K widened to float32 for every format; decode rows over fp32 or bf16 pages take `attend_dec8`, which
- * reads a row's KV heads together, each key row converted once in registers). Queries come in tiles: one row, or
+ * AVX-512 (K widened to float32 for every format; decode rows take `attend_dec8`, which reads a row's KV heads
+ * together, each key row converted once in registers). Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
  * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few). Decode
  * rows over bf16 or fp8 pages with bf16 q run on AMX tiles where the CPU has them (`attend_amx`, its section below).
@@ -198,16 +198,19 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int t
 
 #if VECTOR_COPY
 /* Prefetch `nrows` consecutive page rows of `base` from `row` on (each HD values of 4, 2 or 1 bytes by fmt: whole
- * 64-byte lines; a token's rows of consecutive KV heads are consecutive) into L2. */
+ * 64-byte lines; a token's rows of consecutive KV heads are consecutive) into L2, or into L1 where `l1`. */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *base, int64_t row, int nrows,
-                                                                const int HD, const int fmt) {
+                                                                const int HD, const int fmt, const int l1) {
     const int bytes = HD << (2 - fmt);
-    for (int b = 0; b < bytes * nrows; b += 64) _mm_prefetch((const char *)base + row * bytes + b, _MM_HINT_T1);
+    for (int b = 0; b < bytes * nrows; b += 64) {
+        if (l1) _mm_prefetch((const char *)base + row * bytes + b, _MM_HINT_T0);
+        else _mm_prefetch((const char *)base + row * bytes + b, _MM_HINT_T1);
+    }
 }
 
 static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t row, const int HD,
-                                                               const int fmt) { /* one row */
-    prefetch_rows(base, row, 1, HD, fmt);
+                                                               const int fmt) { /* one row, into L2 */
+    prefetch_rows(base, row, 1, HD, fmt, 0);
 }
 
 /* The page rows that come after the block of tokens t0 .. t0+n-1 of item (tile t, KV heads h .. h+nh-1), for the
@@ -582,7 +585,7 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
     return dst;
 }
 
-/* ---- Decode rows on AVX2 over fp32 or bf16 pages: a decode row (a tile of one row, what each sequence of a decode
+/* ---- Decode rows on AVX2: a decode row (a tile of one row, what each sequence of a decode
  * step is) against all its KV heads at once, every key row read once and kept in registers.
  * attend_vec8 below converts a block's K and V rows into float32 buffers and reads them back for each query head,
  * one KV head an item. Here an item's KV heads run together (up to DEC_Q query heads; SmolLM2's 3 KV heads x 3),
@@ -596,16 +599,29 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
  *   softmax: 8 scores a vector (`exp_nonpositive8`: exp_reduced's operations lane by lane), keys past the block's
  *     end masked to -inf;
  *   values: per query head its output stays in registers over the block's keys, each V row converted in registers
- *     as K's (the rescale by the new maximum folded into loading the output).
+ *     as K's (the rescale by the new maximum folded into loading the output); over fp8 pages per KV head instead,
+ *     16 dims of up to 4 query heads' outputs in registers, so that each V row is converted once
+ *     (`accumulate_v8`). The block's V rows (bf16, fp8) are prefetched from L2 into L1 before the softmax.
+ * fp8 pages (where the CPU has F16C): row16 converts by float16, 2^-8 of the values; the 2^8 goes into the
+ * scores' multiplier with the token's 2^e and the scale, and into the output's 1 / l, the V rows' 2^e into the
+ * weights (after their sum: l is the weights' sum).
  * Sums are float32 in another order than attend_vec8's (per head: two chains over HD, then the lanes' tree); the
  * exponentials are the same polynomial. A 2-core AMD EPYC VM (AVX2, Zen 3 flags), SmolLM2's shape (3 KV heads x 3,
  * HD = 64), 32 sequences x 30 layers' own pools, 2 threads, the two copies alternating in one process: bf16 pages
  * 0.99x attend_vec8's time at 128 keys, 0.85x at 256, 0.90x at 1,024, fp32 pages 0.82x at 512; with the pages in
  * L2 (2 sequences, one thread) 0.80x. The pages come from memory in a decode step, and there the pattern of reads
  * (128 of every 384 bytes of a token's row, pages scattered; a plain C loop reading the same bytes gets ~8 GB/s
- * on one core, ~11 GB/s whole rows) bounds both copies more than their arithmetic. Over fp8 pages (a dearer
- * row conversion) this loop took 1.09x attend_vec8's time: fp8 keeps it. */
+ * on one core, ~11 GB/s whole rows) bounds both copies more than their arithmetic. Over fp8 pages a first try of
+ * this loop (V rows converted per query head, by attend_vec8's float32 bit placement) took 1.09x attend_vec8's
+ * time; as above, 0.84-0.87x at 128-1,024 keys (in L2 0.86x), and with it bf16 pages 0.96x at 1,024 keys (the L1
+ * prefetch; fp32 none: a block's 24 KB of V rows would evict K's). V's loop per KV head took 1.12-1.16x the time
+ * over fp32 rows (each 16-dim pass reads a quarter of a 256-byte row) and 1.01x over bf16: they keep theirs. */
 #define DEC_Q 16 /* query heads one call holds: G <= DEC_Q (more: attend_vec8); KV heads in groups of DEC_Q / G */
+#ifdef __F16C__
+#define DEC8_FP8 1 /* fp8 rows converted by float16 (row16) */
+#else
+#define DEC8_FP8 0
+#endif
 
 /* e^x for x <= 0 on 8 lanes, as exp_nonpositive: below -87 (and -inf) 0; NaN stays NaN. */
 static inline __m256 exp_nonpositive8(__m256 x) {
@@ -617,17 +633,58 @@ static inline __m256 exp_nonpositive8(__m256 x) {
                             _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-/* Dims c .. c+15 of page row `row` (fp32 or bf16) as two float32 vectors in attend_dec8's lane order: bf16 the even
- * dims then the odd ones (one 32-byte load, a shift and a mask), fp32 c .. c+7 then c+8 .. c+15. */
+/* Dims c .. c+15 of page row `row` as two float32 vectors in attend_dec8's lane order: bf16 the even dims then the
+ * odd ones (one 32-byte load, a shift and a mask); fp32 and fp8 c .. c+7 then c+8 .. c+15. fp8 by float16: the
+ * e4m3 bits s eeee mmm placed as float16 bits s 0eeee mmm0000000 read as 2^(e-15) (1 + m/8), or 2^-14 (m/8) for
+ * e = 0, where the true values are 2^(e-7) (1 + m/8) and 2^-6 (m/8): exactly 2^-8 of them (F16C's conversion is
+ * exact, subnormals too); the caller folds 2^8 into the token's 2^e. */
 static inline __attribute__((always_inline)) void row16(const void *base, int64_t row, int c, const int HD,
                                                         const int fmt, __m256 *lo, __m256 *hi) {
     if (fmt == 0) {
         *lo = _mm256_loadu_ps((const float *)base + row * HD + c);
         *hi = _mm256_loadu_ps((const float *)base + row * HD + c + 8);
-    } else {
+    } else if (fmt == 1) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + row * HD + c));
         *lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
         *hi = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
+    } else { /* fp8: sign-extended to 16 bits and shifted by 7: the sign on 15 and 14 (cleared), eeee mmm on 7-13 */
+#if DEC8_FP8
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + row * HD + c));
+        const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
+        const __m256i h = _mm256_and_si256(x, _mm256_set1_epi16((short)0xBF80));
+        *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+#endif
+    }
+}
+
+/* NG query heads of one KV head (weights w, rows of s; their output rows o, acc's, rescaled by corr first) over a
+ * block's n keys (page rows rows[j] + hh): per 16 dims their 2 NG output vectors stay in registers and each V row's
+ * 16 dims are converted once for all of them. */
+static inline __attribute__((always_inline)) void accumulate_v8(const void *v, const int64_t *rows, int hh, int n,
+                                                                const float (*w)[BLOCK], const float *corr,
+                                                                float (*o)[MAX_HD], const int HD, const int fmt,
+                                                                const int NG) {
+    for (int c = 0; c < HD; c += 16) {
+        __m256 x[4][2];
+        for (int i = 0; i < NG; i++) {
+            const __m256 ci = _mm256_set1_ps(corr[i]);
+            x[i][0] = _mm256_mul_ps(_mm256_load_ps(&o[i][c]), ci);
+            x[i][1] = _mm256_mul_ps(_mm256_load_ps(&o[i][c + 8]), ci);
+        }
+        for (int j = 0; j < n; j++) {
+            __m256 lo, hi;
+            row16(v, rows[j] + hh, c, HD, fmt, &lo, &hi);
+            for (int i = 0; i < NG; i++) {
+                const __m256 p = _mm256_set1_ps(w[i][j]);
+                x[i][0] = _mm256_fmadd_ps(p, lo, x[i][0]);
+                x[i][1] = _mm256_fmadd_ps(p, hi, x[i][1]);
+            }
+        }
+        for (int i = 0; i < NG; i++) {
+            _mm256_store_ps(&o[i][c], x[i][0]);
+            _mm256_store_ps(&o[i][c + 8], x[i][1]);
+        }
     }
 }
 
@@ -640,6 +697,8 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
     float acc[DEC_Q][MAX_HD] __attribute__((aligned(32)));
     float part[BLOCK][DEC_Q][8] __attribute__((aligned(32))); /* per key and query head: 8 partial sums of its dot */
     float s[DEC_Q][BLOCK] __attribute__((aligned(32)));
+    float kmul[fmt == 2 ? DEC_Q : 1][BLOCK] __attribute__((aligned(32))); /* fp8: per KV head and key, 2^(e+8) */
+    float vmul[fmt == 2 ? DEC_Q : 1][BLOCK] __attribute__((aligned(32)));
     float m[DEC_Q], l[DEC_Q], corr[DEC_Q];
     for (int hh = 0; hh < NH; hh++) {
         float qbuf[MAX_G * MAX_HD];
@@ -657,6 +716,7 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
         for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
     }
     const __m256 scale = _mm256_set1_ps(a->scale);
+    const float kscale = a->scale * 256.0f; /* fp8: row16's rows are 2^-8 of the values, K's and V's */
     const int64_t *pages = a->table + (int64_t)d * a->MAXP;
     int64_t rows[BLOCK], next[BLOCK], first[BLOCK]; /* head h's page rows (head h + hh's: rows + hh) */
     block_rows(pages, 0, len < BLOCK ? len : BLOCK, a->S, a->KVH, h, next);
@@ -665,8 +725,20 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
         memcpy(rows, next, sizeof(int64_t) * n);
         const int64_t *pf; /* the rows that come next, prefetched while this block's are read */
         const int n_next = rows_after(a, t, h, NH, pages, t0, n, len, next, first, &pf);
+        if (fmt == 2) /* the tokens' 2^e (K's times scale and row16's 2^8); 1 past the block's keys (weights 0) */
+            for (int hh = 0; hh < NH; hh++)
+                for (int j = 0; j < BLOCK; j++) {
+                    kmul[hh][j] = j < n ? pow2i(a->ke[rows[j] + hh]) * kscale : 1.0f;
+                    vmul[hh][j] = j < n ? pow2i(a->ve[rows[j] + hh]) : 1.0f;
+                }
         for (int j = 0; j < n; j++) {
-            if (j < n_next) prefetch_rows(a->k, pf[j], NH, HD, fmt);
+            if (j < n_next) {
+                prefetch_rows(a->k, pf[j], NH, HD, fmt, 0);
+                if (fmt == 2 && (j == 0 || pf[j] != pf[j - 1] + a->KVH)) { /* a page's first row */
+                    _mm_prefetch((const char *)(a->ke + pf[j]), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(a->ve + pf[j]), _MM_HINT_T1);
+                }
+            }
             for (int hh = 0; hh < NH; hh++)
                 for (int c0 = 0; c0 < HD; c0 += 64) { /* 8 vectors of the row at a time */
                     const int nv = HD - c0 < 64 ? (HD - c0) / 8 : 8;
@@ -686,6 +758,8 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
                     }
                 }
         }
+        if (fmt != 0) /* the block's V rows from L2 into L1 while the softmax runs (fp32's 24 KB would evict K's) */
+            for (int j = 0; j < n; j++) prefetch_rows(a->v, rows[j], NH, HD, fmt, 1);
         const int nb = (n + 7) / 8; /* vectors of 8 keys; lanes past n masked */
         __m256 live[BLOCK / 8];    /* the lanes of keys within the block */
         for (int b = 0; b < nb; b++)
@@ -697,7 +771,8 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
             for (int b = 0; b < nb; b++) {
                 __m256 v[8];
                 for (int jj = 0; jj < 8; jj++) v[jj] = _mm256_load_ps(part[8 * b + jj][g]);
-                const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(sum8(v), scale), live[b]);
+                const __m256 mul = fmt == 2 ? _mm256_load_ps(&kmul[g / G][8 * b]) : scale;
+                const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(sum8(v), mul), live[b]);
                 _mm256_store_ps(&s[g][8 * b], sc);
                 top = _mm256_max_ps(top, sc);
             }
@@ -709,30 +784,43 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
             __m256 sum = _mm256_setzero_ps();
             for (int b = 0; b < nb; b++) {
                 const __m256 w = exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(&s[g][8 * b]), top));
-                _mm256_store_ps(&s[g][8 * b], w);
+                _mm256_store_ps(&s[g][8 * b], fmt == 2 ? _mm256_mul_ps(w, _mm256_load_ps(&vmul[g / G][8 * b])) : w);
                 sum = _mm256_add_ps(sum, w);
             }
             l[g] = l[g] * corr[g] + hsum8(sum);
             m[g] = bm;
         }
-        for (int j = 0; j < n_next; j++) prefetch_rows(a->v, pf[j], NH, HD, fmt);
-        for (int g = 0; g < NQ; g++)
-            for (int c0 = 0; c0 < NV; c0 += 8) { /* 8 vectors of the output in registers */
-                const int nv = NV - c0 < 8 ? NV - c0 : 8;
-                const __m256 cg = _mm256_set1_ps(corr[g]);
-                __m256 o[8];
-                for (int c = 0; c < nv; c++) o[c] = _mm256_mul_ps(_mm256_load_ps(&acc[g][8 * (c0 + c)]), cg);
-                for (int j = 0; j < n; j++) {
-                    const __m256 p = _mm256_set1_ps(s[g][j]);
-                    for (int c = 0; c < nv; c += 2) {
-                        __m256 lo, hi;
-                        row16(a->v, rows[j] + g / G, 8 * (c0 + c), HD, fmt, &lo, &hi);
-                        o[c] = _mm256_fmadd_ps(p, lo, o[c]);
-                        o[c + 1] = _mm256_fmadd_ps(p, hi, o[c + 1]);
+        for (int j = 0; j < n_next; j++) prefetch_rows(a->v, pf[j], NH, HD, fmt, 0);
+        if (fmt == 2) /* fp8: each V row converted once, for up to 4 of its query heads at a time */
+            for (int hh = 0; hh < NH; hh++)
+                for (int g = hh * G; g < hh * G + G; g += 4) {
+                    const float(*w)[BLOCK] = s + g, *cg = corr + g;
+                    float(*o)[MAX_HD] = acc + g;
+                    switch (hh * G + G - g) {
+                    case 1: accumulate_v8(a->v, rows, hh, n, w, cg, o, HD, fmt, 1); break;
+                    case 2: accumulate_v8(a->v, rows, hh, n, w, cg, o, HD, fmt, 2); break;
+                    case 3: accumulate_v8(a->v, rows, hh, n, w, cg, o, HD, fmt, 3); break;
+                    default: accumulate_v8(a->v, rows, hh, n, w, cg, o, HD, fmt, 4);
                     }
                 }
-                for (int c = 0; c < nv; c++) _mm256_store_ps(&acc[g][8 * (c0 + c)], o[c]);
-            }
+        else /* whole rows per query head: over fp32 and bf16 rows 0.86-0.95x the time of the loop above */
+            for (int g = 0; g < NQ; g++)
+                for (int c0 = 0; c0 < NV; c0 += 8) { /* 8 vectors of the output in registers */
+                    const int nv = NV - c0 < 8 ? NV - c0 : 8;
+                    const __m256 cg = _mm256_set1_ps(corr[g]);
+                    __m256 o[8];
+                    for (int c = 0; c < nv; c++) o[c] = _mm256_mul_ps(_mm256_load_ps(&acc[g][8 * (c0 + c)]), cg);
+                    for (int j = 0; j < n; j++) {
+                        const __m256 p = _mm256_set1_ps(s[g][j]);
+                        for (int c = 0; c < nv; c += 2) {
+                            __m256 lo, hi;
+                            row16(a->v, rows[j] + g / G, 8 * (c0 + c), HD, fmt, &lo, &hi);
+                            o[c] = _mm256_fmadd_ps(p, lo, o[c]);
+                            o[c + 1] = _mm256_fmadd_ps(p, hi, o[c + 1]);
+                        }
+                    }
+                    for (int c = 0; c < nv; c++) _mm256_store_ps(&acc[g][8 * (c0 + c)], o[c]);
+                }
     }
     for (int g = 0; g < NQ; g++) { /* back in dim order */
         float o[MAX_HD];
@@ -741,7 +829,7 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
                 o[i + (fmt == 1 ? 2 * j : j)] = acc[g][i + j];
                 o[i + (fmt == 1 ? 2 * j + 1 : 8 + j)] = acc[g][i + 8 + j];
             }
-        store_out(a, d, h + g / G, g % G, o, 1.0f / l[g]);
+        store_out(a, d, h + g / G, g % G, o, (fmt == 2 ? 256.0f : 1.0f) / l[g]);
     }
 }
 
@@ -751,7 +839,7 @@ static const float zero_row[MAX_HD] __attribute__((aligned(32))); /* the K row o
 static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int t, int h, const int HD,
                                                               const int fmt) {
     const int d = tile_first(a, t), R = tile_first(a, t + 1) - d;
-    if (R == 1 && fmt != 2 && a->G <= DEC_Q) { /* a decode row: an item of all KV heads takes DEC_Q / G at a time */
+    if (R == 1 && (fmt != 2 || DEC8_FP8) && a->G <= DEC_Q) { /* a decode row: an item of its KV heads, DEC_Q / G */
         const int per = a->item_heads == 1 ? 1 : DEC_Q / a->G;
         if (h % per == 0) attend_dec8(a, t, h, a->KVH - h < per ? a->KVH - h : per, HD, fmt);
         return; /* the other heads of its group: done with the first */

@@ -59,8 +59,8 @@ def test_matches_reference(fmt: str, group: int, threads: int, seed: int) -> Non
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_decode_rows_with_kv_heads_read_together(fmt: str, group: int, head_dim: int, threads: int,
                                                  seed: int) -> None:
-    """Enough sequences that a work item holds all of a row's KV heads, which decode rows over fp32 or bf16 pages
-    read together on AVX2-only CPUs, at most 16 query heads at a time: 3 KV heads of 3 or 6 query heads (one
+    """Enough sequences that a work item holds all of a row's KV heads, which decode rows read together on
+    AVX2-only CPUs, at most 16 query heads at a time (over fp8 pages V's loop takes 4 query heads a pass): 3 KV heads of 3 or 6 query heads (one
     group; two groups of 2 and 1 KV heads), of 8 (groups of 2 and 1, head_dim 128), of 20 (more than a group
     holds: the per-head loop)."""
     lens = [1, 9, 33, 64, 100, 31, 17, 130, 2, 70]
@@ -72,6 +72,29 @@ def test_decode_rows_with_kv_heads_read_together(fmt: str, group: int, head_dim:
     assert out is not None
     assert_close_in_mag(out, paged_decode_attention_ref(q, *paged, scale),
                         paged_decode_attention_ref(q, *paged.with_abs_v(), scale), 1e-5, seed)
+
+
+@pytest.mark.parametrize("k_log2,v_log2", [(-60, 55), (55, -60)])
+@pytest.mark.parametrize("group", [3, 6])
+def test_fp8_decode_rows_at_the_ends_of_the_exponent_range(k_log2: int, v_log2: int, group: int, seed: int) -> None:
+    """Decode rows over fp8 pages whose tokens' exponents lie near both ends of theirs (-64 .. 63; K near 2^55 and
+    2^-60, the queries scaled back so the scores stay O(10); V near 2^-60 and 2^55), subnormal codes beside each
+    row's largest: the vector copies apply 2^e, and the AVX2 decode rows the 2^-8 of their float16 conversion, as
+    exact scalings."""
+    lens = [1, 40, 130, 17, 64, 9, 33, 100]
+    kv = []
+    for k, v in random_sequences(lens, 3, 64):
+        k[:, :, 1] = k[:, :, 0] * 2.0 ** -12  # e = 0 codes
+        v[:, :, 1] = v[:, :, 0] * 2.0 ** -12
+        kv.append((k * 2.0 ** k_log2, v * 2.0 ** v_log2))
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(kv, 3, 64, FP8, num_pages, page_table, "cpu")
+    q = torch.randn(len(lens), 3 * group, 64) * 2.0 ** -k_log2
+    out = paged_decode_attention_cpu(q, *paged, 0.125, threads=2)
+    assert out is not None
+    ref = paged_decode_attention_ref(q, *paged, 0.125)
+    assert_close_in_mag(out, ref, paged_decode_attention_ref(q, *paged.with_abs_v(), 0.125), 1e-5, seed)
+    assert 2.0 ** (v_log2 - 20) < float(ref.abs().max()) < 2.0 ** (v_log2 + 20)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
