@@ -548,9 +548,10 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
  * against a row of zeros; the softmax runs 8 scores a vector (as attend_dec8's below: the token's multiplier and
  * the mask of keys past a query's last applied to each vector of 8 sums; 0.92-0.94x the time of the scalar loop
  * it replaced, over a 500-row prompt chunk's tiles at 501-1,000 keys). The V rows are widened once into `vb`,
- * each query head's output accumulated over them 64 values (8 registers) at a time. Sums are float32 in another order than the generic code's (tests
- * compare both to the reference). The widened rows lie HD apart: at attend_vec's MAX_HD stride (1 KB) the
- * K and V rows fell into a quarter of a 32 KB L1's sets (0.81-0.86x the time once packed).
+ * each query head's output accumulated over them 64 values (8 registers) at a time. Sums are float32 in another
+ * order than the generic code's (tests compare both to the reference). The widened rows lie HD apart: at
+ * attend_vec's MAX_HD stride (1 KB) the K and V rows fell into a quarter of a 32 KB L1's sets (0.81-0.86x the
+ * time once packed).
  * Against the generic code it replaces, one thread, 30 layers' own page pools (32 sequences, G = 3, HD =
  * 64, page tables shuffled), the two builds alternating in one process on a 2-core AMD EPYC VM (Zen 3):
  * bf16 pages 0.79x the time at 150 keys, 0.69x at 600; fp8 0.57x and 0.48x (~44 and ~36 ns per sequence,
@@ -615,9 +616,10 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
  * (128 of every 384 bytes of a token's row, pages scattered; a plain C loop reading the same bytes gets ~8 GB/s
  * on one core, ~11 GB/s whole rows) bounds both copies more than their arithmetic. Over fp8 pages a first try of
  * this loop (V rows converted per query head, by attend_vec8's float32 bit placement) took 1.09x attend_vec8's
- * time; as above, 0.84-0.87x at 128-1,024 keys (in L2 0.86x), and with it bf16 pages 0.96x at 1,024 keys (the L1
- * prefetch; fp32 none: a block's 24 KB of V rows would evict K's). V's loop per KV head took 1.12-1.16x the time
- * over fp32 rows (each 16-dim pass reads a quarter of a 256-byte row) and 1.01x over bf16: they keep theirs. */
+ * time; as above, 0.84-0.87x at 128-1,024 keys (in L2 0.86x), and with it bf16 pages 0.91-0.97x at 1,024 keys
+ * (the L1 prefetch; fp32 none: a block's 24 KB of V rows would evict K's). V's loop per KV head took 1.12-1.16x
+ * the time over fp32 rows (each 16-dim pass reads a quarter of a 256-byte row) and 1.01x over bf16: they keep
+ * theirs. */
 #define DEC_Q 16 /* query heads one call holds: G <= DEC_Q (more: attend_vec8); KV heads in groups of DEC_Q / G */
 #ifdef __F16C__
 #define DEC8_FP8 1 /* fp8 rows converted by float16 (row16) */
