@@ -637,6 +637,18 @@ static inline __m256 exp_nonpositive8(__m256 x) {
                             _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+/* Lanes i with i < k all ones (keys within a block's live part), the others zero. */
+static inline __m256 lanes_below8(int k) {
+    return _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)k), _CMP_LT_OQ);
+}
+
+/* The largest of v's 8 lanes, in every lane. */
+static inline __m256 max_all8(__m256 v) {
+    v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
+    v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+    return _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+}
+
 /* Dims c .. c+15 of page row `row` as two float32 vectors in attend_dec8's lane order: bf16 the even dims then the
  * odd ones (one 32-byte load, a shift and a mask); fp32 and fp8 c .. c+7 then c+8 .. c+15. fp8 by float16: the
  * e4m3 bits s eeee mmm placed as float16 bits s 0eeee mmm0000000 read as 2^(e-15) (1 + m/8), or 2^-14 (m/8) for
@@ -701,8 +713,8 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
     float acc[DEC_Q][MAX_HD] __attribute__((aligned(32)));
     float part[BLOCK][DEC_Q][8] __attribute__((aligned(32))); /* per key and query head: 8 partial sums of its dot */
     float s[DEC_Q][BLOCK] __attribute__((aligned(32)));
-    float kmul[fmt == 2 ? DEC_Q : 1][BLOCK] __attribute__((aligned(32))); /* fp8: per KV head and key, 2^(e+8) */
-    float vmul[fmt == 2 ? DEC_Q : 1][BLOCK] __attribute__((aligned(32)));
+    float kmul[fmt == 2 ? DEC_Q : 1][BLOCK] __attribute__((aligned(32))); /* fp8, per KV head and key: 2^e 2^8 scale */
+    float vmul[fmt == 2 ? DEC_Q : 1][BLOCK] __attribute__((aligned(32))); /* 2^e */
     float m[DEC_Q], l[DEC_Q], corr[DEC_Q];
     for (int hh = 0; hh < NH; hh++) {
         float qbuf[MAX_G * MAX_HD];
@@ -766,10 +778,7 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
             for (int j = 0; j < n; j++) prefetch_rows(a->v, rows[j], NH, HD, fmt, 1);
         const int nb = (n + 7) / 8; /* vectors of 8 keys; lanes past n masked */
         __m256 live[BLOCK / 8];    /* the lanes of keys within the block */
-        for (int b = 0; b < nb; b++)
-            live[b] = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)(8 * b - n)),
-                                                  _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
-                                    _mm256_setzero_ps(), _CMP_LT_OQ);
+        for (int b = 0; b < nb; b++) live[b] = lanes_below8(n - 8 * b);
         for (int g = 0; g < NQ; g++) {
             __m256 top = _mm256_set1_ps(m[g]);
             for (int b = 0; b < nb; b++) {
@@ -780,9 +789,7 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
                 _mm256_store_ps(&s[g][8 * b], sc);
                 top = _mm256_max_ps(top, sc);
             }
-            top = _mm256_max_ps(top, _mm256_permute2f128_ps(top, top, 1)); /* the maximum in every lane */
-            top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0x4E));
-            top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0xB1));
+            top = max_all8(top);
             const float bm = _mm256_cvtss_f32(top);
             corr[g] = exp_nonpositive(m[g] - bm); /* 0 on the first block (m = -inf) */
             __m256 sum = _mm256_setzero_ps();
@@ -807,7 +814,7 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
                     default: accumulate_v8(a->v, rows, hh, n, w, cg, o, HD, fmt, 4);
                     }
                 }
-        else /* whole rows per query head: over fp32 and bf16 rows 0.86-0.95x the time of the loop above */
+        else /* whole rows per query head: over fp32 and bf16 rows 0.86-0.99x the time of the loop above */
             for (int g = 0; g < NQ; g++)
                 for (int c0 = 0; c0 < NV; c0 += 8) { /* 8 vectors of the output in registers */
                     const int nv = NV - c0 < 8 ? NV - c0 : 8;
@@ -863,7 +870,7 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
     const float *kr[BLOCK], *vr[BLOCK];
     float m[MAX_G], l[MAX_G];
     float s[MAX_G][BLOCK] __attribute__((aligned(32)));
-    float kmul[BLOCK];
+    float kmul[BLOCK] = {0}; /* the softmax reads whole vectors of 8, past the block's keys too (masked) */
     for (int g = 0; g < NQ; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
@@ -900,18 +907,14 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
                     for (int jj = 0; jj < 8; jj++)
                         dots[jj] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj[jj] + 8 * c), dots[jj]);
                 }
-                /* the scores, lanes past nq -inf (j0 + 8 <= BLOCK; kmul past n is never used) */
-                const __m256 live = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)(j0 - nq)),
-                                                                _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
-                                                  _mm256_setzero_ps(), _CMP_LT_OQ);
+                /* the scores, lanes past nq -inf (j0 + 8 <= BLOCK) */
                 const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                                   _mm256_mul_ps(sum8(dots), _mm256_loadu_ps(kmul + j0)), live);
+                                                   _mm256_mul_ps(sum8(dots), _mm256_loadu_ps(kmul + j0)),
+                                                   lanes_below8(nq - j0));
                 _mm256_store_ps(&s[g][j0], sc);
                 top = _mm256_max_ps(top, sc);
             }
-            top = _mm256_max_ps(top, _mm256_permute2f128_ps(top, top, 1)); /* the maximum in every lane */
-            top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0x4E));
-            top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0xB1));
+            top = max_all8(top);
             const float bm = _mm256_cvtss_f32(top), corr = exp_nonpositive(m[g] - bm); /* 0 on the first block */
             __m256 sum = _mm256_setzero_ps();
             for (int j0 = 0; j0 < nq; j0 += 8) { /* weights; 0 past nq (s[g][nq .. n) stays 0) */
