@@ -53,13 +53,16 @@ the pages at ~14 GB/s where the GEMVs read ~28: scattered page rows bound both c
 arithmetic does. `amx_tiles(False)` or
 `EDGESERVE_AMX_ATTENTION=0` keeps the vector copy.
 
-On an AVX2 CPU without AVX-512, decode rows over fp32 or bf16 pages run their own loop (`attend_dec8`):
-a work item's KV heads together (a token's rows of them lie side by side in the page), each key row
-converted to float32 once, in registers (bf16: a 32-byte load gives the even dims by a shift and the
-odd ones by a mask; q and the output are kept in that order), the softmax eight keys a vector. Same
-arithmetic summed in another order. A c = 32 SmolLM2 bfloat16 decode step at 1,024 tokens of context
-on a 2-core AMD EPYC VM (`edgeserve bench token-profile --prompt-tokens 1024`, old and new alternating):
-the attention 66-70 -> 56-61 ms a step (of ~140).
+On an AVX2 CPU without AVX-512, decode rows run their own loop (`attend_dec8`): a work item's KV
+heads together (a token's rows of them lie side by side in the page), each key row converted to
+float32 once, in registers (bf16: a 32-byte load gives the even dims by a shift and the odd ones by
+a mask; q and the output are kept in that order; fp8, where the CPU has F16C: the e4m3 bits placed
+as float16 bits, exactly 2^-8 of the values, the 2^8 folded into the scores' multiplier and the
+output's 1 / l), the softmax eight keys a vector. Same arithmetic summed in another order. A c = 32
+SmolLM2 bfloat16 decode step at 1,024 tokens of context on a 2-core AMD EPYC VM (`edgeserve bench
+token-profile --prompt-tokens 1024`, old and new alternating): the attention 66-70 -> 56-61 ms a
+step (of ~140) over bf16 pages; over FP8 pages 49-54 -> 42-43 ms (it had kept the per-KV-head loop),
+~0.8x bf16's time.
 
 Prompt rows (a prefill chunk: each row a query whose keys end at its own position) come
 in tiles (`tiles`): up to 32 query heads (10 rows x G = 3 for SmolLM2) run together
