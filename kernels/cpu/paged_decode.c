@@ -748,8 +748,10 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
                     vmul[hh][j] = j < n ? pow2i(a->ve[rows[j] + hh]) : 1.0f;
                 }
         for (int j = 0; j < n; j++) {
-            if (j < n_next) {
+            if (j < n_next) { /* the next rows, K's and V's, a key's at a time (V's in a burst after the scores:
+                               * 1.06-1.14x the time) */
                 prefetch_rows(a->k, pf[j], NH, HD, fmt, 0);
+                prefetch_rows(a->v, pf[j], NH, HD, fmt, 0);
                 if (fmt == 2 && (j == 0 || pf[j] != pf[j - 1] + a->KVH)) { /* a page's first row */
                     _mm_prefetch((const char *)(a->ke + pf[j]), _MM_HINT_T1);
                     _mm_prefetch((const char *)(a->ve + pf[j]), _MM_HINT_T1);
@@ -801,7 +803,6 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
             l[g] = l[g] * corr[g] + hsum8(sum);
             m[g] = bm;
         }
-        for (int j = 0; j < n_next; j++) prefetch_rows(a->v, pf[j], NH, HD, fmt, 0);
         if (fmt == 2) /* fp8: each V row converted once, for up to 4 of its query heads at a time */
             for (int hh = 0; hh < NH; hh++)
                 for (int g = hh * G; g < hh * G + G; g += 4) {
