@@ -61,7 +61,7 @@ as float16 bits, exactly 2^-8 of the values, the 2^8 folded into the scores' mul
 output's 1 / l), the softmax eight keys a vector. Same arithmetic summed in another order. A c = 32
 SmolLM2 bfloat16 decode step at 1,024 tokens of context on a 2-core AMD EPYC VM (`edgeserve bench
 token-profile --prompt-tokens 1024`, old and new alternating): the attention 66-70 -> 56-61 ms a
-step (of ~140) over bf16 pages; over FP8 pages (before: the older loop, one KV head an item) 49-54 -> 42-43 ms,
+step (of ~140) over bf16 pages; over FP8 pages (before: the older loop, one KV head an item) 49-54 -> 40-43 ms,
 ~0.8x bf16's time.
 
 Prompt rows (a prefill chunk: each row a query whose keys end at its own position) come

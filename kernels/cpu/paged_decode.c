@@ -616,10 +616,10 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
  * (128 of every 384 bytes of a token's row, pages scattered; a plain C loop reading the same bytes gets ~8 GB/s
  * on one core, ~11 GB/s whole rows) bounds both copies more than their arithmetic. Over fp8 pages a first try of
  * this loop (V rows converted per query head, by attend_vec8's float32 bit placement) took 1.09x attend_vec8's
- * time; as above, 0.84-0.87x at 128-1,024 keys (in L2 0.86x), and with it bf16 pages 0.91-0.97x at 1,024 keys
- * (the L1 prefetch; fp32 none: a block's 24 KB of V rows would evict K's). V's loop per KV head took 1.12-1.16x
- * the time over fp32 rows (each 16-dim pass reads a quarter of a 256-byte row) and 1.01x over bf16: they keep
- * theirs. */
+ * time; as above, with V's prefetches spread over the K loop, 0.79x at 128-1,024 keys (in L2 0.83x), bf16 pages
+ * 0.88x, fp32 0.92x (the L1 prefetch for bf16 and fp8 only: fp32's 24 KB of a block's V rows would evict K's).
+ * V's loop per KV head took 1.12-1.16x the time over fp32 rows (each 16-dim pass reads a quarter of a 256-byte
+ * row) and 1.01x over bf16: they keep theirs. */
 #define DEC_Q 16 /* query heads one call holds: G <= DEC_Q (more: attend_vec8); KV heads in groups of DEC_Q / G */
 #ifdef __F16C__
 #define DEC8_FP8 1 /* fp8 rows converted by float16 (row16) */
