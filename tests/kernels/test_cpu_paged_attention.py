@@ -84,11 +84,14 @@ def test_fp8_decode_rows_at_the_ends_of_the_exponent_range(k_log2: int, v_log2: 
     lens = [1, 40, 130, 17, 64, 9, 33, 100]
     kv = []
     for k, v in random_sequences(lens, 3, 64):
-        k[:, :, 1] = k[:, :, 0] * 2.0 ** -12  # e = 0 codes
-        v[:, :, 1] = v[:, :, 0] * 2.0 ** -12
+        for x in (k, v):  # 2^-16 of the row's largest: an e = 0 code (e4m3's smallest normal is 2^-6, 448 = 2^8.8)
+            x[:, :, 1] = x.abs().amax(-1) * 2.0 ** -16
         kv.append((k * 2.0 ** k_log2, v * 2.0 ** v_log2))
     num_pages, page_table = random_layout(lens)
     paged = build_paged(kv, 3, 64, FP8, num_pages, page_table, "cpu")
+    for pages in (paged.k_cache, paged.v_cache):
+        codes = pages.view(torch.uint8)
+        assert bool(((codes & 0x78 == 0) & (codes & 0x07 != 0)).any())  # subnormal codes among them
     q = torch.randn(len(lens), 3 * group, 64) * 2.0 ** -k_log2
     out = paged_decode_attention_cpu(q, *paged, 0.125, threads=2)
     assert out is not None
