@@ -649,6 +649,25 @@ static inline __m256 max_all8(__m256 v) {
     return _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
 }
 
+/* One block of a query head's online softmax on 8 lanes: its scores s[0 .. 8 nb) (lanes past its keys -inf), top
+ * their lanes' maxima with its running max m (unreduced). s becomes the weights (times wmul's lanes where given, V's
+ * 2^e, after their sum), m and the running sum l move on; returns e^(old m - new m), the rescale of what came
+ * before (0 on the first block, m = -inf). */
+static inline __attribute__((always_inline)) float softmax_block8(float *s, int nb, __m256 top, const float *wmul,
+                                                                  float *m, float *l) {
+    top = max_all8(top);
+    const float bm = _mm256_cvtss_f32(top), corr = exp_nonpositive(*m - bm);
+    __m256 sum = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m256 w = exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(s + 8 * b), top));
+        _mm256_store_ps(s + 8 * b, wmul ? _mm256_mul_ps(w, _mm256_load_ps(wmul + 8 * b)) : w);
+        sum = _mm256_add_ps(sum, w);
+    }
+    *l = *l * corr + hsum8(sum);
+    *m = bm;
+    return corr;
+}
+
 /* Dims c .. c+15 of page row `row` as two float32 vectors in attend_dec8's lane order: bf16 the even dims then the
  * odd ones (one 32-byte load, a shift and a mask); fp32 and fp8 c .. c+7 then c+8 .. c+15. fp8 by float16: the
  * e4m3 bits s eeee mmm placed as float16 bits s 0eeee mmm0000000 read as 2^(e-15) (1 + m/8), or 2^-14 (m/8) for
@@ -791,17 +810,7 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
                 _mm256_store_ps(&s[g][8 * b], sc);
                 top = _mm256_max_ps(top, sc);
             }
-            top = max_all8(top);
-            const float bm = _mm256_cvtss_f32(top);
-            corr[g] = exp_nonpositive(m[g] - bm); /* 0 on the first block (m = -inf) */
-            __m256 sum = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                const __m256 w = exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(&s[g][8 * b]), top));
-                _mm256_store_ps(&s[g][8 * b], fmt == 2 ? _mm256_mul_ps(w, _mm256_load_ps(&vmul[g / G][8 * b])) : w);
-                sum = _mm256_add_ps(sum, w);
-            }
-            l[g] = l[g] * corr[g] + hsum8(sum);
-            m[g] = bm;
+            corr[g] = softmax_block8(s[g], nb, top, fmt == 2 ? vmul[g / G] : NULL, &m[g], &l[g]);
         }
         if (fmt == 2) /* fp8: each V row converted once, for up to 4 of its query heads at a time */
             for (int hh = 0; hh < NH; hh++)
@@ -915,16 +924,8 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
                 _mm256_store_ps(&s[g][j0], sc);
                 top = _mm256_max_ps(top, sc);
             }
-            top = max_all8(top);
-            const float bm = _mm256_cvtss_f32(top), corr = exp_nonpositive(m[g] - bm); /* 0 on the first block */
-            __m256 sum = _mm256_setzero_ps();
-            for (int j0 = 0; j0 < nq; j0 += 8) { /* weights; 0 past nq (s[g][nq .. n) stays 0) */
-                const __m256 w = exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(&s[g][j0]), top));
-                _mm256_store_ps(&s[g][j0], w);
-                sum = _mm256_add_ps(sum, w);
-            }
-            l[g] = l[g] * corr + hsum8(sum);
-            m[g] = bm;
+            /* weights: 0 past nq (s[g][nq .. n) stays 0) */
+            const float corr = softmax_block8(s[g], (nq + 7) / 8, top, NULL, &m[g], &l[g]);
             for (int i = 0; i < HD; i += 8)
                 _mm256_store_ps(&acc[g][i], _mm256_mul_ps(_mm256_load_ps(&acc[g][i]), _mm256_set1_ps(corr)));
         }

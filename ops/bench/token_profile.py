@@ -190,8 +190,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     steps = args.steps or (16 if args.quick else 48)
     c = args.concurrency
-    # the prompts take at least c * prompt_tokens / 256 steps, in which the requests already prefilled decode too
-    n = 3 * steps + 8 + -(-c * args.prompt_tokens // 256)
+    from backend.engine import EngineConfig
+
+    # the prompts take at least c * prompt_tokens / chunk steps, in which the requests already prefilled decode too
+    n = 3 * steps + 8 + -(-c * args.prompt_tokens // EngineConfig().prefill_chunk_size)
     tokens = args.prompt_tokens + n  # a request's context at its last step
     engine, dtype, kv = in_process_engine(args, kv_cache_bytes=max(1 << 29, c * tokens * _kv_bytes_per_token(args)),
                                           max_num_seqs=max(c, 1),
