@@ -69,7 +69,12 @@ in tiles (`tiles`): up to 32 query heads (10 rows x G = 3 for SmolLM2) run toget
 against each block of 32 keys, so a block's K and V rows are read and widened once per
 tile instead of once per row; in the block on a row's causal diagonal its later keys are
 left out of the softmax. Same VM, 2 threads, bfloat16 pages: 5 prompts of 103 rows
-1283 -> ~1000 us, one of 160 650 -> 506 us, two of 256 2858 -> 2221 us.
+1283 -> ~1000 us, one of 160 650 -> 506 us, two of 256 2858 -> 2221 us. On AVX2 (no AVX-512) a
+tile's query heads lie along the vector lanes: Q transposed once per tile, each score vector one
+key against 8 heads (a key's value broadcast times Q's columns, no horizontal sums), the softmax
+lane by lane, the outputs of 6 heads a pass over each block's V rows. Against the per-head loop it
+replaced (2-core AMD EPYC VM, SmolLM2 bfloat16 engine): the attention of a 4,000-token prompt
+0.70x the time, its TTFT 12.7-14.4 -> 10.3-12.7 s; of a 1,000-token prompt 0.71x, TTFT 0.92x.
 
 Build (`kernels/cpu_build.py`): `gcc -O3 -march=native` plus the reassociation flags that
 let the compiler vectorise float sums (`-fassociative-math -fno-signed-zeros

@@ -21,9 +21,10 @@
  * `attend_vec` with AVX-512 intrinsics for head sizes 64 and 128 where the CPU has AVX-512 (and copies of
  * it for bf16 q against bf16 or fp8 pages that score with `vdpbf16ps` where the CPU has AVX512-BF16: exact
  * products, float32 sums in pairs, no widened K; fp8 keys become their exact bfloat16 values in registers,
- * `fp8x32_to_bf16`), or `attend_vec8`, its scheme in AVX2 intrinsics where the CPU has AVX2 and FMA but no
- * AVX-512 (K widened to float32 for every format; decode rows take `attend_dec8`, which reads a row's KV heads
- * together, each key row converted once in registers). Queries come in tiles: one row, or
+ * `fp8x32_to_bf16`), or the AVX2 copies where the CPU has AVX2 and FMA but no AVX-512 (rows converted to
+ * float32 for every format; decode rows take `attend_dec8`, which reads a row's KV heads together, each key row
+ * converted once in registers; prompt tiles `attend_vec8`, a tile's query heads along the vector lanes, products
+ * as outer products). Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
  * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few). Decode
  * rows over bf16 or fp8 pages with bf16 q run on AMX tiles where the CPU has them (`attend_amx`, its section below).
@@ -540,22 +541,14 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
 }
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec(a, t, h, hd, f); }
 #elif VECTOR_COPY
-/* attend_vec's scheme on CPUs with AVX2 and FMA but no AVX-512, for head sizes 64 and 128 (NV = HD / 8 vectors)
- * and float32, bfloat16 or fp8 pages (no bfloat16 dot products here: K rows are widened to float32). Per block
- * of up to 32 tokens: the K rows widened once into `kb` (fp32 pages read in place) while the next rows are
- * prefetched, then for each query head the scores of 8 tokens at a time (8 independent chains of NV FMAs, q
- * and K from L1), folded into one vector of 8 dot products by `sum8`; tokens past a query's last key score
- * against a row of zeros; the softmax runs 8 scores a vector (as attend_dec8's below: the token's multiplier and
- * the mask of keys past a query's last applied to each vector of 8 sums; 0.92-0.94x the time of the scalar loop
- * it replaced, over a 500-row prompt chunk's tiles at 501-1,000 keys). The V rows are widened once into `vb`,
- * each query head's output accumulated over them 64 values (8 registers) at a time. Sums are float32 in another
- * order than the generic code's (tests compare both to the reference). The widened rows lie HD apart: at
- * attend_vec's MAX_HD stride (1 KB) the K and V rows fell into a quarter of a 32 KB L1's sets (0.81-0.86x the
- * time once packed).
- * Against the generic code it replaces, one thread, 30 layers' own page pools (32 sequences, G = 3, HD =
- * 64, page tables shuffled), the two builds alternating in one process on a 2-core AMD EPYC VM (Zen 3):
- * bf16 pages 0.79x the time at 150 keys, 0.69x at 600; fp8 0.57x and 0.48x (~44 and ~36 ns per sequence,
- * KV head and key); pages in cache 0.84x and 0.73x. Without the prefetches 1.13x (bf16) and 1.54x (fp8)
+/* The AVX2 copies, for CPUs with AVX2 and FMA but no AVX-512, head sizes 64 and 128 (NV = HD / 8 vectors), float32,
+ * bfloat16 or fp8 pages (no bfloat16 dot products here: rows are converted to float32): decode rows in
+ * `attend_dec8`, prompt tiles in `attend_vec8` (their sections below). The decode rows' history: before
+ * `attend_dec8` they ran a scheme like attend_vec's (each query head's scores 8 tokens at a time, 8 chains of FMAs
+ * folded by `sum8`), which against the generic code it replaced, one thread, 30 layers' own page pools (32
+ * sequences, G = 3, HD = 64, page tables shuffled), the two builds alternating in one process on a 2-core AMD EPYC
+ * VM (Zen 3) took: bf16 pages 0.79x the time at 150 keys, 0.69x at 600; fp8 0.57x and 0.48x (~44 and ~36 ns per
+ * sequence, KV head and key); pages in cache 0.84x and 0.73x. Without the prefetches 1.13x (bf16) and 1.54x (fp8)
  * its time; issued one per token among the scores and sums instead of a burst per block, 1.04-1.3x. */
 static inline __m256 sum8(const __m256 v[8]) { /* lane j: the sum of v[j]'s 8 lanes */
     __m256 a[4], b[2];
@@ -590,8 +583,8 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
 
 /* ---- Decode rows on AVX2: a decode row (a tile of one row, what each sequence of a decode
  * step is) against all its KV heads at once, every key row read once and kept in registers.
- * attend_vec8 below converts a block's K and V rows into float32 buffers and reads them back for each query head,
- * one KV head an item. Here an item's KV heads run together (up to DEC_Q query heads; SmolLM2's 3 KV heads x 3),
+ * Prompt tiles (attend_vec8 below) convert a block's K and V rows into float32 buffers, one KV head an item. Here
+ * an item's KV heads run together (up to DEC_Q query heads; SmolLM2's 3 KV heads x 3),
  * so a token's rows of those heads, which lie side by side in the page, are read as one span; per block of up to
  * 32 keys:
  *   scores: each K row becomes HD / 8 float32 vectors in registers (`row16`: a bf16 row gives 16 dims a 32-byte
@@ -854,9 +847,140 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
     }
 }
 
-static const float zero_row[MAX_HD] __attribute__((aligned(32))); /* the K row of a token past a query's keys */
+static const float zero_row[MAX_HD] __attribute__((aligned(32))); /* the K row of a key past a block's end */
 
-/* One work item as in attend_vec: KV head h of tile t, its NQ = R * G query heads against each block of keys. */
+/* ---- Prompt tiles on AVX2: a tile's NQ = R x G query heads (up to MAX_G) of one KV head, the heads along the
+ * lanes, 8 a vector (NHV vectors), against blocks of BLOCK keys:
+ *   scores: S^T [key][head] = K . Q^T, Q transposed once per item (qt [dim][head], heads past NQ zero), so a
+ *     score vector is one key's scores for 8 heads: per dim a key's value broadcast times qt's vectors, KB keys
+ *     x NHV head vectors of accumulators in registers (`tile_scores`: 6 loads for 8 FMAs at NHV = 4); no
+ *     horizontal sums. Lanes past a head's own keys (its row's count, `qlen`) are -inf;
+ *   softmax lane by lane, every head at once: a block's maximum, the weights and their sum are vertical
+ *     operations over its keys' rows (`tile_softmax`);
+ *   values: O [head][dim] += P^T [head][key] . V, 6 heads x 16 dims of outputs in registers over the block's keys
+ *     (`tile_values`: per key 2 loads of V and 6 broadcasts of weights for 12 FMAs), the rescale by the new
+ *     maximum folded into loading O.
+ * The K and V rows are widened to float32 once a block (`widen_row8`, fp32 pages read in place; fp8 times 2^120),
+ * each token's 2^e (fp8) into the scores' multiplier and into the weights after their sum. Sums are float32: a
+ * score is one chain of FMAs over HD, the weights' sum per key in order (another order than the decode rows' and
+ * the generic code's; tests compare each with the reference).
+ * Before (to 2026-12-06): per query head the scores of 8 keys as 8 dot-product chains folded by `sum8` (9 loads
+ * for 8 FMAs, then the lanes' tree), the softmax per head, and each head's output over the V rows alone (9 loads
+ * for 8 FMAs); the scores took ~8 cycles a (query head, key) where their FMAs need 4. SmolLM2's shape (G = 3, HD =
+ * 64, tiles of 10 rows), a 512-row chunk whose keys end at 4,000, 30 layers' own pools, the two copies alternating
+ * in one process on a 2-core AMD EPYC VM (Zen 3): bf16 pages 0.71-0.75x the time, fp8 0.65-0.74x, fp32 0.75x;
+ * chunks of 100 and 256 rows from key 1 0.68-0.94x (this VM's noise is that wide); in an engine, the attention
+ * of a 4,000-token prompt 0.70x, of a 1,000-token one 0.71x, their TTFT 0.81x and 0.92x. The accumulators are fixed-size arrays (a VLA of them stayed in memory: 2x the time), and qt's vectors
+ * are pinned in registers (gcc made them memory operands of every FMA: 10 loads for 8 FMAs). */
+#define TILE_HV (MAX_G / 8) /* head vectors of a tile, at most */
+#define TILE_PV 6 /* query heads whose outputs one pass over a block's V rows holds */
+
+/* Scores of keys j0 .. j0+KB-1 (rows kr[]) for the tile's NHV head vectors: st[j] = K_j . qt, times mul[j],
+ * -inf in lanes whose head sees fewer than key + 1 keys (qlen); returns them folded into top's maxima (keys
+ * from n on are not stored: their rows are zero_row). */
+static inline __attribute__((always_inline)) void tile_scores(const float *qt, const float *const *kr, int j0, int n,
+                                                             int key0, const float *mul, const __m256 *qlen,
+                                                             float (*st)[MAX_G], __m256 *top, const int HD,
+                                                             const int NHV, const int KB) {
+    __m256 acc[8][TILE_HV]; /* fixed sizes (KB <= 8): registers once unrolled, where a VLA stays in memory */
+    for (int k = 0; k < KB; k++)
+        for (int v = 0; v < NHV; v++) acc[k][v] = _mm256_setzero_ps();
+    for (int c = 0; c < HD; c++) {
+        __m256 qv[TILE_HV];
+        for (int v = 0; v < NHV; v++) { /* in registers: gcc would reload them as operands of every FMA */
+            qv[v] = _mm256_load_ps(qt + c * MAX_G + 8 * v);
+            __asm__("" : "+x"(qv[v]));
+        }
+        for (int k = 0; k < KB; k++) {
+            const __m256 x = _mm256_broadcast_ss(kr[j0 + k] + c);
+            for (int v = 0; v < NHV; v++) acc[k][v] = _mm256_fmadd_ps(x, qv[v], acc[k][v]);
+        }
+    }
+    for (int k = 0; k < KB && j0 + k < n; k++) {
+        const __m256 key = _mm256_set1_ps((float)(key0 + j0 + k)), m = _mm256_set1_ps(mul[j0 + k]);
+        for (int v = 0; v < NHV; v++) {
+            const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(acc[k][v], m),
+                                              _mm256_cmp_ps(key, qlen[v], _CMP_LT_OQ));
+            _mm256_store_ps(&st[j0 + k][8 * v], s);
+            top[v] = _mm256_max_ps(top[v], s);
+        }
+    }
+}
+
+/* The online softmax of a block's n keys for every head at once (lanes): scores st become weights (times wmul[j],
+ * V's 2^e, after their sum, where given); m and l, the heads' running maxima and sums, move on; corr gets each
+ * head's rescale of what came before, e^(old m - new m) (0 on the first block). */
+static inline __attribute__((always_inline)) void tile_softmax(float (*st)[MAX_G], int n, const __m256 *top,
+                                                              const float *wmul, __m256 *m, __m256 *l, float *corr,
+                                                              const int NHV) {
+    for (int v = 0; v < NHV; v++) {
+        const __m256 bm = _mm256_max_ps(m[v], top[v]); /* finite: every head sees key 0 */
+        const __m256 cv = exp_nonpositive8(_mm256_sub_ps(m[v], bm));
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            const __m256 w = exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(&st[j][8 * v]), bm));
+            sum = _mm256_add_ps(sum, w);
+            _mm256_store_ps(&st[j][8 * v], wmul ? _mm256_mul_ps(w, _mm256_set1_ps(wmul[j])) : w);
+        }
+        l[v] = _mm256_fmadd_ps(l[v], cv, sum);
+        m[v] = bm;
+        _mm256_store_ps(corr + 8 * v, cv);
+    }
+}
+
+/* Outputs of heads g0 .. g0+NG-1: acc[g] = acc[g] corr[g] + sum over the block's n keys of weight st[j][g] V_j,
+ * 16 dims at a time in registers. */
+static inline __attribute__((always_inline)) void tile_values(float (*acc)[MAX_HD], const float (*st)[MAX_G],
+                                                             const float *const *vr, int n, const float *corr,
+                                                             int g0, const int HD, const int NG) {
+    for (int c = 0; c < HD; c += 16) {
+        __m256 o[TILE_PV][2];
+        for (int g = 0; g < NG; g++) {
+            const __m256 cg = _mm256_set1_ps(corr[g0 + g]);
+            o[g][0] = _mm256_mul_ps(_mm256_load_ps(&acc[g0 + g][c]), cg);
+            o[g][1] = _mm256_mul_ps(_mm256_load_ps(&acc[g0 + g][c + 8]), cg);
+        }
+        for (int j = 0; j < n; j++) {
+            const __m256 v0 = _mm256_loadu_ps(vr[j] + c), v1 = _mm256_loadu_ps(vr[j] + c + 8);
+            for (int g = 0; g < NG; g++) {
+                const __m256 p = _mm256_broadcast_ss(&st[j][g0 + g]);
+                o[g][0] = _mm256_fmadd_ps(p, v0, o[g][0]);
+                o[g][1] = _mm256_fmadd_ps(p, v1, o[g][1]);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            _mm256_store_ps(&acc[g0 + g][c], o[g][0]);
+            _mm256_store_ps(&acc[g0 + g][c + 8], o[g][1]);
+        }
+    }
+}
+
+/* A block's scores for NHV head vectors (a constant after the switch), KB keys a pass (registers: KB x NHV
+ * accumulators, NHV of qt, the broadcasts). */
+static inline __attribute__((always_inline)) void tile_scores_all(const float *qt, const float *const *kr, int n,
+                                                                 int key0, const float *mul, const __m256 *qlen,
+                                                                 float (*st)[MAX_G], __m256 *top, const int HD,
+                                                                 const int NHV) {
+    const int KB = NHV == 4 ? 2 : NHV == 3 ? 3 : NHV == 2 ? 4 : 8;
+    for (int j0 = 0; j0 < n; j0 += KB) tile_scores(qt, kr, j0, n, key0, mul, qlen, st, top, HD, NHV, KB);
+}
+
+static inline __attribute__((always_inline)) void tile_values_all(float (*acc)[MAX_HD], const float (*st)[MAX_G],
+                                                                 const float *const *vr, int n, const float *corr,
+                                                                 int NQ, const int HD) {
+    int g0 = 0;
+    for (; g0 + TILE_PV <= NQ; g0 += TILE_PV) tile_values(acc, st, vr, n, corr, g0, HD, TILE_PV);
+    switch (NQ - g0) {
+    case 1: tile_values(acc, st, vr, n, corr, g0, HD, 1); break;
+    case 2: tile_values(acc, st, vr, n, corr, g0, HD, 2); break;
+    case 3: tile_values(acc, st, vr, n, corr, g0, HD, 3); break;
+    case 4: tile_values(acc, st, vr, n, corr, g0, HD, 4); break;
+    case 5: tile_values(acc, st, vr, n, corr, g0, HD, 5); break;
+    default: break;
+    }
+}
+
+/* One work item: KV head h of tile t (a decode row: attend_dec8). */
 static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int t, int h, const int HD,
                                                               const int fmt) {
     const int d = tile_first(a, t), R = tile_first(a, t + 1) - d;
@@ -865,27 +989,38 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
         if (h % per == 0) attend_dec8(a, t, h, a->KVH - h < per ? a->KVH - h : per, HD, fmt);
         return; /* the other heads of its group: done with the first */
     }
-    const int NV = HD / 8, G = a->G, NQ = R * G;
+    const int G = a->G, NQ = R * G, NHV = (NQ + 7) / 8;
     const int len = a->lens[d + R - 1]; /* rows ascend: the tile's last row sees the most keys */
-    float q[MAX_G * MAX_HD] __attribute__((aligned(32)));
-    int qlen[MAX_G];
+    float qt[MAX_HD * MAX_G] __attribute__((aligned(32))); /* [dim][head] */
+    float qbuf[MAX_G * MAX_HD];
+    float qlf[MAX_G] __attribute__((aligned(32)));
     for (int i = 0; i < R; i++) {
-        const float *qi = load_q(a, d + i, h, q + i * G * HD);
-        if (qi != q + i * G * HD) memcpy(q + i * G * HD, qi, sizeof(float) * G * HD);
-        for (int g = 0; g < G; g++) qlen[i * G + g] = a->lens[d + i];
+        const float *qi = load_q(a, d + i, h, qbuf);
+        for (int g = 0; g < G; g++) {
+            for (int c = 0; c < HD; c++) qt[c * MAX_G + i * G + g] = qi[g * HD + c];
+            qlf[i * G + g] = (float)a->lens[d + i];
+        }
+    }
+    for (int g = NQ; g < 8 * NHV; g++) { /* lanes past the tile's heads: q = 0, every key (finite, unused) */
+        for (int c = 0; c < HD; c++) qt[c * MAX_G + g] = 0.0f;
+        qlf[g] = (float)len;
+    }
+    __m256 qlen[TILE_HV], m[TILE_HV], l[TILE_HV];
+    for (int v = 0; v < NHV; v++) {
+        qlen[v] = _mm256_load_ps(qlf + 8 * v);
+        m[v] = _mm256_set1_ps(-INFINITY);
+        l[v] = _mm256_setzero_ps();
     }
     float acc[MAX_G][MAX_HD] __attribute__((aligned(32)));
-    float kb[BLOCK * MAX_HD] __attribute__((aligned(32))); /* rows HD apart (not MAX_HD: see above) */
-    float vb[BLOCK * MAX_HD] __attribute__((aligned(32)));
-    const float *kr[BLOCK], *vr[BLOCK];
-    float m[MAX_G], l[MAX_G];
-    float s[MAX_G][BLOCK] __attribute__((aligned(32)));
-    float kmul[BLOCK] = {0}; /* the softmax reads whole vectors of 8, past the block's keys too (masked) */
-    for (int g = 0; g < NQ; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+    for (int g = 0; g < NQ; g++)
         for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
-    }
+    float kb[BLOCK * MAX_HD] __attribute__((aligned(32))); /* rows HD apart */
+    float vb[BLOCK * MAX_HD] __attribute__((aligned(32)));
+    float st[BLOCK][MAX_G] __attribute__((aligned(32)));
+    float corr[MAX_G] __attribute__((aligned(32)));
+    const float *kr[BLOCK + 8], *vr[BLOCK];
+    float kmul[BLOCK], vmul[BLOCK];
+    for (int j = BLOCK; j < BLOCK + 8; j++) kr[j] = zero_row;
     const int64_t *pages = a->table + (int64_t)d * a->MAXP;
     int64_t rows[BLOCK], next[BLOCK], first[BLOCK];
     block_rows(pages, 0, len < BLOCK ? len : BLOCK, a->S, a->KVH, h, next);
@@ -899,56 +1034,31 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
             kr[j] = widen_row8(a->k, rows[j], kb + j * HD, HD, fmt);
             kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * a->scale;
         }
-        for (int g = 0; g < NQ; g++) {
-            const int nq = qlen[g] - t0 < n ? qlen[g] - t0 : n; /* this query's keys in the block */
-            for (int j = 0; j < n; j++) s[g][j] = 0.0f; /* weights 0 past its keys (past nq: zero rows' dots) */
-            if (nq <= 0) continue;
-            const float *qg = q + g * HD;
-            __m256 top = _mm256_set1_ps(m[g]);
-            for (int j0 = 0; j0 < nq; j0 += 8) {
-                const float *kj[8];
-                __m256 dots[8];
-                for (int jj = 0; jj < 8; jj++) {
-                    kj[jj] = j0 + jj < nq ? kr[j0 + jj] : zero_row;
-                    dots[jj] = _mm256_setzero_ps();
-                }
-                for (int c = 0; c < NV; c++) {
-                    const __m256 qc = _mm256_load_ps(qg + 8 * c);
-                    for (int jj = 0; jj < 8; jj++)
-                        dots[jj] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj[jj] + 8 * c), dots[jj]);
-                }
-                /* the scores, lanes past nq -inf (j0 + 8 <= BLOCK) */
-                const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                                   _mm256_mul_ps(sum8(dots), _mm256_loadu_ps(kmul + j0)),
-                                                   lanes_below8(nq - j0));
-                _mm256_store_ps(&s[g][j0], sc);
-                top = _mm256_max_ps(top, sc);
-            }
-            /* weights: 0 past nq (s[g][nq .. n) stays 0) */
-            const float corr = softmax_block8(s[g], (nq + 7) / 8, top, NULL, &m[g], &l[g]);
-            for (int i = 0; i < HD; i += 8)
-                _mm256_store_ps(&acc[g][i], _mm256_mul_ps(_mm256_load_ps(&acc[g][i]), _mm256_set1_ps(corr)));
+        for (int j = n; j < BLOCK; j++) kr[j] = zero_row;
+        __m256 top[TILE_HV];
+        for (int v = 0; v < NHV; v++) top[v] = _mm256_set1_ps(-INFINITY);
+        switch (NHV) {
+        case 1: tile_scores_all(qt, kr, n, t0, kmul, qlen, st, top, HD, 1); break;
+        case 2: tile_scores_all(qt, kr, n, t0, kmul, qlen, st, top, HD, 2); break;
+        case 3: tile_scores_all(qt, kr, n, t0, kmul, qlen, st, top, HD, 3); break;
+        default: tile_scores_all(qt, kr, n, t0, kmul, qlen, st, top, HD, 4); break;
         }
         for (int j = 0; j < n; j++) {
             if (j < n_next) prefetch_row(a->v, pf[j], HD, fmt);
             vr[j] = widen_row8(a->v, rows[j], vb + j * HD, HD, fmt);
-            if (fmt == 2) { /* the token's 2^e into its weights */
-                const float mul = pow2i(a->ve[rows[j]]);
-                for (int g = 0; g < NQ; g++) s[g][j] *= mul;
-            }
+            if (fmt == 2) vmul[j] = pow2i(a->ve[rows[j]]); /* the token's 2^e into its weights */
         }
-        for (int g = 0; g < NQ; g++)
-            for (int c0 = 0; c0 < NV; c0 += 8) { /* 8 vectors of the output in registers */
-                __m256 o[8];
-                for (int c = 0; c < 8; c++) o[c] = _mm256_load_ps(&acc[g][8 * (c0 + c)]);
-                for (int j = 0; j < n; j++) {
-                    const __m256 p = _mm256_set1_ps(s[g][j]);
-                    for (int c = 0; c < 8; c++) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr[j] + 8 * (c0 + c)), o[c]);
-                }
-                for (int c = 0; c < 8; c++) _mm256_store_ps(&acc[g][8 * (c0 + c)], o[c]);
-            }
+        switch (NHV) {
+        case 1: tile_softmax(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, 1); break;
+        case 2: tile_softmax(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, 2); break;
+        case 3: tile_softmax(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, 3); break;
+        default: tile_softmax(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, 4); break;
+        }
+        tile_values_all(acc, (const float (*)[MAX_G])st, vr, n, corr, NQ, HD);
     }
-    for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / l[g]);
+    float lf[MAX_G] __attribute__((aligned(32)));
+    for (int v = 0; v < NHV; v++) _mm256_store_ps(lf + 8 * v, l[v]);
+    for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / lf[g]);
 }
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec8(a, t, h, hd, f); }
 #else

@@ -198,7 +198,7 @@ def _prompt_rows(paged, lens: list[int], chunk: tuple[int, int]) -> tuple[torch.
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("group,head_dim,per_tile", [(3, 64, 10), (1, 64, 32), (3, 64, 7), (2, 128, 16),
-                                                      (3, 96, 8)])
+                                                      (1, 64, 7), (1, 64, 11), (3, 96, 8)])
 def test_prompt_tiles_match_the_rows_one_by_one(fmt: str, group: int, head_dim: int, per_tile: int,
                                                 seed: int) -> None:
     """A prompt chunk's rows in tiles (each block of keys against all of a tile's query heads, the causal
