@@ -1,5 +1,5 @@
-"""`bench weights`' quality measure (ops/bench/weights.py `quality`): perplexity, top-1 and the KL to a reference
-format are those of the engines' own next-token distributions, over the windows they say."""
+"""`bench weights`' quality measure (ops/bench/weights/measures.py `quality`): perplexity, top-1 and the KL to a
+reference format are those of the engines' own next-token distributions, over the windows they say."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops.bench.weights import quality
+from ops.bench.weights.measures import quality
 from tests.backend.test_weight_formats import _engine, _prefill_logits
 from tests.backend.tiny_models import write_tiny_model
 

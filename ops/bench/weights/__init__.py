@@ -59,21 +59,19 @@ the compute dtype, in every engine.
    own speed, without the rest of a decode step), and the ones behind the CPU runtime
    choices (INT4 GEMM on float32 vs BF16 activations; what dequantising FP8 per call
    would add to a step; the LM head in float32 vs INT4).
+
+The measures of a format (sizes, quality, quantizing it) are in `measures.py`, the micro-measurements in
+`micro.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import math
-import statistics
 import tempfile
 import time
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -82,11 +80,11 @@ from ops.bench.harness.machine import load_average_text
 from ops.bench.harness.progress import log
 from ops.bench.harness.prompts import fixed_length_prompts
 from ops.bench.report import write_report
+from ops.bench.weights.measures import checkpoint_sizes, quality, quantize_in_child
+from ops.bench.weights.micro import micro
 from ops.calibration_inputs import DEFAULT_CALIB_TOKENS
-from ops.scale_tune import kl_divergence
 
-__all__ = ["add_arguments", "run", "checkpoint_sizes", "quality", "quantize_in_child", "SPEED_FORMATS",
-           "QUALITY_FORMATS", "QUANTIZED"]
+__all__ = ["add_arguments", "run", "SPEED_FORMATS", "QUALITY_FORMATS", "QUANTIZED"]
 
 SPEED_FORMATS: dict[str, tuple[str, int]] = {  # report name -> (format, int4 group size)
     "int4": ("int4", 128), "fp8": ("fp8", 128), "bf16": ("bf16", 128), "fp32": ("fp32", 128)}
@@ -98,135 +96,6 @@ QUALITY_FORMATS: dict[str, str] = {  # report name -> the engine it is measured 
     "bf16": "fp32", "fp8": "fp8", "int4_rtn_g128": "int4", "int4_rtn_g32": "int4_g32",
     "int4_gptq_g128": "int4_gptq_g128", "int4_gptq_g32": "int4_gptq_g32",
     "int4_gptq_untuned_g128": "int4_gptq_untuned_g128", "int4_awq_g128": "int4_awq_g128"}
-
-
-def checkpoint_sizes(model_dir) -> tuple[dict[str, int], dict[str, int]]:
-    """(size_bytes, linear_size_bytes) per format, as `edgeserve quantize` would write them."""
-    from backend.config import load_config
-    from backend.weight_formats import weight_format
-    from backend.weights import CheckpointReader
-    from ops.quantize import plan_quantize, size_report
-
-    cfg = load_config(model_dir)
-    reader = CheckpointReader(model_dir, cfg.checkpoint_prefix)
-    size: dict[str, int] = {}
-    linear: dict[str, int] = {}
-    for name, fmt, group in (("fp8", "fp8", 128), ("int4", "int4", 128), ("int4_g32", "int4", 32)):
-        plan = plan_quantize(reader, cfg, weight_format(fmt, group))
-        report = size_report(plan)
-        size[name], linear[name] = report.output_bytes, report.output_linear_bytes
-        size["bf16"], linear["bf16"] = report.input_bytes, report.input_linear_bytes
-    numel = {n: math.prod(s.shape) for n, s in plan.input_specs.items()}
-    size["fp32"] = 4 * sum(numel.values())
-    linear["fp32"] = 4 * sum(v for n, v in numel.items() if n.rsplit(".", 1)[0] in plan.linear_modules)
-    return size, linear
-
-
-class Quality(NamedTuple):
-    """What `quality` measured of one format."""
-
-    ppl: float
-    top1: float  # top-1 next-token accuracy, 0..1
-    tokens: int  # tokens scored
-    kl: float | None  # mean KL(reference || this format) over the reference's windows (None without one)
-    dists: list[torch.Tensor]  # the first `keep` windows' next-token log-probabilities, float16 [len - 1, vocab]
-
-
-def quality(engine, windows: list[list[int]], reference: Sequence[torch.Tensor] = (), keep: int = 0) -> Quality:
-    """Perplexity and top-1 accuracy over `windows`, each scored from its first token; with `reference` (another
-    format's `dists` of the first windows) the mean KL from it over those windows; `keep` windows' distributions
-    returned (float16), to be the reference of later formats."""
-    nll, hits, n, kls, dists = 0.0, 0, 0, [], []
-    for j, window in enumerate(windows):
-        full = j < max(len(reference), keep)
-        scores = engine.score_tokens(window, dist=full)
-        nll -= float(scores.logprobs.double().sum())
-        hits += int(scores.top1.sum())
-        n += scores.logprobs.numel()
-        if full:
-            this = scores.dist.float()
-            if j < len(reference):
-                kls.append(float(kl_divergence(reference[j], this)))
-            if j < keep:
-                dists.append(this.half())  # float16: log-probs to ~0.004 (bfloat16 put 2e-4 in a KL of itself)
-    return Quality(math.exp(nll / n), hits / n, n, sum(kls) / len(kls) if kls else None, dists)
-
-
-def _quantize_job(src: str, dst: str, fmt: str, group: int, method: str, calib_tokens: int) -> dict[str, Any]:
-    """Run in a fresh process: `quantize_checkpoint` and what it cost (its report's fields)."""
-    from backend.weight_formats import weight_format
-    from ops.quantize import quantize_checkpoint
-
-    untuned = method.endswith("-untuned")  # GPTQ without the end-to-end scale tuning that follows it
-    report = quantize_checkpoint(Path(src), Path(dst), weight_format(fmt, group),
-                                 method=method.removesuffix("-untuned"), calib_tokens=calib_tokens, progress=False,
-                                 tune_epochs=0 if untuned else None)
-    cal = report.calibration
-    tune = None if cal is None or cal.tune is None else \
-        {"epochs": cal.tune.epochs, "steps": cal.tune.steps, "kl_start": cal.tune.kl_start,
-         "kl_end": cal.tune.kl_end, "kept_gptq": cal.tune.kept_gptq, "seconds": cal.tune.seconds}
-    return {"quantize_s": report.quantize_s, "peak_rss_bytes": report.peak_rss_bytes,
-            "output_bytes": report.output_bytes,
-            "calibration": None if cal is None else {"tokens": cal.tokens, "seq_len": cal.seq_len,
-                                                     "gptq_linears": cal.gptq_linears,
-                                                     "rtn_experts": len(cal.rtn_experts), "tune": tune}}
-
-
-def quantize_in_child(src: Path, dst: Path, fmt: str, group: int, method: str, calib_tokens: int) -> dict[str, Any]:
-    """`edgeserve quantize` of `src` into `dst` in a spawned process, so that its peak RSS is its own."""
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(_quantize_job, str(src), str(dst), fmt, group, method, calib_tokens).result()
-
-
-def _time_call(fn, reps: int) -> float:
-    """Median seconds of fn() over `reps` calls (after one warm-up)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def micro(engines: dict[str, Any]) -> dict[str, float]:
-    """The measurements behind the CPU runtime choices (milliseconds)."""
-    from backend.linear import Int4Linear
-    from backend.weight_formats import weight_format
-
-    fp32 = engines["fp32"].model
-    layer = fp32.phase_layers["decode"][0]
-    out: dict[str, float] = {}
-    hidden = torch.randn(1, layer.qkv.weight.shape[1])
-    inner = torch.randn(1, layer.down.weight.shape[1])
-    for name in SPEED_FORMATS:  # the linear layers of one forward at M = 1 (one decode step at c = 1)
-        layers = engines[name].model.phase_layers["decode"]
-
-        def forward_linears() -> None:
-            for lin in layers:
-                lin.qkv(hidden), lin.o_proj(hidden), lin.gate_up(hidden), lin.down(inner)
-
-        out[f"linears_m1_{name}_ms"] = 1e3 * _time_call(forward_linears, 9)
-    int4 = weight_format("int4", 128)
-    sw = int4.quantize(layer.gate_up.weight)  # [2 * intermediate, hidden]
-    lin = int4.linear(sw, None, torch.float32)  # what serving runs here (the C kernel where it pays)
-    x = torch.randn(1, layer.gate_up.weight.shape[1])
-    out["int4_gate_up_m1_ms"] = 1e3 * _time_call(lambda: lin(x), 20)
-    t = sw.tensors  # torch's INT4 GEMM, on bf16 and on float32 activations
-    op = Int4Linear(t["qweight"], t["scales"], t["zeros"], 128, sw.shape[1], c_kernel=False)
-    out["int4_gate_up_m1_bf16_act_ms"] = 1e3 * _time_call(lambda: op(x), 20)
-    sz32 = op.scales_and_zeros.float()
-    out["int4_gate_up_m1_fp32_act_ms"] = 1e3 * _time_call(
-        lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, op.packed, op.run_group, sz32), 5)
-    fp8 = weight_format("fp8")
-    stored = [fp8.quantize(lin_.weight) for lin_ in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-    per_layer = _time_call(lambda: [fp8.dequantize(s) for s in stored], 3)
-    out["fp8_dequantize_all_layers_ms"] = 1e3 * per_layer * len(fp32.phase_layers["decode"])
-    h = torch.randn(1, fp32.lm_head.weight.shape[1])
-    lm_int4 = int4.linear(int4.quantize(fp32.lm_head.weight), None, torch.float32)
-    out["lm_head_m1_fp32_ms"] = 1e3 * _time_call(lambda: fp32.lm_head(h), 20)
-    out["lm_head_m1_int4_ms"] = 1e3 * _time_call(lambda: lm_int4(h), 20)
-    return out
 
 
 # ---------------------------------------------------------------- command
@@ -348,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     kl: dict[str, float] = {}  # KL(bf16 || format) over the first kl_windows windows
     reference: list[torch.Tensor] = []
     scored = 0
-    micro_ms = micro(engines)
+    micro_ms = micro(engines, SPEED_FORMATS)
     memory = {name: e.model.weight_memory() for name, e in speed.items()}
     del speed
     engines.pop("bf16")  # not scored (its values are the fp32 engine's); each engine goes once scored (memory)
