@@ -613,6 +613,7 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
  * 0.88x, fp32 0.92x (the L1 prefetch for bf16 and fp8 only: fp32's 24 KB of a block's V rows would evict K's).
  * V's loop per KV head took 1.12-1.16x the time over fp32 rows (each 16-dim pass reads a quarter of a 256-byte
  * row) and 1.01x over bf16: they keep theirs. */
+#define TILE_PV 6 /* query heads whose outputs one pass over a block's V rows holds (accumulate_v8) */
 #define DEC_Q 16 /* query heads one call holds: G <= DEC_Q (more: attend_vec8); KV heads in groups of DEC_Q / G */
 #ifdef __F16C__
 #define DEC8_FP8 1 /* fp8 rows converted by float16 (row16) */
@@ -686,15 +687,18 @@ static inline __attribute__((always_inline)) void row16(const void *base, int64_
     }
 }
 
-/* NG query heads of one KV head (weights w, rows of s; their output rows o, acc's, rescaled by corr first) over a
- * block's n keys (page rows rows[j] + hh): per 16 dims their 2 NG output vectors stay in registers and each V row's
- * 16 dims are converted once for all of them. */
-static inline __attribute__((always_inline)) void accumulate_v8(const void *v, const int64_t *rows, int hh, int n,
-                                                                const float (*w)[BLOCK], const float *corr,
+/* NG query heads' outputs o (rows MAX_HD apart, each rescaled by corr[i] first) plus the block's n keys' V rows
+ * weighted by w[i * wh + j * wk] (head i, key j; any layout of the weights), 16 dims at a time: their 2 NG output
+ * vectors stay in registers and each V row's 16 dims are loaded (and converted) once for all of them. V row j: vr[j],
+ * float32, where given (prompt tiles: rows widened once a block); else page row rows[j] + hh of v, converted in
+ * registers by row16 (decode rows over fp8 pages). */
+static inline __attribute__((always_inline)) void accumulate_v8(const void *v, const int64_t *rows, int hh,
+                                                                const float *const *vr, int n, const float *w,
+                                                                const int wh, const int wk, const float *corr,
                                                                 float (*o)[MAX_HD], const int HD, const int fmt,
                                                                 const int NG) {
     for (int c = 0; c < HD; c += 16) {
-        __m256 x[4][2];
+        __m256 x[TILE_PV][2]; /* a fixed size (NG <= TILE_PV): registers once unrolled */
         for (int i = 0; i < NG; i++) {
             const __m256 ci = _mm256_set1_ps(corr[i]);
             x[i][0] = _mm256_mul_ps(_mm256_load_ps(&o[i][c]), ci);
@@ -702,9 +706,14 @@ static inline __attribute__((always_inline)) void accumulate_v8(const void *v, c
         }
         for (int j = 0; j < n; j++) {
             __m256 lo, hi;
-            row16(v, rows[j] + hh, c, HD, fmt, &lo, &hi);
+            if (vr) {
+                lo = _mm256_loadu_ps(vr[j] + c);
+                hi = _mm256_loadu_ps(vr[j] + c + 8);
+            } else {
+                row16(v, rows[j] + hh, c, HD, fmt, &lo, &hi);
+            }
             for (int i = 0; i < NG; i++) {
-                const __m256 p = _mm256_set1_ps(w[i][j]);
+                const __m256 p = _mm256_broadcast_ss(&w[i * wh + j * wk]);
                 x[i][0] = _mm256_fmadd_ps(p, lo, x[i][0]);
                 x[i][1] = _mm256_fmadd_ps(p, hi, x[i][1]);
             }
@@ -808,13 +817,13 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
         if (fmt == 2) /* fp8: each V row converted once, for up to 4 of its query heads at a time */
             for (int hh = 0; hh < NH; hh++)
                 for (int g = hh * G; g < hh * G + G; g += 4) {
-                    const float(*w)[BLOCK] = s + g, *cg = corr + g;
+                    const float *w = s[g], *cg = corr + g;
                     float(*o)[MAX_HD] = acc + g;
                     switch (hh * G + G - g) {
-                    case 1: accumulate_v8(a->v, rows, hh, n, w, cg, o, HD, fmt, 1); break;
-                    case 2: accumulate_v8(a->v, rows, hh, n, w, cg, o, HD, fmt, 2); break;
-                    case 3: accumulate_v8(a->v, rows, hh, n, w, cg, o, HD, fmt, 3); break;
-                    default: accumulate_v8(a->v, rows, hh, n, w, cg, o, HD, fmt, 4);
+                    case 1: accumulate_v8(a->v, rows, hh, NULL, n, w, BLOCK, 1, cg, o, HD, fmt, 1); break;
+                    case 2: accumulate_v8(a->v, rows, hh, NULL, n, w, BLOCK, 1, cg, o, HD, fmt, 2); break;
+                    case 3: accumulate_v8(a->v, rows, hh, NULL, n, w, BLOCK, 1, cg, o, HD, fmt, 3); break;
+                    default: accumulate_v8(a->v, rows, hh, NULL, n, w, BLOCK, 1, cg, o, HD, fmt, 4);
                     }
                 }
         else /* whole rows per query head: over fp32 and bf16 rows 0.86-0.99x the time of the loop above */
@@ -858,7 +867,8 @@ static const float zero_row[MAX_HD] __attribute__((aligned(32))); /* the K row o
  *   softmax lane by lane, every head at once: a block's maximum, the weights and their sum are vertical
  *     operations over its keys' rows (`tile_softmax`);
  *   values: O [head][dim] += P^T [head][key] . V, 6 heads x 16 dims of outputs in registers over the block's keys
- *     (`tile_values`: per key 2 loads of V and 6 broadcasts of weights for 12 FMAs), the rescale by the new
+ *     (`tile_values`, by decode rows' `accumulate_v8`: per key 2 loads of V and 6 broadcasts of weights for 12
+ *     FMAs), the rescale by the new
  *     maximum folded into loading O.
  * The K and V rows are widened to float32 once a block (`widen_row8`, fp32 pages read in place; fp8 times 2^120),
  * each token's 2^e (fp8) into the scores' multiplier and into the weights after their sum. Sums are float32: a
@@ -875,7 +885,6 @@ static const float zero_row[MAX_HD] __attribute__((aligned(32))); /* the K row o
  * made them memory operands of every FMA: 10 loads for 8 FMAs). The steps of a block switch on NHV each: one copy
  * of the whole tile per NHV compiled this file in 21 s instead of 9. */
 #define TILE_HV (MAX_G / 8) /* head vectors of a tile, at most */
-#define TILE_PV 6 /* query heads whose outputs one pass over a block's V rows holds */
 
 /* Scores of keys j0 .. j0+KB-1 (rows kr[]) for the tile's NHV head vectors: st[j] = K_j . qt, times mul[j],
  * -inf in lanes whose head sees fewer than key + 1 keys (qlen); returns them folded into top's maxima (keys
@@ -930,33 +939,6 @@ static inline __attribute__((always_inline)) void tile_softmax(float (*st)[MAX_G
     }
 }
 
-/* Outputs of heads g0 .. g0+NG-1: acc[g] = acc[g] corr[g] + sum over the block's n keys of weight st[j][g] V_j,
- * 16 dims at a time in registers. */
-static inline __attribute__((always_inline)) void tile_values(float (*acc)[MAX_HD], const float (*st)[MAX_G],
-                                                             const float *const *vr, int n, const float *corr,
-                                                             int g0, const int HD, const int NG) {
-    for (int c = 0; c < HD; c += 16) {
-        __m256 o[TILE_PV][2];
-        for (int g = 0; g < NG; g++) {
-            const __m256 cg = _mm256_set1_ps(corr[g0 + g]);
-            o[g][0] = _mm256_mul_ps(_mm256_load_ps(&acc[g0 + g][c]), cg);
-            o[g][1] = _mm256_mul_ps(_mm256_load_ps(&acc[g0 + g][c + 8]), cg);
-        }
-        for (int j = 0; j < n; j++) {
-            const __m256 v0 = _mm256_loadu_ps(vr[j] + c), v1 = _mm256_loadu_ps(vr[j] + c + 8);
-            for (int g = 0; g < NG; g++) {
-                const __m256 p = _mm256_broadcast_ss(&st[j][g0 + g]);
-                o[g][0] = _mm256_fmadd_ps(p, v0, o[g][0]);
-                o[g][1] = _mm256_fmadd_ps(p, v1, o[g][1]);
-            }
-        }
-        for (int g = 0; g < NG; g++) {
-            _mm256_store_ps(&acc[g0 + g][c], o[g][0]);
-            _mm256_store_ps(&acc[g0 + g][c + 8], o[g][1]);
-        }
-    }
-}
-
 /* A block's scores for NHV head vectors (a constant after the switch), KB keys a pass (registers: KB x NHV
  * accumulators, NHV of qt, the broadcasts). */
 static inline __attribute__((always_inline)) void tile_scores_all(const float *qt, const float *const *kr, int n,
@@ -967,17 +949,21 @@ static inline __attribute__((always_inline)) void tile_scores_all(const float *q
     for (int j0 = 0; j0 < n; j0 += KB) tile_scores(qt, kr, j0, n, key0, mul, qlen, st, top, HD, NHV, KB);
 }
 
-static inline __attribute__((always_inline)) void tile_values_all(float (*acc)[MAX_HD], const float (*st)[MAX_G],
-                                                                 const float *const *vr, int n, const float *corr,
-                                                                 int NQ, const int HD) {
+/* Outputs of the tile's NQ heads: acc[g] = acc[g] corr[g] + the block's n V rows (vr) weighted by st[key][g], in
+ * passes of TILE_PV heads (accumulate_v8: per key 2 loads of V and 6 broadcasts of weights for 12 FMAs). */
+static inline __attribute__((always_inline)) void tile_values(float (*acc)[MAX_HD], const float (*st)[MAX_G],
+                                                             const float *const *vr, int n, const float *corr,
+                                                             int NQ, const int HD) {
     int g0 = 0;
-    for (; g0 + TILE_PV <= NQ; g0 += TILE_PV) tile_values(acc, st, vr, n, corr, g0, HD, TILE_PV);
+    for (; g0 + TILE_PV <= NQ; g0 += TILE_PV)
+        accumulate_v8(NULL, NULL, 0, vr, n, &st[0][g0], 1, MAX_G, corr + g0, acc + g0, HD, 0, TILE_PV);
+    const float *w = &st[0][g0], *cg = corr + g0;
     switch (NQ - g0) {
-    case 1: tile_values(acc, st, vr, n, corr, g0, HD, 1); break;
-    case 2: tile_values(acc, st, vr, n, corr, g0, HD, 2); break;
-    case 3: tile_values(acc, st, vr, n, corr, g0, HD, 3); break;
-    case 4: tile_values(acc, st, vr, n, corr, g0, HD, 4); break;
-    case 5: tile_values(acc, st, vr, n, corr, g0, HD, 5); break;
+    case 1: accumulate_v8(NULL, NULL, 0, vr, n, w, 1, MAX_G, cg, acc + g0, HD, 0, 1); break;
+    case 2: accumulate_v8(NULL, NULL, 0, vr, n, w, 1, MAX_G, cg, acc + g0, HD, 0, 2); break;
+    case 3: accumulate_v8(NULL, NULL, 0, vr, n, w, 1, MAX_G, cg, acc + g0, HD, 0, 3); break;
+    case 4: accumulate_v8(NULL, NULL, 0, vr, n, w, 1, MAX_G, cg, acc + g0, HD, 0, 4); break;
+    case 5: accumulate_v8(NULL, NULL, 0, vr, n, w, 1, MAX_G, cg, acc + g0, HD, 0, 5); break;
     default: break;
     }
 }
@@ -1056,7 +1042,7 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
         case 3: tile_softmax(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, 3); break;
         default: tile_softmax(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, 4); break;
         }
-        tile_values_all(acc, (const float (*)[MAX_G])st, vr, n, corr, NQ, HD);
+        tile_values(acc, (const float (*)[MAX_G])st, vr, n, corr, NQ, HD);
     }
     float lf[MAX_G] __attribute__((aligned(32)));
     for (int v = 0; v < NHV; v++) _mm256_store_ps(lf + 8 * v, l[v]);
