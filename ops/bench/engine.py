@@ -26,8 +26,9 @@ per request. The machine's bounds are measured in the same run: read bandwidth
 dtype or float32, whichever is faster: bfloat16 weights run float32 GEMMs where that pays),
 giving %-of-bound = throughput / (bandwidth / weight bytes per token) at c=1 and
 throughput / (GEMM rate / 2 * params FLOPs per token) at the top level; the last counts
-output tokens only (the target's figure), ``pct_of_bound_all_tokens`` prompt tokens too (how
-busy the GEMMs were: the quick workload runs ~3 prompt tokens per output token).
+output tokens only (the target's figure), ``pct_of_bound_all_tokens`` prompt tokens too, each at its layers'
+FLOPs (no LM head: only the rows that sample are scored), so how busy the GEMMs were (the quick workload runs ~3
+prompt tokens per output token).
 End to end: unless ``--no-llamacpp``, the run ends with `edgeserve bench e2e` (edgeserve
 as `edgeserve up` against llama.cpp's `llama-server` through each OpenAI chat endpoint, per
 format class: fp32, bf16, int4; see `ops/bench/e2e.py`), once the in-process engine is
@@ -59,8 +60,8 @@ from ops.bench.harness.prompts import TOPICS
 from ops.bench.harness.stats import percentile, rotated, spread
 from ops.bench.report import write_report
 
-__all__ = ["add_arguments", "run", "schedule", "systems_at", "ratios", "engine_targets", "Result", "Timings",
-           "bench_ours", "bench_hf", "pick_hf_dtype"]
+__all__ = ["add_arguments", "run", "schedule", "systems_at", "ratios", "engine_targets", "pct_all_tokens", "Result",
+           "Timings", "bench_ours", "bench_hf", "pick_hf_dtype"]
 
 
 @dataclass
@@ -256,6 +257,14 @@ def ratios(by_round: dict[tuple[str, int, int], Timings], levels: list[int], rou
     return out
 
 
+def pct_all_tokens(pct_output: float, workload: list[tuple[list[int], int]], layer_share: float) -> float:
+    """Every token the model ran (prompt and output) against the GEMM bound, from `pct_output` (output tokens
+    only, each at the whole model's FLOPs): how busy the GEMMs were. A prompt token runs the layers only,
+    `layer_share` of an output token's FLOPs (the LM head scores just the rows that sample)."""
+    prompt_per_output = sum(len(ids) for ids, _ in workload) / sum(n for _, n in workload)
+    return pct_output * (1 + prompt_per_output * layer_share)
+
+
 def engine_targets(seq: dict[str, dict], bat: dict[str, dict], pct: dict[str, float]) -> dict[str, bool]:
     """The issue's targets on the medians over rounds (those whose level did not run are left out)."""
     out = {}
@@ -296,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
                                                                kv_cache_bytes=1 << 30, max_num_seqs=max(levels)))
     weight_bytes = engine.model.weight_bytes
     params = weight_bytes // dtype.itemsize
+    layer_share = 1 - engine.model.lm_head.nbytes / weight_bytes  # of a token's GEMM work, without the LM head
     workloads = {c: _make_workload(tok, max(c * waves, 3 if args.quick else 6), out_lo, out_hi, seed=c)
                  for c in levels}
     warm = _make_workload(tok, 2, 4, 4, seed=99)
@@ -334,9 +344,7 @@ def run(args: argparse.Namespace) -> int:
     top = max(levels)
     if top > 1:
         pct[str(top)] = 100 * ours[top] / bound_gemm
-        # every token the model ran (prompt and output) against the same bound: how busy the GEMMs were
-        prompt = sum(len(ids) for ids, _ in workloads[top]) / sum(n for _, n in workloads[top])
-        pct_all[str(top)] = pct[str(top)] * (1 + prompt)
+        pct_all[str(top)] = pct_all_tokens(pct[str(top)], workloads[top], layer_share)
     targets = engine_targets(ratio_seq, ratio_bat, pct)
     total_s = time.perf_counter() - started
     _print(args, machine, weight_bytes, bound_c1, bound_gemm, results, ratio_seq, ratio_bat, pct, pct_all, targets,

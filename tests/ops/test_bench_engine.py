@@ -65,6 +65,15 @@ def test_timings_pool_and_summarise() -> None:
     assert res.round == -1 and a.result("edgeserve", 8, 8, 2).round == 2
 
 
+def test_prompt_tokens_count_at_their_layers_flops() -> None:
+    # 2 requests: 30 + 10 prompt tokens, 10 + 10 output tokens -> 2 prompt tokens per output token
+    workload = [([1] * 30, 10), ([2] * 10, 10)]
+    assert bench_engine.pct_all_tokens(20.0, workload, layer_share=1.0) == pytest.approx(60.0)
+    # the LM head is a quarter of an output token's FLOPs: a prompt token costs three quarters of one
+    assert bench_engine.pct_all_tokens(20.0, workload, layer_share=0.75) == pytest.approx(20.0 * (1 + 2 * 0.75))
+    assert bench_engine.pct_all_tokens(20.0, [([], 10)], layer_share=0.75) == pytest.approx(20.0)
+
+
 def test_targets_on_the_medians() -> None:
     seq = {"1": {"median": 1.5}, "32": {"median": 9.9}}
     bat = {"32": {"median": 1.6}}
