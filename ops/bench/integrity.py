@@ -6,7 +6,7 @@ host's, what serve runs; see the calibration note below), identical but for
 and, unless ``--inject-pct 0``, ``on+inject``: the check on plus a busy-wait of a
 known share (default 1%) of the step inside the check path, the calibration arm. At
 each concurrency c (8, 32, 64; ``--quick``: 8, 16) every arm gets the same c
-requests of P prompt + O output tokens (64 + 64; quick 48 + 32), all submitted at
+requests of P prompt + O output tokens (64 + 64; quick 48 + 64), all submitted at
 once, greedy, EOS ignored: one wave, so after the first steps every step is pure
 decode, and the arms run in lockstep: their i-th decode steps hold the same batch.
 
@@ -46,7 +46,14 @@ arm measured against it; `off` for `on`, `on` for `on+inject`), over paired step
   sees the check's direct cost only, not an indirect one (evicted cache lines), which the paired
   throughput and CPU figures bound on average.
 Repetitions go on (at least ``--repeats``) until the throughput and CPU intervals
-are narrower than ``--ci-width`` points or ``--max-repeats`` is reached.
+are narrower than ``--ci-width`` points (1; quick 1.5) or ``--max-repeats`` (8; quick 12) is reached.
+The rule looks at the widths only, never at the estimates, so stopping does not bias them. The quick
+run's sizes come from the noise of a 2-core VM (BENCHMARKS.md): paired steps of identical engines
+scatter by ~7%, so its old 8 repetitions of 31 pairs left intervals ~2.2 points wide, which straddle
+1% for a 0.2% cost and can miss a 1% one. 63 pairs a repetition (O = 64: the prompts' steps, which do
+not count, are a smaller share) and up to 12 repetitions give ~750 pairs a level, ~1.3 points; an
+interval of 1.5 already tells a 0.2% cost from 1% (and holds a 1% one away from 0), and a quiet host
+reaches it after 2 repetitions.
 
 How we know a real 1% cost is separated from noise: the ``on+inject`` arm spins
 (`busy_wait`, holding the CPU like real work) for 1% of its previous decode step's
@@ -252,13 +259,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default=None, help="comma-separated (default 8,32,64; quick 8,16)")
     p.add_argument("--repeats", type=int, default=None, help="at least this many repetitions (default 3; quick 2)")
     p.add_argument("--max-repeats", type=int, default=None,
-                   help="at most (default 8, quick too: a quiet host stops after 2)")
-    p.add_argument("--ci-width", type=float, default=1.0,
-                   help="stop repeating once every 95%% interval is narrower than this many points (default 1)")
+                   help="at most (default 8; quick 12: a quiet host stops after 2)")
+    p.add_argument("--ci-width", type=float, default=None,
+                   help="stop repeating once every 95%% interval is narrower than this many points (default 1; "
+                        "quick 1.5)")
     p.add_argument("--inject-pct", type=float, default=1.0,
                    help="the calibration arm's busy-wait in the check path, %% of its step (0: no such arm)")
     p.add_argument("--prompt-tokens", type=int, default=None, help="P (default 64; quick 48)")
-    p.add_argument("--output-tokens", type=int, default=None, help="O (default 64; quick 32)")
+    p.add_argument("--output-tokens", type=int, default=None, help="O (default 64, quick too)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None)
 
@@ -274,9 +282,10 @@ def run(args: argparse.Namespace) -> int:
     args.dtype = resolve_dtype(args.dtype)  # the report and the table name the dtype that ran
     points = [int(c) for c in args.concurrency.split(",")] if args.concurrency else concurrency_points(quick)
     min_repeats = args.repeats or (2 if quick else 3)
-    max_repeats = max(min_repeats, args.max_repeats or 8)  # quick too: its 2 repetitions suffice on a quiet host
+    max_repeats = max(min_repeats, args.max_repeats or (12 if quick else 8))  # a quiet host stops after min_repeats
+    ci_width_stop = args.ci_width or (1.5 if quick else 1.0)
     prompt_tokens = args.prompt_tokens or (48 if quick else 64)  # the chat template takes 30
-    output_tokens = args.output_tokens or (32 if quick else 64)
+    output_tokens = args.output_tokens or 64
     inject = args.inject_pct / 100.0
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -315,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         cmp = {k: {c: compare(loops, a, b, c) for c in points} for k, (a, b) in comparisons.items()}
         width = ci_width(cmp)
         log(f"after {rep} repetitions: widest 95% interval {width:.2f} points")
-        if rep >= min_repeats and width <= args.ci_width:
+        if rep >= min_repeats and width <= ci_width_stop:
             break
     stats = {name: {k: v for k, v in e.snapshot().items() if k.startswith("integrity")} for name, e in engines.items()}
     if stats["on"]["integrity_checks"] == 0 or stats["off"]["integrity_checks"] != 0:
@@ -337,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "quick": quick,
         "config": {"kv_format": "fp8_e4m3", "concurrency": points, "repeats": rep, "min_repeats": min_repeats,
-                   "max_repeats": max_repeats, "ci_width": args.ci_width, "inject_pct": args.inject_pct,
+                   "max_repeats": max_repeats, "ci_width": ci_width_stop, "inject_pct": args.inject_pct,
                    "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "page_size": args.page_size,
                    "max_num_seqs": max(points), "arms": list(arms),
                    "measured": "decode steps only, own clocks, stepped in turn (rotated order), paired by step; "
