@@ -51,9 +51,10 @@ The rule looks at the widths only, never at the estimates, so stopping does not 
 run's sizes come from the noise of a 2-core VM (BENCHMARKS.md): paired steps of identical engines
 scatter by ~7%, so its old 8 repetitions of 31 pairs left intervals ~2.2 points wide, which straddle
 1% for a 0.2% cost and can miss a 1% one. 63 pairs a repetition (O = 64: the prompts' steps, which do
-not count, are a smaller share) and up to 12 repetitions give ~750 pairs a level, ~1.3 points; an
-interval of 1.5 already tells a 0.2% cost from 1% (and holds a 1% one away from 0), and a quiet host
-reaches it after 2 repetitions.
+not count, are a smaller share) and up to 12 repetitions give ~750 pairs a level: intervals 1.5 and 1.9
+points wide in the two runs measured there (the first resolved every throughput and CPU figure, the second
+not at c = 16). An interval of 1.5 tells a 0.2% cost from 1% (and holds a 1% one away from 0), and a quiet
+host reaches it after 2 repetitions.
 
 How we know a real 1% cost is separated from noise: the ``on+inject`` arm spins
 (`busy_wait`, holding the CPU like real work) for 1% of its previous decode step's
