@@ -27,7 +27,7 @@ dtype or float32, whichever is faster: bfloat16 weights run float32 GEMMs where 
 giving %-of-bound = throughput / (bandwidth / weight bytes per token) at c=1 and
 throughput / (GEMM rate / 2 * params FLOPs per token) at the top level; the last counts
 output tokens only (the target's figure), ``pct_of_bound_all_tokens`` prompt tokens too, each at its layers'
-FLOPs (no LM head: only the rows that sample are scored), so how busy the GEMMs were (the quick workload runs ~3
+FLOPs (no LM head: only the rows that sample are scored): how busy the GEMMs were (the quick workload runs ~3
 prompt tokens per output token).
 End to end: unless ``--no-llamacpp``, the run ends with `edgeserve bench e2e` (edgeserve
 as `edgeserve up` against llama.cpp's `llama-server` through each OpenAI chat endpoint, per
