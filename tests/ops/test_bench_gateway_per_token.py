@@ -14,7 +14,7 @@ import pytest
 from backend.protocol import FinishEvent, GenerateRequest, TokenEvent
 from backend.sampling_params import SamplingParams
 from backend.worker_client import WorkerClient
-from ops.bench.gateway.load import Row
+from ops.bench.gateway.load import Row, worker_body
 from ops.bench.gateway.report import compare
 from ops.bench.gateway.standin_per_token import per_token_standin_app
 from ops.standin_worker import token_text
@@ -37,6 +37,25 @@ def test_generate_sends_one_token_event_per_token_then_the_finish() -> None:
     assert all(len(ev.times) == 1 for ev in full[:-1])
     assert (full[-1].finish_reason, full[-1].prompt_tokens, full[-1].completion_tokens) == ("length", 3, 7)
     assert [ev.token_ids for ev in capped[:-1]] == [[i] for i in ids[:3]] and capped[-1].completion_tokens == 3
+
+
+def test_the_worker_rows_request_is_a_non_streamed_one_and_gets_its_tokens_together(smollm2_dir) -> None:
+    # the gateway asks `stream=False` for a non-streamed chat; the `worker` row must measure that same leg
+    body = worker_body(7)
+    req = msgspec.json.decode(body, type=GenerateRequest)
+    assert req.stream is False and req.params.max_tokens == 7 and req.prompt_ids
+
+    async def go() -> list:
+        with serve_in_thread(per_token_standin_app(7)) as url:
+            client = WorkerClient(url)
+            events = [ev async for ev in client.generate(req)]
+            await client.aclose()
+        return events
+
+    events = asyncio.run(go())
+    ids, _ = token_text(7)
+    assert [type(ev) for ev in events] == [TokenEvent, FinishEvent]  # the lines held, the tokens joined
+    assert events[0].token_ids == list(ids) and events[1].completion_tokens == 7
 
 
 def test_openai_stream_sends_one_chunk_per_token() -> None:

@@ -88,7 +88,8 @@ def request_body(num_tokens: int, stream: bool) -> bytes:
 
 
 def worker_body(num_tokens: int) -> bytes:
-    """The chat request as the gateway sends it on: its prompt ids (the model's chat template), N tokens."""
+    """A non-streamed chat request as the gateway sends it on: its prompt ids (the model's chat template), N tokens,
+    `stream=False` (the worker may hold its lines and write them together, `backend/event_frames.py`)."""
     from backend.protocol import GenerateRequest
     from backend.sampling_params import SamplingParams
     from backend.tokenizer import Tokenizer
@@ -96,7 +97,8 @@ def worker_body(num_tokens: int) -> bytes:
 
     messages = msgspec.json.decode(request_body(num_tokens, False))["messages"]
     prompt_ids = Tokenizer.from_model_dir(resolve_model(MODEL, progress=False)).encode_chat(messages)
-    return msgspec.json.encode(GenerateRequest(prompt_ids, SamplingParams(max_tokens=num_tokens), model=MODEL))
+    return msgspec.json.encode(GenerateRequest(prompt_ids, SamplingParams(max_tokens=num_tokens), model=MODEL,
+                                               stream=False))
 
 
 async def _one(client: httpx.AsyncClient, target: Target, body: bytes,
@@ -221,7 +223,7 @@ async def measure(targets: list[Target], points: list[int], streams: list[bool],
                 turn = (rep + i) % len(targets)
                 for target in targets[turn:] + targets[:turn]:
                     if target.body is not None and stream:
-                        continue  # the worker protocol is one NDJSON stream: measured once, as non-stream
+                        continue  # the worker's request is the gateway's non-streamed one: non-stream settings only
                     users, body = clients[target.name], target.body or request_body(num_tokens, stream)
                     await run_round(users, target, c, stream, body, warmup_s)
                     pids = descendants(target.pid) if target.pid else []
