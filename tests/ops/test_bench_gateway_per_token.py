@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -39,7 +40,7 @@ def test_generate_sends_one_token_event_per_token_then_the_finish() -> None:
     assert [ev.token_ids for ev in capped[:-1]] == [[i] for i in ids[:3]] and capped[-1].completion_tokens == 3
 
 
-def test_the_worker_rows_request_is_a_non_streamed_one_and_gets_its_tokens_together(smollm2_dir) -> None:
+def test_the_worker_rows_request_is_a_non_streamed_one_and_gets_its_tokens_together(smollm2_dir: Path) -> None:
     # the gateway asks `stream=False` for a non-streamed chat; the `worker` row must measure that same leg
     body = worker_body(7)
     req = msgspec.json.decode(body, type=GenerateRequest)
