@@ -1002,7 +1002,9 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
     float acc[MAX_G][MAX_HD] __attribute__((aligned(32)));
     for (int g = 0; g < NQ; g++)
         for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
-    float kb[BLOCK * MAX_HD] __attribute__((aligned(32))); /* rows HD apart */
+    /* rows HD apart: at MAX_HD's 1 KB stride a block's rows fell into a quarter of a 32 KB L1's sets (0.81-0.86x
+     * the time once packed) */
+    float kb[BLOCK * MAX_HD] __attribute__((aligned(32)));
     float vb[BLOCK * MAX_HD] __attribute__((aligned(32)));
     float st[BLOCK][MAX_G] __attribute__((aligned(32)));
     float corr[MAX_G] __attribute__((aligned(32)));

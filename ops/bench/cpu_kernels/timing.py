@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ops.bench.harness.stats import rotated
+
 __all__ = ["alternate", "in_step", "result_row", "SETTLE_S"]
 
 # a pause before each timed pass: torch's OpenMP workers spin for milliseconds after a parallel region
@@ -21,8 +23,7 @@ def alternate(calls: dict[str, Callable[[], Any]], reps: int, settle_s: float = 
         call()
     times: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(reps):
-        names = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
-        for name in names:
+        for name in rotated(list(calls), r):
             time.sleep(settle_s)
             t = time.perf_counter()
             calls[name]()
@@ -41,7 +42,7 @@ def in_step(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def result_row(key: str, section: str, kernel: str, shape: str, runs: dict[str, list[float]], work: float = 0.0,
-         unit: str = "") -> dict[str, Any]:
+               unit: str = "") -> dict[str, Any]:
     """One result from `alternate`'s runs: median times, their ratio and the spread of the rounds' own ratios;
     `key` names it in the headline; `work` (FLOP or bytes) over the median times gives the rates."""
     c, t = statistics.median(runs["c"]), statistics.median(runs["torch"])
