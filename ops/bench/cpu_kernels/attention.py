@@ -17,7 +17,7 @@ __all__ = ["bench_attention", "bench_prompt", "PAGE_SIZE"]
 PAGE_SIZE = 16  # the engine's default (`EngineConfig.page_size`)
 
 
-def random_cache(cfg: Any, fmt: str, num_pages: int) -> Any:
+def _random_cache(cfg: Any, fmt: str, num_pages: int) -> Any:
     """The engine's own page pool (`PagedKVCache`, every layer) filled with random keys and values."""
     from backend.kv_cache import PagedKVCache
 
@@ -31,7 +31,7 @@ def random_cache(cfg: Any, fmt: str, num_pages: int) -> Any:
     return cache
 
 
-def _attentionresult_row(key: str, section: str, shape: str, ours: Callable[[], Any], theirs: Callable[[], Any],
+def _attention_row(key: str, section: str, shape: str, ours: Callable[[], Any], theirs: Callable[[], Any],
                    reps: int, kv_bytes: float, others: dict[str, Callable[[], Any]] | None = None) -> dict[str, Any]:
     """The kernel (as in a decode step) against torch's path, and where its AMX tiles take the rows (this process
     runs them: `amx_default`) its vector copy as a third arm (`vector_ms`, `vector_over_c`: > 1, the tiles are
@@ -61,7 +61,7 @@ def _attentionresult_row(key: str, section: str, shape: str, ours: Callable[[], 
     return row
 
 
-def kv_bytes(cache: Any, layers: int, rows: int, kvh: int, hd: int) -> int:
+def _kv_bytes(cache: Any, layers: int, rows: int, kvh: int, hd: int) -> int:
     """Bytes of K and V pages (and FP8 exponents) `rows` token rows of every layer hold."""
     return layers * 2 * rows * kvh * (hd * (1 if cache.quantised else 2) + cache.quantised)
 
@@ -79,7 +79,7 @@ def bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str,
     mask = context_mask(lens, pages_per_seq, PAGE_SIZE, q.dtype)
     out = []
     for fmt in ("bf16", "fp8_e4m3"):
-        cache = random_cache(cfg, fmt, d * pages_per_seq)
+        cache = _random_cache(cfg, fmt, d * pages_per_seq)
 
         def ours(cache: Any = cache) -> list:
             return [paged_decode_attention_cpu(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, lens, scale)
@@ -91,8 +91,8 @@ def bench_attention(cfg: Any, d: int, context: int, reps: int) -> list[dict[str,
                                                    scale=scale)
                     for k, v in (cache.gather(i, table) for i in range(layers))]
 
-        row = _attentionresult_row(f"attention_{fmt}", "attention", f"{fmt} pages, {d} seq x {context} keys x {layers} "
-                             "layers", ours, theirs, reps, kv_bytes(cache, layers, d * context, kvh, hd))
+        row = _attention_row(f"attention_{fmt}", "attention", f"{fmt} pages, {d} seq x {context} keys x {layers} "
+                             "layers", ours, theirs, reps, _kv_bytes(cache, layers, d * context, kvh, hd))
         row.update(format=fmt, rows=d, context=context)
         out.append(row)
         del cache
@@ -117,7 +117,7 @@ def bench_prompt(cfg: Any, n: int, prefix: int, reps: int) -> list[dict[str, Any
     mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(prefix, ctx).repeat(g).unsqueeze(1)  # [g n, ctx]
     out = []
     for fmt in ("bf16", "fp8_e4m3"):
-        cache = random_cache(cfg, fmt, pages)
+        cache = _random_cache(cfg, fmt, pages)
 
         def in_place(cache: Any = cache) -> list:
             return [paged_decode_attention_cpu(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, lens, scale, tiles=tiles)
@@ -137,9 +137,9 @@ def bench_prompt(cfg: Any, n: int, prefix: int, reps: int) -> list[dict[str, Any
                     for k, v in (cache.gather(i, table[:1]) for i in range(layers))]
 
         deq = cache.quantised and dequantises(hd)
-        row = _attentionresult_row(f"prompt_{fmt}_{prefix}", "prompt", f"{fmt} pages, {n} rows after {prefix} keys x "
+        row = _attention_row(f"prompt_{fmt}_{prefix}", "prompt", f"{fmt} pages, {n} rows after {prefix} keys x "
                              f"{layers} layers", dequantised if deq else in_place, theirs, reps,
-                             kv_bytes(cache, layers, ctx, kvh, hd), {"in_place": in_place} if deq else None)
+                             _kv_bytes(cache, layers, ctx, kvh, hd), {"in_place": in_place} if deq else None)
         row.update(format=fmt, rows=n, prefix=prefix)
         out.append(row)
         del cache
