@@ -25,9 +25,10 @@ that is asleep or preempted costs at most one chunk (the C file's header). A thr
 call (before) lost to one thread at every layer size on a 2-core VM (starting it took longer than
 its share); a static OpenMP split won in process and lost end to end, waiting on a worker the OS
 had given to another process.
-Without AVX512-BF16 the build takes the AVX2 copy (`kernels/cpu/gemv_bf16_avx2.h`: float32 FMAs on 8
-lanes, its own tiles, x widened every call; `tile_mode()` is then "avx2", unmeasured, with its own row
-limit). With neither AVX512-BF16 nor AVX2 and FMA the build fails, `available()` is False and
+Without AVX512-BF16 the build takes the AVX-512F copy (`kernels/cpu/gemv_bf16_avx512f.h`: float32 FMAs on 16
+lanes, the FMA tiles, x widened every call; `tile_mode()` is then "avx512", nothing to time) where the CPU has
+AVX-512F, else the AVX2 copy (`kernels/cpu/gemv_bf16_avx2.h`: the same on 8 lanes, its own tiles; "avx2"). Each
+has its own row limit. With neither AVX512-BF16 nor AVX2 and FMA the build fails, `available()` is False and
 `Linear` keeps torch's GEMM.
 """
 
@@ -41,7 +42,7 @@ import time
 
 import torch
 
-from backend.cpu_features import has_avx512_bf16
+from backend.cpu_features import cpu_flags, has_avx512_bf16
 from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
@@ -71,7 +72,7 @@ log = logging.getLogger(__name__)
 # (`edgeserve bench cpu-kernels --sections linear`, torch's bfloat16 GEMM on oneDNN's own AMX kernels): 0.58x
 # torch's time at 8 rows, 0.65x at 32, 0.77x at 64, 0.87x at 128, where the FMA tiles took 1.7x torch's at 32
 # rows and 2.6x at 64: "amx" 128.
-MAX_ROWS_BY_TILES = {"dp": 128, "fma": 32, "avx2": 128, "amx": 128}
+MAX_ROWS_BY_TILES = {"dp": 128, "fma": 32, "avx2": 128, "avx512": 128, "amx": 128}
 # Tokens a step with decode rows holds by default (`mixed_step_tokens`). Where the tiles are the fastest path up to
 # max_rows (AVX512-BF16 hosts, measured above) that is max_rows: decode rows and a prompt chunk share a step in the
 # kernel's range. On the AVX2 host the tiles run ~65 GFLOP/s at 128 rows where float32 GEMMs on widened weights
@@ -102,7 +103,7 @@ build_error = KERNEL.build_error  # why not, or None
 PER_ROW_MAX = 6  # rows the C file's per-row code takes (its CHUNK); more take the tiles
 AMX_MIN_ROWS = 3  # rows past which the AMX tiles take a call instead (the C file's AMX_MIN_ROWS: faster from 4 rows)
 TILE_MODES = ("dp", "fma", "amx")  # the C file's tile kernels for more than PER_ROW_MAX rows: vdpbf16ps, FMAs, AMX
-_TILE_CODE = {"dp": 0, "fma": 1, "amx": 2, "avx2": 0}  # the C entry's `fma` argument
+_TILE_CODE = {"dp": 0, "fma": 1, "amx": 2, "avx2": 0, "avx512": 0}  # the C entry's `fma` argument
 _TILE_MARGIN = 1.1  # the FMA tiles only where they are at least this much faster
 _PROBE = (16, 576, 1536)  # rows, in_features, out_features of the timed call
 
@@ -139,8 +140,8 @@ def tile_mode() -> str:
     forced = os.environ.get("EDGESERVE_GEMV_TILES", "auto")
     if forced in TILE_MODES:
         return forced
-    if not has_avx512_bf16():  # the AVX2 build: its own tiles, nothing to choose (the C call ignores `fma`)
-        return "avx2"
+    if not has_avx512_bf16():  # the AVX-512F or AVX2 build: its own tiles, nothing to choose (the C call ignores `fma`)
+        return "avx512" if "avx512f" in cpu_flags() else "avx2"
     times = measure_tiles()
     mode = "fma" if times["dp"] >= _TILE_MARGIN * times["fma"] else "dp"
     if times.get("amx", float("inf")) < times[mode]:
@@ -158,8 +159,8 @@ def max_rows() -> int:
 
 def mixed_step_tokens() -> int:
     """Tokens a step with decode rows holds by default where every linear runs this kernel (the engine's
-    `mixed_step_tokens=None`): `max_rows()`, or `AVX2_MIXED_STEP_TOKENS` for the AVX2 copy."""
-    return AVX2_MIXED_STEP_TOKENS if tile_mode() == "avx2" else max_rows()
+    `mixed_step_tokens=None`): `max_rows()`, or `AVX2_MIXED_STEP_TOKENS` for the copies without vdpbf16ps."""
+    return AVX2_MIXED_STEP_TOKENS if tile_mode() in ("avx2", "avx512") else max_rows()
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,

@@ -1,7 +1,7 @@
 /* y[M, N] (bfloat16) = x[M, K] . w[N, K]^T for bfloat16 x and w and up to a few dozen rows M: the decode
- * GEMV / small GEMM of bfloat16 linear layers on CPUs with AVX512-BF16 (this file's code), or with AVX2 and
- * FMA (gemv_bf16_avx2.h's, included below in its place; the pool and entry point here serve both). Built
- * and loaded by kernels/cpu_gemv.py.
+ * GEMV / small GEMM of bfloat16 linear layers on CPUs with AVX512-BF16 (this file's code), with AVX-512F but no
+ * BF16 (gemv_bf16_avx512f.h's), or with AVX2 and FMA (gemv_bf16_avx2.h's), each included below in its place; the
+ * pool and entry point here serve all three. Built and loaded by kernels/cpu_gemv.py.
  *
  * At M = 1 a GEMV reads every weight once and does one multiply-add per weight, so it should run at
  * the memory's read rate; torch's bfloat16 GEMM converts to float32 and reached about half of it
@@ -47,11 +47,13 @@ typedef struct {
  * 15.6 / 17.0 / 17.6 / 18.2 */
 #define AMX_MIN_ROWS 3
 
-/* defined after both copies, on each copy's rows_m and ftile */
+/* defined after the copies, on each copy's rows_m and ftile */
 static void rows_chunk(const Args *a);                /* at most CHUNK x rows */
 static void ftile_blocks(const Args *a, int nfull); /* the FMA tiles over weight rows n0..nfull */
 
-#ifndef __AVX512BF16__
+#if !defined(__AVX512BF16__) && defined(__AVX512F__)
+#include "gemv_bf16_avx512f.h" /* the same computation in float32 FMAs on 16 lanes */
+#elif !defined(__AVX512BF16__)
 #include "gemv_bf16_avx2.h" /* the same computation in float32 FMAs on 8 lanes */
 #else
 #define XF_COLS(K) (((K) + 31) & ~31) /* the FMA tiles' widened x: K rounded up to whole 32-column blocks */
@@ -195,58 +197,7 @@ static void tiles(const Args *a) {
     }
 }
 
-/* The same tiles in float32 FMAs, for cores where `vdpbf16ps` is the slower way to multiply (the Intel
- * Xeon VM above: 75 against 123 GFLOP/s a core). x is widened once per call into `xf`; each 32-column
- * block of it is stored as its 16 even columns then its 16 odd ones, so a weight block of 32 bfloat16
- * values (one 512-bit load, read as 16 pairs) becomes float32 with one instruction per half: the even
- * columns are the low halves shifted up 16 bits, the odd ones the high halves with the low bits cleared.
- * Products and sums are float32 as with `vdpbf16ps` (whose pairwise grouping differs): the same
- * exact products, summed in another order. The loops run weight blocks of FNB rows (in L2) by x tiles
- * of 4 rows (4 * K32 floats, in L1) by 4 weight rows: x is read from L1, each weight vector once per
- * x tile from L2. One core: 101-112 GFLOP/s at 8-32 rows over SmolLM2's shapes, the vdpbf16ps tiles
- * 66-71 (same harness, same host). `cpu_gemv.tile_mode` picks one of the two per process by timing both. */
-#define FNB 64
-
-static void widen_x(const uint16_t *x, float *xf, int M, int K) {
-    const int K32 = (K + 31) & ~31;
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000);
-    for (int m = 0; m < M; m++)
-        for (int k = 0; k < K32; k += 32) {
-            const int left = K - k;
-            const __mmask32 mk = left >= 32 ? 0xffffffffu : (__mmask32)((1ull << left) - 1);
-            const __m512i v = _mm512_maskz_loadu_epi16(mk, x + (int64_t)m * K + k); /* zeros past K */
-            _mm512_storeu_ps(xf + (int64_t)m * K32 + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-            _mm512_storeu_ps(xf + (int64_t)m * K32 + k + 16, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
-        }
-}
-
-static inline __attribute__((always_inline)) void ftile(const Args *a, int n, int m0, const int rows,
-                                                        const uint16_t *prefetch) {
-    const int K = a->K, K32 = (K + 31) & ~31, full32 = K & ~31;
-    const __mmask32 tail = (__mmask32)((1ull << (K - full32)) - 1);
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000);
-    const uint16_t *w = a->w + (int64_t)n * K;
-    const float *x = a->xf + (int64_t)m0 * K32;
-    __m512 acc[MR][NR];
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < NR; j++) acc[m][j] = _mm512_setzero_ps();
-    for (int k = 0; k < K32; k += 32) {
-        if (prefetch) /* the next 4 weight rows, one line of each per 32 columns */
-            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(prefetch + (int64_t)j * K + k), _MM_HINT_T1);
-        __m512 we[NR], wo[NR];
-        for (int j = 0; j < NR; j++) {
-            const __m512i v = k < full32 ? _mm512_loadu_si512(w + (int64_t)j * K + k)
-                                         : _mm512_maskz_loadu_epi16(tail, w + (int64_t)j * K + k);
-            we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            wo[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-        }
-        for (int m = 0; m < rows; m++) {
-            const __m512 xe = _mm512_loadu_ps(x + (int64_t)m * K32 + k), xo = _mm512_loadu_ps(x + (int64_t)m * K32 + k + 16);
-            for (int j = 0; j < NR; j++) acc[m][j] = _mm512_fmadd_ps(xo, wo[j], _mm512_fmadd_ps(xe, we[j], acc[m][j]));
-        }
-    }
-    store_tile(a, acc, n, m0, rows);
-}
+#include "gemv_bf16_fma512.h" /* widen_x and ftile: the same tiles in float32 FMAs */
 
 static void fma_tiles(const Args *a) {
     const int nfull = a->n0 + (a->n1 - a->n0) / NR * NR;
@@ -268,6 +219,28 @@ static void rows(const Args *a) {
         tiles(a);
 }
 #endif /* __AVX512BF16__ */
+
+#if WIDEN_ALWAYS
+/* The copies without vdpbf16ps (x widened every call): more than CHUNK x rows run their FMA tiles. */
+static void rows(const Args *a) {
+    if (a->M <= CHUNK) {
+        rows_chunk(a);
+        return;
+    }
+    const int nfull = a->n0 + (a->n1 - a->n0) / NR * NR;
+    ftile_blocks(a, nfull);
+    if (nfull < a->n1) { /* the last N % NR weight rows, by the per-row code in chunks of x rows */
+        for (int m0 = 0; m0 < a->M; m0 += CHUNK) {
+            Args c = *a;
+            c.xf = a->xf + (int64_t)m0 * XF_COLS(a->K);
+            c.y = a->y + (int64_t)m0 * a->N;
+            c.M = a->M - m0 < CHUNK ? a->M - m0 : CHUNK;
+            c.n0 = nfull;
+            rows_chunk(&c);
+        }
+    }
+}
+#endif
 
 static void rows_chunk(const Args *a) { /* a specialisation of rows_m per count */
     switch (a->M) {

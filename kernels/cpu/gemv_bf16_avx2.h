@@ -112,22 +112,3 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < NR; j++) a->y[(int64_t)(m0 + m) * a->N + n + j] = float_to_bf16(hsum8(acc[m][j]));
 }
-
-static void rows(const Args *a) {
-    if (a->M <= CHUNK) {
-        rows_chunk(a);
-        return;
-    }
-    const int nfull = a->n0 + (a->n1 - a->n0) / NR * NR;
-    ftile_blocks(a, nfull);
-    if (nfull < a->n1) { /* the last weight row of an odd N, by the per-row code in chunks of x rows */
-        for (int m0 = 0; m0 < a->M; m0 += CHUNK) {
-            Args c = *a;
-            c.xf = a->xf + (int64_t)m0 * XF_COLS(a->K);
-            c.y = a->y + (int64_t)m0 * a->N;
-            c.M = a->M - m0 < CHUNK ? a->M - m0 : CHUNK;
-            c.n0 = nfull;
-            rows_chunk(&c);
-        }
-    }
-}

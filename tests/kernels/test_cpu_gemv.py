@@ -1,19 +1,24 @@
-"""The decode GEMV (kernels/cpu/gemv_bf16.c: AVX512-BF16, or its AVX2 copy in gemv_bf16_avx2.h, whichever this
-CPU builds) against a float64 reference, on fresh random inputs: K and N that are not multiples of the kernel's
+"""The decode GEMV (kernels/cpu/gemv_bf16.c: AVX512-BF16, its AVX-512F copy in gemv_bf16_avx512f.h or its AVX2
+copy in gemv_bf16_avx2.h, whichever this CPU builds, and the copies it skips built with their instruction sets
+turned off) against a float64 reference, on fresh random inputs: K and N that are not multiples of the kernel's
 16 or 32 columns or 4-row thread split, 1-6 rows (the per-row code) and 7-33 rows (the tiles: vdpbf16ps and
-float32-FMA 4 x 4, AVX2's 3 x 4, AMX's 32 x 32 blocks where the CPU has AMX, with rows and weight rows left over),
+float32-FMA 4 x 4, AVX2's 2 x 4, AMX's 32 x 32 blocks where the CPU has AMX, with rows and weight rows left over),
 1-3 threads;
 and `Linear` taking it for bfloat16 weights at decode row counts."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from backend.cpu_features import cpu_flags
 from backend.gemm_widen import widening_pays
 from backend.linear import Linear
 from kernels import cpu_gemv
+from kernels.cpu_build import CKernel
 from kernels.cpu_gemv import MAX_ROWS_BY_TILES, TILE_MODES, available, build_error, gemv_bf16
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 
@@ -39,6 +44,35 @@ def test_matches_reference(m: int, k: int, n: int, threads: int, tiles: str, see
     x = torch.randn(m, k).bfloat16()
     w = (torch.randn(n, k) * 0.05).bfloat16()
     _check(gemv_bf16(x, w, threads, tiles=tiles), x, w, seed)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.gemv_bf16.argtypes = [p, p, p, i, i, i, i, i, i]
+    lib.gemv_bf16.restype = ctypes.c_int
+
+
+# The copies this CPU's own build may skip, built with the instruction sets turned off (-march=native's later -mno-*
+# flags win): the AVX-512F copy on an AVX512-BF16 host, the AVX2 copy on any AVX-512 host.
+_COPIES = {"avx512f": CKernel("gemv_bf16.c", ("-mno-avx512bf16", "-mno-amx-bf16", "-mno-amx-tile"), _declare,
+                              "test only", uses_pool=True),
+           "avx2": CKernel("gemv_bf16.c", ("-mno-avx512f",), _declare, "test only", uses_pool=True)}
+
+
+@pytest.mark.parametrize("copy", sorted(_COPIES))
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 31, 7), (6, 576, 33), (7, 65, 9), (9, 31, 8), (13, 577, 23),
+                                   (32, 576, 1539), (33, 1536, 62)])
+def test_other_copies_match_reference(copy: str, m: int, k: int, n: int, threads: int, seed: int) -> None:
+    if copy == "avx512f" and "avx512f" not in cpu_flags():
+        pytest.skip("no AVX-512F on this CPU")
+    lib = _COPIES[copy].load()
+    if lib is None:
+        pytest.skip(f"{copy} copy not built here: {_COPIES[copy].error}")
+    x, w = torch.randn(m, k).bfloat16(), (torch.randn(n, k) * 0.05).bfloat16()
+    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    assert lib.gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, threads, 5, 0) == 0
+    _check(y, x, w, seed)
 
 
 @pytest.mark.parametrize("tiles", TILE_MODES)
@@ -94,12 +128,16 @@ def test_tile_mode_takes_the_fastest_tiles_and_fma_only_when_clearly_faster(tile
     assert cpu_gemv.tile_mode() == mode
 
 
-def test_without_avx512_bf16_the_tiles_are_avx2_unmeasured(tiles_env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An AVX2 build has only its own tiles: nothing to time, and the row limit and step cap are theirs."""
+@pytest.mark.parametrize("flags,mode", [({"avx2", "fma"}, "avx2"), ({"avx2", "fma", "avx512f"}, "avx512")])
+def test_without_avx512_bf16_the_tiles_are_the_builds_own(tiles_env, monkeypatch: pytest.MonkeyPatch,
+                                                          flags: set[str], mode: str) -> None:
+    """An AVX-512F or AVX2 build has only its own tiles: nothing to time, and the row limit and step cap are
+    theirs."""
     tiles_env("auto")
     monkeypatch.setattr(cpu_gemv, "has_avx512_bf16", lambda: False)
+    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(cpu_gemv, "measure_tiles", lambda: pytest.fail("measured without a vdpbf16ps copy"))
-    assert cpu_gemv.tile_mode() == "avx2" and cpu_gemv.max_rows() == MAX_ROWS_BY_TILES["avx2"]
+    assert cpu_gemv.tile_mode() == mode and cpu_gemv.max_rows() == MAX_ROWS_BY_TILES[mode]
     assert cpu_gemv.mixed_step_tokens() == cpu_gemv.AVX2_MIXED_STEP_TOKENS
 
 
