@@ -27,8 +27,15 @@ hosts this project has measured (2 cores each, SmolLM2-135M):
   (one request: half the bytes) and holds KV pages in half the memory; float32 catches up at 32 requests and
   leads at 64. -> bfloat16, where that GEMV builds (`bf16_gemv`; without it every bfloat16 linear would run
   the emulated GEMM -> float32).
-- **AVX-512 without BF16 units** (Intel Skylake to Ice Lake): bfloat16 GEMMs are emulated, 51-64 GFLOP/s
-  against 200-240 in float32; the AVX2 GEMV would build there but has not been measured. -> float32.
+- **AVX-512 without BF16 units** (Intel Skylake-SP to Ice Lake): bfloat16 GEMMs are emulated, 55-66 GFLOP/s
+  against 246-319 in float32 on a 2-core Ice Lake-SP VM. The decode GEMV has an AVX-512F copy there
+  (`kernels/cpu/gemv_bf16_avx512f.h`: 16-lane float32 FMAs on weights widened in registers, 170-190 GFLOP/s at
+  32-128 rows) and prompts of >= 128 rows run widened, as on AVX2 hosts. `edgeserve bench engine --quick
+  --no-llamacpp` on that VM (2026-12-06, one run each), bfloat16 / float32 tok/s: c = 1 54.2 / 26.5 (2.59x /
+  1.51x `transformers` one at a time), c = 8 132.7 / 123.3, c = 32 140.5 / 164.4; the c = 32 round in process,
+  alternating, with 512-token mixed steps (`cpu_gemv.AVX512_MIXED_STEP_TOKENS`): bfloat16 1.02-1.17x float32's
+  time (7 rounds), its prompt steps the difference (each widens every weight again). Twice the tokens at one
+  request, half the KV memory, a few percent behind at 32. -> bfloat16, where that GEMV builds (as on AVX2).
 - **No AVX2** (older or non-x86 CPUs). -> float32.
 - **CUDA**: bfloat16.
 
@@ -44,8 +51,8 @@ import functools
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["cpu_flags", "has_amx_bf16", "has_avx512_bf16", "has_avx2_only", "auto_dtype", "auto_kv_format",
-           "resolve_dtype", "resolve_kv_format"]
+__all__ = ["cpu_flags", "has_amx_bf16", "has_avx512_bf16", "has_avx2_only", "has_avx2_fma", "auto_dtype",
+           "auto_kv_format", "resolve_dtype", "resolve_kv_format"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,15 +85,20 @@ def has_avx2_only(flags: Iterable[str] | None = None) -> bool:
     return {"avx2", "fma"} <= have and "avx512f" not in have
 
 
+def has_avx2_fma(flags: Iterable[str] | None = None) -> bool:
+    """Whether the CPU has AVX2 and FMA (with or without AVX-512): the decode GEMV's widening copies build."""
+    return {"avx2", "fma"} <= set(cpu_flags() if flags is None else flags)
+
+
 def auto_dtype(device: str = "cpu", flags: Iterable[str] | None = None, bf16_gemv: bool | None = None) -> str:
     """The compute dtype `--dtype auto` means on `device` (see the module docstring for why). `bf16_gemv`:
     whether the decode GEMV runs here (None: build it and ask, which `EDGESERVE_BF16_GEMV=0` answers no);
-    it decides on AVX2 hosts only."""
+    it decides on hosts without bfloat16 units only."""
     if device == "cuda":
         return "bfloat16"
     if has_amx_bf16(flags) or has_avx512_bf16(flags):
         return "bfloat16"
-    if has_avx2_only(flags):
+    if has_avx2_fma(flags):
         if bf16_gemv is None:
             from backend.linear import bf16_gemv_available
 

@@ -47,7 +47,8 @@ from kernels.cpu_build import CKernel
 from kernels.cpu_threads import kernel_threads, kernels_own_threads
 
 __all__ = ["KERNEL", "available", "build_error", "call_plan", "gemv_bf16", "max_rows", "mixed_step_tokens",
-           "tile_code", "amx_available", "AVX2_MIXED_STEP_TOKENS", "AMX_MIN_ROWS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX",
+           "tile_code", "amx_available", "AVX2_MIXED_STEP_TOKENS", "AVX512_MIXED_STEP_TOKENS",
+           "AMX_MIN_ROWS", "MAX_ROWS_BY_TILES", "PER_ROW_MAX",
            "TILE_MODES", "tile_mode", "measure_tiles"]
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,12 @@ MAX_ROWS_BY_TILES = {"dp": 128, "fma": 32, "avx2": 128, "avx512": 128, "amx": 12
 # run 87-100 from 128 rows, so a larger step gains more in its prompt rows than its decode rows lose: 32 requests
 # of 80 prompt and 64 output tokens took 23.0 / 24.6 s at a cap of 128 tokens, 17.0 / 19.7 / 18.7 s at 256,
 # 20.1 s at 384, 20.5 s uncapped (512).
+# The AVX-512F copy (tiles at 170-190 GFLOP/s where float32 GEMMs ran 250-320) is best uncapped, at the step's
+# 512 tokens: on a 2-core Ice Lake-SP VM, the c = 32 round of `bench engine --quick` (32 requests, 2,492 prompt and
+# 726 output tokens) in process, caps alternating, s: 128 tokens 7.6-8.1, 256 4.9-6.3, 384 4.4-5.0, 512 4.1-5.0
+# (0.91-0.93x 256's time in the same rounds; float32 4.0-4.6 beside them).
 AVX2_MIXED_STEP_TOKENS = 256
+AVX512_MIXED_STEP_TOKENS = 512
 _THREADED_BYTES = 256 << 10  # weights below this run on the calling thread alone (too short to share)
 _SHARED_THREADED_BYTES = 16 << 20  # the same while torch's OpenMP workers may spin (outside a handover)
 _CHUNK_BYTES = 128 << 10  # of weights per chunk the threads claim (a few per thread at SmolLM2's sizes)
@@ -159,8 +165,8 @@ def max_rows() -> int:
 
 def mixed_step_tokens() -> int:
     """Tokens a step with decode rows holds by default where every linear runs this kernel (the engine's
-    `mixed_step_tokens=None`): `max_rows()`, or `AVX2_MIXED_STEP_TOKENS` for the copies without vdpbf16ps."""
-    return AVX2_MIXED_STEP_TOKENS if tile_mode() in ("avx2", "avx512") else max_rows()
+    `mixed_step_tokens=None`): `max_rows()`, or the measured cap of a copy without vdpbf16ps (AVX2, AVX-512F)."""
+    return {"avx2": AVX2_MIXED_STEP_TOKENS, "avx512": AVX512_MIXED_STEP_TOKENS}.get(tile_mode(), max_rows())
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None,

@@ -3,10 +3,10 @@
  * tile: NR weight rows by at most MR x rows), PF_DIST and store_tile (the 4 x 4 sums rounded to bfloat16 into y).
  *
  * Float32 FMAs, for cores where `vdpbf16ps` is the slower way to multiply (the Emerald Rapids Xeon VM of
- * gemv_bf16.c's vdpbf16ps tiles: 75 against 123 GFLOP/s a core) or that have none. x is widened once per call into `xf`; each 32-column
- * block of it is stored as its 16 even columns then its 16 odd ones, so a weight block of 32 bfloat16
- * values (one 512-bit load, read as 16 pairs) becomes float32 with one instruction per half: the even
- * columns are the low halves shifted up 16 bits, the odd ones the high halves with the low bits cleared.
+ * gemv_bf16.c's vdpbf16ps tiles: 75 against 123 GFLOP/s a core) or that have none. x is widened once per call
+ * into `xf`; each 32-column block of it is stored as its 16 even columns then its 16 odd ones, so a weight block
+ * of 32 bfloat16 values (one 512-bit load, read as 16 pairs) becomes float32 with one instruction per half: the
+ * even columns are the low halves shifted up 16 bits, the odd ones the high halves with the low bits cleared.
  * Products and sums are float32 as with `vdpbf16ps` (whose pairwise grouping differs): the same
  * exact products, summed in another order. The loops run weight blocks of FNB rows (in L2) by x tiles
  * of 4 rows (4 * K32 floats, in L1) by 4 weight rows: x is read from L1, each weight vector once per
@@ -48,7 +48,8 @@ static inline __attribute__((always_inline)) void ftile(const Args *a, int n, in
             wo[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
         }
         for (int m = 0; m < rows; m++) {
-            const __m512 xe = _mm512_loadu_ps(x + (int64_t)m * K32 + k), xo = _mm512_loadu_ps(x + (int64_t)m * K32 + k + 16);
+            const float *xr = x + (int64_t)m * K32 + k;
+            const __m512 xe = _mm512_loadu_ps(xr), xo = _mm512_loadu_ps(xr + 16);
             for (int j = 0; j < NR; j++) acc[m][j] = _mm512_fmadd_ps(xo, wo[j], _mm512_fmadd_ps(xe, we[j], acc[m][j]));
         }
     }

@@ -2,7 +2,7 @@
 
 import pytest
 
-from backend.cpu_features import (auto_dtype, auto_kv_format, cpu_flags, has_amx_bf16, has_avx2_only, has_avx512_bf16,
+from backend.cpu_features import (auto_dtype, auto_kv_format, cpu_flags, has_amx_bf16, has_avx2_fma, has_avx512_bf16,
                                   resolve_dtype, resolve_kv_format)
 from ops.serve import add_engine_args
 
@@ -12,7 +12,7 @@ SKYLAKE = {"avx512f", "avx2", "fma"}
 ZEN3 = {"avx2", "fma", "f16c"}
 
 
-@pytest.mark.parametrize("flags,expected", [(SAPPHIRE_RAPIDS, "bfloat16"), (ZEN4, "bfloat16"), (SKYLAKE, "float32"),
+@pytest.mark.parametrize("flags,expected", [(SAPPHIRE_RAPIDS, "bfloat16"), (ZEN4, "bfloat16"), (SKYLAKE, "bfloat16"),
                                             (ZEN3, "bfloat16"), ({"avx2"}, "float32"),
                                             ({"amx_bf16"}, "float32"), ({"avx512_bf16"}, "bfloat16"),
                                             (set(), "float32")])
@@ -21,9 +21,10 @@ def test_auto_dtype_follows_the_cpu_flags(flags, expected):
     assert auto_dtype("cuda", flags) == "bfloat16"  # the GPU's choice, whatever the host CPU
 
 
-def test_an_avx2_host_takes_bfloat16_only_where_the_gemv_runs(monkeypatch: pytest.MonkeyPatch):
-    """Without the C GEMV every bfloat16 linear would run torch's emulated GEMM there."""
+def test_a_host_without_bf16_units_takes_bfloat16_only_where_the_gemv_runs(monkeypatch: pytest.MonkeyPatch):
+    """Without the C GEMV every bfloat16 linear would run torch's emulated GEMM there (AVX2 or AVX-512F alike)."""
     assert auto_dtype("cpu", ZEN3, bf16_gemv=False) == "float32"
+    assert auto_dtype("cpu", SKYLAKE, bf16_gemv=False) == "float32"
     assert auto_dtype("cpu", ZEN4, bf16_gemv=False) == "bfloat16"  # real bfloat16 units: the flags decide
     monkeypatch.setenv("EDGESERVE_BF16_GEMV", "0")  # asked, not told: the switch that turns the GEMV off
     assert auto_dtype("cpu", ZEN3) == "float32"
@@ -40,7 +41,7 @@ def test_resolve_reads_this_host():
     assert has_avx512_bf16() == ("avx512_bf16" in cpu_flags())
     from kernels import cpu_gemv
 
-    bf16 = has_amx_bf16() or has_avx512_bf16() or (has_avx2_only() and cpu_gemv.available())
+    bf16 = has_amx_bf16() or has_avx512_bf16() or (has_avx2_fma() and cpu_gemv.available())
     assert resolve_dtype("auto") == ("bfloat16" if bf16 else "float32")
     assert resolve_dtype("float32") == "float32" and resolve_dtype("auto", "cuda") == "bfloat16"
 

@@ -128,9 +128,10 @@ def test_tile_mode_takes_the_fastest_tiles_and_fma_only_when_clearly_faster(tile
     assert cpu_gemv.tile_mode() == mode
 
 
-@pytest.mark.parametrize("flags,mode", [({"avx2", "fma"}, "avx2"), ({"avx2", "fma", "avx512f"}, "avx512")])
+@pytest.mark.parametrize("flags,mode,cap", [({"avx2", "fma"}, "avx2", cpu_gemv.AVX2_MIXED_STEP_TOKENS),
+                                            ({"avx2", "fma", "avx512f"}, "avx512", cpu_gemv.AVX512_MIXED_STEP_TOKENS)])
 def test_without_avx512_bf16_the_tiles_are_the_builds_own(tiles_env, monkeypatch: pytest.MonkeyPatch,
-                                                          flags: set[str], mode: str) -> None:
+                                                          flags: set[str], mode: str, cap: int) -> None:
     """An AVX-512F or AVX2 build has only its own tiles: nothing to time, and the row limit and step cap are
     theirs."""
     tiles_env("auto")
@@ -138,7 +139,7 @@ def test_without_avx512_bf16_the_tiles_are_the_builds_own(tiles_env, monkeypatch
     monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(cpu_gemv, "measure_tiles", lambda: pytest.fail("measured without a vdpbf16ps copy"))
     assert cpu_gemv.tile_mode() == mode and cpu_gemv.max_rows() == MAX_ROWS_BY_TILES[mode]
-    assert cpu_gemv.mixed_step_tokens() == cpu_gemv.AVX2_MIXED_STEP_TOKENS
+    assert cpu_gemv.mixed_step_tokens() == cap
 
 
 @pytest.mark.parametrize("mode", TILE_MODES)
