@@ -17,9 +17,9 @@ every row of x: at SmolLM2's shapes one thread took twice the bfloat16 GEMV's ti
 Threads: as `cpu_gemv.py` (the shared pool, chunks of panels claimed one at a time; one thread
 below `_THREADED_BYTES` of weights times x rows, `_SHARED_THREADED_BYTES` outside a decode step's
 handover of torch's threads: a prompt's many rows make even a small weight worth sharing).
-The build needs AVX512-BF16, or AVX2 with FMA (`kernels/cpu/gemv_int4_avx2.h`: the same sums in
-float32 FMAs on 8 lanes, the codes as the float32 values 128 + q, on the same layout): elsewhere it
-fails, `available()` is False and `Int4Linear` keeps torch's INT4 GEMM. Where it builds, `pays()`
+The build needs AVX512-BF16, AVX-512F (`kernels/cpu/gemv_int4_avx512f.h`: the same sums in float32 FMAs
+on 16 lanes, the codes as the float32 values 128 + q, on the same layout) or AVX2 with FMA
+(`kernels/cpu/gemv_int4_avx2.h`: the same on 8 lanes): elsewhere it fails, `available()` is False and `Int4Linear` keeps torch's INT4 GEMM. Where it builds, `pays()`
 times it against torch's op once per process (cores differ in how fast they run `vdpbf16ps`: an
 Intel Xeon VM measured ran it at 0.6 the rate of float32 FMAs, which torch's op uses) and
 `Int4Linear` takes the faster; `EDGESERVE_INT4_GEMV=0|1`

@@ -1,6 +1,7 @@
 /* y[M, N] (bfloat16) = x[M, K] . W[N, K]^T for bfloat16 x and an INT4 group-wise W, on CPUs with
- * AVX512-BF16 (this file's code) or with AVX2 and FMA (gemv_int4_avx2.h's, included below in its place, on the
- * same layout; the row blocks, pool and entry point here serve both): the decode GEMV / small GEMM of INT4
+ * AVX512-BF16 (this file's code), with AVX-512F but no BF16 (gemv_int4_avx512f.h's) or with AVX2 and FMA
+ * (gemv_int4_avx2.h's), each included below in its place, on the same layout (the row blocks, pool and entry
+ * point here serve all three): the decode GEMV / small GEMM of INT4
  * linear layers. Built and loaded by kernels/cpu_gemv_int4.py, which also packs the weights into the layout
  * below at load.
  *
@@ -78,7 +79,9 @@ typedef struct {
     int amx;         /* run the AMX tiles (amx_rows) */
 } Args;
 
-#ifndef __AVX512BF16__
+#if !defined(__AVX512BF16__) && defined(__AVX512F__)
+#include "gemv_int4_avx512f.h" /* the same computation in float32 FMAs on 16 lanes */
+#elif !defined(__AVX512BF16__)
 #include "gemv_int4_avx2.h" /* the same computation in float32 FMAs on 8 lanes */
 #else
 #define MAXR 8  /* x rows per tile */

@@ -1,5 +1,6 @@
-"""The INT4 GEMV (kernels/cpu/gemv_int4.c: AVX512-BF16, or its AVX2 copy in gemv_int4_avx2.h, whichever this
-CPU builds) against a float64 reference of the dequantised weight, on fresh random inputs: every x-tile
+"""The INT4 GEMV (kernels/cpu/gemv_int4.c: AVX512-BF16, its AVX-512F copy in gemv_int4_avx512f.h or its AVX2 copy
+in gemv_int4_avx2.h, whichever this CPU builds, and the copies it skips built with their instruction sets turned
+off) against a float64 reference of the dequantised weight, on fresh random inputs: every x-tile
 shape (1-8 rows, 1-4 on AVX2; balanced tiles past them, row blocks past 64), N not a
 multiple of the 16-row panel, K not a multiple of the 8-column step or of the group (a partial last group),
 group sizes 8-256, 1-3 threads, the vdpbf16ps tiles and (where the CPU has AMX) the AMX tiles; weights whose
@@ -11,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backend.cpu_features import cpu_flags
 from kernels import cpu_gemv
-from kernels.cpu_gemv_int4 import PANEL, available, build_error, gemv_int4, pack
+from kernels.cpu_build import CKernel
+from kernels.cpu_gemv_int4 import PANEL, _declare, available, build_error, gemv_int4, pack
 from kernels.w4a16_gemm import dequantize_int4_ref, quantize_int4_ref, unpack_int4_ref
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 
@@ -47,6 +50,36 @@ def test_matches_reference(m: int, k: int, n: int, group: int, threads: int, til
     codes, s, z, w = _quantised(n, k, group)
     x = torch.randn(m, k).bfloat16()
     _check(gemv_int4(x, pack(codes, s, z, group), threads, tiles=tiles), x, w, seed)
+
+
+# The copies this CPU's own build may skip, built with the instruction sets turned off (-march=native's later -mno-*
+# flags win): the AVX-512F copy on an AVX512-BF16 host, the AVX2 copy on any AVX-512 host.
+_COPIES = {"avx512f": CKernel("gemv_int4.c", ("-mno-avx512bf16", "-mno-amx-bf16", "-mno-amx-tile"), _declare,
+                              "test only", uses_pool=True),
+           "avx2": CKernel("gemv_int4.c", ("-mno-avx512f",), _declare, "test only", uses_pool=True)}
+
+
+@pytest.mark.parametrize("copy", sorted(_COPIES))
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m,k,n,group", [(1, 576, 960, 32), (2, 576, 1539, 128), (3, 40, 7, 8), (5, 100, 13, 32),
+                                         (8, 1536, 17, 32), (13, 520, 23, 128), (33, 1536, 62, 128),
+                                         (70, 96, 40, 32)])
+def test_other_copies_match_reference(copy: str, m: int, k: int, n: int, group: int, threads: int,
+                                      seed: int) -> None:
+    if copy == "avx512f" and "avx512f" not in cpu_flags():
+        pytest.skip("no AVX-512F on this CPU")
+    lib = _COPIES[copy].load()
+    if lib is None:
+        pytest.skip(f"{copy} copy not built here: {_COPIES[copy].error}")
+    codes, s, z, w = _quantised(n, k, group)
+    x = torch.randn(m, k).bfloat16()
+    packed = pack(codes, s, z, group)
+    k8 = packed.k8
+    xp = x if k8 == k else torch.nn.functional.pad(x, (0, k8 - k)).contiguous()
+    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    assert lib.gemv_int4(xp.data_ptr(), packed.codes.data_ptr(), packed.scales_zeros.data_ptr(), y.data_ptr(), m, n,
+                         k8, group, threads, 3, 0) == 0
+    _check(y, x, w, seed)
 
 
 @pytest.mark.parametrize("tiles", ["dp", "amx"])
