@@ -19,11 +19,10 @@ below `_THREADED_BYTES` of weights times x rows, `_SHARED_THREADED_BYTES` outsid
 handover of torch's threads: a prompt's many rows make even a small weight worth sharing).
 The build needs AVX512-BF16, AVX-512F (`kernels/cpu/gemv_int4_avx512f.h`: the same sums in float32 FMAs
 on 16 lanes, the codes as the float32 values 128 + q, on the same layout) or AVX2 with FMA
-(`kernels/cpu/gemv_int4_avx2.h`: the same on 8 lanes): elsewhere it fails, `available()` is False and `Int4Linear` keeps torch's INT4 GEMM. Where it builds, `pays()`
-times it against torch's op once per process (cores differ in how fast they run `vdpbf16ps`: an
-Intel Xeon VM measured ran it at 0.6 the rate of float32 FMAs, which torch's op uses) and
-`Int4Linear` takes the faster; `EDGESERVE_INT4_GEMV=0|1`
-forces the choice.
+(`kernels/cpu/gemv_int4_avx2.h`: the same on 8 lanes): elsewhere it fails, `available()` is False and
+`Int4Linear` keeps torch's INT4 GEMM. Where it builds, `pays()` times it against torch's op once per process
+(cores differ in how fast they run `vdpbf16ps`: an Intel Xeon VM measured ran it at 0.6 the rate of float32
+FMAs, which torch's op uses) and `Int4Linear` takes the faster; `EDGESERVE_INT4_GEMV=0|1` forces the choice.
 
 On CPUs with AMX, where the bfloat16 GEMV runs its AMX tiles (`cpu_gemv.tile_mode()`), calls of more than a few
 rows run AMX tiles here too (`amx_code`): the expanded codes of 32 columns of a panel are one tile of
