@@ -82,8 +82,8 @@ MAX_ROWS_BY_TILES = {"dp": 128, "fma": 32, "avx2": 128, "avx512": 128, "amx": 12
 # 20.1 s at 384, 20.5 s uncapped (512).
 # The AVX-512F copy (tiles at 170-190 GFLOP/s where float32 GEMMs ran 250-320) is best uncapped, at the step's
 # 512 tokens: on a 2-core Ice Lake-SP VM, the c = 32 round of `bench engine --quick` (32 requests, 2,492 prompt and
-# 726 output tokens) in process, caps alternating, s: 128 tokens 7.6-8.1, 256 4.9-6.3, 384 4.4-5.0, 512 4.1-5.0
-# (0.91-0.93x 256's time in the same rounds; float32 4.0-4.6 beside them).
+# 726 output tokens) in process, caps alternating, s: 128 tokens 7.6-8.1, 256 4.8-6.4, 384 4.4-5.0, 512 4.1-6.1
+# (0.79-0.98x 256's time in each of 7 paired rounds; float32 beside them 0.85-0.98x 512's).
 AVX2_MIXED_STEP_TOKENS = 256
 AVX512_MIXED_STEP_TOKENS = 512
 _THREADED_BYTES = 256 << 10  # weights below this run on the calling thread alone (too short to share)

@@ -2,13 +2,11 @@
 copy in gemv_bf16_avx2.h, whichever this CPU builds, and the copies it skips built with their instruction sets
 turned off) against a float64 reference, on fresh random inputs: K and N that are not multiples of the kernel's
 16 or 32 columns or 4-row thread split, 1-6 rows (the per-row code) and 7-33 rows (the tiles: vdpbf16ps and
-float32-FMA 4 x 4, AVX2's 2 x 4, AMX's 32 x 32 blocks where the CPU has AMX, with rows and weight rows left over),
+float32-FMA 4 x 4, AVX2's 4 x 2, AMX's 32 x 32 blocks where the CPU has AMX, with rows and weight rows left over),
 1-3 threads;
 and `Linear` taking it for bfloat16 weights at decode row counts."""
 
 from __future__ import annotations
-
-import ctypes
 
 import pytest
 import torch
@@ -46,17 +44,11 @@ def test_matches_reference(m: int, k: int, n: int, threads: int, tiles: str, see
     _check(gemv_bf16(x, w, threads, tiles=tiles), x, w, seed)
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.gemv_bf16.argtypes = [p, p, p, i, i, i, i, i, i]
-    lib.gemv_bf16.restype = ctypes.c_int
-
-
 # The copies this CPU's own build may skip, built with the instruction sets turned off (-march=native's later -mno-*
 # flags win): the AVX-512F copy on an AVX512-BF16 host, the AVX2 copy on any AVX-512 host.
-_COPIES = {"avx512f": CKernel("gemv_bf16.c", ("-mno-avx512bf16", "-mno-amx-bf16", "-mno-amx-tile"), _declare,
-                              "test only", uses_pool=True),
-           "avx2": CKernel("gemv_bf16.c", ("-mno-avx512f",), _declare, "test only", uses_pool=True)}
+_COPIES = {"avx512f": CKernel("gemv_bf16.c", ("-mno-avx512bf16", "-mno-amx-bf16", "-mno-amx-tile"),
+                              cpu_gemv.KERNEL.declare, "test only", uses_pool=True),
+           "avx2": CKernel("gemv_bf16.c", ("-mno-avx512f",), cpu_gemv.KERNEL.declare, "test only", uses_pool=True)}
 
 
 @pytest.mark.parametrize("copy", sorted(_COPIES))

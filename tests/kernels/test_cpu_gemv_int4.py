@@ -15,7 +15,7 @@ import torch
 from backend.cpu_features import cpu_flags
 from kernels import cpu_gemv
 from kernels.cpu_build import CKernel
-from kernels.cpu_gemv_int4 import PANEL, _declare, available, build_error, gemv_int4, pack
+from kernels.cpu_gemv_int4 import KERNEL, PANEL, available, build_error, gemv_int4, pack
 from kernels.w4a16_gemm import dequantize_int4_ref, quantize_int4_ref, unpack_int4_ref
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
 
@@ -54,9 +54,9 @@ def test_matches_reference(m: int, k: int, n: int, group: int, threads: int, til
 
 # The copies this CPU's own build may skip, built with the instruction sets turned off (-march=native's later -mno-*
 # flags win): the AVX-512F copy on an AVX512-BF16 host, the AVX2 copy on any AVX-512 host.
-_COPIES = {"avx512f": CKernel("gemv_int4.c", ("-mno-avx512bf16", "-mno-amx-bf16", "-mno-amx-tile"), _declare,
+_COPIES = {"avx512f": CKernel("gemv_int4.c", ("-mno-avx512bf16", "-mno-amx-bf16", "-mno-amx-tile"), KERNEL.declare,
                               "test only", uses_pool=True),
-           "avx2": CKernel("gemv_int4.c", ("-mno-avx512f",), _declare, "test only", uses_pool=True)}
+           "avx2": CKernel("gemv_int4.c", ("-mno-avx512f",), KERNEL.declare, "test only", uses_pool=True)}
 
 
 @pytest.mark.parametrize("copy", sorted(_COPIES))
