@@ -7,7 +7,9 @@ requests at once, one free and one under a JSON schema, every request exactly
 `max_tokens` long (free ones ignore EOS; the schema's array needs more items than fit, so
 EOS is never allowed). They step in lockstep, one step each per round in a rotated order
 (`ops.bench.harness.loops.step_in_turn`), so their i-th decode steps hold the same batch
-and a slow spell of the machine lands on both; the run repeats (quick 3, else 5 times).
+and a slow spell of the machine lands on both; the run repeats (quick 3, else 5 times), every
+request 64 tokens (quick too: at 32 tokens its 93 pairs a level left c = 8's interval ~13 points
+wide on a 2-core VM, unresolved, where 189 pairs give ~7).
 The overhead is over those paired decode steps, 100 * (1 - free seconds / schema
 seconds), with a 95% interval from a block bootstrap over the pairs (blocks of 4, per
 repetition) and each repetition's own figure; tok/s are c over each arm's median decode
@@ -104,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
-    n_out, rounds, n_schemas = (32, 3, 12) if args.quick else (64, 5, 60)
+    n_out, (rounds, n_schemas) = 64, (3, 12) if args.quick else (5, 60)
     dtype = resolve_dtype(args.dtype)
     kv = resolve_kv_format(args.kv_format, dtype)
     model_dir = resolve_model(args.model)
