@@ -16,7 +16,7 @@ from backend.tokenizer import Tokenizer
 from backend.worker_client import WorkerClient
 from tests.backend.servers import serve_in_thread
 from ops.bench.gateway.load import Row
-from ops.bench.gateway.report import compare, vs_baseline
+from ops.bench.gateway.report import compare, target_verdicts, vs_baseline
 from ops.standin_worker import HELLO_WORLD, create_standin_app, token_text
 
 
@@ -132,3 +132,35 @@ def test_vs_baseline_pairs_the_two_gateways_round_by_round() -> None:
     assert quota["cpu_round_ratio"] == pytest.approx({"median": 1.5, "min": 1.0, "max": 2.0, "rounds": 4})
     assert vs_baseline([r for r in rows if "@" not in r.target], compare(rows[:2]), "abc")[
         "edgeserve"]["c1_nostream"]["p50_round_ratio"] is None
+
+
+def test_targets_judge_every_round_for_the_quota_tenant() -> None:
+    def row(target: str, key: tuple[int, bool], p50s: list[float], rps: list[float]) -> Row:
+        return Row(target=target, concurrency=key[0], stream=key[1], requests=100, errors=0, seconds=1.0,
+                   rps=sum(rps) / len(rps), p50_ms=p50s[0], p99_ms=9.0, p50_rounds_ms=p50s, rps_rounds=rps)
+
+    nostream, stream, c16 = (1, False), (1, True), (16, False)
+    rows = [row("direct", nostream, [1.0, 1.2, 1.1], [900, 800, 850]),
+            row("edgeserve+quota", nostream, [2.9, 3.4, 3.0], [300, 280, 290]),  # +1.9, +2.2, +1.9: one round over
+            row("edgeserve", nostream, [2.0, 2.0, 2.0], [400, 400, 400]),  # no quotas: not judged
+            row("litellm", nostream, [9.0, 9.0, 9.0], [50, 50, 50]),
+            row("direct", stream, [2.0, 2.0, 2.0], [500, 500, 500]),
+            row("edgeserve+quota", stream, [3.5, 3.9, 3.0], [200, 200, 200]),  # every round within 2 ms
+            row("litellm", stream, [9.0, 9.0, 9.0], [50, 300, 50]),  # one round faster than edgeserve
+            row("direct", c16, [5.0, 5.0, 5.0], [900, 900, 900]),
+            row("edgeserve+quota", c16, [9.0, 9.0, 9.0], [10, 20, 30]),  # slower than LiteLLM every round
+            row("litellm", c16, [20.0, 20.0, 20.0], [40, 40, 40])]
+    got = target_verdicts(rows)
+    assert got["added_p50_le_2ms_c1_nostream"]["verdict"] == "unresolved"
+    assert got["added_p50_le_2ms_c1_nostream"]["per_round"] == pytest.approx([1.9, 2.2, 1.9])
+    assert got["added_p50_le_2ms_c1_stream"]["verdict"] == "met" and got["added_p50_le_2ms_c1_stream"]["met"]
+    assert got["rps_gt_litellm_c1_nostream"]["verdict"] == "met"
+    assert got["rps_gt_litellm_c1_stream"]["verdict"] == "unresolved"
+    assert got["rps_gt_litellm_c16_nostream"]["verdict"] == "missed" and not got["rps_gt_litellm_c16_nostream"]["met"]
+    assert set(got) == {"added_p50_le_2ms_c1_nostream", "added_p50_le_2ms_c1_stream", "rps_gt_litellm_c1_nostream",
+                        "rps_gt_litellm_c1_stream", "rps_gt_litellm_c16_nostream"}
+    # without LiteLLM only the latency targets remain; a slow gateway misses them
+    slow = [r for r in rows if r.target != "litellm"]
+    slow[1] = row("edgeserve+quota", nostream, [4.0, 4.0, 4.0], [300, 300, 300])
+    assert {k: v["verdict"] for k, v in target_verdicts(slow).items()} == {
+        "added_p50_le_2ms_c1_nostream": "missed", "added_p50_le_2ms_c1_stream": "met"}

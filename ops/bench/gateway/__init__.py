@@ -55,7 +55,9 @@ JSON: ``added_latency_ms`` maps target -> setting ("c1_nostream", "c1_stream", .
 -> {"p50", "p95", "p99"}; ``headline`` holds edgeserve+quota at c=1, both ways,
 against the 2 ms target; ``rps`` maps target -> setting -> requests/s (litellm
 null when unavailable); ``added_latency_p50_ms`` / ``_p99_ms`` keep the older
-keys for the tenant without quotas. With ``--baseline``, ``baseline.vs_baseline``
+keys for the tenant without quotas; ``targets`` gives each target a verdict judged
+round by round (`report.target_verdicts`: the added p50 with quotas at c = 1 within 2 ms, both
+ways; more requests/s than LiteLLM at every setting, where it ran). With ``--baseline``, ``baseline.vs_baseline``
 also pairs the two gateways round by round (``p50_round_ratio``, ``cpu_round_ratio``:
 median, min, max of this tree / the baseline over the rounds; printed under the table),
 which on a machine whose speed drifts is steadier than the pooled figures.
@@ -72,7 +74,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ops.bench.gateway.load import MODEL, measure, setting_key
-from ops.bench.gateway.report import compare, plot_rows, print_table, print_vs_baseline, vs_baseline
+from ops.bench.gateway.report import (ADDED_P50_TARGET_MS, compare, plot_rows, print_table, print_vs_baseline,
+                                      target_verdicts, vs_baseline)
 from ops.bench.gateway.servers import LITELLM_VENV, check_all, ensure_litellm, has_modules, start_targets
 from ops.bench.harness.progress import log
 from ops.bench.report import write_report
@@ -139,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows, cmp)
     print("added = target - direct at the same setting; cpu ms/req = the proxy's CPU (+ Redis's for edgeserve) "
           f"per request; took {total_s:.0f} s")
+    verdicts = target_verdicts(rows)
+    print("targets (round by round): " + ", ".join(
+        f"{name} {t['verdict']} [{', '.join(format(v, '.2f') for v in t['per_round'])}]"
+        for name, t in verdicts.items()))
     vs = None if baseline is None else vs_baseline(rows, cmp, baseline)
     if vs is not None:
         print_vs_baseline(vs, baseline)
@@ -155,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         "config": {"tokens": args.tokens, "concurrency": points, "rounds": rounds, "round_seconds": duration_s,
                    "warmup_seconds": warmup_s, "settings": keys, "model": MODEL,
                    "latency": "non-stream: full response; stream: last byte; ttft: first body bytes"},
-        "headline": {"target": "edgeserve+quota", "target_added_p50_ms": 2.0,
+        "headline": {"target": "edgeserve+quota", "target_added_p50_ms": ADDED_P50_TARGET_MS,
                      **{k: added.get("edgeserve+quota", {}).get(k) for k in ("c1_nostream", "c1_stream")}},
         "added_latency_ms": added,
         "added_latency_p50_ms": {k: v["added_p50_ms"] for k, v in edge.items()},
@@ -168,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         "baseline": None if baseline is None else {"ref": args.baseline, "commit": baseline,
                                                    "vs_baseline": vs},
         "comparison": cmp,
+        "targets": verdicts,
         "litellm": {"available": have_litellm, "version": litellm_version, "note": litellm_note},
         "servers_have": servers,
         "content_checks": content_checks,
