@@ -10,11 +10,15 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
+from ops.bench.harness.stats import block_bootstrap_ci
 from ops.scale_tune import kl_divergence
 
-__all__ = ["checkpoint_sizes", "Quality", "quality", "quantize_in_child"]
+__all__ = ["checkpoint_sizes", "Quality", "quality", "paired_quality", "quantize_in_child"]
+
+QUALITY_BLOCK = 32  # tokens resampled together in `paired_quality` (neighbouring tokens' losses correlate)
 
 
 def checkpoint_sizes(model_dir) -> tuple[dict[str, int], dict[str, int]]:
@@ -47,26 +51,45 @@ class Quality(NamedTuple):
     tokens: int  # tokens scored
     kl: float | None  # mean KL(reference || this format) over the reference's windows (None without one)
     dists: list[torch.Tensor]  # the first `keep` windows' next-token log-probabilities, float16 [len - 1, vocab]
+    nll: list[np.ndarray]  # per window, each scored token's negative log-probability (float64)
+    hits: list[np.ndarray]  # per window, whether each scored token was the top-1 prediction (bool)
 
 
 def quality(engine, windows: list[list[int]], reference: Sequence[torch.Tensor] = (), keep: int = 0) -> Quality:
     """Perplexity and top-1 accuracy over `windows`, each scored from its first token; with `reference` (another
     format's `dists` of the first windows) the mean KL from it over those windows; `keep` windows' distributions
     returned (float16), to be the reference of later formats."""
-    nll, hits, n, kls, dists = 0.0, 0, 0, [], []
+    nll, hits, kls, dists = [], [], [], []
     for j, window in enumerate(windows):
         full = j < max(len(reference), keep)
         scores = engine.score_tokens(window, dist=full)
-        nll -= float(scores.logprobs.double().sum())
-        hits += int(scores.top1.sum())
-        n += scores.logprobs.numel()
+        nll.append(-scores.logprobs.double().numpy())
+        hits.append(scores.top1.bool().numpy())
         if full:
             this = scores.dist.float()
             if j < len(reference):
                 kls.append(float(kl_divergence(reference[j], this)))
             if j < keep:
                 dists.append(this.half())  # float16: log-probs to ~0.004 (bfloat16 put 2e-4 in a KL of itself)
-    return Quality(math.exp(nll / n), hits / n, n, sum(kls) / len(kls) if kls else None, dists)
+    n = sum(len(x) for x in nll)
+    return Quality(math.exp(sum(float(x.sum()) for x in nll) / n), sum(int(h.sum()) for h in hits) / n, n,
+                   sum(kls) / len(kls) if kls else None, dists, nll, hits)
+
+
+def paired_quality(a: Quality, b: Quality) -> dict[str, Any]:
+    """Format `a` against format `b` on the same windows, token by token: `a`'s perplexity over `b`'s and its
+    top-1 accuracy minus `b`'s (percentage points), each with a 95% interval from a block bootstrap over the
+    scored tokens (both formats' losses of a token stay paired; runs of `QUALITY_BLOCK` tokens, per window), so
+    a verdict can tell a real difference from one window's luck."""
+    nll = [(x, y) for x, y in zip(a.nll, b.nll, strict=True)]
+    hits = [(x.astype(float), y.astype(float)) for x, y in zip(a.hits, b.hits, strict=True)]
+    ppl_ratio = lambda x, y: math.exp(float(x.mean() - y.mean()))  # noqa: E731
+    top1_pp = lambda x, y: 100.0 * float(x.mean() - y.mean())  # noqa: E731
+    cat = lambda pairs, i: np.concatenate([p[i] for p in pairs])  # noqa: E731
+    return {"ppl_ratio": ppl_ratio(cat(nll, 0), cat(nll, 1)),
+            "ppl_ratio_ci95": list(block_bootstrap_ci(nll, ppl_ratio, block=QUALITY_BLOCK)),
+            "top1_pp": top1_pp(cat(hits, 0), cat(hits, 1)),
+            "top1_pp_ci95": list(block_bootstrap_ci(hits, top1_pp, block=QUALITY_BLOCK))}
 
 
 def _quantize_job(src: str, dst: str, fmt: str, group: int, method: str, calib_tokens: int) -> dict[str, Any]:
