@@ -61,13 +61,21 @@ def test_top_k_and_top_p_cut_as_the_torch_path(vocab: int, dtype: torch.dtype, s
     u = torch.rand(rows, dtype=torch.float64)
     got = sample_rows(x, (1 / temperature).float(), u, words, torch.tensor(ks, dtype=torch.int32),
                       torch.tensor(ps, dtype=torch.float32))
-    ref = _apply_top_p(_apply_top_k(_torch_masked(x, words) / temperature.unsqueeze(1), ks), ps)
-    cdf = ref.double().softmax(dim=-1).cumsum(dim=-1)
+    masked = _torch_masked(x, words)
+    # The torch path's cut (float32) and the same cut computed in float64. They can differ by a group of tied
+    # tokens at the top-p boundary: bfloat16 logits tie often, and ~16k float32 sums put the mass before a tie
+    # group on either side of p. A kernel that keeps either set draws correctly; any other set fails both.
+    refs = [_apply_top_p(_apply_top_k(m / t.unsqueeze(1), ks), ps)
+            for m, t in ((masked, temperature), (masked.double(), temperature.double()))]
+    cdfs = [ref.double().softmax(dim=-1).cumsum(dim=-1) for ref in refs]
+
+    def holds(r: int, k: int, target: float, ref: torch.Tensor, cdf: torch.Tensor) -> bool:
+        below = float(cdf[r, k - 1]) if k else 0.0
+        return bool(torch.isfinite(ref[r, k])) and below - 1e-5 <= target <= float(cdf[r, k]) + 1e-5
+
     for r in range(rows):
         k, target = int(got[r]), float(u[r])
-        assert torch.isfinite(ref[r, k]), (r, ks[r], ps[r])  # a token the torch path keeps
-        below = float(cdf[r, k - 1]) if k else 0.0
-        assert below - 1e-5 <= target <= float(cdf[r, k]) + 1e-5
+        assert any(holds(r, k, target, ref, cdf) for ref, cdf in zip(refs, cdfs)), (r, k, ks[r], ps[r], target)
 
 
 def test_frequencies_follow_the_softmax(seed: int) -> None:
