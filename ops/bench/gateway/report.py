@@ -4,6 +4,7 @@ LiteLLM, per target and setting; against a baseline commit's gateway; the table 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ def target_verdicts(rows: list[Row]) -> dict[str, dict[str, Any]]:
     by = {(r.target, r.key): r for r in rows}
     out: dict[str, dict[str, Any]] = {}
 
-    def judge(name: str, figures: list[float], ok: Any) -> None:
+    def judge(name: str, figures: list[float], ok: Callable[[float], bool]) -> None:
         hits = [bool(ok(v)) for v in figures]
         if hits:
             out[name] = {"verdict": "met" if all(hits) else "missed" if not any(hits) else "unresolved",

@@ -81,8 +81,8 @@ import torch
 from ops.bench.harness.loops import DecodeLoop, prefill_tok_s, step_in_turn
 from ops.bench.harness.machine import load_average_text
 from ops.bench.harness.progress import log
-from ops.bench.harness.stats import verdict
 from ops.bench.harness.prompts import fixed_length_prompts
+from ops.bench.harness.stats import verdict
 from ops.bench.report import write_report
 from ops.bench.weights.measures import Quality, checkpoint_sizes, paired_quality, quality, quantize_in_child
 from ops.bench.weights.micro import micro
