@@ -79,6 +79,24 @@ typedef struct {
     int amx;         /* run the AMX tiles (amx_rows) */
 } Args;
 
+#ifdef __AVX512F__
+/* The end of group g in a 16-lane tile (this file's vdpbf16ps copy and gemv_int4_avx512f.h's): for each x row, its
+ * NA chains of sum (128 + q) x added up (pairwise), then s D + (z - 136 s) X, the group's two terms formed before
+ * they join the row's running sum acc[m]. */
+static inline __attribute__((always_inline)) void add_group(const Args *a, int p, int g, int m0, const int MR,
+                                                            const int NA, __m512 d[][4], __m512 *acc) {
+    const uint16_t *sz = a->sz + ((int64_t)p * a->G + g) * 2 * PANEL;
+    const __m512 s = bf16x16_to_float(sz), z = bf16x16_to_float(sz + PANEL);
+    const __m512 zs = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), s, z); /* z - 136 s */
+    for (int m = 0; m < MR; m++) {
+        const __m512 dm = NA == 4 ? _mm512_add_ps(_mm512_add_ps(d[m][0], d[m][1]), _mm512_add_ps(d[m][2], d[m][3]))
+                                  : _mm512_add_ps(d[m][0], d[m][1]);
+        const __m512 xg = _mm512_set1_ps(a->xs[(int64_t)(m0 + m) * a->G + g]);
+        acc[m] = _mm512_add_ps(acc[m], _mm512_fmadd_ps(dm, s, _mm512_mul_ps(xg, zs))); /* the group's sum first */
+    }
+}
+#endif
+
 #if !defined(__AVX512BF16__) && defined(__AVX512F__)
 #include "gemv_int4_avx512f.h" /* the same computation in float32 FMAs on 16 lanes */
 #elif !defined(__AVX512BF16__)
@@ -138,7 +156,6 @@ static inline __attribute__((always_inline)) void expand_codes(__m512i v, __m512
 static inline __attribute__((always_inline)) void tile(const Args *a, int p, int m0, const int MR, const int NA,
                                                        const int prefetch) {
     const int K = a->K, G = a->G;
-    const __m512 c136 = _mm512_set1_ps(136.0f);
     const uint16_t *x = a->x + (int64_t)m0 * K;
     const uint8_t *panel = a->q + (int64_t)p * K * 8;
     __m512 acc[MAXR];
@@ -164,15 +181,7 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int p, int
                 d[m][3 % NA] = dp_pair(d[m][3 % NA], w3, xm + 6);
             }
         }
-        const uint16_t *sz = a->sz + ((int64_t)p * G + g) * 2 * PANEL;
-        const __m512 s = bf16x16_to_float(sz), z = bf16x16_to_float(sz + PANEL);
-        const __m512 zs = _mm512_fnmadd_ps(c136, s, z); /* z - 136 s */
-        for (int m = 0; m < MR; m++) {
-            const __m512 dm = NA == 4 ? _mm512_add_ps(_mm512_add_ps(d[m][0], d[m][1]), _mm512_add_ps(d[m][2], d[m][3]))
-                                      : _mm512_add_ps(d[m][0], d[m][1]);
-            const __m512 x = _mm512_set1_ps(a->xs[(int64_t)(m0 + m) * G + g]);
-            acc[m] = _mm512_add_ps(acc[m], _mm512_fmadd_ps(dm, s, _mm512_mul_ps(x, zs))); /* the group's sum first */
-        }
+        add_group(a, p, g, m0, MR, NA, d, acc);
     }
     const int n = p * PANEL, left = a->N - n;
     const __mmask16 keep = left >= PANEL ? 0xffff : (__mmask16)((1u << left) - 1);
@@ -180,6 +189,9 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int p, int
         _mm256_mask_storeu_epi16(a->y + (int64_t)(m0 + m) * a->N + n, keep, (__m256i)_mm512_cvtneps_pbh(acc[m]));
 }
 
+#endif /* __AVX512BF16__ */
+
+#ifdef __AVX512F__ /* the 16-lane copies' tiles, MAXR 8 */
 /* panels p0..p1 for x rows m0..m0+MR-1 */
 static inline __attribute__((always_inline)) void panels(const Args *a, int m0, const int MR, const int NA,
                                                          const int prefetch) {
@@ -199,7 +211,7 @@ static void run_rows(const Args *a, int m0, int rows, int prefetch) {
     default: panels(a, m0, 8, 2, prefetch); break;
     }
 }
-#endif /* __AVX512BF16__ */
+#endif
 
 /* ---- AMX tiles (CPUs with AMX-TILE and AMX-BF16; gemv_bf16.c asks Linux for the tile state) -------------
  *

@@ -53,7 +53,6 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int p, int
     const int K = a->K, G = a->G;
     const __m512i nib = _mm512_set1_epi16(0x000f), one28 = _mm512_set1_epi16(0x4300);
     const __m512i high = _mm512_set1_epi32((int)0xffff0000);
-    const __m512 c136 = _mm512_set1_ps(136.0f);
     const uint8_t *panel = a->q + (int64_t)p * K * 8;
     const float *x = a->xf + (int64_t)m0 * K;
     __m512 acc[MAXR];
@@ -81,32 +80,10 @@ static inline __attribute__((always_inline)) void tile(const Args *a, int p, int
                 }
             }
         }
-        const uint16_t *sz = a->sz + ((int64_t)p * G + g) * 2 * PANEL;
-        const __m512 s = bf16x16_to_float(sz), z = bf16x16_to_float(sz + PANEL);
-        const __m512 zs = _mm512_fnmadd_ps(c136, s, z); /* z - 136 s */
-        for (int m = 0; m < MR; m++) {
-            __m512 dm = d[m][0];
-            for (int i = 1; i < NA; i++) dm = _mm512_add_ps(dm, d[m][i]);
-            const __m512 xg = _mm512_set1_ps(a->xs[(int64_t)(m0 + m) * G + g]);
-            acc[m] = _mm512_add_ps(acc[m], _mm512_fmadd_ps(dm, s, _mm512_mul_ps(xg, zs))); /* the group's sum first */
-        }
+        add_group(a, p, g, m0, MR, NA, d, acc); /* gemv_int4.c's */
     }
     const int n = p * PANEL, left = a->N - n;
     const __mmask16 keep = left >= PANEL ? 0xffff : (__mmask16)((1u << left) - 1);
     for (int m = 0; m < MR; m++)
         _mm512_mask_cvtepi32_storeu_epi16(a->y + (int64_t)(m0 + m) * a->N + n, keep, round_bf16(acc[m]));
-}
-
-/* x rows m0..m0+rows-1 (rows <= MAXR) over panels p0..p1: one specialisation per count */
-static void run_rows(const Args *a, int m0, int rows, int prefetch) {
-    for (int p = a->p0; p < a->p1; p++) switch (rows) {
-        case 1: tile(a, p, m0, 1, 4, prefetch); break;
-        case 2: tile(a, p, m0, 2, 4, prefetch); break;
-        case 3: tile(a, p, m0, 3, 2, prefetch); break;
-        case 4: tile(a, p, m0, 4, 2, prefetch); break;
-        case 5: tile(a, p, m0, 5, 2, prefetch); break;
-        case 6: tile(a, p, m0, 6, 2, prefetch); break;
-        case 7: tile(a, p, m0, 7, 2, prefetch); break;
-        default: tile(a, p, m0, 8, 2, prefetch); break;
-        }
 }
