@@ -13,6 +13,8 @@ gives up httptools' speed on the hot path. So two layers:
   (closing the connection) past `raw_cap_bytes`, so a huge head is never buffered
   whole. The cap sits far above `max_bytes` (a head within the limits plus one
   socket read of body), so every request the middleware could judge reaches it.
+  It also sends a loop turn's writes together (`backend/coalesced_writes.py`): a
+  response's head and body leave in one segment.
 
 Limits: 100 headers and 32 KiB, in line with common servers (nginx's default
 large header buffers are 4 x 8 KiB; Apache's LimitRequestFields is 100).
@@ -20,12 +22,14 @@ large header buffers are 4 x 8 KiB; Apache's LimitRequestFields is 100).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import NamedTuple
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from backend.coalesced_writes import CoalescingTransport
 from backend.errors import EdgeServeError, InvalidRequest
 
 __all__ = ["HeaderLimits", "ErrorRender", "HeaderLimitMiddleware", "guarded_http_protocol", "too_large"]
@@ -72,6 +76,9 @@ def guarded_http_protocol(limits: HeaderLimits, render: ErrorRender) -> type:
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _in_head = True
         _head_bytes = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(CoalescingTransport(transport, self.loop))
 
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
