@@ -12,7 +12,7 @@ request for many seconds. Clients made by `connect` instead:
 
 Their connections (`fast_connection_class`, whatever the URL's scheme chose: TCP, TLS or a
 Unix socket) also drop two costs from every command of redis-py's asyncio client, which a
-gateway pays several times per request:
+gateway pays on every command it does not send on its pipelined lane (`backend/redis_lane.py`):
 
 * commands are packed by hiredis in C, as redis-py's own synchronous client does, instead of
   its asyncio client's Python encoder (the same bytes; a 30-argument script call 28–34 → 7–10 µs);

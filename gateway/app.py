@@ -45,6 +45,7 @@ from backend.drain import Drain, DrainGate
 from backend.errors import EdgeServeError, InvalidRequest
 from backend.http_limits import HeaderLimitMiddleware, HeaderLimits
 from backend.redis_client import connect as connect_redis
+from backend.redis_lane import lane_for
 from gateway.config import GatewayConfig
 from prefix_cache.kv_events import PrefixIndex
 from gateway.completions_api import completions
@@ -128,6 +129,8 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
         finally:
             await state.meter.aclose()
             await state.pool.aclose()
+            if (lane := lane_for(redis)) is not None:
+                await lane.aclose()
             await redis.aclose()
 
     routes = [

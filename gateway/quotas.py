@@ -38,6 +38,7 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from backend.errors import EdgeServeError, InvalidRequest, QuotaExceeded
+from backend.redis_lane import run_script
 from gateway import redis_keys as rk
 from gateway.redis_keys import day_name, redis_errors, text, utc_day
 from gateway.tenants import Tenant
@@ -140,7 +141,8 @@ class Quotas:
             days = [centre - 1, centre, centre + 1]
             keys = [rk.rpm_window(tenant.id), *(rk.tokens_day(tenant.id, day_name(d)) for d in days)]
             with redis_errors():
-                reply = await self._admit(keys=keys, args=[rpm, tpd, request_id, prompt_tokens, max_tokens, *days])
+                reply = await run_script(self.redis, self._admit, keys,
+                                         [rpm, tpd, request_id, prompt_tokens, max_tokens, *days])
             status, day = text(reply[0]), int(reply[1])
             if status == "ok":
                 return Reservation(tenant.id, request_id, day_name(day), int(reply[2]), int(reply[3]),

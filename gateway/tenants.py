@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from backend.errors import AuthenticationError, InvalidRequest
+from backend.redis_lane import run_command
 from gateway import redis_keys as rk
 from gateway.redis_keys import redis_errors, text
 
@@ -250,7 +251,7 @@ class TenantStore:
     async def _lookup(self, token_hash: str) -> Tenant:
         try:
             with redis_errors():
-                tenant_id = text(await self.redis.hget(rk.api_key(token_hash), "tenant_id"))
+                tenant_id = text(await run_command(self.redis, "HGET", rk.api_key(token_hash), "tenant_id"))
             tenant = await self._cached_tenant(tenant_id) if tenant_id else None
         except BaseException:
             self._recent.pop(token_hash, None)
