@@ -21,6 +21,7 @@ three such commands per request. A `RedisLane` is that straight path, kept corre
 * **Redis-py's errors.** Error replies raise ``ResponseError`` (``NoScriptError`` for
   NOSCRIPT), failures ``ConnectionError`` / ``TimeoutError`` from ``redis.exceptions``, so
   `gateway.redis_keys.redis_errors` maps them to the same typed errors as before.
+* **Pipelines** (`execute_many`: the router's prefix-index lookups) leave in one write.
 * **Scripts** go as EVALSHA of redis-py's registered `Script` object; on NOSCRIPT (a restarted
   or flushed Redis) the same call goes again as EVAL, which runs it and caches it.
 
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     import redis.asyncio
     from redis.commands.core import AsyncScript
 
-__all__ = ["RedisLane", "lane_for", "run_command", "run_script"]
+__all__ = ["RedisLane", "lane_for", "run_command", "run_pipeline", "run_script"]
 
 
 def _reply_error(message: str) -> ResponseError:
@@ -71,13 +72,18 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def send(self, packed: bytes) -> asyncio.Future[Any]:
+        return self.send_many(packed, 1)[0]
+
+    def send_many(self, packed: bytes, count: int) -> list[asyncio.Future[Any]]:
+        """`count` commands packed together: one write, a future per reply."""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.waiting.append((future, time.monotonic()))
+        now = time.monotonic()
+        futures = [loop.create_future() for _ in range(count)]
+        self.waiting.extend((future, now) for future in futures)
         self.transport.write(packed)
         if self._watch is None:
             self._watch = loop.call_later(self.timeout_s / 4, self._check_overdue)
-        return future
+        return futures
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
@@ -151,6 +157,21 @@ class RedisLane:
         if conn is None or conn.closed or self._loop is not asyncio.get_running_loop():
             conn = await self._connected()
         return await conn.send(packed)
+
+    async def execute_many(self, commands: list[tuple[str | bytes | int | float, ...]]) -> list[Any]:
+        """Every command's reply, in order, the commands sent in one write (a pipeline without MULTI); an
+        error reply raises, as redis-py's `pipeline().execute()` does, once all replies are in."""
+        if not commands:
+            return []
+        packed = b"".join(hiredis.pack_command(c) for c in commands)
+        conn = self._conn
+        if conn is None or conn.closed or self._loop is not asyncio.get_running_loop():
+            conn = await self._connected()
+        replies = await asyncio.gather(*conn.send_many(packed, len(commands)), return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return replies
 
     async def script(self, script: AsyncScript, keys: list[str], args: list[str | bytes | int | float]) -> Any:
         """Run redis-py's registered `script` (EVALSHA; EVAL when Redis does not have it cached)."""
@@ -230,6 +251,19 @@ async def run_command(client: redis.asyncio.Redis, *args: str | bytes | int | fl
     if lane is None:
         return await client.execute_command(*args)
     return await lane.execute(*args)
+
+
+async def run_pipeline(client: redis.asyncio.Redis, commands: list[tuple[str | bytes | int | float, ...]]
+                       ) -> list[Any]:
+    """`commands` in one write on `client`'s lane, their replies in order (a redis-py pipeline, without
+    MULTI, where it has none); an error reply raises."""
+    lane = lane_for(client)
+    if lane is not None:
+        return await lane.execute_many(commands)
+    pipe = client.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    return await pipe.execute()
 
 
 async def run_script(client: redis.asyncio.Redis, script: AsyncScript, keys: list[str],

@@ -57,6 +57,7 @@ import redis.asyncio as aioredis
 from redis import RedisError
 
 from backend.redis_client import OutageLog, connect
+from backend.redis_lane import run_pipeline
 from backend.registration import members_key, record_key
 
 __all__ = ["block_key", "worker_blocks_key", "store_block_key", "events_key", "forget_worker", "KVEventPublisher",
@@ -234,14 +235,11 @@ class PrefixIndex:
         """`overlap` per worker, and how many leading blocks of `hashes` the KV store holds (one round trip)."""
         if not hashes or time.monotonic() < self._skip_until:
             return TierOverlap({}, 0)
-        pipe = self.redis.pipeline(transaction=False)
-        for h in hashes:
-            pipe.smembers(block_key(model, h))
+        commands = [("SMEMBERS", block_key(model, h)) for h in hashes]
         if store:
-            for h in hashes:
-                pipe.exists(store_block_key(model, h))
+            commands += [("EXISTS", store_block_key(model, h)) for h in hashes]
         try:
-            replies = await pipe.execute()
+            replies = await run_pipeline(self.redis, commands)
         except (RedisError, OSError) as exc:
             self._outage.failed(exc)
             self._skip_until = time.monotonic() + self.retry_s

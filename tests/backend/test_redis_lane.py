@@ -15,7 +15,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from backend.redis_client import connect
-from backend.redis_lane import RedisLane, lane_for, run_command, run_script
+from backend.redis_lane import RedisLane, lane_for, run_command, run_pipeline, run_script
 from ops.redis_server import RedisServer
 
 
@@ -142,3 +142,27 @@ def test_the_urls_password_and_database_apply_and_loops_may_change(restartable_r
 def test_tls_clients_have_no_lane() -> None:
     assert lane_for(connect("rediss://127.0.0.1:1/0")) is None
     assert lane_for(connect("unix:///tmp/edgeserve-none.sock")) is not None
+
+
+def test_a_pipeline_leaves_in_one_write_and_keeps_its_order(redis_url: str) -> None:
+    async def main() -> None:
+        client = connect(redis_url)
+        lane = lane_for(client)
+        rng = random.Random()
+        members = {f"s{i}": {rng.randbytes(8) for _ in range(rng.randint(1, 4))} for i in range(20)}
+        for key, values in members.items():
+            await client.sadd(key, *values)
+        keys = [*members, "absent"]
+        rng.shuffle(keys)
+        commands = [("SMEMBERS", k) for k in keys] + [("EXISTS", k) for k in keys]
+        got = await run_pipeline(client, commands)
+        assert [set(r) for r in got[:len(keys)]] == [members.get(k, set()) for k in keys]
+        assert got[len(keys):] == [int(k in members) for k in keys]
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await lane.execute_many([("SET", "str", "x"), ("SMEMBERS", "str"), ("SET", "after", "y")])
+        assert await lane.execute("GET", "after") == b"y"  # the commands after the error ran, and in step
+        assert await lane.execute_many([]) == []
+        await lane.aclose()
+        await client.aclose()
+
+    asyncio.run(main())
