@@ -79,6 +79,8 @@ class _Connection(asyncio.Protocol):
         """`count` commands packed together: one write, a future per reply."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
+        if self.transport.is_closing():  # `RedisLane._ready` does not hand out such a connection
+            raise RedisConnectionError("the connection to Redis is closing")
         futures = [loop.create_future() for _ in range(count)]
         self.waiting.extend((future, now) for future in futures)
         self.transport.write(packed)
@@ -154,10 +156,7 @@ class RedisLane:
     async def execute(self, *args: str | bytes | int | float) -> Any:
         """One command's reply (bytes, int, a list of them, or None)."""
         packed = hiredis.pack_command(args)
-        conn = self._conn
-        if conn is None or conn.closed or self._loop is not asyncio.get_running_loop():
-            conn = await self._connected()
-        return await conn.send(packed)
+        return await (await self._ready()).send(packed)
 
     async def execute_many(self, commands: list[tuple[str | bytes | int | float, ...]]) -> list[Any]:
         """Every command's reply, in order, the commands sent in one write (a pipeline without MULTI); an
@@ -165,9 +164,7 @@ class RedisLane:
         if not commands:
             return []
         packed = b"".join(hiredis.pack_command(c) for c in commands)
-        conn = self._conn
-        if conn is None or conn.closed or self._loop is not asyncio.get_running_loop():
-            conn = await self._connected()
+        conn = await self._ready()
         replies = await asyncio.gather(*conn.send_many(packed, len(commands)), return_exceptions=True)
         for reply in replies:
             if isinstance(reply, BaseException):
@@ -186,6 +183,14 @@ class RedisLane:
         if self._conn is not None and not self._conn.closed:
             self._conn.fail(RedisConnectionError("the lane was closed"))
         self._conn = None
+
+    async def _ready(self) -> _Connection:
+        """The open connection, or a new one (also when Redis's close has not been delivered yet: nothing of
+        this command was sent, so it goes on the new one)."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.transport.is_closing() or self._loop is not asyncio.get_running_loop():
+            conn = await self._connected()
+        return conn
 
     async def _connected(self) -> _Connection:
         loop = asyncio.get_running_loop()

@@ -78,6 +78,23 @@ def test_a_cancelled_caller_leaves_the_connection_in_step(redis_url: str) -> Non
     asyncio.run(main())
 
 
+def test_a_closing_connection_is_not_written_to(redis_url: str) -> None:
+    """A connection whose close has not been delivered yet (its transport closing, `connection_lost` still to
+    come) is replaced before a command is written, so the command is answered, not failed."""
+    async def main() -> None:
+        client = connect(redis_url)
+        lane = lane_for(client)
+        await lane.execute("SET", "k", "v")
+        lane._conn.transport.close()  # as when the loop has seen the close but not yet called back
+        assert await lane.execute("GET", "k") == b"v"
+        lane._conn.transport.close()
+        assert await lane.execute_many([("GET", "k"), ("EXISTS", "k")]) == [b"v", 1]
+        await lane.aclose()
+        await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_hung_redis_times_out_and_a_restarted_one_is_used_again(restartable_redis: RedisServer) -> None:
     async def main() -> None:
         client = connect(restartable_redis.url)
