@@ -9,7 +9,6 @@ import os
 import random
 
 import pytest
-
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
@@ -31,11 +30,9 @@ class _Counted:
         return getattr(self.transport, name)
 
 
-_writers: list[asyncio.StreamWriter] = []  # the client ends, kept open (a collected writer closes its end)
-
-
-async def _pair() -> tuple[_Counted, asyncio.StreamReader, asyncio.AbstractServer]:
-    """A real TCP connection on loopback: (the server side's transport, counted; the client's reader)."""
+async def _pair() -> tuple[_Counted, asyncio.StreamReader, asyncio.StreamWriter, asyncio.AbstractServer]:
+    """A real TCP connection on loopback: the server side's transport (counted), the client's reader and writer
+    (hold on to it: a collected writer closes the client's end), the server."""
     accepted: asyncio.Future[asyncio.Transport] = asyncio.get_running_loop().create_future()
 
     class Server(asyncio.Protocol):
@@ -45,8 +42,7 @@ async def _pair() -> tuple[_Counted, asyncio.StreamReader, asyncio.AbstractServe
     server = await asyncio.get_running_loop().create_server(Server, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    _writers.append(writer)
-    return _Counted(await accepted), reader, server
+    return _Counted(await accepted), reader, writer, server
 
 
 def _chunks(rng: random.Random, n: int) -> list[bytes]:
@@ -56,7 +52,7 @@ def _chunks(rng: random.Random, n: int) -> list[bytes]:
 def test_one_turn_leaves_in_one_write_and_turns_stay_in_order():
     async def run() -> None:
         rng = random.Random()
-        counted, reader, server = await _pair()
+        counted, reader, _client, server = await _pair()
         t = CoalescingTransport(counted)
         turns = [_chunks(rng, rng.randint(1, 5)) for _ in range(4)]
         for chunks in turns:
@@ -76,7 +72,7 @@ def test_one_turn_leaves_in_one_write_and_turns_stay_in_order():
 
 def test_close_sends_what_is_held_and_abort_drops_it():
     async def run() -> None:
-        counted, reader, server = await _pair()
+        counted, reader, _client, server = await _pair()
         t = CoalescingTransport(counted)
         data = os.urandom(5000)
         t.write(data[:10])
@@ -85,7 +81,7 @@ def test_close_sends_what_is_held_and_abort_drops_it():
         assert await reader.read() == data
         assert counted.writes == [data]
 
-        counted, reader, server2 = await _pair()
+        counted, reader, _client2, server2 = await _pair()
         t = CoalescingTransport(counted)
         t.write(b"never sent")
         t.abort()
@@ -110,7 +106,7 @@ def test_the_servers_protocol_wraps_its_transport():
         config = Config(app=app, http=protocol_class, lifespan="off", log_level="warning")
         config.load()
 
-        counted, reader, server = await _pair()
+        counted, reader, _client, server = await _pair()
         protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
         protocol.connection_made(counted)
         assert isinstance(protocol.transport, CoalescingTransport)
