@@ -38,7 +38,8 @@ import collections
 import contextlib
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import hiredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -51,7 +52,22 @@ if TYPE_CHECKING:
     import redis.asyncio
     from redis.commands.core import AsyncScript
 
-__all__ = ["RedisLane", "lane_for", "run_command", "run_pipeline", "run_script"]
+__all__ = ["RedisLane", "ReplyListener", "SetupRefused", "lane_for", "run_command", "run_pipeline", "run_script"]
+
+
+class SetupRefused(RedisConnectionError):
+    """Redis answered a connection's setup command (AUTH, SELECT, or the caller's own) with an error."""
+
+
+class ReplyListener(Protocol):
+    """What a connection tells its owner besides the replies it hands out (`backend.redis_tracking`), all
+    in the order the bytes came: every chunk received, RESP3 push messages, and each tagged command's reply
+    (a tag is the caller's, given with the command: the reply is seen here before its caller resumes)."""
+
+    def received(self, conn: _Connection) -> None: ...
+    def pushed(self, conn: _Connection, message: list[Any]) -> None: ...
+    def replied(self, conn: _Connection, tag: Any, reply: Any) -> Any: ...  # what the caller gets
+    def closed(self, conn: _Connection) -> None: ...
 
 
 def _reply_error(message: str) -> ResponseError:
@@ -61,11 +77,13 @@ def _reply_error(message: str) -> ResponseError:
 class _Connection(asyncio.Protocol):
     """One socket: commands written in call order, replies handed out in the same order."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, listener: ReplyListener | None = None) -> None:
         self.timeout_s = timeout_s
+        self.listener = listener
         self.transport: asyncio.Transport | None = None
         self.reader = hiredis.Reader(replyError=_reply_error)
-        self.waiting: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
+        # (the caller's future, when sent, the listener's tag or None), in the order sent
+        self.waiting: collections.deque[tuple[asyncio.Future[Any], float, Any]] = collections.deque()
         self.closed = False
         self._watch: asyncio.TimerHandle | None = None
 
@@ -75,14 +93,18 @@ class _Connection(asyncio.Protocol):
     def send(self, packed: bytes) -> asyncio.Future[Any]:
         return self.send_many(packed, 1)[0]
 
-    def send_many(self, packed: bytes, count: int) -> list[asyncio.Future[Any]]:
-        """`count` commands packed together: one write, a future per reply."""
+    def send_many(self, packed: bytes, count: int, tags: Sequence[Any] = ()) -> list[asyncio.Future[Any]]:
+        """`count` commands packed together: one write, a future per reply; `tags` (if any, one per
+        command, None for none) go with the replies to the listener."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         if self.transport.is_closing():  # `RedisLane._ready` does not hand out such a connection
             raise RedisConnectionError("the connection to Redis is closing")
         futures = [loop.create_future() for _ in range(count)]
-        self.waiting.extend((future, now) for future in futures)
+        if tags:
+            self.waiting.extend((future, now, tag) for future, tag in zip(futures, tags, strict=True))
+        else:
+            self.waiting.extend((future, now, None) for future in futures)
         self.transport.write(packed)
         if self._watch is None:
             self._watch = loop.call_later(self.timeout_s / 4, self._check_overdue)
@@ -90,12 +112,19 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
-        waiting = self.waiting
+        waiting, listener = self.waiting, self.listener
+        if listener is not None:
+            listener.received(self)
         while (reply := self.reader.gets()) is not False:
+            if listener is not None and type(reply) is hiredis.PushNotification:
+                listener.pushed(self, reply)
+                continue
             if not waiting:  # a reply nobody asked for: the stream is out of step, never trust it again
                 self.fail(RedisConnectionError("Redis sent a reply to no command"))
                 return
-            future = waiting.popleft()[0]
+            future, _, tag = waiting.popleft()
+            if tag is not None and not isinstance(reply, ResponseError):
+                reply = listener.replied(self, tag, reply)
             if future.done():  # its caller was cancelled: the reply is read and dropped
                 continue
             if isinstance(reply, ResponseError):
@@ -119,6 +148,8 @@ class _Connection(asyncio.Protocol):
 
     def fail(self, exc: Exception) -> None:
         """Close, failing every command still waiting with `exc`."""
+        if not self.closed and self.listener is not None:
+            self.listener.closed(self)
         self.closed = True
         if self._watch is not None:
             self._watch.cancel()
@@ -136,8 +167,11 @@ class RedisLane:
     """Commands and scripts on one pipelined connection to `client`'s Redis (module docstring)."""
 
     def __init__(self, client: redis.asyncio.Redis, timeout_s: float | None = None,
-                 connect_timeout_s: float | None = None) -> None:
-        """`client`'s address, credentials and database; its socket timeouts unless given (else the defaults)."""
+                 connect_timeout_s: float | None = None, *, listener: ReplyListener | None = None,
+                 setup: Sequence[tuple[str | int, ...]] = ()) -> None:
+        """`client`'s address, credentials and database; its socket timeouts unless given (else the defaults).
+        Each new connection reports to `listener` and sends `setup` after AUTH and SELECT (an error reply:
+        `SetupRefused`)."""
         kwargs = client.connection_pool.connection_kwargs
         self._path: str | None = kwargs.get("path")
         self._host, self._port = kwargs.get("host", "localhost"), int(kwargs.get("port", 6379))
@@ -147,6 +181,8 @@ class RedisLane:
             self._setup.append(("AUTH", *((user,) if user else ()), kwargs["password"]))
         if int(kwargs.get("db") or 0):
             self._setup.append(("SELECT", int(kwargs["db"])))
+        self._setup.extend(setup)
+        self._listener = listener
         self._timeout_s = timeout_s or kwargs.get("socket_timeout") or SOCKET_TIMEOUT_S
         self._connect_timeout_s = connect_timeout_s or kwargs.get("socket_connect_timeout") or CONNECT_TIMEOUT_S
         self._conn: _Connection | None = None
@@ -177,6 +213,11 @@ class RedisLane:
             return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await self.execute("EVAL", script.script, len(keys), *keys, *args)
+
+    async def connection(self) -> _Connection:
+        """The open connection (connecting if need be), for a caller that sends on it itself: tagged
+        commands, or several that must leave in one write (`backend.redis_tracking`)."""
+        return await self._ready()
 
     async def aclose(self) -> None:
         """Close the connection (commands in flight fail); the next call opens a new one."""
@@ -215,7 +256,7 @@ class RedisLane:
         conn: _Connection | None = None
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                factory = lambda: _Connection(self._timeout_s)  # noqa: E731
+                factory = lambda: _Connection(self._timeout_s, self._listener)  # noqa: E731
                 if self._path is not None:
                     _, conn = await loop.create_unix_connection(factory, self._path)
                 else:
@@ -224,7 +265,7 @@ class RedisLane:
                     try:
                         await conn.send(hiredis.pack_command(command))
                     except ResponseError as exc:  # never the command itself: it may hold the password
-                        raise RedisConnectionError(f"Redis refused {command[0]}: {exc}") from None
+                        raise SetupRefused(f"Redis refused {command[0]}: {exc}") from None
         except BaseException as exc:
             if conn is not None:
                 conn.fail(RedisConnectionError("connecting failed"))

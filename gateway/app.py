@@ -78,7 +78,7 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
                     max_waiting=config.max_waiting_per_worker)
     state = GatewayState(config=config, catalog=catalog, router=router,
                          pool=WorkerPool(config.worker_timeout_s, config.worker_token),
-                         tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s), quotas=Quotas(redis),
+                         tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s, tracked=True), quotas=Quotas(redis),
                          meter=Meter(redis, config.usage_journal_path, flush_after_s=config.usage_flush_s),
                          metrics=GatewayMetrics())
     state.metrics.watch_piece_caches({m.name: m.tokenizer.piece_cache for m in catalog.models
@@ -129,6 +129,7 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
         finally:
             await state.meter.aclose()
             await state.pool.aclose()
+            await state.tenants.aclose()
             if (lane := lane_for(redis)) is not None:
                 await lane.aclose()
             await redis.aclose()

@@ -8,7 +8,14 @@ that digest *is* the lookup key, so authenticating is one HGET and no token is
 ever compared in Python. A key also has a short public id (12 hex chars) that
 names it for listing and revocation.
 
-The lookup can overlap the request's own work (`TenantStore.begin`): it is sent at
+A gateway's store (``tracked=True``) keeps both reads, the token's lookup and its tenant's
+record, in `backend.redis_tracking.TrackedReads`: Redis tells the gateway as soon as either
+key is written (a key revoked, a quota set), so a cached answer is exact, not a guess with a
+time to live, and a request whose token and tenant are held authenticates without touching
+Redis at all. A token is tracked only once it has authenticated (its second lookup on): an
+unknown or wrong token costs Redis no memory, and is looked up every time.
+
+Otherwise the lookup can overlap the request's own work (`TenantStore.begin`): it is sent at
 once, and for a token that authenticated within `tenant_cache_s` the tenant is known
 before its answer arrives, so the handler decodes and tokenises meanwhile and awaits
 the answer (`PendingAuth.confirm`) before any quota, worker or usage is touched: a
@@ -24,6 +31,7 @@ last, and revoked lookup-first, so a token works only while its key fully exists
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import re
 import secrets
@@ -34,6 +42,7 @@ import msgspec
 
 from backend.errors import AuthenticationError, InvalidRequest
 from backend.redis_lane import run_command
+from backend.redis_tracking import MISS, TrackedReads
 from gateway import redis_keys as rk
 from gateway.redis_keys import redis_errors, text
 
@@ -95,6 +104,14 @@ def _limit(name: str, value: int | None) -> str:
     return str(value)
 
 
+_TENANT_FIELDS = ("name", "requests_per_minute", "tokens_per_day")
+
+
+def _tenant_from_fields(tenant_id: str, values: list) -> Tenant | None:
+    """The tenant from an HMGET of `_TENANT_FIELDS`; None when there is none (every tenant has a name)."""
+    return _tenant_from_hash(tenant_id, {f: v for f, v in zip(_TENANT_FIELDS, values, strict=True) if v is not None})
+
+
 def _tenant_from_hash(tenant_id: str, fields: dict) -> Tenant | None:
     if not fields:
         return None
@@ -111,7 +128,10 @@ class PendingAuth:
 
     def __init__(self, lookup: asyncio.Future[Tenant], tenant: Tenant | None) -> None:
         self._lookup, self.tenant = lookup, tenant
-        lookup.add_done_callback(_retrieve)  # a request that ends early leaves no unretrieved error
+        if lookup.done():
+            _retrieve(lookup)
+        else:
+            lookup.add_done_callback(_retrieve)  # a request that ends early leaves no unretrieved error
 
     async def confirm(self) -> Tenant:
         """The token's tenant; AuthenticationError (or StoreUnavailable) otherwise."""
@@ -143,11 +163,14 @@ def _retrieve(lookup: asyncio.Future[Tenant]) -> None:
 class TenantStore:
     """Tenants and API keys of every gateway replica, in one Redis."""
 
-    def __init__(self, redis: redis.asyncio.Redis, tenant_cache_s: float = 0.0) -> None:
-        """`tenant_cache_s` > 0 lets `authenticate` reuse a tenant record (name, quotas) for that long,
-        saving a round trip per request; the token itself is looked up every time, so a revoked
-        key stops working at once, while a quota change takes up to `tenant_cache_s` to apply."""
+    def __init__(self, redis: redis.asyncio.Redis, tenant_cache_s: float = 0.0, *, tracked: bool = False) -> None:
+        """`tracked` keeps token lookups and tenant records until Redis says they changed (module
+        docstring; where Redis cannot track, as without it). Otherwise `tenant_cache_s` > 0 lets
+        `authenticate` reuse a tenant record (name, quotas) for that long, saving a round trip per
+        request; the token itself is looked up every time, so a revoked key stops working at once,
+        while a quota change takes up to `tenant_cache_s` to apply."""
         self.redis = redis
+        self._tracked = TrackedReads(redis) if tracked else None
         self._tenant_cache_s = tenant_cache_s
         self._tenant_cache: dict[str, tuple[float, Tenant]] = {}
         self._recent: dict[str, tuple[float, str]] = {}  # token hash -> (when it last authenticated, tenant id)
@@ -186,6 +209,8 @@ class TenantStore:
             if not _TENANT_ID.fullmatch(tenant_id) or not await self._set_quotas(
                     keys=[rk.tenant(tenant_id)], args=[rpm, tpd]):
                 raise InvalidRequest(f"no such tenant: {tenant_id}")
+        if self._tracked is not None:
+            self._tracked.forget(rk.tenant(tenant_id))
         tenant = await self.get_tenant(tenant_id)
         assert tenant is not None
         return tenant
@@ -224,6 +249,8 @@ class TenantStore:
                 return False
             if record.get("token_hash"):
                 await self.redis.delete(rk.api_key(record["token_hash"]))
+                if self._tracked is not None:
+                    self._tracked.forget(rk.api_key(record["token_hash"]))
             await self.redis.srem(rk.tenant_keys(record["tenant_id"]), key_id)
             await self.redis.delete(rk.key_id(key_id))
         return True
@@ -242,16 +269,40 @@ class TenantStore:
         if scheme.lower() != "bearer" or len(token.split()) != 1:  # empty, or whitespace inside
             raise AuthenticationError("malformed Authorization header (expected 'Bearer <api token>')")
         token_hash = hash_token(token)
+        if self._tracked is not None and (held := self._held(token_hash)) is not None:
+            answered = asyncio.get_running_loop().create_future()
+            answered.set_result(held)
+            return PendingAuth(answered, held)
         hint, recent = None, self._recent.get(token_hash)
         if recent is not None and time.monotonic() - recent[0] < self._tenant_cache_s:
             cached = self._tenant_cache.get(recent[1])
             hint = cached[1] if cached is not None else None
         return PendingAuth(asyncio.ensure_future(self._lookup(token_hash)), hint)
 
+    async def aclose(self) -> None:
+        """Close the tracked reads' connection (a gateway's store); the redis client is the caller's."""
+        if self._tracked is not None:
+            await self._tracked.aclose()
+
+    def _held(self, token_hash: str) -> Tenant | None:
+        """The token's tenant when the tracked reads hold both its lookup and the tenant's record."""
+        key = rk.api_key(token_hash)
+        tenant_id = self._tracked.get(key, ("HGET", key, "tenant_id"))
+        if tenant_id is MISS or tenant_id is None:
+            return None
+        record = rk.tenant(tenant_id)
+        tenant = self._tracked.get(record, ("HMGET", record, *_TENANT_FIELDS))
+        return None if tenant is MISS else tenant
+
     async def _lookup(self, token_hash: str) -> Tenant:
         try:
             with redis_errors():
-                tenant_id = text(await run_command(self.redis, "HGET", rk.api_key(token_hash), "tenant_id"))
+                key = rk.api_key(token_hash)
+                if self._tracked is not None:  # tracked once the token has authenticated (module docstring)
+                    tenant_id = await self._tracked.read(key, ("HGET", key, "tenant_id"), parse=text,
+                                                         track=token_hash in self._recent)
+                else:
+                    tenant_id = text(await run_command(self.redis, "HGET", key, "tenant_id"))
             tenant = await self._cached_tenant(tenant_id) if tenant_id else None
         except BaseException:
             self._recent.pop(token_hash, None)
@@ -259,13 +310,18 @@ class TenantStore:
         if tenant is None:
             self._recent.pop(token_hash, None)
             raise AuthenticationError("invalid or revoked API token")
-        if self._tenant_cache_s > 0:
+        if self._tenant_cache_s > 0 or self._tracked is not None:
             if len(self._recent) > 100_000:
                 self._recent.clear()
             self._recent[token_hash] = (time.monotonic(), tenant.id)
         return tenant
 
     async def _cached_tenant(self, tenant_id: str) -> Tenant | None:
+        if self._tracked is not None and self._tracked.enabled:
+            record = rk.tenant(tenant_id)
+            with redis_errors():
+                return await self._tracked.read(record, ("HMGET", record, *_TENANT_FIELDS),
+                                                parse=functools.partial(_tenant_from_fields, tenant_id))
         now = time.monotonic()
         hit = self._tenant_cache.get(tenant_id)
         if hit is not None and now - hit[0] < self._tenant_cache_s:
