@@ -2,9 +2,10 @@
 request body (size-limited), a started generation, and the response headers both APIs send.
 
 The generation endpoints authenticate in two steps (`begin_auth`, then `confirm_auth` before
-`start_generation`): the token's lookup travels to Redis while the body is read, decoded and
-tokenised (for a token that authenticated within the last `tenant_cache_s`; others are
-checked first), and an authentication error still wins over any other (`PendingAuth.first_error`).
+`start_generation`): a token whose lookup the tenant store holds (tracked, exact) is answered at
+once; otherwise its lookup travels to Redis while the body is read, decoded and tokenised (for a
+token that authenticated within the last `tenant_cache_s`; others are checked first), and an
+authentication error still wins over any other (`PendingAuth.first_error`).
 
 Response headers of an admitted request (`response_headers`): the generation's own
 (`x-edgeserve-request-id`, worker tag, route), OpenAI's `x-ratelimit-*` figures where
