@@ -81,6 +81,7 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
                          tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s, tracked=True), quotas=Quotas(redis),
                          meter=Meter(redis, config.usage_journal_path, flush_after_s=config.usage_flush_s),
                          metrics=GatewayMetrics())
+    state.metrics.watch_auth(state.tenants)
     state.metrics.watch_piece_caches({m.name: m.tokenizer.piece_cache for m in catalog.models
                                       if m.tokenizer.piece_cache is not None})  # built now, not on a request
 

@@ -59,6 +59,11 @@ class GatewayMetrics:
         request)."""
         self.registry.register(_PieceCacheCollector(caches))
 
+    def watch_auth(self, tenants: Any) -> None:
+        """`edgeserve_gateway_auth_lookups_total{result}`: tokens the tenant store answered from its tracked reads
+        (held) or looked up in Redis (redis), read from its counters when scraped."""
+        self.registry.register(_AuthCollector(tenants))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -73,4 +78,16 @@ class _PieceCacheCollector:
         for model, cache in self._caches.items():
             family.add_metric([model, "hit"], cache.hits)
             family.add_metric([model, "miss"], cache.misses)
+        yield family
+
+
+class _AuthCollector:
+    def __init__(self, tenants: Any) -> None:
+        self._tenants = tenants
+
+    def collect(self) -> Any:
+        family = CounterMetricFamily("edgeserve_gateway_auth_lookups", "API tokens authenticated from the gateway's "
+                                     "tracked reads (held) or looked up in Redis (redis)", labels=["result"])
+        family.add_metric(["held"], self._tenants.held_lookups)
+        family.add_metric(["redis"], self._tenants.redis_lookups)
         yield family

@@ -171,6 +171,7 @@ class TenantStore:
         while a quota change takes up to `tenant_cache_s` to apply."""
         self.redis = redis
         self._tracked = TrackedReads(redis) if tracked else None
+        self.held_lookups = self.redis_lookups = 0  # tokens answered from the tracked reads / looked up in Redis
         self._tenant_cache_s = tenant_cache_s
         self._tenant_cache: dict[str, tuple[float, Tenant]] = {}
         self._recent: dict[str, tuple[float, str]] = {}  # token hash -> (when it last authenticated, tenant id)
@@ -270,6 +271,7 @@ class TenantStore:
             raise AuthenticationError("malformed Authorization header (expected 'Bearer <api token>')")
         token_hash = hash_token(token)
         if self._tracked is not None and (held := self._held(token_hash)) is not None:
+            self.held_lookups += 1
             answered = asyncio.get_running_loop().create_future()
             answered.set_result(held)
             return PendingAuth(answered, held)
@@ -295,6 +297,7 @@ class TenantStore:
         return None if tenant is MISS else tenant
 
     async def _lookup(self, token_hash: str) -> Tenant:
+        self.redis_lookups += 1
         try:
             with redis_errors():
                 key = rk.api_key(token_hash)

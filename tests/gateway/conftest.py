@@ -68,6 +68,18 @@ def make_account(redis_url: str, name: str = "acme", **quotas) -> Account:
     return asyncio.run(go())
 
 
+def revoke_key(redis_url: str, key_id: str) -> None:
+    """Revoke the key through a client of its own, as `edgeserve key revoke` does."""
+    async def go() -> None:
+        r = aioredis.Redis.from_url(redis_url)
+        try:
+            assert await TenantStore(r).revoke_key(key_id)
+        finally:
+            await r.aclose()
+
+    asyncio.run(go())
+
+
 class Gateway(NamedTuple):
     url: str
     account: Account

@@ -15,7 +15,8 @@ from backend.sampling_params import SamplingParams
 from backend.tokenizer import Tokenizer
 from backend.worker_client import WorkerClient
 from gateway.generation import worker_tag
-from tests.gateway.conftest import ALIAS, MODEL, Gateway, make_account, metered, wait_metered, wait_pages_free
+from tests.gateway.conftest import (ALIAS, MODEL, Gateway, make_account, metered, revoke_key, wait_metered,
+                                    wait_pages_free)
 
 
 def auth(token: str) -> dict[str, str]:
@@ -151,6 +152,26 @@ def _series(text: str, name: str) -> dict[str, float]:
             labels, value = line[len(name) + 1:].rsplit("} ", 1)
             out[labels] = float(value)
     return out
+
+
+def test_a_known_token_is_answered_without_redis_and_the_metrics_say_so(gateway: Gateway, redis_url: str) -> None:
+    """The first two requests of a token look it up (the second tracked), later ones are held; a key
+    revoked by another client stops the very next request."""
+    def lookups() -> dict[str, float]:
+        return _series(httpx.get(f"{gateway.url}/metrics").text, "edgeserve_gateway_auth_lookups_total")
+
+    account = make_account(redis_url, "held")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    before = lookups()
+    for _ in range(5):
+        resp = httpx.post(f"{gateway.url}/v1/chat/completions", headers=auth(account.token), json=body, timeout=30)
+        assert resp.status_code == 200, resp.text
+    after = lookups()
+    assert after['result="redis"'] - before['result="redis"'] == 2
+    assert after['result="held"'] - before['result="held"'] == 3
+    revoke_key(redis_url, account.key_id)
+    resp = httpx.post(f"{gateway.url}/v1/chat/completions", headers=auth(account.token), json=body, timeout=30)
+    assert resp.status_code == 401, resp.text
 
 
 def test_metrics_count_prompt_pieces_from_the_tokenizers_cache(gateway: Gateway) -> None:

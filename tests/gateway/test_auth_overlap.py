@@ -5,7 +5,6 @@ that never authenticated gets nothing done for it (its prompt is not even tokeni
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import httpx
@@ -14,21 +13,10 @@ import redis
 
 from gateway import redis_keys as rk
 from gateway.app import create_gateway_app
-from gateway.tenants import TenantStore
 from tests.backend.servers import serve_in_thread
-from tests.gateway.conftest import MODEL, Account, Worker, gateway_config, make_account, metered, wait_metered
+from tests.gateway.conftest import (MODEL, Account, Worker, gateway_config, make_account, metered, revoke_key,
+                                    wait_metered)
 from tests.gateway.test_api import auth
-
-
-def _revoke(redis_url: str, key_id: str) -> None:
-    async def go() -> None:
-        client = redis.asyncio.Redis.from_url(redis_url)
-        try:
-            assert await TenantStore(client).revoke_key(key_id)
-        finally:
-            await client.aclose()
-
-    asyncio.run(go())
 
 
 @pytest.fixture
@@ -60,7 +48,7 @@ def test_a_key_revoked_after_a_request_fails_the_next_and_costs_nothing(served, 
     first = _chat(url, account.token)
     assert first.status_code == 200, first.text
     (event,) = wait_metered(redis_url, account.tenant_id, 1)
-    _revoke(redis_url, account.key_id)
+    revoke_key(redis_url, account.key_id)
     second = _chat(url, account.token)  # the token authenticated a moment ago: the overlapping path
     assert second.status_code == 401, second.text
     third = _chat(url, account.token, content=b'{"model": ')  # revoked and malformed: 401 wins
