@@ -1,5 +1,6 @@
-"""One pipelined Redis connection for the gateway's per-request commands: the token lookup, quota
-admission, metering and the router's prefix-index lookups.
+"""One pipelined Redis connection for the gateway's per-request commands: quota admission, metering,
+the router's prefix-index lookups and token lookups the tracked reads do not hold
+(`backend.redis_tracking`, whose own connection is a lane with a listener).
 
 redis-py's asyncio client takes a connection from its pool for every command, and gives it
 back after the reply: a lock, two `asyncio.timeout` scopes, its retry and event wrappers and
