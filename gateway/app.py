@@ -78,7 +78,8 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
                     max_waiting=config.max_waiting_per_worker)
     state = GatewayState(config=config, catalog=catalog, router=router,
                          pool=WorkerPool(config.worker_timeout_s, config.worker_token),
-                         tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s, tracked=True), quotas=Quotas(redis),
+                         tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s, tracked=True),
+                         quotas=Quotas(redis),
                          meter=Meter(redis, config.usage_journal_path, flush_after_s=config.usage_flush_s),
                          metrics=GatewayMetrics())
     state.metrics.watch_auth(state.tenants)
