@@ -5,7 +5,10 @@ Each benchmark in `ops.bench.BENCHES` runs as its own child process
 DIR/NAME.log), in its own process group, so one that crashes, runs out of memory or
 hangs past ``--timeout`` is reported as failed, whatever it started (workers, a
 gateway, Redis) is stopped with it (`stop_group`), and the next one still runs. They run strictly one after
-another: two benchmarks at once would measure each other.
+another: two benchmarks at once would measure each other. Before each one the runner waits (up to
+`IDLE_WAIT_S`) until fewer than `IDLE_BUSY_CPUS` CPUs are busy, so what the last one left behind
+(a server still exiting, a spinning thread) is gone, and the table's last column gives the busy CPUs
+it measured then (a figure above the threshold: the benchmark started on a busy machine).
 
 The summary (JSON at ``--json``, markdown beside it with the ``.md`` suffix) has one
 row per benchmark: its status (ok; ok with the parts it skipped and why, from the report's
@@ -27,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ops.bench.harness.procs import stop_group
+from ops.bench.harness.procs import stop_group, wait_idle
 
 __all__ = ["add_arguments", "run", "main", "BenchOutcome", "targets_of", "headline_of", "run_one",
            "summary_markdown", "selected", "HEADLINE_KEYS"]
@@ -45,6 +48,8 @@ HEADLINE_KEYS: dict[str, list[str]] = {
 }
 PART_OF = {"e2e": "engine"}  # benchmarks another one already runs (bench engine ends with bench e2e)
 MAX_FIGURES = 8  # per benchmark in the table (the JSON keeps them all)
+IDLE_BUSY_CPUS = 0.25  # a benchmark starts once fewer CPUs than this are busy over a second ...
+IDLE_WAIT_S = 30.0  # ... or after this long, with the busy figure in its row
 
 
 @dataclass
@@ -59,6 +64,7 @@ class BenchOutcome:
     dirty: bool | None = None
     headline: dict[str, Any] = field(default_factory=dict)
     targets: dict[str, str] = field(default_factory=dict)  # name -> "met" | "missed" | "unresolved" ...
+    busy_cpus_before: float | None = None  # CPUs busy (every process) over the second before it started
 
 
 def selected(names: list[str], only: str | None, skip: str | None) -> list[str]:
@@ -156,7 +162,8 @@ def _figure(value: Any) -> str:
 
 def summary_markdown(outcomes: list[BenchOutcome]) -> str:
     """The summary as a markdown table: benchmark, status, seconds, commit, headline figures, targets."""
-    lines = ["| benchmark | status | seconds | commit | headline | targets |", "|---|---|---|---|---|---|"]
+    lines = ["| benchmark | status | seconds | commit | headline | targets | CPUs busy before |",
+             "|---|---|---|---|---|---|---|"]
     for o in outcomes:
         figures = list(o.headline.items())
         shown = ", ".join(f"{k} {_figure(v)}" for k, v in figures[:MAX_FIGURES])
@@ -166,7 +173,8 @@ def summary_markdown(outcomes: list[BenchOutcome]) -> str:
         verdicts = (f"{met}/{len(o.targets)} met" + "".join(f"; {v.upper()} {k}" for k, v in o.targets.items()
                                                              if v != "met") if o.targets else "")
         commit = f"{o.commit[:10]}{'+dirty' if o.dirty else ''}" if o.commit else ""
-        lines.append(f"| {o.name} | {o.status} | {o.seconds:.0f} | {commit} | {shown} | {verdicts} |")
+        busy = "" if o.busy_cpus_before is None else f"{o.busy_cpus_before:.2f}"
+        lines.append(f"| {o.name} | {o.status} | {o.seconds:.0f} | {commit} | {shown} | {verdicts} | {busy} |")
     return "\n".join(lines) + "\n"
 
 
@@ -195,7 +203,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i + 1}/{len(names)}] edgeserve bench {name} --quick", file=sys.stderr, flush=True)
         report = folder / f"{name}.json"
         command = [sys.executable, "-m", "ops.cli", "bench", name, "--quick", "--json", str(report)]
+        busy, waited = wait_idle(IDLE_BUSY_CPUS, max_wait_s=IDLE_WAIT_S)
+        if busy >= IDLE_BUSY_CPUS:
+            print(f"    warning: {busy:.2f} CPUs still busy after {waited:.0f} s; starting anyway", file=sys.stderr,
+                  flush=True)
         outcome = run_one(name, command, report, folder / f"{name}.log", args.timeout)
+        outcome.busy_cpus_before = busy
         outcomes.append(outcome)
         print(f"    {outcome.status} in {outcome.seconds:.0f} s", file=sys.stderr, flush=True)
     markdown = summary_markdown(outcomes)

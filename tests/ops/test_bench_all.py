@@ -87,11 +87,28 @@ def test_summary_markdown_one_row_per_benchmark() -> None:
                                    {"c1_vs_hf_sequential": 1.234567, "nan": float("nan")},
                                    {"c1_ge_1.5x": "missed", "c32_ge_1.5x_batched": "met", "p95": "unresolved"}),
             bench_all.BenchOutcome("routing", "failed (exit 1)", 3.0, [], "r.json", "r.log")]
+    rows[0].busy_cpus_before = 0.031
     md = bench_all.summary_markdown(rows).splitlines()
     assert md[0].startswith("| benchmark | status | seconds | commit |") and len(md) == 4
     assert md[2] == ("| engine | ok | 61 | 0123456789 | c1_vs_hf_sequential 1.23, nan nan | 1/3 met; MISSED "
-                     "c1_ge_1.5x; UNRESOLVED p95 |")
-    assert md[3] == "| routing | failed (exit 1) | 3 |  |  |  |"
+                     "c1_ge_1.5x; UNRESOLVED p95 | 0.03 |")
+    assert md[3] == "| routing | failed (exit 1) | 3 |  |  |  |  |"
+
+
+def test_wait_idle_sees_a_busy_cpu_and_returns_at_once_on_an_idle_threshold() -> None:
+    """A spinning child keeps about one CPU busy: waiting for idle runs to its limit and says so; a threshold
+    above every CPU returns after one window."""
+    from ops.bench.harness.procs import wait_idle
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy, waited = wait_idle(busy_below=0.5, window_s=0.3, max_wait_s=0.9)
+        assert busy >= 0.5 and 0.9 <= waited < 3.0
+    finally:
+        spinner.kill()
+        spinner.wait()
+    busy, waited = wait_idle(busy_below=(os.cpu_count() or 1) + 1, window_s=0.2, max_wait_s=10)
+    assert waited < 1.0 and 0 <= busy <= (os.cpu_count() or 1) + 0.01
 
 
 def test_make_bench_runs_the_runner(tmp_path: Path) -> None:

@@ -53,6 +53,17 @@ def busy_cpus(window_s: float = 2.0) -> float:
     return cpus * (busy1 - busy0) / max(1, total1 - total0)
 
 
+def wait_idle(busy_below: float = 0.25, window_s: float = 1.0, max_wait_s: float = 30.0) -> tuple[float, float]:
+    """Wait until fewer than `busy_below` CPUs were busy over a `window_s` window (`busy_cpus`: every process
+    on the machine), at most about `max_wait_s`. Returns (the last window's busy CPUs, seconds waited)."""
+    started = time.monotonic()
+    while True:
+        busy = busy_cpus(window_s)
+        waited = time.monotonic() - started
+        if busy < busy_below or waited >= max_wait_s:
+            return busy, waited
+
+
 def descendants(pid: int) -> list[int]:
     """`pid` and every process below it."""
     children: dict[int, list[int]] = {}
