@@ -207,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
         if busy >= IDLE_BUSY_CPUS:
             print(f"    warning: {busy:.2f} CPUs still busy after {waited:.0f} s; starting anyway", file=sys.stderr,
                   flush=True)
+        elif waited > 1.5:
+            print(f"    waited {waited:.0f} s for the machine to be idle", file=sys.stderr, flush=True)
         outcome = run_one(name, command, report, folder / f"{name}.log", args.timeout)
         outcome.busy_cpus_before = busy
         outcomes.append(outcome)
