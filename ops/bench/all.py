@@ -161,7 +161,8 @@ def _figure(value: Any) -> str:
 
 
 def summary_markdown(outcomes: list[BenchOutcome]) -> str:
-    """The summary as a markdown table: benchmark, status, seconds, commit, headline figures, targets."""
+    """The summary as a markdown table: benchmark, status, seconds, commit, headline figures, targets, and the
+    CPUs busy in the second before it started."""
     lines = ["| benchmark | status | seconds | commit | headline | targets | CPUs busy before |",
              "|---|---|---|---|---|---|---|"]
     for o in outcomes:
