@@ -7,7 +7,7 @@ back after the reply: a lock, two `asyncio.timeout` scopes, its retry and event 
 an observability hook per command. Measured on a 2-core VM against a local redis-server
 (3,000 awaited calls, two passes), one HGET cost the calling process 100-138 µs of CPU through
 `backend.redis_client.connect`'s client and 39-55 µs on a lane, a script call 123-145 against
-44-58; a gateway sends three such commands per request. A `RedisLane` is that straight path
+44-58; a gateway sends two or three such commands per request. A `RedisLane` is that straight path
 (redis-py has no multiplexed asyncio connection), kept correct:
 
 * **Pipelined.** Every command goes out on the one connection as soon as it is called, and
@@ -27,8 +27,9 @@ an observability hook per command. Measured on a 2-core VM against a local redis
 * **Scripts** go as EVALSHA of redis-py's registered `Script` object; on NOSCRIPT (a restarted
   or flushed Redis) the same call goes again as EVAL, which runs it and caches it.
 
-The connection speaks RESP2 to the URL's host and port (or Unix socket), sends AUTH and SELECT
-as the URL asks, and returns raw bytes, as the gateway's clients do. ``rediss://`` (TLS) URLs
+The connection speaks RESP2 (RESP3 where the caller's setup sends ``HELLO 3``, as the tracked
+reads do) to the URL's host and port (or Unix socket), sends AUTH and SELECT as the URL asks, and
+returns raw bytes, as the gateway's clients do. ``rediss://`` (TLS) URLs
 get no lane (`lane_for` returns None) and their callers use redis-py's client.
 """
 
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
     import redis.asyncio
     from redis.commands.core import AsyncScript
 
-__all__ = ["RedisLane", "ReplyListener", "SetupRefused", "lane_for", "run_command", "run_pipeline", "run_script"]
+__all__ = ["RedisLane", "ReplyListener", "SetupRefused", "lane_for", "retrieve_exception", "run_command",
+           "run_pipeline", "run_script"]
 
 
 class SetupRefused(RedisConnectionError):
@@ -69,6 +71,13 @@ class ReplyListener(Protocol):
     def pushed(self, conn: _Connection, message: list[Any]) -> None: ...
     def replied(self, conn: _Connection, tag: Any, reply: Any) -> Any: ...  # what the caller gets
     def closed(self, conn: _Connection) -> None: ...
+
+
+def retrieve_exception(future: asyncio.Future[Any]) -> None:
+    """Mark a done future's exception as seen (a done callback for futures nobody awaits), so a failure
+    nobody waited for leaves no "exception was never retrieved" behind."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _reply_error(message: str) -> ResponseError:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import hiredis
 
-from backend.redis_lane import RedisLane, SetupRefused, lane_for, run_command
+from backend.redis_lane import RedisLane, SetupRefused, lane_for, retrieve_exception, run_command
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -109,14 +109,10 @@ class TrackedReads:
                     self._adopt(conn)
                 caching, reply = conn.send_many(_CACHING_YES + hiredis.pack_command(command), 2,
                                                 (_CACHING, (key, command, parse)))
-                caching.add_done_callback(_retrieve)
+                caching.add_done_callback(retrieve_exception)
                 return await reply
         value = await run_command(self._client, *command)
         return value if parse is None else parse(value)
-
-    def forget(self, key: str) -> None:
-        """Drop `key`'s entries now (a write of this process's own, before its invalidation arrives)."""
-        self._entries.pop(key, None)
 
     async def aclose(self) -> None:
         """Close the tracking connection; the entries go with it."""
@@ -176,10 +172,5 @@ class TrackedReads:
         if conn is None or conn.closed or conn.transport.is_closing():
             self._drop(conn)
             return
-        conn.send(_PING).add_done_callback(_retrieve)
+        conn.send(_PING).add_done_callback(retrieve_exception)
         self._pinger = asyncio.get_running_loop().call_later(self._ping_interval_s, self._ping)
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from backend.errors import AuthenticationError, InvalidRequest
-from backend.redis_lane import run_command
+from backend.redis_lane import retrieve_exception, run_command
 from backend.redis_tracking import MISS, TrackedReads
 from gateway import redis_keys as rk
 from gateway.redis_keys import redis_errors, text
@@ -129,9 +129,9 @@ class PendingAuth:
     def __init__(self, lookup: asyncio.Future[Tenant], tenant: Tenant | None) -> None:
         self._lookup, self.tenant = lookup, tenant
         if lookup.done():
-            _retrieve(lookup)
+            retrieve_exception(lookup)
         else:
-            lookup.add_done_callback(_retrieve)  # a request that ends early leaves no unretrieved error
+            lookup.add_done_callback(retrieve_exception)  # a request that ends early leaves no unretrieved error
 
     async def confirm(self) -> Tenant:
         """The token's tenant; AuthenticationError (or StoreUnavailable) otherwise."""
@@ -153,11 +153,6 @@ class PendingAuth:
         except Exception as auth_error:  # noqa: BLE001 - returned, to be rendered in its place
             return auth_error
         return exc
-
-
-def _retrieve(lookup: asyncio.Future[Tenant]) -> None:
-    if not lookup.cancelled():
-        lookup.exception()
 
 
 class TenantStore:
@@ -210,8 +205,6 @@ class TenantStore:
             if not _TENANT_ID.fullmatch(tenant_id) or not await self._set_quotas(
                     keys=[rk.tenant(tenant_id)], args=[rpm, tpd]):
                 raise InvalidRequest(f"no such tenant: {tenant_id}")
-        if self._tracked is not None:
-            self._tracked.forget(rk.tenant(tenant_id))
         tenant = await self.get_tenant(tenant_id)
         assert tenant is not None
         return tenant
@@ -250,8 +243,6 @@ class TenantStore:
                 return False
             if record.get("token_hash"):
                 await self.redis.delete(rk.api_key(record["token_hash"]))
-                if self._tracked is not None:
-                    self._tracked.forget(rk.api_key(record["token_hash"]))
             await self.redis.srem(rk.tenant_keys(record["tenant_id"]), key_id)
             await self.redis.delete(rk.key_id(key_id))
         return True
