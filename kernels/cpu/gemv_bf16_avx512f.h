@@ -18,7 +18,12 @@
  * copy: 1 row 12.0 -> 11.7, 8 rows 20.5 -> 17.9, 32 rows 66.0 -> 50.6 (130 -> 170 GFLOP/s), 128 rows 249 -> 182.
  * Other tiles on the same host changed little (32 / 128 rows, ms): 6 x rows by 3 weight rows 50.3 / 178.5, 5 by 4
  * 50.5 / 177.1, 8 by 2 50.9 / 191.0, against these 4 by 4 51.7 / 184.9: the widening (2 of the port-0/5 ops per
- * weight vector, against 2 MR FMAs) is not what bounds them.
+ * weight vector, against 2 MR FMAs) is not what bounds them. What did bound them in part was the tiles' last
+ * step, 16 sums rounded to bfloat16 in scalar code; rounded as one vector (`store_tile`, the same bits), the same
+ * 121 linears on the same kind of host took 0.92x the time at 7 and 8 rows, 0.88x at 16 and 30, 0.77-0.89x at 32
+ * (medians of 7-9 alternating passes, two runs). Widening each block of weights once into float32 (in L2) for
+ * all x tiles instead of per x tile took 1.07-1.10x the time at 32 rows and 1.4x at 8: the store pass costs more
+ * than the shifts it saves.
  */
 #include <immintrin.h>
 
@@ -56,15 +61,27 @@ static inline __attribute__((always_inline)) void rows_m(const Args *a, const in
 #define NR 4
 #define MR 4
 
-/* y[m0 + m, n..n+3] = the sums of acc[m][0..3], rounded to bfloat16 one by one (no vcvtneps2bf16 here) */
+/* y[m0 + m, n..n+3] = the sums of acc[m][0..3], rounded to bfloat16 together: each row's 4 sums (`sum4`) are one
+ * 128-bit lane of a vector that `round_bf16` rounds at once, and each row is stored as 64 bits. Rounding the 16
+ * sums one by one in scalar code (`float_to_bf16`) cost ~100 integer ops a tile, ~12% of a 4 x 4 tile's time at
+ * K = 576; the results are the same bits. */
 static inline __attribute__((always_inline)) void store_tile(const Args *a, __m512 acc[MR][NR], int n, int m0,
                                                              const int rows) {
-    for (int m = 0; m < rows; m++) {
-        float s[4];
-        _mm_storeu_ps(s, sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
-        uint16_t *y = a->y + (int64_t)(m0 + m) * a->N + n;
-        for (int j = 0; j < 4; j++) y[j] = float_to_bf16(s[j]);
-    }
+    __m512 s = _mm512_setzero_ps();
+    for (int m = 0; m < rows; m++) /* rows is a constant here: the inserts unroll */
+        switch (m) {
+        case 0: s = _mm512_castps128_ps512(sum4(acc[0][0], acc[0][1], acc[0][2], acc[0][3])); break;
+        case 1: s = _mm512_insertf32x4(s, sum4(acc[1][0], acc[1][1], acc[1][2], acc[1][3]), 1); break;
+        case 2: s = _mm512_insertf32x4(s, sum4(acc[2][0], acc[2][1], acc[2][2], acc[2][3]), 2); break;
+        default: s = _mm512_insertf32x4(s, sum4(acc[3][0], acc[3][1], acc[3][2], acc[3][3]), 3); break;
+        }
+    const __m256i h = _mm512_cvtepi32_epi16(round_bf16(s)); /* rows 0 and 1 in the low 128 bits, 2 and 3 high */
+    const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
+    uint16_t *y = a->y + (int64_t)m0 * a->N + n;
+    _mm_storel_epi64((__m128i *)y, lo);
+    if (rows > 1) _mm_storel_epi64((__m128i *)(y + a->N), _mm_unpackhi_epi64(lo, lo));
+    if (rows > 2) _mm_storel_epi64((__m128i *)(y + 2 * (int64_t)a->N), hi);
+    if (rows > 3) _mm_storel_epi64((__m128i *)(y + 3 * (int64_t)a->N), _mm_unpackhi_epi64(hi, hi));
 }
 
 #include "gemv_bf16_fma512.h" /* widen_x and ftile */
