@@ -24,7 +24,8 @@
  * `fp8x32_to_bf16`), or the AVX2 copies where the CPU has AVX2 and FMA but no AVX-512 (rows converted to
  * float32 for every format; decode rows take `attend_dec8`, which reads a row's KV heads together, each key row
  * converted once in registers; prompt tiles `attend_vec8`, a tile's query heads along the vector lanes, products
- * as outer products). Queries come in tiles: one row, or
+ * as outer products). AVX-512F CPUs without AVX512-BF16 run `attend_dec8` too, for decode rows over bf16 pages
+ * (`attend_vec_dec`: it beat attend_vec there). Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
  * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few). Decode
  * rows over bf16 or fp8 pages with bf16 q run on AMX tiles where the CPU has them (`attend_amx`, its section below).
@@ -539,9 +540,11 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
     }
     for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / l[g]);
 }
-#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec(a, t, h, hd, f); }
-#elif VECTOR_COPY
-/* The AVX2 copies, for CPUs with AVX2 and FMA but no AVX-512, head sizes 64 and 128 (NV = HD / 8 vectors), float32,
+#endif /* __AVX512F__ */
+
+#if VECTOR_COPY
+/* The AVX2 copies, for CPUs with AVX2 and FMA but no AVX-512 (and built on AVX-512 CPUs too, for
+ * `attend_vec_dec`), head sizes 64 and 128 (NV = HD / 8 vectors), float32,
  * bfloat16 or fp8 pages (no bfloat16 dot products here: rows are converted to float32): decode rows in
  * `attend_dec8`, prompt tiles in `attend_vec8` (their sections below). The decode rows' history: before
  * `attend_dec8` they ran a scheme like attend_vec's (each query head's scores 8 tokens at a time, 8 chains of FMAs
@@ -1050,6 +1053,28 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
     for (int v = 0; v < NHV; v++) _mm256_store_ps(lf + 8 * v, l[v]);
     for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / lf[g]);
 }
+#endif /* VECTOR_COPY */
+
+#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+/* AVX-512F without AVX512-BF16 (Skylake-SP to Ice Lake): decode rows over bf16 pages take the AVX2 copy's
+ * `attend_dec8` (a row's KV heads together, K rows converted in registers), prompt tiles and the other formats
+ * attend_vec. SmolLM2's shape, 32 sequences x 30 layers' own page pools, 2 threads, a 2-core Ice Lake-SP VM, the two
+ * builds alternating in one process (medians of 9): bf16 pages 0.86-0.94x attend_vec's time at 256 keys and 0.86-0.90x
+ * at 1,024 (two runs); fp8 pages 1.01x and 1.11x, fp32 1.06x (at 256), so those stay. */
+static inline __attribute__((always_inline)) void attend_vec_dec(const Args *a, int t, int h, const int HD,
+                                                                 const int fmt) {
+    const int d = tile_first(a, t);
+    if (fmt == 1 && tile_first(a, t + 1) == d + 1 && a->G <= DEC_Q) { /* a decode row: as attend_vec8 */
+        const int per = a->item_heads == 1 ? 1 : DEC_Q / a->G;
+        if (h % per == 0) attend_dec8(a, t, h, a->KVH - h < per ? a->KVH - h : per, HD, fmt);
+        return; /* the other heads of its group: done with the first */
+    }
+    attend_vec(a, t, h, HD, fmt);
+}
+#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec_dec(a, t, h, hd, f); }
+#elif defined(__AVX512F__)
+#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec(a, t, h, hd, f); }
+#elif VECTOR_COPY
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec8(a, t, h, hd, f); }
 #else
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_hd(a, t, h, hd, f); }
