@@ -24,8 +24,8 @@
  * `fp8x32_to_bf16`), or the AVX2 copies where the CPU has AVX2 and FMA but no AVX-512 (rows converted to
  * float32 for every format; decode rows take `attend_dec8`, which reads a row's KV heads together, each key row
  * converted once in registers; prompt tiles `attend_vec8`, a tile's query heads along the vector lanes, products
- * as outer products). AVX-512F CPUs without AVX512-BF16 run `attend_dec8` too, for decode rows over bf16 pages
- * (`attend_vec_dec`: it beat attend_vec there). Queries come in tiles: one row, or
+ * as outer products). On AVX-512F CPUs without AVX512-BF16 decode rows over bf16 and fp8 pages take `attend_dec16`,
+ * attend_dec8's scheme on 16 lanes. Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
  * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few). Decode
  * rows over bf16 or fp8 pages with bf16 q run on AMX tiles where the CPU has them (`attend_amx`, its section below).
@@ -49,6 +49,7 @@
 #define FMT_FP8_DP 4  /* fp8 pages and bf16 q, the K rows made bfloat16 in registers for vdpbf16ps */
 #define MAX_HD 256
 #define MAX_G 32 /* query heads a tile holds at most: G x its rows */
+#define DEC_Q 16 /* query heads a decode row's item holds (attend_dec8, attend_dec16): G <= DEC_Q; KV heads DEC_Q / G a group */
 
 typedef struct {
     const void *q; /* float32, or bfloat16 when `half` */
@@ -256,6 +257,14 @@ static inline int rows_after(const Args *a, int t, int h, int nh, const int64_t 
  * alternating in one process: widened K (float32 FMAs) took 1.42-1.48x bf16's time, `vdpbf16ps` on the
  * converted K 1.11-1.17x (bf16 pages read at ~13 GB/s; fp8 is still bound by the conversions, not its
  * half as many bytes). */
+/* e^x for x <= 0 on 16 lanes (-inf and below -87: 0; NaN stays NaN), as exp_nonpositive lane by lane. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 c = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* the second operand where either is NaN */
+    __m512 n;
+    const __m512 p = exp_reduced16(c, &n);
+    return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_scalef_ps(p, n));
+}
+
 static inline __m512 sum16(const __m512 v[16]) { /* lane j: the sum of v[j]'s 16 lanes */
     __m512 a[8], b[4];
     for (int k = 0; k < 8; k++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of v[2k] = x, v[2k+1] = y */
@@ -540,11 +549,225 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
     }
     for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / l[g]);
 }
-#endif /* __AVX512F__ */
+#ifndef __AVX512BF16__
+/* ---- Decode rows on AVX-512F without AVX512-BF16 (Skylake-SP to Ice Lake): attend_dec8's scheme on 16 lanes.
+ * A decode row against up to DEC_Q / G of its KV heads at once, each key row read once (a token's rows of those
+ * heads lie side by side in a page) and converted in registers, per block of up to 32 keys:
+ *   scores: each K row becomes HD / 16 float32 vectors (`row32`: a bf16 row gives 32 dims a 64-byte load, the even
+ *     dims by a shift and the odd ones by a mask, so the lanes hold dims c, c + 2, ... then c + 1, c + 3, ...; q and
+ *     the output are kept in that order and put back at the end; fp32 and fp8 rows in dim order), and each of its
+ *     query heads' dots with it two chains of FMAs into one vector of partial sums; `sum16` folds 16 keys' vectors
+ *     into their 16 scores;
+ *   softmax: 16 scores a vector (`exp_nonpositive16`), keys past the block's end masked to -inf;
+ *   values: per KV head, 64 dims of up to DEC16_PV of its query heads' outputs in registers over the block's keys,
+ *     each V row's 64 dims converted once for all of them.
+ * fp8 pages (AVX512-BW for the 16-bit lanes): row32 converts by float16 (`_mm512_cvtph_ps`, exact), 2^-8 of the
+ * values; the 2^8 goes into the scores' multiplier with the token's 2^e and the scale, and into the output's 1 / l,
+ * the V rows' 2^e into the weights (after their sum: l is the weights' sum), as attend_dec8.
+ * Sums are float32 in another order than attend_vec's (per head: two chains over HD, then sum16's tree); the
+ * exponentials are the same polynomial. Against attend_vec, which decode rows took here before: SmolLM2's shape
+ * (3 KV heads x 3, HD = 64), 32 sequences x 30 layers' own page pools (page tables shuffled), 2 threads, a 2-core
+ * Ice Lake-SP VM, the builds alternating in one process (medians of 9): bf16 pages 0.91x the time at 256 keys and
+ * 0.83x at 1,024, fp8 pages 0.76x and 0.89x; one thread over pages in cache (4 sequences, one layer's pool) bf16
+ * 0.70x, fp8 0.82x; fp32 pages 0.97-1.02x, so they stay with attend_vec. attend_dec8 itself (the AVX2 copy, 8
+ * lanes) measured 0.93x / 0.83x over bf16 pages and 0.98x / 1.06x over fp8 in the same runs. */
+#ifdef __AVX512BW__
+#define DEC16_FP8 1
+#else
+#define DEC16_FP8 0
+#endif
+#define DEC16_PV 6 /* query heads whose outputs one pass over a block's V rows holds: 6 x 4 vectors at 64 dims */
 
-#if VECTOR_COPY
-/* The AVX2 copies, for CPUs with AVX2 and FMA but no AVX-512 (and built on AVX-512 CPUs too, for
- * `attend_vec_dec`), head sizes 64 and 128 (NV = HD / 8 vectors), float32,
+/* Dims c .. c+31 of page row `row` as two float32 vectors in attend_dec16's lane order (see above). */
+static inline __attribute__((always_inline)) void row32(const void *base, int64_t row, int c, const int HD,
+                                                        const int fmt, __m512 *lo, __m512 *hi) {
+    if (fmt == 0) {
+        *lo = _mm512_loadu_ps((const float *)base + row * HD + c);
+        *hi = _mm512_loadu_ps((const float *)base + row * HD + c + 16);
+    } else if (fmt == 1) {
+        const __m512i x = _mm512_loadu_si512((const uint16_t *)base + row * HD + c);
+        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        *hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+    } else { /* fp8: sign-extended to 16 bits and shifted by 7: the sign on 15 and 14 (cleared), eeee mmm on 7-13 */
+#if DEC16_FP8
+        const __m256i b = _mm256_loadu_si256((const __m256i *)((const uint8_t *)base + row * HD + c));
+        const __m512i x = _mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7);
+        const __m512i h = _mm512_and_si512(x, _mm512_set1_epi16((short)0xBF80));
+        *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+        *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+#endif
+    }
+}
+
+/* Query heads g0 .. g0+NG-1 (NG <= DEC16_PV) of KV head hh: outputs o (rescaled by corr first) plus the block's n
+ * V rows weighted by w[g][j], 64 dims at a time, each V row's 64 dims converted once for all NG heads. */
+static inline __attribute__((always_inline)) void accumulate_v16(const Args *a, const int64_t *rows, int hh, int n,
+                                                                 float (*w)[BLOCK], const float *corr,
+                                                                 float (*o)[MAX_HD], int g0, const int NG,
+                                                                 const int HD, const int fmt) {
+    for (int c = 0; c < HD; c += 64) {
+        __m512 x[DEC16_PV][4];
+        for (int i = 0; i < NG; i++) {
+            const __m512 ci = _mm512_set1_ps(corr[g0 + i]);
+            for (int u = 0; u < 4; u++) x[i][u] = _mm512_mul_ps(_mm512_load_ps(&o[g0 + i][c + 16 * u]), ci);
+        }
+        for (int j = 0; j < n; j++) {
+            __m512 v[4];
+            row32(a->v, rows[j] + hh, c, HD, fmt, &v[0], &v[1]);
+            row32(a->v, rows[j] + hh, c + 32, HD, fmt, &v[2], &v[3]);
+            for (int i = 0; i < NG; i++) {
+                const __m512 p = _mm512_set1_ps(w[g0 + i][j]);
+                for (int u = 0; u < 4; u++) x[i][u] = _mm512_fmadd_ps(p, v[u], x[i][u]);
+            }
+        }
+        for (int i = 0; i < NG; i++)
+            for (int u = 0; u < 4; u++) _mm512_store_ps(&o[g0 + i][c + 16 * u], x[i][u]);
+    }
+}
+
+/* KV heads h .. h+NH-1 of decode row t, its NQ = NH x G query heads (head hh's g-th is query hh * G + g), NQ <=
+ * DEC_Q; HD a multiple of 64. */
+static inline __attribute__((always_inline)) void attend_dec16(const Args *a, int t, int h, int NH, const int HD,
+                                                               const int fmt) {
+    const int d = tile_first(a, t), G = a->G, NQ = NH * G, len = a->lens[d];
+    float q[DEC_Q * MAX_HD] __attribute__((aligned(64))); /* in row32's lane order */
+    float acc[DEC_Q][MAX_HD] __attribute__((aligned(64)));
+    float part[BLOCK][DEC_Q][16] __attribute__((aligned(64))); /* per key and query head: 16 partial sums */
+    float s[DEC_Q][BLOCK] __attribute__((aligned(64)));
+    float kmul[fmt == 2 ? DEC_Q : 1][BLOCK] __attribute__((aligned(64))); /* fp8, per KV head and key: 2^e 2^8 scale */
+    float vmul[fmt == 2 ? DEC_Q : 1][BLOCK] __attribute__((aligned(64))); /* 2^e */
+    float m[DEC_Q], l[DEC_Q], corr[DEC_Q];
+    for (int hh = 0; hh < NH; hh++) {
+        float qbuf[MAX_G * MAX_HD];
+        const float *qd = load_q(a, d, h + hh, qbuf);
+        float *qh = q + hh * G * HD;
+        for (int i = 0; i < G * HD; i += 32) /* bf16: each 32 dims' even ones, then the odd ones */
+            for (int j = 0; j < 16; j++) {
+                qh[i + j] = qd[i + (fmt == 1 ? 2 * j : j)];
+                qh[i + 16 + j] = qd[i + (fmt == 1 ? 2 * j + 1 : 16 + j)];
+            }
+    }
+    for (int g = 0; g < NQ; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
+    }
+    const __m512 scale = _mm512_set1_ps(a->scale), ninf = _mm512_set1_ps(-INFINITY);
+    const float kscale = a->scale * 256.0f; /* fp8: row32's rows are 2^-8 of the values, K's and V's */
+    const int64_t *pages = a->table + (int64_t)d * a->MAXP;
+    int64_t rows[BLOCK], next[BLOCK], first[BLOCK]; /* head h's page rows (head h + hh's: rows + hh) */
+    block_rows(pages, 0, len < BLOCK ? len : BLOCK, a->S, a->KVH, h, next);
+    for (int t0 = 0; t0 < len; t0 += BLOCK) {
+        const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
+        memcpy(rows, next, sizeof(int64_t) * n);
+        const int64_t *pf; /* the rows that come next, prefetched while this block's are read */
+        const int n_next = rows_after(a, t, h, NH, pages, t0, n, len, next, first, &pf);
+        if (fmt == 2) /* the tokens' 2^e (K's times scale and row32's 2^8); 1 past the block's keys (weights 0) */
+            for (int hh = 0; hh < NH; hh++)
+                for (int j = 0; j < BLOCK; j++) {
+                    kmul[hh][j] = j < n ? pow2i(a->ke[rows[j] + hh]) * kscale : 1.0f;
+                    vmul[hh][j] = j < n ? pow2i(a->ve[rows[j] + hh]) : 1.0f;
+                }
+        for (int j = 0; j < n; j++) {
+            if (j < n_next) { /* the next rows, K's and V's, a key's at a time */
+                prefetch_rows(a->k, pf[j], NH, HD, fmt, 0);
+                prefetch_rows(a->v, pf[j], NH, HD, fmt, 0);
+                if (fmt == 2 && (j == 0 || pf[j] != pf[j - 1] + a->KVH)) { /* a page's first row */
+                    _mm_prefetch((const char *)(a->ke + pf[j]), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(a->ve + pf[j]), _MM_HINT_T1);
+                }
+            }
+            for (int hh = 0; hh < NH; hh++)
+                for (int c0 = 0; c0 < HD; c0 += 128) { /* 8 vectors of the row at a time */
+                    const int nv = HD - c0 < 128 ? (HD - c0) / 16 : 8;
+                    __m512 k[8];
+                    for (int c = 0; c < nv; c += 2) row32(a->k, rows[j] + hh, c0 + 16 * c, HD, fmt, &k[c], &k[c + 1]);
+                    for (int g = hh * G; g < hh * G + G; g++) {
+                        const float *qg = q + g * HD + c0;
+                        __m512 x0 = _mm512_mul_ps(_mm512_load_ps(qg), k[0]);
+                        __m512 x1 = _mm512_mul_ps(_mm512_load_ps(qg + 16), k[1]);
+                        for (int c = 2; c < nv; c += 2) {
+                            x0 = _mm512_fmadd_ps(_mm512_load_ps(qg + 16 * c), k[c], x0);
+                            x1 = _mm512_fmadd_ps(_mm512_load_ps(qg + 16 * c + 16), k[c + 1], x1);
+                        }
+                        __m512 x = _mm512_add_ps(x0, x1);
+                        if (c0) x = _mm512_add_ps(x, _mm512_load_ps(part[j][g]));
+                        _mm512_store_ps(part[j][g], x);
+                    }
+                }
+        }
+        if (fmt != 0) /* the block's V rows from L2 into L1 while the softmax runs (fp32's would evict K's) */
+            for (int j = 0; j < n; j++) prefetch_rows(a->v, rows[j], NH, HD, fmt, 1);
+        const int nb = (n + 15) / 16; /* vectors of 16 keys; lanes past n masked */
+        for (int g = 0; g < NQ; g++) {
+            __m512 top = _mm512_set1_ps(m[g]);
+            for (int b = 0; b < nb; b++) {
+                __m512 v[16];
+                for (int jj = 0; jj < 16; jj++) v[jj] = _mm512_load_ps(part[16 * b + jj][g]);
+                const int left = n - 16 * b;
+                const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                const __m512 mul = fmt == 2 ? _mm512_load_ps(&kmul[g / G][16 * b]) : scale;
+                const __m512 sc = _mm512_mask_mul_ps(ninf, live, sum16(v), mul); /* keys past n: -inf */
+                _mm512_store_ps(&s[g][16 * b], sc);
+                top = _mm512_max_ps(top, sc);
+            }
+            const float bm = _mm512_reduce_max_ps(top); /* >= m[g] */
+            corr[g] = exp_nonpositive(m[g] - bm);       /* 0 on the first block (m = -inf) */
+            const __m512 bmv = _mm512_set1_ps(bm);
+            __m512 sum = _mm512_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                const __m512 w = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(&s[g][16 * b]), bmv));
+                sum = _mm512_add_ps(sum, w);
+                _mm512_store_ps(&s[g][16 * b], fmt == 2 ? _mm512_mul_ps(w, _mm512_load_ps(&vmul[g / G][16 * b])) : w);
+            }
+            l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(sum);
+            m[g] = bm;
+        }
+        for (int hh = 0; hh < NH; hh++) /* each KV head's V rows converted once for up to DEC16_PV of its heads */
+            for (int g = hh * G; g < hh * G + G; g += DEC16_PV) {
+                switch (hh * G + G - g) {
+                case 1: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 1, HD, fmt); break;
+                case 2: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 2, HD, fmt); break;
+                case 3: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 3, HD, fmt); break;
+                case 4: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 4, HD, fmt); break;
+                case 5: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 5, HD, fmt); break;
+                default: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 6, HD, fmt);
+                }
+            }
+    }
+    for (int g = 0; g < NQ; g++) { /* back in dim order */
+        float o[MAX_HD];
+        for (int i = 0; i < HD; i += 32)
+            for (int j = 0; j < 16; j++) {
+                o[i + (fmt == 1 ? 2 * j : j)] = acc[g][i + j];
+                o[i + (fmt == 1 ? 2 * j + 1 : 16 + j)] = acc[g][i + 16 + j];
+            }
+        store_out(a, d, h + g / G, g % G, o, (fmt == 2 ? 256.0f : 1.0f) / l[g]);
+    }
+}
+
+/* A work item on these CPUs: decode rows over the page formats of DEC16_FMTS (those attend_dec16 was measured
+ * faster on) take attend_dec16, prompt tiles and the rest attend_vec. */
+#ifndef DEC16_FMTS
+#define DEC16_FMTS 6 /* bit f: page format f (0 fp32, 1 bf16, 2 fp8) */
+#endif
+static inline __attribute__((always_inline)) void attend_vec_dec(const Args *a, int t, int h, const int HD,
+                                                                 const int fmt) {
+    const int d = tile_first(a, t);
+    if (((DEC16_FMTS >> fmt) & 1) && (fmt != 2 || DEC16_FP8) && HD % 64 == 0 && tile_first(a, t + 1) == d + 1 &&
+        a->G <= DEC_Q) { /* a decode row: an item of its KV heads, DEC_Q / G */
+        const int per = a->item_heads == 1 ? 1 : DEC_Q / a->G;
+        if (h % per == 0) attend_dec16(a, t, h, a->KVH - h < per ? a->KVH - h : per, HD, fmt);
+        return; /* the other heads of its group: done with the first */
+    }
+    attend_vec(a, t, h, HD, fmt);
+}
+#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec_dec(a, t, h, hd, f); }
+#else
+#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec(a, t, h, hd, f); }
+#endif
+#elif VECTOR_COPY
+/* The AVX2 copies, for CPUs with AVX2 and FMA but no AVX-512, head sizes 64 and 128 (NV = HD / 8 vectors), float32,
  * bfloat16 or fp8 pages (no bfloat16 dot products here: rows are converted to float32): decode rows in
  * `attend_dec8`, prompt tiles in `attend_vec8` (their sections below). The decode rows' history: before
  * `attend_dec8` they ran a scheme like attend_vec's (each query head's scores 8 tokens at a time, 8 chains of FMAs
@@ -617,7 +840,6 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
  * V's loop per KV head took 1.12-1.16x the time over fp32 rows (each 16-dim pass reads a quarter of a 256-byte
  * row) and 1.01x over bf16: they keep theirs. */
 #define TILE_PV 6 /* query heads whose outputs one pass over a block's V rows holds (accumulate_v8) */
-#define DEC_Q 16 /* query heads one call holds: G <= DEC_Q (more: attend_vec8); KV heads in groups of DEC_Q / G */
 #ifdef __F16C__
 #define DEC8_FP8 1 /* fp8 rows converted by float16 (row16) */
 #else
@@ -1053,28 +1275,6 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
     for (int v = 0; v < NHV; v++) _mm256_store_ps(lf + 8 * v, l[v]);
     for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / lf[g]);
 }
-#endif /* VECTOR_COPY */
-
-#if defined(__AVX512F__) && !defined(__AVX512BF16__)
-/* AVX-512F without AVX512-BF16 (Skylake-SP to Ice Lake): decode rows over bf16 pages take the AVX2 copy's
- * `attend_dec8` (a row's KV heads together, K rows converted in registers), prompt tiles and the other formats
- * attend_vec. SmolLM2's shape, 32 sequences x 30 layers' own page pools, 2 threads, a 2-core Ice Lake-SP VM, the two
- * builds alternating in one process (medians of 9): bf16 pages 0.86-0.94x attend_vec's time at 256 keys and 0.86-0.90x
- * at 1,024 (two runs); fp8 pages 1.01x and 1.11x, fp32 1.06x (at 256), so those stay. */
-static inline __attribute__((always_inline)) void attend_vec_dec(const Args *a, int t, int h, const int HD,
-                                                                 const int fmt) {
-    const int d = tile_first(a, t);
-    if (fmt == 1 && tile_first(a, t + 1) == d + 1 && a->G <= DEC_Q) { /* a decode row: as attend_vec8 */
-        const int per = a->item_heads == 1 ? 1 : DEC_Q / a->G;
-        if (h % per == 0) attend_dec8(a, t, h, a->KVH - h < per ? a->KVH - h : per, HD, fmt);
-        return; /* the other heads of its group: done with the first */
-    }
-    attend_vec(a, t, h, HD, fmt);
-}
-#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec_dec(a, t, h, hd, f); }
-#elif defined(__AVX512F__)
-#define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec(a, t, h, hd, f); }
-#elif VECTOR_COPY
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec8(a, t, h, hd, f); }
 #else
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_hd(a, t, h, hd, f); }
@@ -1159,14 +1359,6 @@ static void amx_attention_config(void) {
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
-}
-
-/* e^x for x <= 0 on 16 lanes (-inf and below -87: 0; NaN stays NaN), as exp_nonpositive lane by lane. */
-static inline __m512 exp_nonpositive16(__m512 x) {
-    const __m512 c = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* the second operand where either is NaN */
-    __m512 n;
-    const __m512 p = exp_reduced16(c, &n);
-    return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_scalef_ps(p, n));
 }
 
 /* 2^x for the softmax's weights, which are rounded to bfloat16 next: x = n + r (n = rint(x), |r| <= 1/2), 2^r by a

@@ -60,7 +60,7 @@ def test_matches_reference(fmt: str, group: int, threads: int, seed: int) -> Non
 def test_decode_rows_with_kv_heads_read_together(fmt: str, group: int, head_dim: int, threads: int,
                                                  seed: int) -> None:
     """Enough sequences that a work item holds all of a row's KV heads, which decode rows read together on
-    AVX2-only CPUs, at most 16 query heads at a time (over fp8 pages V's loop takes up to 4 a pass): 3 KV heads
+    AVX2-only CPUs and on AVX-512F ones without BF16 (bf16 and fp8 pages), at most 16 query heads at a time (over fp8 pages V's loop takes up to 4 a pass): 3 KV heads
     of 3 or 6 query heads (one group; two groups of 2 and 1 KV heads), of 8 (groups of 2 and 1, head_dim 128),
     of 20 (more than a group holds: the per-head loop)."""
     lens = [1, 9, 33, 64, 100, 31, 17, 130, 2, 70]
@@ -79,8 +79,8 @@ def test_decode_rows_with_kv_heads_read_together(fmt: str, group: int, head_dim:
 def test_fp8_decode_rows_at_the_ends_of_the_exponent_range(k_log2: int, v_log2: int, group: int, seed: int) -> None:
     """Decode rows over fp8 pages whose tokens' exponents lie near both ends of theirs (-64 .. 63; K near 2^55 and
     2^-60, the queries scaled back so the scores stay O(10); V near 2^-60 and 2^55), subnormal codes beside each
-    row's largest: the vector copies apply 2^e, and the AVX2 decode rows the 2^-8 of their float16 conversion, as
-    exact scalings."""
+    row's largest: the vector copies apply 2^e, and the AVX2 and AVX-512F decode rows the 2^-8 of their float16
+    conversion, as exact scalings."""
     lens = [1, 40, 130, 17, 64, 9, 33, 100]
     kv = []
     for k, v in random_sequences(lens, 3, 64):
