@@ -746,10 +746,179 @@ static inline __attribute__((always_inline)) void attend_dec16(const Args *a, in
     }
 }
 
+/* ---- Prompt tiles on AVX-512F without AVX512-BF16: the AVX2 copy's prompt tiles (`attend_vec8`, its comment) on
+ * 16 lanes: a tile's NQ = R x G query heads (up to MAX_G) of one KV head along the lanes, 16 a vector (NHV16 <= 2
+ * vectors), K and V rows widened to float32 once a block (`widen_row`), scores S^T [key][head] by broadcasts of a
+ * key's dims times Q^T's vectors (KB keys x NHV16 vectors of accumulators), the softmax lane by lane, and the
+ * outputs O [head][dim] over the V rows, 64 dims of up to DEC16_PV heads in registers (`tile_values16`). */
+#define TILE_HV16 (MAX_G / 16) /* head vectors of a tile, at most */
+static const float zero_row[MAX_HD] __attribute__((aligned(64))); /* the K row of a key past a block's end */
+
+/* Scores of keys j0 .. j0+KB-1 (rows kr[]) for the tile's NHV head vectors, as attend_vec8's tile_scores. */
+static inline __attribute__((always_inline)) void tile_scores16(const float *qt, const float *const *kr, int j0, int n,
+                                                               int key0, const float *mul, const __m512 *qlen,
+                                                               float (*st)[MAX_G], __m512 *top, const int HD,
+                                                               const int NHV, const int KB) {
+    __m512 acc[8][TILE_HV16];
+    for (int k = 0; k < KB; k++)
+        for (int v = 0; v < NHV; v++) acc[k][v] = _mm512_setzero_ps();
+    for (int c = 0; c < HD; c++) {
+        __m512 qv[TILE_HV16];
+        for (int v = 0; v < NHV; v++) { /* in registers: not a memory operand of every FMA */
+            qv[v] = _mm512_load_ps(qt + c * MAX_G + 16 * v);
+            __asm__("" : "+v"(qv[v]));
+        }
+        for (int k = 0; k < KB; k++) {
+            const __m512 x = _mm512_set1_ps(kr[j0 + k][c]);
+            for (int v = 0; v < NHV; v++) acc[k][v] = _mm512_fmadd_ps(x, qv[v], acc[k][v]);
+        }
+    }
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int k = 0; k < KB && j0 + k < n; k++) {
+        const __m512 key = _mm512_set1_ps((float)(key0 + j0 + k)), m = _mm512_set1_ps(mul[j0 + k]);
+        for (int v = 0; v < NHV; v++) {
+            const __m512 s = _mm512_mask_mul_ps(ninf, _mm512_cmp_ps_mask(key, qlen[v], _CMP_LT_OQ), acc[k][v], m);
+            _mm512_store_ps(&st[j0 + k][16 * v], s);
+            top[v] = _mm512_max_ps(top[v], s);
+        }
+    }
+}
+
+/* The online softmax of a block's n keys for every head at once, as attend_vec8's tile_softmax. */
+static inline __attribute__((always_inline)) void tile_softmax16(float (*st)[MAX_G], int n, const __m512 *top,
+                                                                const float *wmul, __m512 *m, __m512 *l, float *corr,
+                                                                const int NHV) {
+    for (int v = 0; v < NHV; v++) {
+        const __m512 bm = _mm512_max_ps(m[v], top[v]); /* finite: every head sees key 0 */
+        const __m512 cv = exp_nonpositive16(_mm512_sub_ps(m[v], bm));
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            const __m512 w = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(&st[j][16 * v]), bm));
+            sum = _mm512_add_ps(sum, w);
+            _mm512_store_ps(&st[j][16 * v], wmul ? _mm512_mul_ps(w, _mm512_set1_ps(wmul[j])) : w);
+        }
+        l[v] = _mm512_fmadd_ps(l[v], cv, sum);
+        m[v] = bm;
+        _mm512_store_ps(corr + 16 * v, cv);
+    }
+}
+
+/* Heads g0 .. g0+NG-1 (NG <= DEC16_PV): acc[g] = acc[g] corr[g] + the block's n V rows (vr, float32) weighted by
+ * st[key][g], 64 dims at a time (each V row's 4 vectors loaded once for the NG heads). */
+static inline __attribute__((always_inline)) void tile_values16_part(float (*acc)[MAX_HD], const float (*st)[MAX_G],
+                                                                    const float *const *vr, int n, const float *corr,
+                                                                    int g0, const int NG, const int HD) {
+    for (int c = 0; c < HD; c += 64) {
+        __m512 x[DEC16_PV][4];
+        for (int i = 0; i < NG; i++) {
+            const __m512 ci = _mm512_set1_ps(corr[g0 + i]);
+            for (int u = 0; u < 4; u++) x[i][u] = _mm512_mul_ps(_mm512_load_ps(&acc[g0 + i][c + 16 * u]), ci);
+        }
+        for (int j = 0; j < n; j++) {
+            __m512 v[4];
+            for (int u = 0; u < 4; u++) v[u] = _mm512_load_ps(vr[j] + c + 16 * u);
+            for (int i = 0; i < NG; i++) {
+                const __m512 p = _mm512_set1_ps(st[j][g0 + i]);
+                for (int u = 0; u < 4; u++) x[i][u] = _mm512_fmadd_ps(p, v[u], x[i][u]);
+            }
+        }
+        for (int i = 0; i < NG; i++)
+            for (int u = 0; u < 4; u++) _mm512_store_ps(&acc[g0 + i][c + 16 * u], x[i][u]);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_values16(float (*acc)[MAX_HD], const float (*st)[MAX_G],
+                                                               const float *const *vr, int n, const float *corr,
+                                                               int NQ, const int HD) {
+    int g0 = 0;
+    for (; g0 + DEC16_PV <= NQ; g0 += DEC16_PV) tile_values16_part(acc, st, vr, n, corr, g0, DEC16_PV, HD);
+    switch (NQ - g0) {
+    case 1: tile_values16_part(acc, st, vr, n, corr, g0, 1, HD); break;
+    case 2: tile_values16_part(acc, st, vr, n, corr, g0, 2, HD); break;
+    case 3: tile_values16_part(acc, st, vr, n, corr, g0, 3, HD); break;
+    case 4: tile_values16_part(acc, st, vr, n, corr, g0, 4, HD); break;
+    case 5: tile_values16_part(acc, st, vr, n, corr, g0, 5, HD); break;
+    default: break;
+    }
+}
+
+/* One work item: KV head h of prompt tile t (rows d .. d+R-1, R > 1), HD a multiple of 64. */
+static inline __attribute__((always_inline)) void attend_vec16(const Args *a, int t, int h, const int HD,
+                                                               const int fmt) {
+    const int d = tile_first(a, t), R = tile_first(a, t + 1) - d;
+    const int G = a->G, NQ = R * G, NHV = (NQ + 15) / 16;
+    const int len = a->lens[d + R - 1]; /* rows ascend: the tile's last row sees the most keys */
+    float qt[MAX_HD * MAX_G] __attribute__((aligned(64))); /* [dim][head] */
+    float qbuf[MAX_G * MAX_HD];
+    float qlf[MAX_G] __attribute__((aligned(64)));
+    for (int i = 0; i < R; i++) {
+        const float *qi = load_q(a, d + i, h, qbuf);
+        for (int g = 0; g < G; g++) {
+            for (int c = 0; c < HD; c++) qt[c * MAX_G + i * G + g] = qi[g * HD + c];
+            qlf[i * G + g] = (float)a->lens[d + i];
+        }
+    }
+    for (int g = NQ; g < 16 * NHV; g++) { /* lanes past the tile's heads: q = 0, every key (finite, unused) */
+        for (int c = 0; c < HD; c++) qt[c * MAX_G + g] = 0.0f;
+        qlf[g] = (float)len;
+    }
+    __m512 qlen[TILE_HV16], m[TILE_HV16], l[TILE_HV16];
+    for (int v = 0; v < TILE_HV16; v++) { /* past NHV: unused */
+        qlen[v] = v < NHV ? _mm512_load_ps(qlf + 16 * v) : _mm512_setzero_ps();
+        m[v] = _mm512_set1_ps(-INFINITY);
+        l[v] = _mm512_setzero_ps();
+    }
+    float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
+    for (int g = 0; g < NQ; g++)
+        for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
+    float kb[BLOCK * MAX_HD] __attribute__((aligned(64))); /* rows HD apart (attend_vec8: L1 sets) */
+    float vb[BLOCK * MAX_HD] __attribute__((aligned(64)));
+    float st[BLOCK][MAX_G] __attribute__((aligned(64)));
+    float corr[MAX_G] __attribute__((aligned(64)));
+    const float *kr[BLOCK + 8], *vr[BLOCK];
+    float kmul[BLOCK], vmul[BLOCK];
+    for (int j = BLOCK; j < BLOCK + 8; j++) kr[j] = zero_row;
+    const int64_t *pages = a->table + (int64_t)d * a->MAXP;
+    int64_t rows[BLOCK], next[BLOCK], first[BLOCK];
+    block_rows(pages, 0, len < BLOCK ? len : BLOCK, a->S, a->KVH, h, next);
+    for (int t0 = 0; t0 < len; t0 += BLOCK) {
+        const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
+        memcpy(rows, next, sizeof(int64_t) * n);
+        const int64_t *pf; /* the rows that come next, prefetched while this block's are widened */
+        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf);
+        for (int j = 0; j < n; j++) {
+            if (j < n_next) prefetch_row(a->k, pf[j], HD, fmt);
+            kr[j] = widen_row(a->k, rows[j], kb + j * HD, HD, fmt);
+            kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * a->scale;
+        }
+        for (int j = n; j < BLOCK; j++) kr[j] = zero_row;
+        __m512 top[TILE_HV16];
+        for (int v = 0; v < NHV; v++) top[v] = _mm512_set1_ps(-INFINITY);
+        if (NHV == 1)
+            for (int j0 = 0; j0 < n; j0 += 8) tile_scores16(qt, kr, j0, n, t0, kmul, qlen, st, top, HD, 1, 8);
+        else
+            for (int j0 = 0; j0 < n; j0 += 6) tile_scores16(qt, kr, j0, n, t0, kmul, qlen, st, top, HD, 2, 6);
+        for (int j = 0; j < n; j++) {
+            if (j < n_next) prefetch_row(a->v, pf[j], HD, fmt);
+            vr[j] = widen_row(a->v, rows[j], vb + j * HD, HD, fmt);
+            if (fmt == 2) vmul[j] = pow2i(a->ve[rows[j]]); /* the token's 2^e into its weights */
+        }
+        if (NHV == 1) tile_softmax16(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, 1);
+        else tile_softmax16(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, 2);
+        tile_values16(acc, (const float (*)[MAX_G])st, vr, n, corr, NQ, HD);
+    }
+    float lf[MAX_G] __attribute__((aligned(64)));
+    for (int v = 0; v < NHV; v++) _mm512_store_ps(lf + 16 * v, l[v]);
+    for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / lf[g]);
+}
+
 /* A work item on these CPUs: decode rows over the page formats of DEC16_FMTS (those attend_dec16 was measured
  * faster on) take attend_dec16, prompt tiles and the rest attend_vec. */
 #ifndef DEC16_FMTS
 #define DEC16_FMTS 6 /* bit f: page format f (0 fp32, 1 bf16, 2 fp8) */
+#endif
+#ifndef VEC16_FMTS
+#define VEC16_FMTS 6 /* the same for prompt tiles and attend_vec16 (fp32 pages: not measured) */
 #endif
 static inline __attribute__((always_inline)) void attend_vec_dec(const Args *a, int t, int h, const int HD,
                                                                  const int fmt) {
@@ -760,7 +929,10 @@ static inline __attribute__((always_inline)) void attend_vec_dec(const Args *a, 
         if (h % per == 0) attend_dec16(a, t, h, a->KVH - h < per ? a->KVH - h : per, HD, fmt);
         return; /* the other heads of its group: done with the first */
     }
-    attend_vec(a, t, h, HD, fmt);
+    if (((VEC16_FMTS >> fmt) & 1) && HD % 64 == 0 && tile_first(a, t + 1) > d + 1)
+        attend_vec16(a, t, h, HD, fmt); /* a prompt tile */
+    else
+        attend_vec(a, t, h, HD, fmt);
 }
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec_dec(a, t, h, hd, f); }
 #else
@@ -1080,6 +1252,7 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
         store_out(a, d, h + g / G, g % G, o, (fmt == 2 ? 256.0f : 1.0f) / l[g]);
     }
 }
+
 
 static const float zero_row[MAX_HD] __attribute__((aligned(32))); /* the K row of a key past a block's end */
 
