@@ -257,14 +257,6 @@ static inline int rows_after(const Args *a, int t, int h, int nh, const int64_t 
  * alternating in one process: widened K (float32 FMAs) took 1.42-1.48x bf16's time, `vdpbf16ps` on the
  * converted K 1.11-1.17x (bf16 pages read at ~13 GB/s; fp8 is still bound by the conversions, not its
  * half as many bytes). */
-/* e^x for x <= 0 on 16 lanes (-inf and below -87: 0; NaN stays NaN), as exp_nonpositive lane by lane. */
-static inline __m512 exp_nonpositive16(__m512 x) {
-    const __m512 c = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* the second operand where either is NaN */
-    __m512 n;
-    const __m512 p = exp_reduced16(c, &n);
-    return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_scalef_ps(p, n));
-}
-
 static inline __m512 sum16(const __m512 v[16]) { /* lane j: the sum of v[j]'s 16 lanes */
     __m512 a[8], b[4];
     for (int k = 0; k < 8; k++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of v[2k] = x, v[2k+1] = y */
@@ -277,6 +269,14 @@ static inline __m512 sum16(const __m512 v[16]) { /* lane j: the sum of v[j]'s 16
     const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
     const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
+}
+
+/* e^x for x <= 0 on 16 lanes (-inf and below -87: 0; NaN stays NaN), as exp_nonpositive lane by lane. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 c = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* the second operand where either is NaN */
+    __m512 n;
+    const __m512 p = exp_reduced16(c, &n);
+    return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_scalef_ps(p, n));
 }
 
 /* 16 values c .. c+15 of page row `row` as float32 (fp8: times 2^120, as load_row). */
@@ -816,7 +816,7 @@ static inline __attribute__((always_inline)) void tile_values16_part(float (*acc
         }
         for (int j = 0; j < n; j++) {
             __m512 v[4];
-            for (int u = 0; u < 4; u++) v[u] = _mm512_load_ps(vr[j] + c + 16 * u);
+            for (int u = 0; u < 4; u++) v[u] = _mm512_loadu_ps(vr[j] + c + 16 * u);
             for (int i = 0; i < NG; i++) {
                 const __m512 p = _mm512_set1_ps(st[j][g0 + i]);
                 for (int u = 0; u < 4; u++) x[i][u] = _mm512_fmadd_ps(p, v[u], x[i][u]);
