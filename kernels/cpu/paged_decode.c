@@ -49,7 +49,7 @@
 #define FMT_FP8_DP 4  /* fp8 pages and bf16 q, the K rows made bfloat16 in registers for vdpbf16ps */
 #define MAX_HD 256
 #define MAX_G 32 /* query heads a tile holds at most: G x its rows */
-#define DEC_Q 16 /* query heads a decode row's item holds (attend_dec8, attend_dec16): G <= DEC_Q; KV heads DEC_Q / G a group */
+#define DEC_Q 16 /* query heads a decode row's item holds (attend_dec8, attend_dec16): G <= DEC_Q, KV heads in groups */
 
 typedef struct {
     const void *q; /* float32, or bfloat16 when `half` */
@@ -233,6 +233,29 @@ static inline int rows_after(const Args *a, int t, int h, int nh, const int64_t 
         *pf = first;
     }
     return n_next;
+}
+
+/* Decode rows (attend_dec8, attend_dec16): key j's share of the next block's prefetches, into L2: its K and V rows
+ * of the item's NH heads and, over fp8 pages, at a page's first row the line of the tokens' exponents. */
+static inline __attribute__((always_inline)) void prefetch_next_key(const Args *a, const int64_t *pf, int j, int NH,
+                                                                    const int HD, const int fmt) {
+    prefetch_rows(a->k, pf[j], NH, HD, fmt, 0);
+    prefetch_rows(a->v, pf[j], NH, HD, fmt, 0);
+    if (fmt == 2 && (j == 0 || pf[j] != pf[j - 1] + a->KVH)) {
+        _mm_prefetch((const char *)(a->ke + pf[j]), _MM_HINT_T1);
+        _mm_prefetch((const char *)(a->ve + pf[j]), _MM_HINT_T1);
+    }
+}
+
+/* Decode rows over fp8 pages: the block's tokens' 2^e per KV head (K's times kscale into kmul, V's into vmul), 1
+ * past its n keys (their weights are 0). */
+static inline void block_exponents(const Args *a, const int64_t *rows, int n, int NH, float kscale,
+                                   float (*kmul)[BLOCK], float (*vmul)[BLOCK]) {
+    for (int hh = 0; hh < NH; hh++)
+        for (int j = 0; j < BLOCK; j++) {
+            kmul[hh][j] = j < n ? pow2i(a->ke[rows[j] + hh]) * kscale : 1.0f;
+            vmul[hh][j] = j < n ? pow2i(a->ve[rows[j] + hh]) : 1.0f;
+        }
 }
 #endif
 
@@ -662,21 +685,10 @@ static inline __attribute__((always_inline)) void attend_dec16(const Args *a, in
         memcpy(rows, next, sizeof(int64_t) * n);
         const int64_t *pf; /* the rows that come next, prefetched while this block's are read */
         const int n_next = rows_after(a, t, h, NH, pages, t0, n, len, next, first, &pf);
-        if (fmt == 2) /* the tokens' 2^e (K's times scale and row32's 2^8); 1 past the block's keys (weights 0) */
-            for (int hh = 0; hh < NH; hh++)
-                for (int j = 0; j < BLOCK; j++) {
-                    kmul[hh][j] = j < n ? pow2i(a->ke[rows[j] + hh]) * kscale : 1.0f;
-                    vmul[hh][j] = j < n ? pow2i(a->ve[rows[j] + hh]) : 1.0f;
-                }
+        if (fmt == 2) /* the tokens' 2^e (K's times scale and row32's 2^8) */
+            block_exponents(a, rows, n, NH, kscale, kmul, vmul);
         for (int j = 0; j < n; j++) {
-            if (j < n_next) { /* the next rows, K's and V's, a key's at a time */
-                prefetch_rows(a->k, pf[j], NH, HD, fmt, 0);
-                prefetch_rows(a->v, pf[j], NH, HD, fmt, 0);
-                if (fmt == 2 && (j == 0 || pf[j] != pf[j - 1] + a->KVH)) { /* a page's first row */
-                    _mm_prefetch((const char *)(a->ke + pf[j]), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(a->ve + pf[j]), _MM_HINT_T1);
-                }
-            }
+            if (j < n_next) prefetch_next_key(a, pf, j, NH, HD, fmt); /* a key's at a time */
             for (int hh = 0; hh < NH; hh++)
                 for (int c0 = 0; c0 < HD; c0 += 128) { /* 8 vectors of the row at a time */
                     const int nv = HD - c0 < 128 ? (HD - c0) / 16 : 8;
@@ -1159,22 +1171,11 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
         memcpy(rows, next, sizeof(int64_t) * n);
         const int64_t *pf; /* the rows that come next, prefetched while this block's are read */
         const int n_next = rows_after(a, t, h, NH, pages, t0, n, len, next, first, &pf);
-        if (fmt == 2) /* the tokens' 2^e (K's times scale and row16's 2^8); 1 past the block's keys (weights 0) */
-            for (int hh = 0; hh < NH; hh++)
-                for (int j = 0; j < BLOCK; j++) {
-                    kmul[hh][j] = j < n ? pow2i(a->ke[rows[j] + hh]) * kscale : 1.0f;
-                    vmul[hh][j] = j < n ? pow2i(a->ve[rows[j] + hh]) : 1.0f;
-                }
+        if (fmt == 2) /* the tokens' 2^e (K's times scale and row16's 2^8) */
+            block_exponents(a, rows, n, NH, kscale, kmul, vmul);
         for (int j = 0; j < n; j++) {
-            if (j < n_next) { /* the next rows, K's and V's, a key's at a time (V's in a burst after the scores:
-                               * 1.06-1.14x the time) */
-                prefetch_rows(a->k, pf[j], NH, HD, fmt, 0);
-                prefetch_rows(a->v, pf[j], NH, HD, fmt, 0);
-                if (fmt == 2 && (j == 0 || pf[j] != pf[j - 1] + a->KVH)) { /* a page's first row */
-                    _mm_prefetch((const char *)(a->ke + pf[j]), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(a->ve + pf[j]), _MM_HINT_T1);
-                }
-            }
+            if (j < n_next) /* a key's at a time (V's in a burst after the scores: 1.06-1.14x the time) */
+                prefetch_next_key(a, pf, j, NH, HD, fmt);
             for (int hh = 0; hh < NH; hh++)
                 for (int c0 = 0; c0 < HD; c0 += 64) { /* 8 vectors of the row at a time */
                     const int nv = HD - c0 < 64 ? (HD - c0) / 8 : 8;
