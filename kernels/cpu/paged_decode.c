@@ -257,6 +257,25 @@ static inline void block_exponents(const Args *a, const int64_t *rows, int n, in
             vmul[hh][j] = j < n ? pow2i(a->ve[rows[j] + hh]) : 1.0f;
         }
 }
+
+/* Prompt tiles with the heads along the lanes (attend_vec8, attend_vec16): tile t's R x G query heads of KV head h
+ * transposed into qt [dim][head] (rows MAX_G apart), and the keys each sees (its row's count) into qlf; heads from
+ * R x G to `lanes` (the tile's head vectors' lanes) get q = 0 and every key (finite scores, never used). */
+static inline void tile_queries(const Args *a, int t, int h, int HD, int lanes, float *qt, float *qlf) {
+    const int d = tile_first(a, t), R = tile_first(a, t + 1) - d, G = a->G;
+    float qbuf[MAX_G * MAX_HD];
+    for (int i = 0; i < R; i++) {
+        const float *qi = load_q(a, d + i, h, qbuf);
+        for (int g = 0; g < G; g++) {
+            for (int c = 0; c < HD; c++) qt[c * MAX_G + i * G + g] = qi[g * HD + c];
+            qlf[i * G + g] = (float)a->lens[d + i];
+        }
+    }
+    for (int g = R * G; g < lanes; g++) {
+        for (int c = 0; c < HD; c++) qt[c * MAX_G + g] = 0.0f;
+        qlf[g] = (float)a->lens[d + R - 1];
+    }
+}
 #endif
 
 #ifdef __AVX512F__
@@ -622,10 +641,14 @@ static inline __attribute__((always_inline)) void row32(const void *base, int64_
     }
 }
 
-/* Query heads g0 .. g0+NG-1 (NG <= DEC16_PV) of KV head hh: outputs o (rescaled by corr first) plus the block's n
- * V rows weighted by w[g][j], 64 dims at a time, each V row's 64 dims converted once for all NG heads. */
-static inline __attribute__((always_inline)) void accumulate_v16(const Args *a, const int64_t *rows, int hh, int n,
-                                                                 float (*w)[BLOCK], const float *corr,
+/* Query heads g0 .. g0+NG-1 (NG <= DEC16_PV): outputs o[g] (rescaled by corr[g] first) plus the block's n V rows
+ * weighted by w[g * wh + j * wk] (head g, key j; any layout of the weights), 64 dims at a time, each V row's 64
+ * dims loaded once for all NG heads: vr[j], float32, where fmt is -1 (prompt tiles: rows widened once a block);
+ * else page row rows[j] + hh of the V pages in format fmt, converted in registers by row32 (decode rows). As
+ * attend_dec8's accumulate_v8 on 8 lanes; fmt is a constant in each copy, so the choice is made at compile time. */
+static inline __attribute__((always_inline)) void accumulate_v16(const Args *a, const int64_t *rows, int hh,
+                                                                 const float *const *vr, int n, const float *w,
+                                                                 const int wh, const int wk, const float *corr,
                                                                  float (*o)[MAX_HD], int g0, const int NG,
                                                                  const int HD, const int fmt) {
     for (int c = 0; c < HD; c += 64) {
@@ -636,10 +659,14 @@ static inline __attribute__((always_inline)) void accumulate_v16(const Args *a, 
         }
         for (int j = 0; j < n; j++) {
             __m512 v[4];
-            row32(a->v, rows[j] + hh, c, HD, fmt, &v[0], &v[1]);
-            row32(a->v, rows[j] + hh, c + 32, HD, fmt, &v[2], &v[3]);
+            if (fmt < 0) {
+                for (int u = 0; u < 4; u++) v[u] = _mm512_loadu_ps(vr[j] + c + 16 * u);
+            } else {
+                row32(a->v, rows[j] + hh, c, HD, fmt, &v[0], &v[1]);
+                row32(a->v, rows[j] + hh, c + 32, HD, fmt, &v[2], &v[3]);
+            }
             for (int i = 0; i < NG; i++) {
-                const __m512 p = _mm512_set1_ps(w[g0 + i][j]);
+                const __m512 p = _mm512_set1_ps(w[(g0 + i) * wh + j * wk]);
                 for (int u = 0; u < 4; u++) x[i][u] = _mm512_fmadd_ps(p, v[u], x[i][u]);
             }
         }
@@ -738,12 +765,12 @@ static inline __attribute__((always_inline)) void attend_dec16(const Args *a, in
         for (int hh = 0; hh < NH; hh++) /* each KV head's V rows converted once for up to DEC16_PV of its heads */
             for (int g = hh * G; g < hh * G + G; g += DEC16_PV) {
                 switch (hh * G + G - g) {
-                case 1: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 1, HD, fmt); break;
-                case 2: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 2, HD, fmt); break;
-                case 3: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 3, HD, fmt); break;
-                case 4: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 4, HD, fmt); break;
-                case 5: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 5, HD, fmt); break;
-                default: accumulate_v16(a, rows, hh, n, s, corr, acc, g, 6, HD, fmt);
+                case 1: accumulate_v16(a, rows, hh, NULL, n, s[0], BLOCK, 1, corr, acc, g, 1, HD, fmt); break;
+                case 2: accumulate_v16(a, rows, hh, NULL, n, s[0], BLOCK, 1, corr, acc, g, 2, HD, fmt); break;
+                case 3: accumulate_v16(a, rows, hh, NULL, n, s[0], BLOCK, 1, corr, acc, g, 3, HD, fmt); break;
+                case 4: accumulate_v16(a, rows, hh, NULL, n, s[0], BLOCK, 1, corr, acc, g, 4, HD, fmt); break;
+                case 5: accumulate_v16(a, rows, hh, NULL, n, s[0], BLOCK, 1, corr, acc, g, 5, HD, fmt); break;
+                default: accumulate_v16(a, rows, hh, NULL, n, s[0], BLOCK, 1, corr, acc, g, 6, HD, fmt);
                 }
             }
     }
@@ -818,41 +845,21 @@ static inline __attribute__((always_inline)) void tile_softmax16(float (*st)[MAX
     }
 }
 
-/* Heads g0 .. g0+NG-1 (NG <= DEC16_PV): acc[g] = acc[g] corr[g] + the block's n V rows (vr, float32) weighted by
- * st[key][g], 64 dims at a time (each V row's 4 vectors loaded once for the NG heads). */
-static inline __attribute__((always_inline)) void tile_values16_part(float (*acc)[MAX_HD], const float (*st)[MAX_G],
-                                                                    const float *const *vr, int n, const float *corr,
-                                                                    int g0, const int NG, const int HD) {
-    for (int c = 0; c < HD; c += 64) {
-        __m512 x[DEC16_PV][4];
-        for (int i = 0; i < NG; i++) {
-            const __m512 ci = _mm512_set1_ps(corr[g0 + i]);
-            for (int u = 0; u < 4; u++) x[i][u] = _mm512_mul_ps(_mm512_load_ps(&acc[g0 + i][c + 16 * u]), ci);
-        }
-        for (int j = 0; j < n; j++) {
-            __m512 v[4];
-            for (int u = 0; u < 4; u++) v[u] = _mm512_loadu_ps(vr[j] + c + 16 * u);
-            for (int i = 0; i < NG; i++) {
-                const __m512 p = _mm512_set1_ps(st[j][g0 + i]);
-                for (int u = 0; u < 4; u++) x[i][u] = _mm512_fmadd_ps(p, v[u], x[i][u]);
-            }
-        }
-        for (int i = 0; i < NG; i++)
-            for (int u = 0; u < 4; u++) _mm512_store_ps(&acc[g0 + i][c + 16 * u], x[i][u]);
-    }
-}
-
+/* Outputs of the tile's NQ heads: acc[g] = acc[g] corr[g] + the block's n V rows (vr) weighted by st[key][g], in
+ * passes of DEC16_PV heads (accumulate_v16). */
 static inline __attribute__((always_inline)) void tile_values16(float (*acc)[MAX_HD], const float (*st)[MAX_G],
                                                                const float *const *vr, int n, const float *corr,
                                                                int NQ, const int HD) {
+    const float *w = st[0];
     int g0 = 0;
-    for (; g0 + DEC16_PV <= NQ; g0 += DEC16_PV) tile_values16_part(acc, st, vr, n, corr, g0, DEC16_PV, HD);
+    for (; g0 + DEC16_PV <= NQ; g0 += DEC16_PV)
+        accumulate_v16(NULL, NULL, 0, vr, n, w, 1, MAX_G, corr, acc, g0, DEC16_PV, HD, -1);
     switch (NQ - g0) {
-    case 1: tile_values16_part(acc, st, vr, n, corr, g0, 1, HD); break;
-    case 2: tile_values16_part(acc, st, vr, n, corr, g0, 2, HD); break;
-    case 3: tile_values16_part(acc, st, vr, n, corr, g0, 3, HD); break;
-    case 4: tile_values16_part(acc, st, vr, n, corr, g0, 4, HD); break;
-    case 5: tile_values16_part(acc, st, vr, n, corr, g0, 5, HD); break;
+    case 1: accumulate_v16(NULL, NULL, 0, vr, n, w, 1, MAX_G, corr, acc, g0, 1, HD, -1); break;
+    case 2: accumulate_v16(NULL, NULL, 0, vr, n, w, 1, MAX_G, corr, acc, g0, 2, HD, -1); break;
+    case 3: accumulate_v16(NULL, NULL, 0, vr, n, w, 1, MAX_G, corr, acc, g0, 3, HD, -1); break;
+    case 4: accumulate_v16(NULL, NULL, 0, vr, n, w, 1, MAX_G, corr, acc, g0, 4, HD, -1); break;
+    case 5: accumulate_v16(NULL, NULL, 0, vr, n, w, 1, MAX_G, corr, acc, g0, 5, HD, -1); break;
     default: break;
     }
 }
@@ -864,19 +871,8 @@ static inline __attribute__((always_inline)) void attend_vec16(const Args *a, in
     const int G = a->G, NQ = R * G, NHV = (NQ + 15) / 16;
     const int len = a->lens[d + R - 1]; /* rows ascend: the tile's last row sees the most keys */
     float qt[MAX_HD * MAX_G] __attribute__((aligned(64))); /* [dim][head] */
-    float qbuf[MAX_G * MAX_HD];
     float qlf[MAX_G] __attribute__((aligned(64)));
-    for (int i = 0; i < R; i++) {
-        const float *qi = load_q(a, d + i, h, qbuf);
-        for (int g = 0; g < G; g++) {
-            for (int c = 0; c < HD; c++) qt[c * MAX_G + i * G + g] = qi[g * HD + c];
-            qlf[i * G + g] = (float)a->lens[d + i];
-        }
-    }
-    for (int g = NQ; g < 16 * NHV; g++) { /* lanes past the tile's heads: q = 0, every key (finite, unused) */
-        for (int c = 0; c < HD; c++) qt[c * MAX_G + g] = 0.0f;
-        qlf[g] = (float)len;
-    }
+    tile_queries(a, t, h, HD, 16 * NHV, qt, qlf);
     __m512 qlen[TILE_HV16], m[TILE_HV16], l[TILE_HV16];
     for (int v = 0; v < TILE_HV16; v++) { /* past NHV: unused */
         qlen[v] = v < NHV ? _mm512_load_ps(qlf + 16 * v) : _mm512_setzero_ps();
@@ -1382,19 +1378,8 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
     const int G = a->G, NQ = R * G, NHV = (NQ + 7) / 8;
     const int len = a->lens[d + R - 1]; /* rows ascend: the tile's last row sees the most keys */
     float qt[MAX_HD * MAX_G] __attribute__((aligned(32))); /* [dim][head] */
-    float qbuf[MAX_G * MAX_HD];
     float qlf[MAX_G] __attribute__((aligned(32)));
-    for (int i = 0; i < R; i++) {
-        const float *qi = load_q(a, d + i, h, qbuf);
-        for (int g = 0; g < G; g++) {
-            for (int c = 0; c < HD; c++) qt[c * MAX_G + i * G + g] = qi[g * HD + c];
-            qlf[i * G + g] = (float)a->lens[d + i];
-        }
-    }
-    for (int g = NQ; g < 8 * NHV; g++) { /* lanes past the tile's heads: q = 0, every key (finite, unused) */
-        for (int c = 0; c < HD; c++) qt[c * MAX_G + g] = 0.0f;
-        qlf[g] = (float)len;
-    }
+    tile_queries(a, t, h, HD, 8 * NHV, qt, qlf);
     __m256 qlen[TILE_HV], m[TILE_HV], l[TILE_HV];
     for (int v = 0; v < NHV; v++) {
         qlen[v] = _mm256_load_ps(qlf + 8 * v);

@@ -60,9 +60,10 @@ def test_matches_reference(fmt: str, group: int, threads: int, seed: int) -> Non
 def test_decode_rows_with_kv_heads_read_together(fmt: str, group: int, head_dim: int, threads: int,
                                                  seed: int) -> None:
     """Enough sequences that a work item holds all of a row's KV heads, which decode rows read together on
-    AVX2-only CPUs and on AVX-512F ones without BF16 (bf16 and fp8 pages), at most 16 query heads at a time (over fp8 pages V's loop takes up to 4 a pass): 3 KV heads
-    of 3 or 6 query heads (one group; two groups of 2 and 1 KV heads), of 8 (groups of 2 and 1, head_dim 128),
-    of 20 (more than a group holds: the per-head loop)."""
+    AVX2-only CPUs and on AVX-512F ones without BF16 (bf16 and fp8 pages), at most 16 query heads at a time (over
+    fp8 pages the AVX2 copy's V loop takes up to 4 a pass): 3 KV heads of 3 or 6 query heads (one group; two
+    groups of 2 and 1 KV heads), of 8 (groups of 2 and 1, head_dim 128), of 20 (more than a group holds: the
+    per-head loop)."""
     lens = [1, 9, 33, 64, 100, 31, 17, 130, 2, 70]
     num_pages, page_table = random_layout(lens)
     paged = build_paged(random_sequences(lens, 3, head_dim), 3, head_dim, FORMATS[fmt], num_pages, page_table, "cpu")
