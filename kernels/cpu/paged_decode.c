@@ -923,24 +923,18 @@ static inline __attribute__((always_inline)) void attend_vec16(const Args *a, in
     for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / lf[g]);
 }
 
-/* A work item on these CPUs: decode rows over the page formats of DEC16_FMTS (those attend_dec16 was measured
- * faster on) take attend_dec16, prompt tiles and the rest attend_vec. */
-#ifndef DEC16_FMTS
-#define DEC16_FMTS 6 /* bit f: page format f (0 fp32, 1 bf16, 2 fp8) */
-#endif
-#ifndef VEC16_FMTS
-#define VEC16_FMTS 7 /* the same for prompt tiles and attend_vec16: every format */
-#endif
+/* A work item on these CPUs: decode rows over bf16 and fp8 pages take attend_dec16 (over fp32 pages it measured no
+ * faster than attend_vec), prompt tiles attend_vec16 (every format), the rest attend_vec. */
 static inline __attribute__((always_inline)) void attend_vec_dec(const Args *a, int t, int h, const int HD,
                                                                  const int fmt) {
     const int d = tile_first(a, t);
-    if (((DEC16_FMTS >> fmt) & 1) && (fmt != 2 || DEC16_FP8) && HD % 64 == 0 && tile_first(a, t + 1) == d + 1 &&
+    if ((fmt == 1 || (fmt == 2 && DEC16_FP8)) && HD % 64 == 0 && tile_first(a, t + 1) == d + 1 &&
         a->G <= DEC_Q) { /* a decode row: an item of its KV heads, DEC_Q / G */
         const int per = a->item_heads == 1 ? 1 : DEC_Q / a->G;
         if (h % per == 0) attend_dec16(a, t, h, a->KVH - h < per ? a->KVH - h : per, HD, fmt);
         return; /* the other heads of its group: done with the first */
     }
-    if (((VEC16_FMTS >> fmt) & 1) && HD % 64 == 0 && tile_first(a, t + 1) > d + 1)
+    if (HD % 64 == 0 && tile_first(a, t + 1) > d + 1)
         attend_vec16(a, t, h, HD, fmt); /* a prompt tile */
     else
         attend_vec(a, t, h, HD, fmt);
