@@ -11,11 +11,13 @@
  *   lens       [D] int32                 keys each sequence attends to (>= 1)
  *
  * fp8 -> fp32 without a table: e4m3 bits s eeee mmm placed as fp32 bits s 0000eeee mmm0... read as
- * 2^(e-127) (1 + m/8) for e > 0 and 2^-126 (m/8) for e = 0; the true values are 2^(e-7) (1 + m/8)
- * and 2^-6 (m/8): both off by exactly 2^120, which is folded into the row's scale with the token's
- * own 2^e (applied as two exact multiplies: 2^120 * 2^e may not fit one float). bf16 -> fp32 is the
- * 16-bit shift. Sums are over HD in float32 (the compiler may reassociate them to vectorise: the
- * order of a 64-term sum, not the result's precision, changes).
+ * 2^(e-127) (1 + m/8) for e > 0; the true values are 2^(e-7) (1 + m/8): off by exactly 2^120, which is
+ * folded into the row's scale with the token's own 2^e (applied as two exact multiplies: 2^120 * 2^e
+ * may not fit one float). The vector copies place the bits in float16 instead (off by 2^8; F16C's
+ * conversion is exact), and the scalar code takes e = 0, 2^-6 (m/8), as m 2^-9: no float32 subnormal
+ * is ever an operand (below). bf16 -> fp32 is the 16-bit shift. Sums are over HD in float32 (the
+ * compiler may reassociate them to vectorise: the order of a 64-term sum, not the result's precision,
+ * changes).
  *
  * Two copies of the loop: `attend_hd`, plain C the compiler vectorises (any head size, any CPU), and
  * `attend_vec` with AVX-512 intrinsics for head sizes 64 and 128 where the CPU has AVX-512 (and copies of
@@ -30,6 +32,17 @@
  * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few). Decode
  * rows over bf16 or fp8 pages with bf16 q run on AMX tiles where the CPU has them (`attend_amx`, its section below).
  * Threads: the process's shared helper pool (kernels/cpu/pool.c) over items.
+ *
+ * Subnormals: on Intel cores an operation whose operand or result is a float32 subnormal takes a
+ * microcode assist (~100+ cycles) unless MXCSR's DAZ / FTZ say otherwise (they are left as the caller has them:
+ * results keep float32's range). Over fp8 pages they came up twice: the fp8 subnormal codes read as float32
+ * subnormals by the bits above (the vector copies now go by float16, the scalar code by m 2^-9), and softmax
+ * weights near float32's smallest normal times the token's 2^e < 1 (the weights' floor is now e^-60,
+ * `EXP_CUTOFF`). Measured on an Ice Lake-SP VM (AVX-512F, no BF16), one layer of SmolLM2's shapes over random
+ * fp8 pages as `bench cpu-kernels` fills them, 2 threads, alternating with the build before: 100 prompt rows after
+ * 2,000 keys 16.2-16.7 ms -> 3.8-4.5 (bf16 pages 3.7-4.6), with a third of the codes subnormal 25-27 -> 3.9-4.6;
+ * 32 decode rows of 2,100 keys 7.2-7.6 -> 3.6-4.0; the outputs the same bits. SmolLM2's own pages in a c = 32
+ * step at 1,000-token contexts gave them rarely: the step's attention 47-53 ms -> 43-51 (noise).
  */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define VECTOR_COPY 1 /* attend_vec (AVX-512) or attend_vec8 (AVX2) below */
@@ -88,13 +101,19 @@ static inline void store_out(const Args *a, int d, int h, int g, const float *ac
     }
 }
 
-/* e^x for finite x <= 0 (`exp_reduced`, bits.h), for the softmax loops. Below -87 (where 2^n would leave the
- * normal range) the result is 0, as e^x < 1.7e-38 is against a running sum >= 1. Within 2 ulp of expf. */
+/* The softmax weights' floor: e^x below e^EXP_CUTOFF is 0, as e^-60 < 1e-26 is against a running sum >= 1 (far
+ * under the float32 rounding of any sum it joins). Not -87, where 2^n would leave float32's normal range: over fp8
+ * pages each weight is multiplied by its token's 2^e and then by V's codes, and weights near e^-87 made those
+ * products float32 subnormals, each a microcode assist of ~100+ cycles on Intel cores (the top of the file). From
+ * e^-60 (2^-86.6), times 2^e and the smallest code (2^-9), they stay normal for every e >= -30. */
+#define EXP_CUTOFF -60.0f
+
+/* e^x for finite x <= 0 (`exp_reduced`, bits.h), for the softmax loops; 0 below EXP_CUTOFF. Within 2 ulp of expf. */
 static inline float exp_nonpositive(float x) {
     float n;
-    const float p = exp_reduced(x < -87.0f ? -87.0f : x, &n);
+    const float p = exp_reduced(x < EXP_CUTOFF ? EXP_CUTOFF : x, &n);
     const float scale = bits_to_float((uint32_t)((int32_t)n + 127) << 23);
-    return x < -87.0f ? 0.0f : p * scale;
+    return x < EXP_CUTOFF ? 0.0f : p * scale;
 }
 
 /* The page rows of a sequence's tokens t0 .. t0+n-1 for KV head h (page by page: no division per token). */
@@ -135,9 +154,10 @@ static inline __attribute__((always_inline)) void load_row(const Args *a, const 
     } else {
         const uint8_t *src = (const uint8_t *)base + row * HD;
         const float fix = 0x1p120f;
-        for (int i = 0; i < HD; i++) {
-            uint32_t x = src[i];
-            dst[i] = bits_to_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 20)) * fix;
+        for (int i = 0; i < HD; i++) { /* e = 0: 2^-6 (m/8) = m 2^-9, no subnormal operand */
+            const uint32_t x = src[i];
+            const float mag = (x & 0x78u) ? bits_to_float((x & 0x7Fu) << 20) * fix : (float)(x & 7u) * 0x1p-9f;
+            dst[i] = (x & 0x80u) ? -mag : mag;
         }
         *mul = pow2i(exps[row]); /* bits.h: exact, where ldexpf was a library call per token */
     }
@@ -313,23 +333,25 @@ static inline __m512 sum16(const __m512 v[16]) { /* lane j: the sum of v[j]'s 16
     return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
 }
 
-/* e^x for x <= 0 on 16 lanes (-inf and below -87: 0; NaN stays NaN), as exp_nonpositive lane by lane. */
+/* e^x for x <= 0 on 16 lanes (-inf and below EXP_CUTOFF: 0; NaN stays NaN), as exp_nonpositive lane by lane. */
 static inline __m512 exp_nonpositive16(__m512 x) {
-    const __m512 c = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* the second operand where either is NaN */
+    const __m512 c = _mm512_max_ps(_mm512_set1_ps(EXP_CUTOFF), x); /* the second operand where either is NaN */
     __m512 n;
     const __m512 p = exp_reduced16(c, &n);
-    return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_scalef_ps(p, n));
+    return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_CUTOFF), _CMP_LT_OQ),
+                               _mm512_scalef_ps(p, n));
 }
 
-/* 16 values c .. c+15 of page row `row` as float32 (fp8: times 2^120, as load_row). */
+/* 16 values c .. c+15 of page row `row` as float32 (fp8: the codes' values, as load_row). fp8 by float16, as row32
+ * below: sign-extended to 16 bits and shifted by 7, the sign on 15 and 14 (cleared), eeee mmm on 7-13, read as 2^-8
+ * of the true value by F16C's exact conversion (subnormal codes too, with no assist), then times 2^8. */
 static inline __attribute__((always_inline)) __m512 widen16(const void *base, int64_t row, int c, const int HD,
                                                             const int fmt) {
     if (fmt == 0) return _mm512_loadu_ps((const float *)base + row * HD + c);
     if (fmt == 1) return bf16x16_to_float((const uint16_t *)base + row * HD + c);
-    /* sign-extended, shifted by 20: the sign lands on bit 31 and on 27-30 (cleared), eeee mmm on 23-26 and 20-22 */
-    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + row * HD + c)));
-    const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(x, 20), _mm512_set1_epi32((int)0x87FFFFFFu));
-    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+    const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + row * HD + c));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xBF80));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(0x1p8f));
 }
 
 #ifdef __AVX512BF16__
@@ -973,11 +995,17 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
         __m256 v;
         if (fmt == 1) {
             v = bf16x8_to_float((const uint16_t *)base + row * HD + c);
-        } else { /* as widen16: sign on bit 31 (27-30 cleared), eeee mmm on 20-26 */
+        } else { /* as widen16: by float16 where the CPU has F16C, else the float32 bits (load_row's) */
             const uint8_t *src = (const uint8_t *)base + row * HD + c;
+#ifdef __F16C__
+            const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)src)), 7),
+                                            _mm_set1_epi16((short)0xBF80));
+            v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(0x1p8f));
+#else
             const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src));
             const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(x, 20), _mm256_set1_epi32((int)0x87FFFFFFu));
             v = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+#endif
         }
         _mm256_store_ps(dst + c, v);
     }
@@ -1023,13 +1051,13 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
 #define DEC8_FP8 0
 #endif
 
-/* e^x for x <= 0 on 8 lanes, as exp_nonpositive: below -87 (and -inf) 0; NaN stays NaN. */
+/* e^x for x <= 0 on 8 lanes, as exp_nonpositive: below EXP_CUTOFF (and -inf) 0; NaN stays NaN. */
 static inline __m256 exp_nonpositive8(__m256 x) {
-    const __m256 c = _mm256_max_ps(_mm256_set1_ps(-87.0f), x); /* the second operand where either is NaN */
+    const __m256 c = _mm256_max_ps(_mm256_set1_ps(EXP_CUTOFF), x); /* the second operand where either is NaN */
     __m256 n;
     const __m256 p = exp_reduced8(c, &n);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ),
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(EXP_CUTOFF), _CMP_LT_OQ),
                             _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 

@@ -75,14 +75,8 @@ def test_decode_rows_with_kv_heads_read_together(fmt: str, group: int, head_dim:
                         paged_decode_attention_ref(q, *paged.with_abs_v(), scale), 1e-5, seed)
 
 
-@pytest.mark.parametrize("k_log2,v_log2", [(-60, 55), (55, -60)])
-@pytest.mark.parametrize("group", [3, 6])
-def test_fp8_decode_rows_at_the_ends_of_the_exponent_range(k_log2: int, v_log2: int, group: int, seed: int) -> None:
-    """Decode rows over fp8 pages whose tokens' exponents lie near both ends of theirs (-64 .. 63; K near 2^55 and
-    2^-60, the queries scaled back so the scores stay O(10); V near 2^-60 and 2^55), subnormal codes beside each
-    row's largest: the vector copies apply 2^e, and the AVX2 and AVX-512F decode rows the 2^-8 of their float16
-    conversion, as exact scalings."""
-    lens = [1, 40, 130, 17, 64, 9, 33, 100]
+def _fp8_paged_at_the_ends(lens: list[int], k_log2: int, v_log2: int):
+    """fp8 pages of K near 2^k_log2 and V near 2^v_log2, a subnormal code beside each row's largest."""
     kv = []
     for k, v in random_sequences(lens, 3, 64):
         for x in (k, v):  # 2^-16 of the row's largest: an e = 0 code (e4m3's smallest normal is 2^-6, 448 = 2^8.8)
@@ -93,12 +87,42 @@ def test_fp8_decode_rows_at_the_ends_of_the_exponent_range(k_log2: int, v_log2: 
     for pages in (paged.k_cache, paged.v_cache):
         codes = pages.view(torch.uint8)
         assert bool(((codes & 0x78 == 0) & (codes & 0x07 != 0)).any())  # subnormal codes among them
+    return paged
+
+
+@pytest.mark.parametrize("k_log2,v_log2", [(-60, 55), (55, -60)])
+@pytest.mark.parametrize("group", [3, 6])
+def test_fp8_decode_rows_at_the_ends_of_the_exponent_range(k_log2: int, v_log2: int, group: int, seed: int) -> None:
+    """Decode rows over fp8 pages whose tokens' exponents lie near both ends of theirs (-64 .. 63; K near 2^55 and
+    2^-60, the queries scaled back so the scores stay O(10); V near 2^-60 and 2^55), subnormal codes beside each
+    row's largest: the vector copies apply 2^e, and the AVX2 and AVX-512F decode rows the 2^-8 of their float16
+    conversion, as exact scalings."""
+    lens = [1, 40, 130, 17, 64, 9, 33, 100]
+    paged = _fp8_paged_at_the_ends(lens, k_log2, v_log2)
     q = torch.randn(len(lens), 3 * group, 64) * 2.0 ** -k_log2
     out = paged_decode_attention_cpu(q, *paged, 0.125, threads=2)
     assert out is not None
     ref = paged_decode_attention_ref(q, *paged, 0.125)
     assert_close_in_mag(out, ref, paged_decode_attention_ref(q, *paged.with_abs_v(), 0.125), 1e-5, seed)
     assert 2.0 ** (v_log2 - 20) < float(ref.abs().max()) < 2.0 ** (v_log2 + 20)
+
+
+@pytest.mark.parametrize("k_log2,v_log2", [(-60, 55), (55, -60)])
+def test_fp8_prompt_tiles_at_the_ends_of_the_exponent_range(k_log2: int, v_log2: int, seed: int) -> None:
+    """The same pages under a prompt chunk's tiles, whose vector copies widen K and V rows to float32 by float16
+    (subnormal codes as their exact values), with scores tens apart, so that weights at the kernel's floor (e^-60)
+    meet the tokens' 2^e. Scores of tens carry float32 rounding into every weight, in both implementations, hence
+    `test_scores_spread_far_apart`'s wider tolerance."""
+    lens = [130, 40, 17]
+    paged = _fp8_paged_at_the_ends(lens, k_log2, v_log2)
+    table, keys = _prompt_rows(paged, lens, (30, 130))
+    rows = paged._replace(page_table=table, context_lens=keys)
+    q = torch.randn(len(keys), 9, 64) * 2.0 ** -k_log2 * 8  # scores of tens: weights down to e^-100 and below
+    tiles = torch.tensor([0, 1, *range(2, len(keys), tile_rows(3)), len(keys)], dtype=torch.int32)
+    out = paged_decode_attention_cpu(q, *rows, 0.125, threads=2, tiles=tiles)
+    assert out is not None
+    ref = paged_decode_attention_ref(q, *rows, 0.125)
+    assert_close_in_mag(out, ref, paged_decode_attention_ref(q, *rows.with_abs_v(), 0.125), 2e-4, seed)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -117,7 +141,7 @@ def test_other_head_dims(head_dim: int, fmt: str, seed: int) -> None:
 @pytest.mark.parametrize("spread,rtol", [(3.0, 1e-5), (40.0, 2e-4)])
 def test_scores_spread_far_apart(spread: float, rtol: float, seed: int) -> None:
     """Softmax weights from e^0 down to far below float32's range: the kernel's polynomial exponential
-    (and its zero below e^-87) against the reference's, with scores apart by tens to thousands. At the
+    (and its zero below e^-60) against the reference's, with scores apart by tens to thousands. At the
     wide spread the scores themselves (tens to hundreds) carry float32 rounding of ~|score| * 2^-24 into
     every weight, in both implementations (up to 5e-5 over 300 seeds; over 40 seeds `expf` and the
     polynomial had the same worst case, 3.1e-5), so its tolerance is wider; an exponential that were off
