@@ -21,6 +21,13 @@ worker's `/health` reads `alive`.
 `fail_all(err)` ends every subscribed request with `err` now (drain timeout);
 `num_active()` counts them.
 
+Tensor parallelism: when a rank of the engine's group dies (`Collectives.on_failure`:
+the group's watchdog, or a collective that raised), every subscribed request ends at
+once with `GroupFailure` and `alive` turns False, without waiting for the engine
+thread: that thread may sit in a collective on the dead rank until the group's timeout
+(a dead peer closes its connections, which usually ends the wait at once, but not
+always). It stops itself when that step fails, and returns the pages then.
+
 With a KV store tier (`kv_store_tier.py`), `submit` first asks the tier to fetch the
 prompt's blocks that follow its locally cached prefix. Such a request is checked at
 once (`Scheduler.check_room`: a refusal still raises in `submit`) but queued only when
@@ -89,6 +96,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="edgeserve-engine", daemon=True)
         self._started = False
         self._failure: BaseException | None = None
+        group = getattr(engine, "group", None)
+        if group is not None:
+            group.on_failure(self._group_failed)
 
     @property
     def alive(self) -> bool:
@@ -107,18 +117,29 @@ class AsyncEngine:
         with self._lock:
             return len(self._subs)
 
-    def fail_all(self, err: EdgeServeError) -> int:
+    def fail_all(self, err: EdgeServeError, stop: bool = False) -> int:
         """End every subscribed request now with `err` as its final `ErrorEvent`; return how many.
 
         Any thread (the worker's event loop at its drain timeout). Each request is aborted too, so
         its pages return at the next step boundary (a reservation still receiving KV: when its
-        reader releases it, or at its first token). The engine goes on serving new requests."""
+        reader releases it, or at its first token). The engine goes on serving new requests, unless
+        `stop`: then `err` is the failure (`alive` False, `submit` and `attach` refuse), set together
+        with taking the requests, so none can slip in between."""
         with self._lock:
             subs, self._subs = self._subs, {}
+            if stop and self._failure is None:
+                self._failure = err
         self._end(subs, err)
         for rid in subs:
             self.engine.abort(rid)
         return len(subs)
+
+    def _group_failed(self, err: EdgeServeError) -> None:
+        """A rank of the engine's group is gone (any thread): end every request with the group's typed error now
+        and stop taking work; the engine thread follows when its step fails (see the module docstring)."""
+        ended = self.fail_all(err, stop=True)
+        log.error("tensor-parallel group failed: %d requests ended, the engine stops", ended)
+        self.engine.scheduler.wake()
 
     def start(self) -> None:
         if not self._started:

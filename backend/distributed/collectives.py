@@ -11,13 +11,17 @@ agree with world size 1 to float rounding (~1e-6 in float32), not bit for bit.
 Failures: a rank that dies closes its connections and the next collective on every
 other rank raises at once; a rank that hangs makes it raise after the group's
 timeout. Either way the error surfaces as `GroupFailure` (an `EngineStopped`), and
-the group is marked failed: every later call raises it too (`check`).
+the group is marked failed: every later call raises it too (`check`). Whoever must
+act on it at once registers with `on_failure` (rank 0's `AsyncEngine` ends its
+streams): a collective that waits on a dead rank may only raise at the timeout.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +29,8 @@ import torch.distributed as dist
 from backend.errors import EngineStopped
 
 __all__ = ["Collectives", "GroupFailure"]
+
+log = logging.getLogger(__name__)
 
 
 class GroupFailure(EngineStopped):
@@ -43,18 +49,39 @@ class Collectives:
         self.failure: GroupFailure | None = None
         self.rank_weights: list[dict[str, int]] = []  # per rank: checkpoint bytes read, weight bytes held
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[GroupFailure], None]] = []  # called once, at the first failure
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     def fail(self, reason: str) -> GroupFailure:
-        """Mark the group failed (first reason wins) and return the error every later call raises."""
+        """Mark the group failed (first reason wins) and return the error every later call raises. The first
+        call also calls the `on_failure` listeners, on this thread (the watchdog's, or the one whose
+        collective raised)."""
         with self._lock:
+            listeners: list[Callable[[GroupFailure], None]] = []
             if self.failure is None:
                 self.failure = GroupFailure(f"the tensor-parallel group of this worker is gone: {reason}; "
                                             f"retry on another worker", world_size=self.world)
-            return self.failure
+                listeners, self._listeners = self._listeners, []
+            failure = self.failure
+        for listener in listeners:  # outside the lock: a listener may ask `check` or `failure`
+            try:
+                listener(failure)
+            except Exception:  # noqa: BLE001 - the others must still hear of it
+                log.exception("a listener of the group's failure raised")
+        return failure
+
+    def on_failure(self, listener: Callable[[GroupFailure], None]) -> None:
+        """Call `listener(failure)` once when the group fails; at once, here, if it already has. It runs on the
+        thread that marks the failure and must not wait on the group."""
+        with self._lock:
+            failure = self.failure
+            if failure is None:
+                self._listeners.append(listener)
+        if failure is not None:
+            listener(failure)
 
     def check(self) -> None:
         """Raise the group's `GroupFailure` once it has failed."""

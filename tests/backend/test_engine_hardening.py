@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from backend.async_engine import AsyncEngine
+from backend.distributed.collectives import Collectives, GroupFailure
 from backend.engine import EngineConfig, LLMEngine
 from backend.errors import Draining, EngineStopped, KVIntegrityError
 from backend.fault_injection import free_held_and_reallocate
@@ -204,6 +205,58 @@ def test_fail_all_ends_every_live_request_with_the_given_error_and_the_engine_se
         assert last.completion_tokens == streamed_tokens(events)
     assert isinstance(after[-1], FinishEvent) and after[-1].completion_tokens == 3
     assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_a_group_failure_ends_every_request_while_the_engine_thread_waits_in_a_collective(model_dir: Path) -> None:
+    """Rank 0 of a tensor-parallel group, its step waiting on a rank that died (a collective that raises only at the
+    group's timeout; here a model run that blocks until released, then raises the group's error as the collective
+    would): the watchdog marking the group failed ends every stream at once with the typed `GroupFailure`, the
+    tokens each got metered, and new work is refused; when the step returns the engine thread stops, every page
+    back. The group's collectives are never called: the model runs alone."""
+    engine = make(model_dir, max_num_seqs=2)
+    group = engine.group = Collectives(0, 2)
+    aengine = AsyncEngine(engine)
+    block, inside, release = threading.Event(), threading.Event(), threading.Event()
+    run = engine.runner.run
+
+    def waits_on_a_dead_rank(batch):
+        if block.is_set():
+            inside.set()
+            release.wait(30)
+            group.check()
+        return run(batch)
+
+    engine.runner.run = waits_on_a_dead_rank  # type: ignore[method-assign]
+    long = SamplingParams(max_tokens=200, **GREEDY)
+
+    async def scenario() -> tuple[list[Event], list[list[Event]], float]:
+        streams = [aengine.submit(PROMPT, long, f"r{i}") for i in range(3)]  # two run, the third waits
+        firsts = [await anext(s) for s in streams[:2]]
+        block.set()
+        assert await asyncio.to_thread(inside.wait, 10)
+        started = time.monotonic()
+        group.fail("rank 1 (pid 1) exited with code -9")  # what the group's watchdog does
+        rests = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), timeout=5)
+        elapsed = time.monotonic() - started
+        assert not aengine.alive
+        with pytest.raises(EngineStopped):
+            aengine.submit(PROMPT, long)
+        release.set()
+        await asyncio.to_thread(wait_all_free, engine)
+        return firsts, rests, elapsed
+
+    try:
+        firsts, rests, elapsed = asyncio.run(scenario())
+    finally:
+        release.set()
+        aengine.shutdown()
+    assert elapsed < 3.0  # at once, not at the group's timeout
+    for events in [[f, *r] for f, r in zip(firsts, rests)] + [rests[2]]:
+        last = events[-1]
+        assert isinstance(last, ErrorEvent) and last.code == GroupFailure.code and last.type == "GroupFailure", last
+        assert last.completion_tokens == streamed_tokens(events)
+    assert streamed_tokens(rests[2]) == 0
+    assert isinstance(aengine.failure, GroupFailure) and aengine.num_active() == 0
 
 
 # -- item 5: reservations, admissions and aborts racing the engine thread --------------------------------
