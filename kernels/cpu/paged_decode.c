@@ -1545,19 +1545,22 @@ static void amx_attention_config(void) {
     _tile_loadconfig(&cfg);
 }
 
+#define EXP2_CUTOFF (EXP_CUTOFF * 1.44269504f) /* the weights' floor e^EXP_CUTOFF, as a power of two: -86.6 */
+
 /* 2^x for the softmax's weights, which are rounded to bfloat16 next: x = n + r (n = rint(x), |r| <= 1/2), 2^r by a
  * degree-4 polynomial (Taylor of e^(r ln 2); truncation < 5e-5 relative, against the 2^-9 of that rounding), then
- * scaled by 2^n. x clamped at -125 (the result then 2^-125, normal, where the true weight is smaller: far
- * under the rounding of any sum it joins); NaN stays NaN. The caller zeroes the lanes of keys a head does not see. */
+ * scaled by 2^n. Below EXP2_CUTOFF 0, as the vector copies' floor (its comment: a weight there, times an fp8 token's
+ * 2^e, was a float32 subnormal, a microcode assist, then flushed by the bfloat16 rounding anyway); it was 2^-125
+ * before, clamped. NaN stays NaN. The caller zeroes the lanes of keys a head does not see. */
 static inline __m512 exp2_weights16(__m512 x) {
-    const __m512 c = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
+    const __m512 c = _mm512_max_ps(_mm512_set1_ps(EXP2_CUTOFF), x); /* the second operand where either is NaN */
     const __m512 n = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(c, n);
     __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0096181291f), r, _mm512_set1_ps(0.0555041087f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2402265070f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931471806f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_scalef_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP2_CUTOFF), _CMP_LT_OQ), p, n);
 }
 
 /* x rounded to bfloat16 (nearest even), as float32: the bfloat16 bits in each lane's top half, zeros below. */
