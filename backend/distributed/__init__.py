@@ -11,6 +11,8 @@
   ranks' KV heads, so the wire carries whole layers whatever either side's group size).
 - `group.py`: starting a group (spawned by the worker, or under `torchrun`), the followers'
   loop, and the watchdog that ends the group when a rank dies.
+- `kernel_choices.py`: the CPU kernel choices a process times for itself, made by rank 0 for
+  the whole group.
 
 Nothing here is imported by a single-process worker: at world size 1 the model makes no
 collective call at all.

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from backend.distributed import kernel_choices
 from backend.distributed.collectives import Collectives
 from backend.distributed.kv_exchange import KVExchange, serve_kv_message
 from backend.distributed.step_broadcast import StepChannel, StepMessage
@@ -87,7 +88,8 @@ def torchrun_env() -> tuple[int, int] | None:
 
 def init_rank(rank: int, spec: GroupSpec, env: bool = False) -> Collectives:
     """Join the group as `rank`: the default process group (model collectives, `spec.timeout_s`) and
-    the control group (step messages, `CONTROL_TIMEOUT_S`). `env`: rendezvous from torchrun's variables."""
+    the control group (step messages, `CONTROL_TIMEOUT_S`). `env`: rendezvous from torchrun's variables.
+    On CPU the ranks then take rank 0's timed kernel choices (`kernel_choices.py`), before any loads."""
     backend = "nccl" if spec.config.device == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -95,7 +97,10 @@ def init_rank(rank: int, spec: GroupSpec, env: bool = False) -> Collectives:
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=spec.world_size,
                             timeout=datetime.timedelta(seconds=spec.timeout_s))
     control = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
-    return Collectives(rank, spec.world_size, control)
+    coll = Collectives(rank, spec.world_size, control)
+    if backend == "gloo":
+        kernel_choices.agree(coll)
+    return coll
 
 
 def _load_shard(spec: GroupSpec, coll: Collectives) -> Any:

@@ -38,6 +38,7 @@ from backend.layers.loader import WeightLoader
 from backend.model import load_model
 from backend.weight_formats import Fp8Format, Int4Format
 from backend.weights import CheckpointReader
+from kernels import cpu_gemv_int4
 from ops.quantize import quantize_checkpoint
 from ops.quantize_ignore import KIMI_IGNORE
 from tests.backend.test_checkpoint_prefix import wrap
@@ -185,6 +186,16 @@ def test_kimi_int4_experts_tp2_ep2(kimi_dir: Path, monkeypatch: pytest.MonkeyPat
     though every call of it was within 1.2e-7 of sum |x w| of float64 and the float32-experts run below agrees to
     4e-7; the likely source is the row-parallel layers' two K halves summed apart)."""
     monkeypatch.setenv("EDGESERVE_F32_GEMV", "0")
+    check(kimi_dir, 2, expert_parallel=True)
+
+
+def test_followers_take_rank_0s_timed_int4_choice(kimi_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's probe times the INT4 C kernel faster; the followers', on their own (here their environment, which
+    they inherit), would keep torch's INT4 GEMM. The group runs rank 0's choice (`kernel_choices.py`), so the logits
+    agree as closely as above: with the followers on torch's op they came out 7.6e-4 apart."""
+    monkeypatch.setenv("EDGESERVE_F32_GEMV", "0")
+    monkeypatch.setenv("EDGESERVE_INT4_GEMV", "0")  # what a follower would take on its own
+    monkeypatch.setattr(cpu_gemv_int4, "pays", cpu_gemv_int4.available)  # rank 0's probe: the C kernel
     check(kimi_dir, 2, expert_parallel=True)
 
 
