@@ -137,7 +137,8 @@ def run_follower(coll: Collectives, spec: GroupSpec) -> int:
     if c.num_threads:
         torch.set_num_threads(c.num_threads)
     model = _load_shard(spec, coll)
-    cache = create_kv_cache(model.local_cfg, c.kv_format, c.kv_cache_bytes, c.page_size, model.dtype, model.embed.device)
+    cache = create_kv_cache(model.local_cfg, c.kv_format, c.kv_cache_bytes, c.page_size, model.dtype,
+                            model.embed.device)
     _handshake(coll, model, cache.num_pages)
     channel = StepChannel(coll, c.page_size, model.dtype, c.device)
     steps = 0
