@@ -220,6 +220,15 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int t
 }
 
 #if VECTOR_COPY
+/* 16 fp8_e4m3 codes as float16 bits worth 2^-8 of their values: sign-extended to 16 bits and shifted by 7, the sign
+ * on 15 and 14 (cleared), eeee mmm on 7-13, read by F16C's exact conversion as 2^(e-15) (1 + m/8), or 2^-14 (m/8)
+ * for e = 0, where the true values are 2^(e-7) (1 + m/8) and 2^-6 (m/8): subnormal codes too, with no float32
+ * subnormal anywhere (the top of the file). */
+static inline __m256i fp8x16_half_bits(const uint8_t *src) {
+    const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)src)), 7);
+    return _mm256_and_si256(x, _mm256_set1_epi16((short)0xBF80));
+}
+
 /* Prefetch `nrows` consecutive page rows of `base` from `row` on (each HD values of 4, 2 or 1 bytes by fmt: whole
  * 64-byte lines; a token's rows of consecutive KV heads are consecutive) into L2, or into L1 where `l1`. */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *base, int64_t row, int nrows,
@@ -342,16 +351,14 @@ static inline __m512 exp_nonpositive16(__m512 x) {
                                _mm512_scalef_ps(p, n));
 }
 
-/* 16 values c .. c+15 of page row `row` as float32 (fp8: the codes' values, as load_row). fp8 by float16, as row32
- * below: sign-extended to 16 bits and shifted by 7, the sign on 15 and 14 (cleared), eeee mmm on 7-13, read as 2^-8
- * of the true value by F16C's exact conversion (subnormal codes too, with no assist), then times 2^8. */
+/* 16 values c .. c+15 of page row `row` as float32 (fp8: the codes' values, as load_row: `fp8x16_half_bits`, F16C's
+ * conversion, then times 2^8). */
 static inline __attribute__((always_inline)) __m512 widen16(const void *base, int64_t row, int c, const int HD,
                                                             const int fmt) {
     if (fmt == 0) return _mm512_loadu_ps((const float *)base + row * HD + c);
     if (fmt == 1) return bf16x16_to_float((const uint16_t *)base + row * HD + c);
-    const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + row * HD + c));
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xBF80));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(0x1p8f));
+    return _mm512_mul_ps(_mm512_cvtph_ps(fp8x16_half_bits((const uint8_t *)base + row * HD + c)),
+                         _mm512_set1_ps(0x1p8f));
 }
 
 #ifdef __AVX512BF16__
@@ -1106,11 +1113,9 @@ static inline __attribute__((always_inline)) void row16(const void *base, int64_
         const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + row * HD + c));
         *lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
         *hi = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
-    } else { /* fp8: sign-extended to 16 bits and shifted by 7: the sign on 15 and 14 (cleared), eeee mmm on 7-13 */
+    } else { /* fp8: `fp8x16_half_bits` */
 #if DEC8_FP8
-        const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + row * HD + c));
-        const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
-        const __m256i h = _mm256_and_si256(x, _mm256_set1_epi16((short)0xBF80));
+        const __m256i h = fp8x16_half_bits((const uint8_t *)base + row * HD + c);
         *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
         *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 #endif
@@ -1545,7 +1550,8 @@ static void amx_attention_config(void) {
     _tile_loadconfig(&cfg);
 }
 
-#define EXP2_CUTOFF (EXP_CUTOFF * 1.44269504f) /* the weights' floor e^EXP_CUTOFF, as a power of two: -86.6 */
+#define LOG2E 1.44269504088896341f
+#define EXP2_CUTOFF (EXP_CUTOFF * LOG2E) /* the weights' floor e^EXP_CUTOFF, as a power of two: -86.6 */
 
 /* 2^x for the softmax's weights, which are rounded to bfloat16 next: x = n + r (n = rint(x), |r| <= 1/2), 2^r by a
  * degree-4 polynomial (Taylor of e^(r ln 2); truncation < 5e-5 relative, against the 2^-9 of that rounding), then
@@ -1650,7 +1656,6 @@ static inline __attribute__((always_inline)) void fp8_block(const uint8_t *base,
 
 /* Query heads of an item from which its softmax runs lane-wise (`softmax_lanes`), not head by head. */
 #define AMX_LANES_FROM 9
-#define LOG2E 1.44269504088896341f
 
 /* Rescales head g's output sums by c[g] where that is not 1 (the running maximum moved). */
 static inline __attribute__((always_inline)) void rescale_out(float (*o)[MAX_HD], const float *c, int NQ, int HD) {
