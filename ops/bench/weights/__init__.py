@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
 
     # -- engines: one per format, one copy of the weights each
     max_c = max(points)
-    kv_tokens = max(max_c * (prompt_tokens + _output_tokens(max_c, quick)), prefill_tokens + 16) + 16 * max_c
+    kv_tokens = max(max_c * (prompt_tokens + _output_tokens(max_c, quick)), prefill_tokens + 16,
+                    window + 16) + 16 * max_c  # every request admitted at once; a scored window in one step
     kv_bytes = kv_tokens * kv_bytes_per_token(load_config(model_dir), kv_format)  # every request admitted at once
 
     def engine(fmt: str | None, group: int, path: Path = model_dir) -> LLMEngine:
