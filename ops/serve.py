@@ -244,6 +244,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from ops.pull import resolve_model
 
     model_dir = resolve_model(args.model)
+    prebuild = None
+    if args.device == "cpu":  # the C kernels build while the model loads, not in the first request's step
+        from kernels.cpu_prebuild import start_prebuild
+
+        prebuild = start_prebuild()
     dtype = resolve_dtype(args.dtype, args.device)
     engine_threads = None
     if args.tensor_parallel == 1:  # torch's OpenMP pool belongs to the engine thread (kernels/cpu_threads.py)
@@ -265,17 +270,34 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.tensor_parallel > 1:
         from backend.distributed.group import GroupSpec, start_group
 
+        _kernels_built(prebuild)  # before the followers start: they load what this process built
+
         group = start_group(GroupSpec(args.tensor_parallel, str(model_dir), config, args.expert_parallel,
                                       timeout_s=args.tp_timeout))
         if group is None:  # a torchrun follower rank: its loop has ended
             return 0
     try:
         engine = LLMEngine.from_pretrained(model_dir, config, group.coll if group is not None else None)
+        _kernels_built(prebuild)
         _serve_engine(args, engine, model_dir, token, warning, group, engine_threads)
     finally:
         if group is not None:
             group.shutdown()
     return 0
+
+
+def _kernels_built(prebuild: Any) -> None:
+    """Wait for the CPU kernels' prebuild (`kernels/cpu_prebuild.py`; None: nothing to wait for), saying so
+    where it is still running: a host's first start, or the first after an upgrade changed a kernel."""
+    if prebuild is None:
+        return
+    if not prebuild.done():
+        print("edgeserve worker: building the CPU kernels for this host (once per host and version)", flush=True)
+    took = prebuild.wait()
+    if took > 1.0:
+        failed = prebuild.failed()
+        print(f"  CPU kernels ready in {took:.1f} s" + (f"; unavailable (torch runs instead): {', '.join(failed)}"
+                                                       if failed else ""), flush=True)
 
 
 def _serve_engine(args: argparse.Namespace, engine: Any, model_dir: Path, token: str | None, warning: str | None,
