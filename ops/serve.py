@@ -42,7 +42,10 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kernels.cpu_prebuild import Prebuild
 
 __all__ = ["register", "DEFAULT_MODEL", "parse_bytes", "add_engine_args", "add_worker_token_args", "add_drain_arg",
            "add_kv_store_args", "check_kv_store_args", "kv_store_worker_argv", "ENGINE_OPTIONS", "NEGATABLE_OPTIONS",
@@ -286,7 +289,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kernels_built(prebuild: Any) -> None:
+def _kernels_built(prebuild: Prebuild | None) -> None:
     """Wait for the CPU kernels' prebuild (`kernels/cpu_prebuild.py`; None: nothing to wait for), saying so
     where it is still running: a host's first start, or the first after an upgrade changed a kernel."""
     if prebuild is None:

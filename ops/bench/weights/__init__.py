@@ -47,10 +47,10 @@ the compute dtype, in every engine.
    (`edgeserve quantize`'s 16,384). The quick run keeps that recipe for the row the targets judge
    (int4_gptq_g128: a shorter calibration is another recipe, which quick runs had judged "missed" where the
    shipped one met the target), calibrates the others on 2,048 and leaves out int4_gptq_g32 and
-   int4_gptq_untuned_g128 (the time its target row takes). The bf16 row runs on the fp32 engine: it holds
-   exactly the BF16 checkpoint's values (under float32 compute a BF16 GEMM would also round activations). The
-   rtn and fp8 rows run the engines of step 1 (quantise-at-load equals the written checkpoint bit for
-   bit, `tests/ops/test_quantize.py`); the gptq rows load their checkpoints. Targets:
+   int4_gptq_untuned_g128 (their time pays for the target row's longer calibration). The bf16 row runs on the
+   fp32 engine: it holds exactly the BF16 checkpoint's values (under float32 compute a BF16 GEMM would also
+   round activations). The rtn and fp8 rows run the engines of step 1 (quantise-at-load equals the written
+   checkpoint bit for bit, `tests/ops/test_quantize.py`); the gptq rows load their checkpoints. Targets:
    INT4 g128 GPTQ top-1 within 0.8 percentage points of FP8 and perplexity within 3%, each judged on a 95%
    interval (`measures.paired_quality`: a block bootstrap over the scored tokens, each token's loss under both
    formats kept paired): "met" when the whole interval meets the limit, "unresolved" when it straddles it (the
