@@ -274,6 +274,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from backend.distributed.group import GroupSpec, start_group
 
         _kernels_built(prebuild)  # before the followers start: they load what this process built
+        prebuild = None
 
         group = start_group(GroupSpec(args.tensor_parallel, str(model_dir), config, args.expert_parallel,
                                       timeout_s=args.tp_timeout))

@@ -220,13 +220,20 @@ static inline __attribute__((always_inline)) void attend_hd(const Args *a, int t
 }
 
 #if VECTOR_COPY
-/* 16 fp8_e4m3 codes as float16 bits worth 2^-8 of their values: sign-extended to 16 bits and shifted by 7, the sign
- * on 15 and 14 (cleared), eeee mmm on 7-13, read by F16C's exact conversion as 2^(e-15) (1 + m/8), or 2^-14 (m/8)
- * for e = 0, where the true values are 2^(e-7) (1 + m/8) and 2^-6 (m/8): subnormal codes too, with no float32
- * subnormal anywhere (the top of the file). */
+/* fp8_e4m3 codes as float16 bits worth 2^-8 of their values: sign-extended to 16 bits and shifted by 7, the sign
+ * on 15 and 14 (14 cleared by FP8_HALF_MASK), eeee mmm on 7-13, read by F16C's exact conversion as 2^(e-15) (1 + m/8),
+ * or 2^-14 (m/8) for e = 0, where the true values are 2^(e-7) (1 + m/8) and 2^-6 (m/8): subnormal codes too, with
+ * no float32 subnormal anywhere (the top of the file). 8, 16 or (AVX512BW, `row32`) 32 codes at a time. */
+#define FP8_HALF_MASK ((short)0xBF80)
+
+static inline __m128i fp8x8_half_bits(const uint8_t *src) {
+    const __m128i x = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)src)), 7);
+    return _mm_and_si128(x, _mm_set1_epi16(FP8_HALF_MASK));
+}
+
 static inline __m256i fp8x16_half_bits(const uint8_t *src) {
     const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)src)), 7);
-    return _mm256_and_si256(x, _mm256_set1_epi16((short)0xBF80));
+    return _mm256_and_si256(x, _mm256_set1_epi16(FP8_HALF_MASK));
 }
 
 /* Prefetch `nrows` consecutive page rows of `base` from `row` on (each HD values of 4, 2 or 1 bytes by fmt: whole
@@ -659,11 +666,11 @@ static inline __attribute__((always_inline)) void row32(const void *base, int64_
         const __m512i x = _mm512_loadu_si512((const uint16_t *)base + row * HD + c);
         *lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
         *hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
-    } else { /* fp8: sign-extended to 16 bits and shifted by 7: the sign on 15 and 14 (cleared), eeee mmm on 7-13 */
+    } else { /* fp8: as `fp8x16_half_bits`, 32 codes */
 #if DEC16_FP8
         const __m256i b = _mm256_loadu_si256((const __m256i *)((const uint8_t *)base + row * HD + c));
-        const __m512i x = _mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7);
-        const __m512i h = _mm512_and_si512(x, _mm512_set1_epi16((short)0xBF80));
+        const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7),
+                                           _mm512_set1_epi16(FP8_HALF_MASK));
         *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
         *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 #endif
@@ -994,7 +1001,7 @@ static inline __m256 sum8(const __m256 v[8]) { /* lane j: the sum of v[j]'s 8 la
     return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
 }
 
-/* Page row `row` as float32: fp32 in place, else widened into dst (fp8: times 2^120, as load_row). */
+/* Page row `row` as float32: fp32 in place, else widened into dst (fp8: the codes' values, as load_row). */
 static inline __attribute__((always_inline)) const float *widen_row8(const void *base, int64_t row, float *dst,
                                                                       const int HD, const int fmt) {
     if (fmt == 0) return (const float *)base + row * HD;
@@ -1005,9 +1012,7 @@ static inline __attribute__((always_inline)) const float *widen_row8(const void 
         } else { /* as widen16: by float16 where the CPU has F16C, else the float32 bits (load_row's) */
             const uint8_t *src = (const uint8_t *)base + row * HD + c;
 #ifdef __F16C__
-            const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)src)), 7),
-                                            _mm_set1_epi16((short)0xBF80));
-            v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(0x1p8f));
+            v = _mm256_mul_ps(_mm256_cvtph_ps(fp8x8_half_bits(src)), _mm256_set1_ps(0x1p8f));
 #else
             const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src));
             const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(x, 20), _mm256_set1_epi32((int)0x87FFFFFFu));
