@@ -16,7 +16,8 @@ from backend.tokenizer import Tokenizer
 from backend.worker_client import WorkerClient
 from tests.backend.servers import serve_in_thread
 from ops.bench.gateway.load import Row
-from ops.bench.gateway.report import compare, target_verdicts, vs_baseline
+from ops.bench.gateway.passthrough import passthrough_app
+from ops.bench.gateway.report import compare, over_floor, target_verdicts, vs_baseline
 from ops.standin_worker import HELLO_WORLD, create_standin_app, token_text
 
 
@@ -164,3 +165,44 @@ def test_targets_judge_every_round_for_the_quota_tenant() -> None:
     slow[1] = row("edgeserve+quota", nostream, [4.0, 4.0, 4.0], [300, 300, 300])
     assert {k: v["verdict"] for k, v in target_verdicts(slow).items()} == {
         "added_p50_le_2ms_c1_nostream": "missed", "added_p50_le_2ms_c1_stream": "met"}
+
+
+def _answer(body: bytes) -> list[dict]:
+    """A chat answer's JSON objects (one, or the stream's events) less what differs per call (`id`, `created`)."""
+    events = [e for e in body.decode().replace("data: ", "").split("\n\n") if e.strip() and e != "[DONE]"]
+    return [{k: v for k, v in json.loads(e).items() if k not in ("id", "created")} for e in events]
+
+
+def test_passthrough_relays_the_answer_both_ways() -> None:
+    """The framework floor's proxy returns the stand-in's own bytes: whole when not streamed, the same events
+    when streamed (so the two targets answer alike and only the path differs)."""
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def fetch(url: str, stream: bool) -> tuple[int, str, bytes]:
+        resp = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": stream}, timeout=10)
+        return resp.status_code, resp.headers["content-type"].split(";")[0], resp.content
+
+    with serve_in_thread(create_standin_app(6)) as standin, serve_in_thread(passthrough_app(standin)) as proxy:
+        for stream in (False, True):
+            direct, relayed = fetch(standin, stream), fetch(proxy, stream)
+            assert relayed[:2] == direct[:2] == (200, "text/event-stream" if stream else "application/json")
+            assert _answer(relayed[2]) == _answer(direct[2])
+            assert len(_answer(direct[2])) > 1 if stream else len(_answer(direct[2])) == 1
+            assert relayed[2].endswith(b"data: [DONE]\n\n") if stream else relayed[2].startswith(b"{")
+        bad = httpx.post(f"{proxy}/v1/chat/completions", content=b"{", timeout=10)
+        assert bad.status_code == httpx.post(f"{standin}/v1/chat/completions", content=b"{").status_code == 400
+
+
+def test_over_floor_subtracts_the_passthrough_per_setting_and_round() -> None:
+    rows = [_row("direct", 1, False, 1.0, 3.0, 900.0, [1.0, 2.0]),
+            _row("passthrough", 1, False, 2.0, 4.0, 500.0, [1.8, 3.4]),
+            _row("edgeserve+quota", 1, False, 3.5, 6.0, 300.0, [3.0, 5.0]),
+            _row("litellm", 1, False, 9.0, 20.0, 50.0, [9.0, 9.0]),  # not an edgeserve target: left out
+            _row("direct", 1, True, 2.0, 4.0, 400.0, [2.0]),  # no pass-through at this setting: no entry
+            _row("edgeserve+quota", 1, True, 4.0, 6.0, 200.0, [4.0])]
+    got = over_floor(rows)
+    assert set(got) == {"c1_nostream"}
+    e = got["c1_nostream"]
+    assert e["floor_added_p50_ms"] == pytest.approx(1.0)
+    assert e["above_floor_p50_ms"] == pytest.approx({"edgeserve+quota": 1.5})
+    assert e["above_floor_rounds_ms"]["edgeserve+quota"] == pytest.approx((1.2, 1.6))

@@ -11,8 +11,8 @@ from typing import Any
 from ops.bench.gateway.load import Row
 from ops.bench.harness import plot
 
-__all__ = ["ADDED_P50_TARGET_MS", "compare", "target_verdicts", "vs_baseline", "print_vs_baseline", "print_table",
-           "plot_rows"]
+__all__ = ["ADDED_P50_TARGET_MS", "compare", "over_floor", "print_over_floor", "target_verdicts", "vs_baseline",
+           "print_vs_baseline", "print_table", "plot_rows"]
 
 ADDED_P50_TARGET_MS = 2.0  # the gateway's added p50 at c = 1 with quotas on, streamed and not
 
@@ -42,6 +42,37 @@ def compare(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
             entry["rps_ratio_vs_litellm"] = r.rps / litellm.rps
         out.setdefault(r.target, {})[r.key] = entry
     return out
+
+
+def over_floor(rows: list[Row]) -> dict[str, dict[str, Any]]:
+    """Per setting: the pass-through's added p50 over direct (`floor_added_p50_ms`, the framework floor) and each
+    edgeserve target's p50 above the pass-through's (`above_floor_p50_ms`), with that difference round by round
+    (`above_floor_rounds_ms`: min, max): the gateway's own work, which a slow spell of the machine inflates less
+    than its added latency."""
+    by = {(r.target, r.key): r for r in rows}
+    out: dict[str, dict[str, Any]] = {}
+    for (target, key), floor in by.items():
+        direct = by.get(("direct", key))
+        if target != "passthrough" or direct is None:
+            continue
+        above, rounds = {}, {}
+        for (other, other_key), row in by.items():
+            if other_key == key and other.startswith("edgeserve"):
+                above[other] = row.p50_ms - floor.p50_ms
+                paired = [a - b for a, b in zip(row.p50_rounds_ms, floor.p50_rounds_ms)]
+                rounds[other] = (min(paired), max(paired)) if paired else None
+        out[key] = {"floor_added_p50_ms": floor.p50_ms - direct.p50_ms, "above_floor_p50_ms": above,
+                    "above_floor_rounds_ms": rounds}
+    return out
+
+
+def print_over_floor(floor: dict[str, dict[str, Any]]) -> None:
+    """`over_floor`'s figures, one line per setting."""
+    for key, e in floor.items():
+        spans = {name: "" if r is None else f" [{r[0]:+.2f}, {r[1]:+.2f}]"
+                 for name, r in e["above_floor_rounds_ms"].items()}
+        above = ", ".join(f"{name} {v:+.2f}{spans[name]}" for name, v in e["above_floor_p50_ms"].items())
+        print(f"  {key:<14}pass-through {e['floor_added_p50_ms']:+.2f} ms over direct; above it: {above}")
 
 
 def target_verdicts(rows: list[Row]) -> dict[str, dict[str, Any]]:
@@ -144,7 +175,8 @@ def plot_rows(rows: list[Row], cmp: dict[str, dict[str, dict[str, Any]]], title:
 
     keys = list(dict.fromkeys(r.key for r in rows))
     targets = list(dict.fromkeys(r.target for r in rows))
-    palette = ("tab:gray", "tab:olive", "tab:blue", "tab:cyan", "tab:purple", "tab:pink", "tab:orange")
+    palette = ("tab:gray", "tab:olive", "tab:brown", "tab:blue", "tab:cyan", "tab:purple", "tab:pink",
+               "tab:orange")
     colours = dict(zip(targets, palette))
     by = {(r.target, r.key): r for r in rows}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))

@@ -1,6 +1,7 @@
-"""`edgeserve bench gateway`'s processes: Redis, the per-token stand-in worker, the edgeserve gateway
-(and, with ``--baseline REF``, a second one run from ``git archive REF``) with a tenant without
-quotas and one with both, and LiteLLM's proxy from its own venv (installed on first use)."""
+"""`edgeserve bench gateway`'s processes: Redis, the per-token stand-in worker, the framework floor's
+pass-through proxy (`passthrough`), the edgeserve gateway (and, with ``--baseline REF``, a second one run from
+``git archive REF``) with a tenant without quotas and one with both, and LiteLLM's proxy from its own venv
+(installed on first use)."""
 
 from __future__ import annotations
 
@@ -83,17 +84,21 @@ def _source_tree(ref: str, into: Path) -> str:
 
 def start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Path | None, litellm_note: str,
                    baseline_ref: str | None, log: Callable[[str], None]) -> tuple[list[Target], str, str | None]:
-    """Start Redis, the stand-in, the gateway (with two tenants), the baseline's gateway and LiteLLM if
-    asked; stopped by `stack`. Returns the targets, LiteLLM's note and the baseline's short commit."""
+    """Start Redis, the stand-in, the pass-through, the gateway (with two tenants), the baseline's gateway and
+    LiteLLM if asked; stopped by `stack`. Returns the targets, LiteLLM's note and the baseline's short commit."""
     from ops.redis_server import free_ports, run_redis_server
 
     logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgeserve-bench-gateway-")))
     redis_url = stack.enter_context(run_redis_server())
-    ports = iter(free_ports(4))  # stand-in, gateway, baseline gateway, LiteLLM: distinct before any binds
+    ports = iter(free_ports(5))  # stand-in, pass-through, gateway, baseline gateway, LiteLLM: distinct before binds
     standin_url = f"http://127.0.0.1:{next(ports)}"
     standin = stack.enter_context(child_process(
         [sys.executable, "-m", "ops.bench.gateway.standin_per_token", "--port", standin_url.rsplit(":", 1)[1],
          "--tokens", str(num_tokens)], logs / "standin.log"))
+    passthrough_url = f"http://127.0.0.1:{next(ports)}"
+    passthrough = stack.enter_context(child_process(
+        [sys.executable, "-m", "ops.bench.gateway.passthrough", "--port", passthrough_url.rsplit(":", 1)[1],
+         "--upstream", standin_url], logs / "passthrough.log"))
     gateway_argv = ["gateway", "--model", MODEL, "--worker", standin_url, "--redis-url", redis_url,
                     "--served-name", MODEL]
     gateways: dict[str, tuple[subprocess.Popen, str]] = {}
@@ -118,6 +123,8 @@ def start_targets(stack: contextlib.ExitStack, num_tokens: int, litellm_exe: Pat
     tokens = asyncio.run(_tenant_tokens(redis_url))
     targets = [Target("direct", f"{standin_url}/v1/chat/completions", {}, None),
                Target("worker", f"{standin_url}/v1/generate", {}, None, worker_body(num_tokens))]
+    wait_http(f"{passthrough_url}/healthz", passthrough, logs / "passthrough.log", "the pass-through proxy", 30)
+    targets.append(Target("passthrough", f"{passthrough_url}/v1/chat/completions", {}, passthrough.pid))
     for suffix, (proc, url) in gateways.items():
         wait_http(f"{url}/healthz", proc, logs / f"gateway{suffix}.log", f"the edgeserve gateway{suffix}", 60)
         targets += [Target(f"edgeserve{kind}{suffix}", f"{url}/v1/chat/completions",
