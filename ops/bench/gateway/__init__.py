@@ -57,11 +57,12 @@ high enough to keep it busy its requests/s is about 1 / its CPU per request, and
 CPU ms/request is the steadier measure of a proxy's cost than latency.
 
 JSON: ``added_latency_ms`` maps target -> setting ("c1_nostream", "c1_stream", ...)
--> {"p50", "p95", "p99"}; ``headline`` holds edgeserve+quota at c=1, both ways,
-against the 2 ms target; ``rps`` maps target -> setting -> requests/s (litellm
-null when unavailable); ``over_floor`` maps setting -> the pass-through's added p50 and
-each edgeserve target's p50 above it (`report.over_floor`); ``added_latency_p50_ms`` / ``_p99_ms`` keep the older
-keys for the tenant without quotas; ``targets`` gives each target a verdict judged
+-> {"p50", "p95", "p99"}; ``headline`` holds edgeserve+quota's added p50 at c=1, both ways
+(the 2 ms target), the pass-through's, and edgeserve+quota's p50 above the pass-through's;
+``rps`` maps target -> setting -> requests/s (litellm null when unavailable); ``over_floor``
+maps setting -> the pass-through's added p50 and each edgeserve target's p50 above it
+(`report.over_floor`); ``added_latency_p50_ms`` / ``_p99_ms`` keep the older keys for the
+tenant without quotas; ``targets`` gives each target a verdict judged
 round by round (`report.target_verdicts`: the added p50 with quotas at c = 1 within 2 ms, both
 ways; more requests/s than LiteLLM at every setting, where it ran). With ``--baseline``, ``baseline.vs_baseline``
 also pairs the two gateways round by round (``p50_round_ratio``, ``cpu_round_ratio``:
@@ -173,7 +174,12 @@ def run(args: argparse.Namespace) -> int:
                    "warmup_seconds": warmup_s, "settings": keys, "model": MODEL,
                    "latency": "non-stream: full response; stream: last byte; ttft: first body bytes"},
         "headline": {"target": "edgeserve+quota", "target_added_p50_ms": ADDED_P50_TARGET_MS,
-                     **{k: added.get("edgeserve+quota", {}).get(k) for k in ("c1_nostream", "c1_stream")}},
+                     **{f"added_p50_ms_{k}": added.get("edgeserve+quota", {}).get(k, {}).get("p50")
+                        for k in ("c1_nostream", "c1_stream")},
+                     **{f"passthrough_added_p50_ms_{k}": floor.get(k, {}).get("floor_added_p50_ms")
+                        for k in ("c1_nostream", "c1_stream")},
+                     **{f"above_passthrough_p50_ms_{k}": floor.get(k, {}).get("above_floor_p50_ms", {}).get(
+                         "edgeserve+quota") for k in ("c1_nostream", "c1_stream")}},
         "added_latency_ms": added,
         "added_latency_p50_ms": {k: v["added_p50_ms"] for k, v in edge.items()},
         "added_latency_p99_ms": {k: v["added_p99_ms"] for k, v in edge.items()},
