@@ -14,6 +14,7 @@ whose speed drifts between spells, that difference is steadier than the gateway'
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -59,7 +60,14 @@ def passthrough_app(upstream: str) -> Starlette:
     async def healthz(_: Request) -> Response:
         return Response("ok")
 
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/healthz", healthz)])
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        if session:
+            await session.pop().close()
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/healthz", healthz)],
+                     lifespan=lifespan)
 
 
 def main(argv: list[str] | None = None) -> int:
