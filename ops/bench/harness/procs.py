@@ -116,21 +116,27 @@ def log_lines(logs: Path, matches: Callable[[str], bool]) -> dict[str, list[str]
             for path in sorted(logs.glob("*.log"))}
 
 
-def wait_registered(redis_url: str, model: str, worker_ids: list[str], timeout_s: float = 30.0) -> None:
+def wait_registered(redis_url: str, model: str, worker_ids: list[str], timeout_s: float = 30.0,
+                    logs: dict[str, Path] | None = None) -> None:
     """Wait until every worker of `worker_ids` has its registry record for `model` in Redis; raise
-    `BackendUnavailable` after `timeout_s`."""
+    `BackendUnavailable` after `timeout_s`, naming the workers still missing and, with `logs` (worker id ->
+    its log), ending with each missing one's log tail."""
     import redis
 
     from backend.errors import BackendUnavailable
     from backend.registration import record_key
+    from ops.cluster import log_tail
 
     client = redis.Redis.from_url(redis_url, socket_timeout=2)
     deadline = time.monotonic() + timeout_s
+    missing = list(worker_ids)
     try:
         while time.monotonic() < deadline:
-            if all(client.exists(record_key(model, i)) for i in worker_ids):
+            missing = [i for i in worker_ids if not client.exists(record_key(model, i))]
+            if not missing:
                 return
             time.sleep(0.2)
     finally:
         client.close()
-    raise BackendUnavailable(f"workers {worker_ids} did not all register in {timeout_s:.0f} s")
+    tails = "".join(f"\n--- {i}'s log ends:\n{log_tail(logs[i])}" for i in missing if logs and i in logs)
+    raise BackendUnavailable(f"workers {missing} of {worker_ids} did not register in {timeout_s:.0f} s{tails}")

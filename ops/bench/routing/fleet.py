@@ -77,7 +77,8 @@ def start_fleet(stack: contextlib.ExitStack, redis_url: str, policy: str, kv_byt
     started = time.perf_counter()
     for proc, url, path, what in procs:
         wait_http(url, proc, path, what, 180)
-    wait_registered(redis_url, MODEL, list(workers.values()))
+    wait_registered(redis_url, MODEL, list(workers.values()),
+                    logs={what.removeprefix("worker "): path for _, _, path, what in procs if what != "the gateway"})
     log(f"  4 workers + gateway ({policy}) up in {time.perf_counter() - started:.0f} s")
     return Fleet(f"http://127.0.0.1:{gateway_port}", workers, [(proc, path, what) for proc, _, path, what in procs])
 

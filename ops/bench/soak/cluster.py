@@ -73,7 +73,8 @@ class Cluster:
         wait_redis(self.redis_url, self.redis.proc, self.redis.log_path)
 
     def wait_registered(self, names: list[str], timeout_s: float = 30.0) -> None:
-        wait_registered(self.redis_url, MODEL, names, timeout_s)
+        wait_registered(self.redis_url, MODEL, names, timeout_s,
+                        logs={n: self.workers[n].log_path for n in names if n in self.workers})
 
     def check_alive(self) -> None:
         for svc in self.services:
