@@ -90,8 +90,8 @@ from ops.cluster import machine_info
 
 __all__ = ["add_arguments", "run", "TARGETS"]
 
-TARGETS = ("direct", "worker", "passthrough", "edgeserve", "edgeserve+quota", "litellm")  # table order; baselines
-# follow their own
+# table order; a baseline's gateways follow their own
+TARGETS = ("direct", "worker", "passthrough", "edgeserve", "edgeserve+quota", "litellm")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -59,11 +59,12 @@ def start_fleet(stack: contextlib.ExitStack, redis_url: str, policy: str, kv_byt
     from ops.redis_server import free_port
 
     workers: dict[str, str] = {}
+    worker_logs: dict[str, Path] = {}  # worker id -> its log
     procs = []
     for n in range(1, NUM_WORKERS + 1):
         wid, port = f"w{n}", free_port()
         workers[f"http://127.0.0.1:{port}"] = wid
-        path = logs / f"{prefix}{policy}-{wid}.log"
+        path = worker_logs[wid] = logs / f"{prefix}{policy}-{wid}.log"
         procs.append((stack.enter_context(child_process(
             [sys.executable, "-m", "ops.cli", "serve", "--model", MODEL, "--port", str(port), "--threads", "1",
              "--prefix-caching", "--redis-url", redis_url, "--worker-id", wid, "--kv-cache-bytes", kv_bytes], path)),
@@ -77,8 +78,7 @@ def start_fleet(stack: contextlib.ExitStack, redis_url: str, policy: str, kv_byt
     started = time.perf_counter()
     for proc, url, path, what in procs:
         wait_http(url, proc, path, what, 180)
-    wait_registered(redis_url, MODEL, list(workers.values()),
-                    logs={what.removeprefix("worker "): path for _, _, path, what in procs if what != "the gateway"})
+    wait_registered(redis_url, MODEL, list(workers.values()), logs=worker_logs)
     log(f"  4 workers + gateway ({policy}) up in {time.perf_counter() - started:.0f} s")
     return Fleet(f"http://127.0.0.1:{gateway_port}", workers, [(proc, path, what) for proc, _, path, what in procs])
 
