@@ -60,8 +60,11 @@ install: $(RUNTIME)
 serve: $(RUNTIME)
 	$(BIN)/edgeserve up
 
+# the suite in one worker per CPU (pytest-xdist), at most 4 (each worker runs torch on every core, and some tests
+# load a model); a test file stays in one worker, so its module fixtures are built once. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= logical
 test: $(TESTS)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile
 
 # make bench: every benchmark's --quick run, one after another, then one summary table
 # (bench-results/all.md and .json; each benchmark's report and log in bench-results/all/).
