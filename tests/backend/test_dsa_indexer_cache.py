@@ -23,7 +23,8 @@ def test_bytes_per_token_glm5() -> None:
                                       hidden_size=6144, intermediate_size=12288, num_hidden_layers=78,
                                       num_attention_heads=64))
     assert IndexerKeyCache.bytes_per_token_per_layer(glm5) == 132
-    assert IndexerKeyCache.bytes_per_token_per_layer(glm5) * 78 == 10_296  # MODELS.md's GLM-5 figure
+    # GLM-5's published indexer bytes per token, its 78 layers together
+    assert IndexerKeyCache.bytes_per_token_per_layer(glm5) * 78 == 10_296
     assert IndexerKeyCache.bytes_per_token_per_layer(glm5, "fp32") == 512
 
 
