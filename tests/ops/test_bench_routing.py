@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 
 import pytest
 
 from ops import bench
 from ops.bench import routing as bench_routing
-from ops.bench.routing import fleet, measures
+from ops.bench.routing import fleet, load, measures
 from ops.bench.routing.measures import TurnResult, summarize
 from ops.bench.routing.workload import make_workload, turn_messages
 
@@ -135,6 +136,56 @@ def test_registered_with_the_bench_command() -> None:
     args = parser.parse_args(["bench", "routing", "--quick", "--json", "out.json"])
     assert args.func.__wrapped__ is bench_routing.run and args.quick and args.json_path == "out.json"
     assert args.tenants == 8 and args.users == 8 and math.isclose(args.max_tokens, 16)
+    assert args.turn_order == "interleaved" and args.conversations is None  # None: 2 per tenant quick, 3 full
+
+
+def _played(order: str, users: int, conversations: int = 3, turns: int = 2) -> list[tuple[str, int, int, float]]:
+    """`load.play_turns` over a workload whose turns each take 10 ms: (what, the conversation's place in the
+    workload, turn, loop time) for every start and end, in the order they happened."""
+    workload = make_workload(_docs(conversations), tenants=conversations, conversations=1, turns=turns, seed=1,
+                             system_words=20)
+    events: list[tuple[str, int, int, float]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def play(conv, k: int) -> None:
+            events.append(("start", workload.index(conv), k, loop.time()))
+            await asyncio.sleep(0.01)
+            events.append(("end", workload.index(conv), k, loop.time()))
+
+        await load.play_turns(workload, users, play, order)
+
+    asyncio.run(main())
+    return events
+
+
+@pytest.mark.parametrize("order", load.TURN_ORDERS)
+def test_every_turn_plays_once_after_the_turn_before_it_and_never_more_than_users_at_once(order: str) -> None:
+    events = _played(order, users=2, conversations=5, turns=3)
+    starts = [(c, k) for what, c, k, _ in events if what == "start"]
+    assert sorted(starts) == [(c, k) for c in range(5) for k in range(3)]
+    at = {(what, c, k): i for i, (what, c, k, _) in enumerate(events)}
+    assert all(at[("end", c, k - 1)] < at[("start", c, k)] for c in range(5) for k in range(1, 3))
+    running = peak = 0
+    for what, *_ in events:
+        running += 1 if what == "start" else -1
+        peak = max(peak, running)
+    assert peak == 2
+
+
+def test_interleaved_turns_queue_behind_other_conversations_and_back_to_back_ones_do_not() -> None:
+    def starts(order: str) -> list[tuple[int, int]]:
+        return [(c, k) for what, c, k, _ in _played(order, users=2) if what == "start"]
+
+    # 3 conversations, 2 users: the third conversation's first turn waited from the start, so it goes before
+    # any conversation's second turn; back to back, each user plays its conversation's turns first
+    inter, b2b = starts("interleaved"), starts("back-to-back")
+    first_second_turn = min(inter.index((c, 1)) for c in range(3))
+    assert inter.index((2, 0)) < first_second_turn
+    assert b2b.index((2, 0)) > min(b2b.index((c, 1)) for c in range(2))
+    with pytest.raises(ValueError, match="turn order"):
+        asyncio.run(load.play_turns([], 1, None, "shuffled"))
 
 
 def test_rounds_rotate_the_policy_order() -> None:

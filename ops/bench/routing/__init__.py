@@ -20,15 +20,25 @@ Workload (`make_workload`, seeded; identical for every policy): T tenants (8),
 each with its own API key and its own system prompt: a support-assistant
 preamble and ~300 words (~400 tokens) of one Brown-corpus document (a different
 document, so a different genre, per tenant). Each tenant has C conversations
-(3; quick 1) of K turns (4; quick 3); turn k sends the whole conversation so far
+(3; quick 2) of K turns (4; quick 3); turn k sends the whole conversation so far
 (system, the previous user questions and assistant answers, a new question) to
 ``POST /v1/chat/completions``, streaming, ``max_tokens`` 16, temperature 0,
 ``stream_options.include_usage``. The assistant messages sent back are scripted
 (a sentence of the tenant's document), not the model's reply: the workload then
 does not depend on what the model says, and a worker caches only prompt blocks,
-so what was generated never matters for the cache. Conversations run in a
-seeded shuffled order, closed loop: U users (8), each takes the next
-conversation and plays its turns back to back.
+so what was generated never matters for the cache. Conversations start in a
+seeded shuffled order, closed loop: U users (8) take turns from one queue of
+ready turns, oldest first, and a conversation's next turn joins the back of that
+queue when its previous turn has finished (``--turn-order interleaved``, the
+default: with more conversations than users, as in the quick and full runs, a
+conversation's next turn waits behind other conversations' turns, as a chat user's
+next message follows a pause in which others' requests arrive).
+``--turn-order back-to-back``: each user takes the next conversation and plays its
+turns without a pause; `least-loaded` then keeps a conversation on one worker by
+timing alone (the worker that has just answered is the least loaded one when the
+next turn arrives), and with one conversation per tenant and as many
+conversations as users (the quick run's workload before) it often reached the
+prefix policy's hit rate.
 
 Measured per policy, pooled over its rounds (all requests of all its runs; each
 round's own figures and the targets' verdicts per round are in the JSON):
@@ -82,7 +92,7 @@ from ops.bench.harness.stats import spread
 from ops.bench.harness.tenants import create_tenants
 from ops.bench.report import write_report
 from ops.bench.routing.fleet import NUM_WORKERS, check_memory, start_fleet, warm_up, worker_hits, worker_stats
-from ops.bench.routing.load import drive
+from ops.bench.routing.load import TURN_ORDERS, drive
 from ops.bench.routing.measures import (PolicySummary, TurnResult, ceiling_hit_rate, check_targets, round_order,
                                         summarize, targets_by_round)
 from ops.bench.routing.report import plot_summaries, print_table
@@ -109,9 +119,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None, help="rounds of every policy, the order rotated each round "
                    "(default: one per policy, a full Latin rotation)")
     p.add_argument("--tenants", type=int, default=8)
-    p.add_argument("--conversations", type=int, default=None, help="per tenant (default 3; quick 1)")
+    p.add_argument("--conversations", type=int, default=None, help="per tenant (default 3; quick 2)")
     p.add_argument("--turns", type=int, default=None, help="per conversation (default 4; quick 3)")
     p.add_argument("--users", type=int, default=8, help="closed-loop concurrency (default 8)")
+    p.add_argument("--turn-order", choices=TURN_ORDERS, default=TURN_ORDERS[0],
+                   help="interleaved (default): a free user takes the oldest ready turn of any conversation; "
+                        "back-to-back: each user plays one conversation's turns without a pause")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--system-words", type=int, default=300, help="corpus words per system prompt (~1.3 tokens each)")
     p.add_argument("--kv-cache-bytes", default="256M", help="each worker's KV pool (default 256M)")
@@ -130,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; choose from {POLICIES}")
-    conversations = args.conversations or (1 if quick else 3)
+    conversations = args.conversations or (2 if quick else 3)
     turns = args.turns or (3 if quick else 4)
     started = time.perf_counter()
     machine = {**machine_info(), "load_avg_start": list(os.getloadavg()),
@@ -144,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     ceiling = ceiling_hit_rate(prompts)
     first_turn_tokens = _mean([len(ids) for (_, ids), (_, k) in zip(prompts, turn_keys(workload)) if k == 0])
     log(f"workload: {args.tenants} tenants x {conversations} conversations x {turns} turns = "
-        f"{len(workload) * turns} requests per policy, {args.users} users, max_tokens {args.max_tokens}; first turns "
+        f"{len(workload) * turns} requests per policy, {args.users} users ({args.turn_order}), max_tokens "
+        f"{args.max_tokens}; first turns "
         f"{first_turn_tokens:.0f} prompt tokens on average, all turns {_mean([len(i) for _, i in prompts]):.0f}; "
         f"hit-rate ceiling {ceiling:.1%}")
     order = round_order(policies, args.rounds or len(policies))
@@ -171,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
                     load_before = list(os.getloadavg())
                     before = asyncio.run(worker_stats(list(workers)))
                     got, wall_s, sample = asyncio.run(drive(f"{fleet.gateway_url}/v1/chat/completions", tokens,
-                                                            workload, args.users, args.max_tokens, workers, log))
+                                                            workload, args.users, args.max_tokens, workers, log,
+                                                            args.turn_order))
                     fleet.check_alive()
                     after = asyncio.run(worker_stats(list(workers)))
                 for r in got:
@@ -203,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         c["met_in_rounds"] = f"{sum(held[c['target']])}/{len(rounds)}"
 
     print(f"\nedgeserve bench routing  {args.tenants} tenants x {conversations} conversations x {turns} turns, "
-          f"{args.users} users, {NUM_WORKERS} workers x 1 thread, KV {args.kv_cache_bytes} each"
+          f"{args.users} users ({args.turn_order}), {NUM_WORKERS} workers x 1 thread, KV {args.kv_cache_bytes} each"
           f"{' (quick)' if quick else ''}")
     print(f"machine: {machine['cpus_usable']} CPUs shared by 4 workers, the gateway, Redis and the load generator "
           f"(CPU-starved: compare policies, not absolute numbers); load average "
@@ -234,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
         "machine": machine,
         "config": {"model": MODEL, "policies": policies, "workers": NUM_WORKERS, "worker_threads": 1,
                    "kv_cache_bytes": args.kv_cache_bytes, "tenants": args.tenants, "conversations_per_tenant":
-                   conversations, "turns": turns, "users": args.users, "max_tokens": args.max_tokens,
+                   conversations, "turns": turns, "users": args.users, "turn_order": args.turn_order,
+                   "max_tokens": args.max_tokens,
                    "temperature": 0, "system_words": args.system_words, "seed": args.seed,
                    "first_turn_prompt_tokens_mean": first_turn_tokens,
                    "prompt_tokens_mean": _mean([len(ids) for _, ids in prompts]),

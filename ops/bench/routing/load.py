@@ -1,19 +1,31 @@
-"""`edgeserve bench routing`'s load generator: closed loop, each user playing whole conversations turn
-by turn through the gateway, streamed, reading the usage chunk and which worker served it."""
+"""`edgeserve bench routing`'s load generator: a closed loop of users playing the workload's turns through the
+gateway, streamed, reading the usage chunk and which worker served it.
+
+The order of turns (`play_turns`) is `interleaved` by default: a conversation's next turn joins the back of one
+queue of ready turns once its previous turn has finished, and a free user takes the oldest ready turn. With more
+conversations than users, a conversation's next turn then waits behind other conversations' turns, as a chat
+user's next message comes after the reply has been read while others' requests keep arriving. `back-to-back`
+(each user takes the next conversation and plays its turns one after another, no pause) gave `least-loaded` the
+prefix policy's affinity by timing alone: the worker that has just answered a turn is the least loaded one the
+moment that conversation's next turn arrives.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.generation import worker_tag
 from ops.bench.routing.measures import TurnResult
 from ops.bench.routing.workload import MODEL, Conversation, turn_messages
 
-__all__ = ["send_turn", "drive"]
+__all__ = ["TURN_ORDERS", "send_turn", "play_turns", "drive"]
+
+TURN_ORDERS = ("interleaved", "back-to-back")
 
 
 async def send_turn(client: Any, url: str, token: str, messages: list[dict[str, str]], max_tokens: int,
@@ -62,30 +74,65 @@ async def send_turn(client: Any, url: str, token: str, messages: list[dict[str, 
     return res, "".join(text)
 
 
+async def play_turns(workload: list[Conversation], users: int, play: Callable[[Conversation, int], Awaitable[None]],
+                     order: str = "interleaved") -> None:
+    """Closed loop: `users` users await `play(conversation, k)` for every turn of `workload` once, a conversation's
+    turns one after another, in `order` (`TURN_ORDERS`; the module docstring says what each means)."""
+    if order == "back-to-back":
+        pending = iter(workload)
+
+        async def user() -> None:
+            for conv in pending:
+                for k in range(len(conv.turns)):
+                    await play(conv, k)
+    elif order == "interleaved":
+        ready = collections.deque((conv, 0) for conv in workload if conv.turns)
+        unfinished = [sum(len(conv.turns) for conv in workload)]
+        changed = asyncio.Condition()
+
+        async def user() -> None:
+            while True:
+                async with changed:
+                    await changed.wait_for(lambda: ready or not unfinished[0])
+                    if not ready:
+                        return
+                    conv, k = ready.popleft()
+                try:
+                    await play(conv, k)
+                finally:
+                    async with changed:
+                        unfinished[0] -= 1
+                        if k + 1 < len(conv.turns):
+                            ready.append((conv, k + 1))
+                        changed.notify_all()
+    else:
+        raise ValueError(f"unknown turn order {order!r}; choose from {TURN_ORDERS}")
+    await asyncio.gather(*(user() for _ in range(users)))
+
+
 async def drive(url: str, tokens: list[str], workload: list[Conversation], users: int, max_tokens: int,
-                worker_ids: dict[str, str], log: Callable[[str], None]) -> tuple[list[TurnResult], float, str]:
-    """Closed loop: `users` users, each playing whole conversations turn by turn; (results, wall s, a sample reply)."""
+                worker_ids: dict[str, str], log: Callable[[str], None],
+                order: str = "interleaved") -> tuple[list[TurnResult], float, str]:
+    """`play_turns` through the gateway at `url` (one HTTP client, a connection per user); (results, wall s, a
+    sample reply)."""
     import httpx
 
-    pending = iter(workload)
     results: list[TurnResult] = []
     sample, finished = [""], [0]
     t0 = time.perf_counter()
-
-    async def user() -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-            for conv in pending:
-                for k in range(len(conv.turns)):
-                    res, text = await send_turn(client, url, tokens[conv.tenant], turn_messages(conv, k), max_tokens,
-                                                worker_ids, t0)
-                    res.tenant, res.conversation, res.turn = conv.tenant, conv.index, k
-                    results.append(res)
-                    sample[0] = sample[0] or text
-                    if res.error is not None:
-                        log(f"  error: tenant {conv.tenant} conversation {conv.index} turn {k}: {res.error}")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=users)) as client:
+        async def play(conv: Conversation, k: int) -> None:
+            res, text = await send_turn(client, url, tokens[conv.tenant], turn_messages(conv, k), max_tokens,
+                                        worker_ids, t0)
+            res.tenant, res.conversation, res.turn = conv.tenant, conv.index, k
+            results.append(res)
+            sample[0] = sample[0] or text
+            if res.error is not None:
+                log(f"  error: tenant {conv.tenant} conversation {conv.index} turn {k}: {res.error}")
+            if k + 1 == len(conv.turns):
                 finished[0] += 1
                 if finished[0] % 8 == 0:
                     log(f"  {finished[0]} / {len(workload)} conversations done")
 
-    await asyncio.gather(*(user() for _ in range(users)))
+        await play_turns(workload, users, play, order)
     return results, time.perf_counter() - t0, sample[0]
