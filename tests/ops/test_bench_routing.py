@@ -135,8 +135,8 @@ def test_registered_with_the_bench_command() -> None:
     bench.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "routing", "--quick", "--json", "out.json"])
     assert args.func.__wrapped__ is bench_routing.run and args.quick and args.json_path == "out.json"
-    assert args.tenants == 8 and args.users == 8 and math.isclose(args.max_tokens, 16)
-    assert args.turn_order == "interleaved" and args.conversations is None  # None: 2 per tenant quick, 3 full
+    assert args.users == 8 and math.isclose(args.max_tokens, 16) and args.turn_order == "interleaved"
+    assert args.tenants is None and args.conversations is None  # quick: 16 x 1, full: 8 x 3
 
 
 def _played(order: str, users: int, conversations: int = 3, turns: int = 2) -> list[tuple[str, int, int, float]]:

@@ -16,11 +16,11 @@ the r-th policy), so over the rounds each policy runs first, in the middle and l
 once: a slow spell of this shared machine, or whatever the previous run left
 behind (page cache, memory), does not always fall on the same policy.
 
-Workload (`make_workload`, seeded; identical for every policy): T tenants (8),
+Workload (`make_workload`, seeded; identical for every policy): T tenants (8; quick 16),
 each with its own API key and its own system prompt: a support-assistant
 preamble and ~300 words (~400 tokens) of one Brown-corpus document (a different
 document, so a different genre, per tenant). Each tenant has C conversations
-(3; quick 2) of K turns (4; quick 3); turn k sends the whole conversation so far
+(3; quick 1) of K turns (4; quick 3); turn k sends the whole conversation so far
 (system, the previous user questions and assistant answers, a new question) to
 ``POST /v1/chat/completions``, streaming, ``max_tokens`` 16, temperature 0,
 ``stream_options.include_usage``. The assistant messages sent back are scripted
@@ -30,7 +30,7 @@ so what was generated never matters for the cache. Conversations start in a
 seeded shuffled order, closed loop: U users (8) take turns from one queue of
 ready turns, oldest first, and a conversation's next turn joins the back of that
 queue when its previous turn has finished (``--turn-order interleaved``, the
-default: with more conversations than users, as in the quick and full runs, a
+default: with more conversations than users (16 or 24 for 8 users), a
 conversation's next turn waits behind other conversations' turns, as a chat user's
 next message follows a pause in which others' requests arrive).
 ``--turn-order back-to-back``: each user takes the next conversation and plays its
@@ -118,8 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; round r starts at the r-th")
     p.add_argument("--rounds", type=int, default=None, help="rounds of every policy, the order rotated each round "
                    "(default: one per policy, a full Latin rotation)")
-    p.add_argument("--tenants", type=int, default=8)
-    p.add_argument("--conversations", type=int, default=None, help="per tenant (default 3; quick 2)")
+    p.add_argument("--tenants", type=int, default=None, help="(default 8; quick 16)")
+    p.add_argument("--conversations", type=int, default=None, help="per tenant (default 3; quick 1)")
     p.add_argument("--turns", type=int, default=None, help="per conversation (default 4; quick 3)")
     p.add_argument("--users", type=int, default=8, help="closed-loop concurrency (default 8)")
     p.add_argument("--turn-order", choices=TURN_ORDERS, default=TURN_ORDERS[0],
@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; choose from {POLICIES}")
-    conversations = args.conversations or (2 if quick else 3)
+    tenants = args.tenants or (16 if quick else 8)
+    conversations = args.conversations or (1 if quick else 3)
     turns = args.turns or (3 if quick else 4)
     started = time.perf_counter()
     machine = {**machine_info(), "load_avg_start": list(os.getloadavg()),
@@ -151,12 +152,12 @@ def run(args: argparse.Namespace) -> int:
     check_memory(args.allow_low_memory, log)
 
     resolve_model(MODEL)
-    workload = make_workload(brown_documents(args.tenants, args.system_words), args.tenants, conversations, turns,
+    workload = make_workload(brown_documents(tenants, args.system_words), tenants, conversations, turns,
                              args.seed, args.system_words)
     prompts = workload_prompt_ids(workload)
     ceiling = ceiling_hit_rate(prompts)
     first_turn_tokens = _mean([len(ids) for (_, ids), (_, k) in zip(prompts, turn_keys(workload)) if k == 0])
-    log(f"workload: {args.tenants} tenants x {conversations} conversations x {turns} turns = "
+    log(f"workload: {tenants} tenants x {conversations} conversations x {turns} turns = "
         f"{len(workload) * turns} requests per policy, {args.users} users ({args.turn_order}), max_tokens "
         f"{args.max_tokens}; first turns "
         f"{first_turn_tokens:.0f} prompt tokens on average, all turns {_mean([len(i) for _, i in prompts]):.0f}; "
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             logs = Path(outer.enter_context(tempfile.TemporaryDirectory(prefix="edgeserve-bench-routing-")))
         redis_url = outer.enter_context(run_redis_server())
         tokens = [t.token for t in asyncio.run(create_tenants(
-            redis_url, [(f"bench-routing-{i + 1}", {}) for i in range(args.tenants)]))]
+            redis_url, [(f"bench-routing-{i + 1}", {}) for i in range(tenants)]))]
         for n, these in enumerate(order):
             for policy in these:
                 log(f"round {n}, policy {policy}: starting 4 workers and the gateway (cold caches)")
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     for c in checks:
         c["met_in_rounds"] = f"{sum(held[c['target']])}/{len(rounds)}"
 
-    print(f"\nedgeserve bench routing  {args.tenants} tenants x {conversations} conversations x {turns} turns, "
+    print(f"\nedgeserve bench routing  {tenants} tenants x {conversations} conversations x {turns} turns, "
           f"{args.users} users ({args.turn_order}), {NUM_WORKERS} workers x 1 thread, KV {args.kv_cache_bytes} each"
           f"{' (quick)' if quick else ''}")
     print(f"machine: {machine['cpus_usable']} CPUs shared by 4 workers, the gateway, Redis and the load generator "
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         "quick": quick,
         "machine": machine,
         "config": {"model": MODEL, "policies": policies, "workers": NUM_WORKERS, "worker_threads": 1,
-                   "kv_cache_bytes": args.kv_cache_bytes, "tenants": args.tenants, "conversations_per_tenant":
+                   "kv_cache_bytes": args.kv_cache_bytes, "tenants": tenants, "conversations_per_tenant":
                    conversations, "turns": turns, "users": args.users, "turn_order": args.turn_order,
                    "max_tokens": args.max_tokens,
                    "temperature": 0, "system_words": args.system_words, "seed": args.seed,
