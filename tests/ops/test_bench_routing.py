@@ -139,33 +139,28 @@ def test_registered_with_the_bench_command() -> None:
     assert args.tenants is None and args.conversations is None  # quick: 16 x 1, full: 8 x 3
 
 
-def _played(order: str, users: int, conversations: int = 3, turns: int = 2) -> list[tuple[str, int, int, float]]:
+def _played(order: str, users: int, conversations: int = 3, turns: int = 2) -> list[tuple[str, int, int]]:
     """`load.play_turns` over a workload whose turns each take 10 ms: (what, the conversation's place in the
-    workload, turn, loop time) for every start and end, in the order they happened."""
+    workload, turn) for every start and end, in the order they happened."""
     workload = make_workload(_docs(conversations), tenants=conversations, conversations=1, turns=turns, seed=1,
                              system_words=20)
-    events: list[tuple[str, int, int, float]] = []
+    events: list[tuple[str, int, int]] = []
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
+    async def play(conv, k: int) -> None:
+        events.append(("start", workload.index(conv), k))
+        await asyncio.sleep(0.01)
+        events.append(("end", workload.index(conv), k))
 
-        async def play(conv, k: int) -> None:
-            events.append(("start", workload.index(conv), k, loop.time()))
-            await asyncio.sleep(0.01)
-            events.append(("end", workload.index(conv), k, loop.time()))
-
-        await load.play_turns(workload, users, play, order)
-
-    asyncio.run(main())
+    asyncio.run(load.play_turns(workload, users, play, order))
     return events
 
 
 @pytest.mark.parametrize("order", load.TURN_ORDERS)
 def test_every_turn_plays_once_after_the_turn_before_it_and_never_more_than_users_at_once(order: str) -> None:
     events = _played(order, users=2, conversations=5, turns=3)
-    starts = [(c, k) for what, c, k, _ in events if what == "start"]
+    starts = [(c, k) for what, c, k in events if what == "start"]
     assert sorted(starts) == [(c, k) for c in range(5) for k in range(3)]
-    at = {(what, c, k): i for i, (what, c, k, _) in enumerate(events)}
+    at = {event: i for i, event in enumerate(events)}
     assert all(at[("end", c, k - 1)] < at[("start", c, k)] for c in range(5) for k in range(1, 3))
     running = peak = 0
     for what, *_ in events:
@@ -176,7 +171,7 @@ def test_every_turn_plays_once_after_the_turn_before_it_and_never_more_than_user
 
 def test_interleaved_turns_queue_behind_other_conversations_and_back_to_back_ones_do_not() -> None:
     def starts(order: str) -> list[tuple[int, int]]:
-        return [(c, k) for what, c, k, _ in _played(order, users=2) if what == "start"]
+        return [(c, k) for what, c, k in _played(order, users=2) if what == "start"]
 
     # 3 conversations, 2 users: the third conversation's first turn waited from the start, so it goes before
     # any conversation's second turn; back to back, each user plays its conversation's turns first

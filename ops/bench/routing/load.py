@@ -87,13 +87,14 @@ async def play_turns(workload: list[Conversation], users: int, play: Callable[[C
                     await play(conv, k)
     elif order == "interleaved":
         ready = collections.deque((conv, 0) for conv in workload if conv.turns)
-        unfinished = [sum(len(conv.turns) for conv in workload)]
+        unfinished = sum(len(conv.turns) for conv in workload)
         changed = asyncio.Condition()
 
         async def user() -> None:
+            nonlocal unfinished
             while True:
                 async with changed:
-                    await changed.wait_for(lambda: ready or not unfinished[0])
+                    await changed.wait_for(lambda: ready or not unfinished)
                     if not ready:
                         return
                     conv, k = ready.popleft()
@@ -101,7 +102,7 @@ async def play_turns(workload: list[Conversation], users: int, play: Callable[[C
                     await play(conv, k)
                 finally:
                     async with changed:
-                        unfinished[0] -= 1
+                        unfinished -= 1
                         if k + 1 < len(conv.turns):
                             ready.append((conv, k + 1))
                         changed.notify_all()
