@@ -17,11 +17,18 @@
      with the tenant, so tenants never see each other's blocks) are looked up in the
      Redis index of the workers' own KV events; each prefill-capable worker gets
      `cost = queued prefill tokens + prompt tokens it would compute (minus its cached
-     overlap) + load_tokens * (running + waiting)`, the lowest cost wins. A hot prefix
-     therefore stays on its worker until the queue there outweighs the tokens saved,
-     then spreads. Blocks the cluster's KV store holds beyond a worker's own overlap
-     (the index's "store" tier) are fetched, not computed: each counts
-     `store_token_cost` of a token (default 0.25: between a local hit, 0, and a
+     overlap) + load_tokens * excess`, the lowest cost wins (ties: the less loaded).
+     `excess` is how many requests (running + waiting) the worker has beyond the least
+     loaded candidate, less `load_slack` (default 2; never below 0): a difference of a
+     request or two comes and goes within one request's lifetime (a closed loop of users
+     over a few workers fluctuates by that much all the time), and chasing it throws a
+     conversation's cached blocks away for a balance that reverses a moment later; a
+     lasting imbalance still counts. (SGLang's cache-aware router has the same two states,
+     cache affinity until the load differs by more than a threshold, then load; here both
+     live in one cost.) A hot prefix therefore stays on its worker until the queue there
+     outweighs the tokens saved, then spreads. Blocks the cluster's KV store holds beyond
+     a worker's own overlap (the index's "store" tier) are fetched, not computed: each
+     counts `store_token_cost` of a token (default 0.25: between a local hit, 0, and a
      recompute, 1; `prefill_cost`). So with a store a hot prefix spreads at a quarter
      of the imbalance it needs without one.
    - `least-loaded`: fewest running + waiting (+ in flight from this gateway).
@@ -60,9 +67,10 @@ from gateway.regions import RegionMap
 from prefix_cache.hashing import block_hashes
 from prefix_cache.kv_events import PrefixIndex, TierOverlap
 
-__all__ = ["Target", "RouteDecision", "Router", "POLICIES", "prefill_cost", "STORE_TOKEN_COST"]
+__all__ = ["Target", "RouteDecision", "Router", "POLICIES", "prefill_cost", "STORE_TOKEN_COST", "LOAD_SLACK"]
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
+LOAD_SLACK = 2  # requests of load difference the prefix policy ignores (see the module docstring)
 STORE_TOKEN_COST = 0.25  # a prompt token fetched from the KV store, against 1 computed and 0 cached locally
 
 
@@ -128,13 +136,17 @@ class _InFlight:
 
 class Router:
     def __init__(self, view, index: PrefixIndex | None, regions: RegionMap, *, policy: str = "prefix",
-                 max_waiting: int = 16, load_tokens: int = 256, store_token_cost: float = STORE_TOKEN_COST) -> None:
+                 max_waiting: int = 16, load_tokens: int = 256, store_token_cost: float = STORE_TOKEN_COST,
+                 load_slack: int = LOAD_SLACK) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {POLICIES}")
+        if load_slack < 0:
+            raise ValueError(f"load_slack is a number of requests (>= 0), got {load_slack}")
         if not 0.0 <= store_token_cost <= 1.0:
             raise ValueError(f"store_token_cost is a fraction of a computed token (0..1), got {store_token_cost}")
         self.view, self.index, self.regions, self.policy = view, index, regions, policy
         self.max_waiting, self.load_tokens, self.store_token_cost = max_waiting, load_tokens, store_token_cost
+        self.load_slack = load_slack
         self._turn = itertools.count()
         self._inflight = _InFlight()
 
@@ -222,17 +234,19 @@ class Router:
         tiers = TierOverlap({}, 0) if sole else await self._overlap(model, tenant_id, prompt_ids, scorable)
         overlap = tiers.local
         page = scorable[0].page_size or 16
+        load = {w.id: self._load(w) for w in scorable}
+        floor = min(load.values()) + self.load_slack  # load up to here costs nothing
 
         def cost(w: WorkerRecord) -> float:
             store = tiers.store * page if w.kv_store else 0  # only a worker with the store can fetch
             work = prefill_cost(len(prompt_ids), overlap.get(w.id, 0) * page, store, self.store_token_cost)
             queued = w.queued_prefill_tokens + self._inflight.unseen(w)[1]
-            return queued + work + self.load_tokens * self._load(w)
+            return queued + work + self.load_tokens * max(0, load[w.id] - floor)
 
         if self.policy == "least-loaded":
-            scored = sorted(scorable, key=lambda w: (self._load(w), w.id))
+            scored = sorted(scorable, key=lambda w: (load[w.id], w.id))
         else:
-            scored = sorted(scorable, key=lambda w: (cost(w), w.id))
+            scored = sorted(scorable, key=lambda w: (cost(w), load[w.id], w.id))
         best = scored[0]
         store = f", {tiers.store} in the KV store" if tiers.store else ""
         why = f"policy {self.policy}: {best.id} is the only candidate (prefix index not asked)" if sole else (

@@ -57,9 +57,9 @@ async def holds(redis_url: str, worker_id: str, tenant: str, prompt: list[int], 
     await pub.redis.aclose()
 
 
-def router(redis_url: str, policy: str = "prefix") -> tuple[Router, aioredis.Redis]:
+def router(redis_url: str, policy: str = "prefix", **kw) -> tuple[Router, aioredis.Redis]:
     r = aioredis.Redis.from_url(redis_url)
-    return Router(RegistryView(r, refresh_s=0.0), PrefixIndex(r), REGIONS, policy=policy), r
+    return Router(RegistryView(r, refresh_s=0.0), PrefixIndex(r), REGIONS, policy=policy, **kw), r
 
 
 def test_expired_workers_are_never_routed_to(redis_url: str) -> None:
@@ -150,12 +150,41 @@ def test_a_conversations_next_turn_is_not_pushed_off_its_worker_by_the_turn_that
         d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "turn2")
         assert d.candidates[0].worker.id == "b" and d.overlap_blocks == 4, d.reason
         rt.done("turn2")
-        # a record written after both ended that still says running=1 is another request: b is loaded
+        # a record written after both ended that still says running=3 is other requests: b is loaded
         time.sleep(0.01)
-        await register(redis_url, rec("b", running=1))
+        await register(redis_url, rec("b", running=3))
         d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "turn3")
-        assert d.candidates[0].worker.id == "a", d.reason  # 16 + 256 x 1 on b against 80 on a
+        assert d.candidates[0].worker.id == "a", d.reason  # 16 + 256 x (3 - 2 slack) on b against 80 on a
         await r.aclose()
+
+    asyncio.run(go())
+
+
+def test_load_within_the_slack_never_moves_a_cached_prefix_and_a_lasting_imbalance_does(redis_url: str) -> None:
+    """A load difference of up to `load_slack` requests costs nothing against cached blocks; beyond it every
+    request weighs `load_tokens`. Cold requests (nothing cached anywhere) still go to the least loaded."""
+    async def go() -> None:
+        picks: dict[int, str] = {}
+        for slack in (0, 2):
+            rt, r = router(redis_url, load_slack=slack)
+            await register(redis_url, rec("a"), rec("b", running=2))
+            await holds(redis_url, "b", "tenant-1", PROMPT, 4)
+            d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", f"s{slack}")
+            picks[slack] = d.candidates[0].worker.id
+            rt.done(f"s{slack}")
+            await r.aclose()
+        assert picks == {0: "a", 2: "b"}  # b: 16 + 256 x 2 = 528 against a's 80; with the slack b costs 16
+        rt, r = router(redis_url)
+        await register(redis_url, rec("a", running=1), rec("b", running=4), rec("c", running=9))
+        d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "far")  # b is 3 past the least loaded: 16 + 256
+        assert [t.worker.id for t in d.candidates] == ["a", "b"], d.reason  # a 80, b 272, c 80 + 256 x 6
+        rt.done("far")
+        await register(redis_url, rec("a", running=2), rec("b", running=1), rec("c", running=2))
+        d = await rt.route("m", "tenant-2", PROMPT, 8, "eu", "cold")  # nothing cached: equal costs, load decides
+        assert d.candidates[0].worker.id == "b" and d.overlap_blocks == 0, d.reason
+        await r.aclose()
+        with pytest.raises(ValueError, match="load_slack"):
+            router(redis_url, load_slack=-1)
 
     asyncio.run(go())
 
