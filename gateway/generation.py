@@ -327,6 +327,7 @@ class Generation:
             if isinstance(ev, TokenEvent):
                 if first:
                     self._metrics.observe_ttft(self.api, time.time() - self._started_at)
+                    self._router.prefilled(self.request_id)  # its prompt no longer waits on the worker
                     first = False
                 self._completion_tokens += len(ev.token_ids)
                 if ev.prompt_logprobs is not None:

@@ -48,10 +48,16 @@ not all land on the worker that looked idlest. It also takes off what the record
 still counts but has ended since (requests dispatched before the record was
 written and ended after it): a conversation's next turn, sent the moment the last
 one ends, otherwise finds its own worker loaded by that very turn for up to a
-heartbeat and goes to a worker that must compute the whole prompt again. Only the
-request count is corrected, not `queued_prefill_tokens` (whether an ended request's
-prompt was still queued when the record was written is not known here). Static
-workers (no records) count everything in flight.
+heartbeat and goes to a worker that must compute the whole prompt again. Prompt
+tokens are corrected the same way, at the request's first token (`prefilled`; its end
+if none came): a request dispatched before the record and prefilled after it is taken
+off the record's `queued_prefill_tokens`, and one sent after it counts only until its
+first token. (A record is up to a heartbeat plus the registry view's refresh old, about
+1.5 s: longer than many prefills, so a worker that has just worked through its queue
+otherwise looks buried for that long.) The first token of a non-streamed request can
+reach the gateway up to 0.25 s after it was computed (the worker writes lines together),
+so its tokens are taken off that much late. Static workers (no records) count
+everything in flight.
 """
 
 from __future__ import annotations
@@ -98,40 +104,75 @@ class RouteDecision(NamedTuple):
 ENDED_KEEP_S = 10.0  # how long an ended request is remembered: longer than a record lives (3 s TTL)
 
 
+class _Sent:
+    """One request this gateway sent to a worker: when, the prompt tokens it left to compute there, when
+    those were computed (its first token, or its end if none came) and when it ended."""
+
+    __slots__ = ("sent", "tokens", "computed_at", "ended_at")
+
+    def __init__(self, tokens: int) -> None:
+        self.sent, self.tokens = time.time(), tokens
+        self.computed_at: float | None = None
+        self.ended_at: float | None = None
+
+
 class _InFlight:
-    """Requests this gateway dispatched, per worker: those not ended, (dispatch time, tokens), and those
-    that ended in the last `ENDED_KEEP_S`, (dispatch time, end time)."""
+    """Requests this gateway dispatched, per worker: those not ended, and those that ended in the last
+    `ENDED_KEEP_S`."""
 
     def __init__(self) -> None:
-        self.active: dict[str, dict[str, tuple[float, int]]] = defaultdict(dict)
-        self.ended: dict[str, deque[tuple[float, float]]] = defaultdict(deque)
+        self.active: dict[str, dict[str, _Sent]] = defaultdict(dict)
+        self.ended: dict[str, deque[_Sent]] = defaultdict(deque)
 
     def add(self, worker_id: str, request_id: str, tokens: int) -> None:
-        self.active[worker_id][request_id] = (time.time(), tokens)
+        self.active[worker_id][request_id] = _Sent(tokens)
+
+    def prefilled(self, request_id: str) -> None:
+        now = time.time()
+        for requests in self.active.values():
+            if (item := requests.get(request_id)) is not None and item.computed_at is None:
+                item.computed_at = now
 
     def done(self, request_id: str) -> None:
         now = time.time()
         for worker_id, requests in self.active.items():
             if (item := requests.pop(request_id, None)) is not None:
+                item.ended_at = now
+                if item.computed_at is None:  # ended before its first token: it left the queue now
+                    item.computed_at = now
                 ended = self.ended[worker_id]
-                ended.append((item[0], now))
-                while ended[0][1] < now - ENDED_KEEP_S:
+                ended.append(item)
+                while ended[0].ended_at < now - ENDED_KEEP_S:
                     ended.popleft()
 
+    def _prune(self, rec: WorkerRecord) -> deque[_Sent]:
+        """The ended requests `rec` may still count. Those that ended before it was written are dropped: a
+        worker's records only get newer, so no record will count them again."""
+        ended = self.ended[rec.id]
+        while ended and ended[0].ended_at <= rec.updated_at:
+            ended.popleft()
+        return ended
+
     def gone(self, rec: WorkerRecord) -> int:
-        """Requests `rec` still counts (dispatched before it was written) that have ended since. Those that
-        ended before it are dropped: a worker's records only get newer, so no record will count them again."""
+        """Requests `rec` still counts (dispatched before it was written) that have ended since."""
         if not rec.updated_at:  # a static worker: no record counts anything
             return 0
-        ended = self.ended[rec.id]
-        while ended and ended[0][1] <= rec.updated_at:
-            ended.popleft()
-        return sum(1 for sent, _ in ended if sent <= rec.updated_at)
+        return sum(1 for item in self._prune(rec) if item.sent <= rec.updated_at)
+
+    def computed_since(self, rec: WorkerRecord) -> int:
+        """Prompt tokens `rec` still counts as queued (dispatched before it was written) that have been
+        computed since (their first token came, or they ended, after it was written)."""
+        if not rec.updated_at:
+            return 0
+        t = rec.updated_at
+        return sum(item.tokens for items in (self._prune(rec), self.active[rec.id].values()) for item in items
+                   if item.sent <= t and item.computed_at is not None and item.computed_at > t)
 
     def unseen(self, rec: WorkerRecord) -> tuple[int, int]:
-        """(requests, prompt tokens) sent after `rec` was written, so not in its load figures yet."""
-        items = [tok for t, tok in self.active[rec.id].values() if t > rec.updated_at]
-        return len(items), sum(items)
+        """Requests sent after `rec` was written, so not in its load figures yet, and the prompt tokens of
+        those still waiting for their first token."""
+        items = [item for item in self.active[rec.id].values() if item.sent > rec.updated_at]
+        return len(items), sum(item.tokens for item in items if item.computed_at is None)
 
 
 class Router:
@@ -153,6 +194,14 @@ class Router:
     def done(self, request_id: str) -> None:
         """The request ended: it no longer loads the workers it was sent to."""
         self._inflight.done(request_id)
+
+    def prefilled(self, request_id: str) -> None:
+        """The request's first token came: its prompt no longer waits in its worker's prefill queue."""
+        self._inflight.prefilled(request_id)
+
+    def _queued(self, w: WorkerRecord) -> int:
+        """Prompt tokens waiting on `w` now: its record's, less what was computed since, plus what was sent since."""
+        return max(0, w.queued_prefill_tokens - self._inflight.computed_since(w)) + self._inflight.unseen(w)[1]
 
     async def route(self, model: str, tenant_id: str, prompt_ids: list[int], max_tokens: int,
                     region: str, request_id: str) -> RouteDecision:
@@ -240,8 +289,7 @@ class Router:
         def cost(w: WorkerRecord) -> float:
             store = tiers.store * page if w.kv_store else 0  # only a worker with the store can fetch
             work = prefill_cost(len(prompt_ids), overlap.get(w.id, 0) * page, store, self.store_token_cost)
-            queued = w.queued_prefill_tokens + self._inflight.unseen(w)[1]
-            return queued + work + self.load_tokens * max(0, load[w.id] - floor)
+            return self._queued(w) + work + self.load_tokens * max(0, load[w.id] - floor)
 
         if self.policy == "least-loaded":
             scored = sorted(scorable, key=lambda w: (load[w.id], w.id))

@@ -189,6 +189,31 @@ def test_load_within_the_slack_never_moves_a_cached_prefix_and_a_lasting_imbalan
     asyncio.run(go())
 
 
+def test_prompt_tokens_leave_a_workers_queue_at_their_first_token_not_at_its_next_record(redis_url: str) -> None:
+    """A record counts the prompt tokens queued when it was written; once a request dispatched before it has its
+    first token (`prefilled`), its tokens come off, and one sent after the record counts only until then."""
+    async def go() -> None:
+        rt, r = router(redis_url)
+        await register(redis_url, rec("a"), rec("b"))
+        await holds(redis_url, "a", "tenant-1", PROMPT, 4)
+        assert (await rt.route("m", "tenant-9", PROMPT, 8, "eu", "t1")).candidates[0].worker.id == "a"  # cold tie
+        time.sleep(0.01)
+        await register(redis_url, rec("a", waiting=1, queued_prefill_tokens=80))  # written while t1 waits
+        d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "t2")
+        assert d.candidates[0].worker.id == "b", d.reason  # a: 80 queued + 16 against b's 80
+        rt.done("t2")
+        rt.prefilled("t1")  # a worked through its queue; its record still says 80
+        d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "t3")
+        assert d.candidates[0].worker.id == "a" and "cost 16 tokens" in d.reason, d.reason
+        # t3 (16 tokens, sent after a's record) waits on a: a cold prompt costs 16 + 80 there, 80 on b
+        assert (await rt.route("m", "tenant-8", PROMPT, 8, "eu", "t4")).candidates[0].worker.id == "b"
+        rt.prefilled("t3")  # now b has t4's 80 waiting and a nothing
+        assert (await rt.route("m", "tenant-7", PROMPT, 8, "eu", "t5")).candidates[0].worker.id == "a"
+        await r.aclose()
+
+    asyncio.run(go())
+
+
 def test_a_sole_worker_is_chosen_without_asking_the_prefix_index(redis_url: str) -> None:
     """One candidate wins whatever it caches, so the Redis lookup is skipped; a second one brings it back."""
     async def go() -> None:
@@ -273,11 +298,15 @@ def test_gateway_routes_over_the_registry_retries_before_first_byte_and_drives_a
         cfg = GatewayConfig(models=[ModelRoute(MODEL, str(tiny_chat_dir), max_model_len=512)], redis_url=redis_url,
                             region="eu", routing_policy="least-loaded")
         account = make_account(redis_url)
-        with serve_in_thread(create_gateway_app(cfg)) as url:
+        app = create_gateway_app(cfg)
+        with serve_in_thread(app) as url:
             resp = httpx.post(f"{url}/v1/chat/completions", headers=auth(account.token), timeout=60,
                               json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 5
+        # the router heard of the first token before the end: the prompt left the prefill worker's queue then
+        sent = app.state.gateway.router._inflight.ended["pre"][-1]
+        assert sent.sent < sent.computed_at < sent.ended_at
         assert resp.headers["x-edgeserve-worker"] == worker_tag("dec")  # the dead (idler) worker was tried first
         assert dec_url not in resp.headers["x-edgeserve-route"]  # clients see tags, never addresses
         assert "least-loaded" in resp.headers["x-edgeserve-route"]
