@@ -23,7 +23,7 @@ from gateway.config import GatewayConfig, ModelRoute
 from gateway.generation import worker_tag
 from gateway.regions import RegionMap
 from gateway.registry_view import RegistryView
-from gateway.router import Router
+from gateway.router import LOAD_SLACK, Router
 from ops.redis_server import free_port
 from prefix_cache.hashing import block_hashes
 from prefix_cache.kv_events import KVEventPublisher, PrefixIndex
@@ -212,6 +212,14 @@ def test_prompt_tokens_leave_a_workers_queue_at_their_first_token_not_at_its_nex
         await r.aclose()
 
     asyncio.run(go())
+
+
+def test_the_gateways_load_slack_reaches_its_router(tiny_chat_dir, redis_url: str) -> None:
+    from ops.gateway_cmd import build_config
+
+    assert build_config(str(tiny_chat_dir), [], redis_url).routing_load_slack == LOAD_SLACK
+    config = build_config(str(tiny_chat_dir), [], redis_url, load_slack=5)  # `edgeserve gateway --load-slack 5`
+    assert create_gateway_app(config).state.gateway.router.load_slack == 5
 
 
 def test_a_sole_worker_is_chosen_without_asking_the_prefix_index(redis_url: str) -> None:
