@@ -19,18 +19,20 @@
      `cost = queued prefill tokens + prompt tokens it would compute (minus its cached
      overlap) + load_tokens * excess`, the lowest cost wins (ties: the less loaded).
      `excess` is how many requests (running + waiting) the worker has beyond the least
-     loaded candidate, less `load_slack` (default 2; never below 0): a difference of a
-     request or two comes and goes within one request's lifetime (a closed loop of users
-     over a few workers fluctuates by that much all the time), and chasing it throws a
+     loaded candidate's `m`, less a slack of `max(load_slack, load_slack_share * m)`
+     (default 2 requests or half of `m`; never below 0): a difference of a request or
+     two comes and goes within one request's lifetime (a closed loop of users over a few
+     workers fluctuates by that much all the time, and by more, about the square root of
+     the load, on workers running tens of requests), and chasing it throws a
      conversation's cached blocks away for a balance that reverses a moment later; a
-     lasting imbalance still counts. (SGLang's cache-aware router has the same two states,
-     cache affinity until the load differs by more than a threshold, then load; here both
-     live in one cost.) A hot prefix therefore stays on its worker until the queue there
-     outweighs the tokens saved, then spreads. Blocks the cluster's KV store holds beyond
-     a worker's own overlap (the index's "store" tier) are fetched, not computed: each
-     counts `store_token_cost` of a token (default 0.25: between a local hit, 0, and a
-     recompute, 1; `prefill_cost`). So with a store a hot prefix spreads at a quarter
-     of the imbalance it needs without one.
+     lasting imbalance still counts. (SGLang's cache-aware router has the same two states:
+     cache affinity until the load differs by more than an absolute threshold and by more
+     than a ratio, then load; here both live in one cost.) A hot prefix therefore stays
+     on its worker until the queue there outweighs the tokens saved, then spreads. Blocks
+     the cluster's KV store holds beyond a worker's own overlap (the index's "store"
+     tier) are fetched, not computed: each counts `store_token_cost` of a token (default
+     0.25: between a local hit, 0, and a recompute, 1; `prefill_cost`). So with a store a
+     hot prefix spreads at a quarter of the imbalance it needs without one.
    - `least-loaded`: fewest running + waiting (+ in flight from this gateway).
    - `round-robin`: in turn.
    In a disaggregated pool the prefill worker is chosen by that score and the decode
@@ -73,10 +75,12 @@ from gateway.regions import RegionMap
 from prefix_cache.hashing import block_hashes
 from prefix_cache.kv_events import PrefixIndex, TierOverlap
 
-__all__ = ["Target", "RouteDecision", "Router", "POLICIES", "prefill_cost", "STORE_TOKEN_COST", "LOAD_SLACK"]
+__all__ = ["Target", "RouteDecision", "Router", "POLICIES", "prefill_cost", "STORE_TOKEN_COST", "LOAD_SLACK",
+           "LOAD_SLACK_SHARE"]
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
 LOAD_SLACK = 2  # requests of load difference the prefix policy ignores (see the module docstring)
+LOAD_SLACK_SHARE = 0.5  # ... or this share of the least loaded worker's load, when that is more
 STORE_TOKEN_COST = 0.25  # a prompt token fetched from the KV store, against 1 computed and 0 cached locally
 
 
@@ -178,16 +182,17 @@ class _InFlight:
 class Router:
     def __init__(self, view, index: PrefixIndex | None, regions: RegionMap, *, policy: str = "prefix",
                  max_waiting: int = 16, load_tokens: int = 256, store_token_cost: float = STORE_TOKEN_COST,
-                 load_slack: int = LOAD_SLACK) -> None:
+                 load_slack: int = LOAD_SLACK, load_slack_share: float = LOAD_SLACK_SHARE) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {POLICIES}")
-        if load_slack < 0:
-            raise ValueError(f"load_slack is a number of requests (>= 0), got {load_slack}")
+        if load_slack < 0 or load_slack_share < 0:
+            raise ValueError(f"load_slack (requests) and load_slack_share must be >= 0, got {load_slack}, "
+                             f"{load_slack_share}")
         if not 0.0 <= store_token_cost <= 1.0:
             raise ValueError(f"store_token_cost is a fraction of a computed token (0..1), got {store_token_cost}")
         self.view, self.index, self.regions, self.policy = view, index, regions, policy
         self.max_waiting, self.load_tokens, self.store_token_cost = max_waiting, load_tokens, store_token_cost
-        self.load_slack = load_slack
+        self.load_slack, self.load_slack_share = load_slack, load_slack_share
         self._turn = itertools.count()
         self._inflight = _InFlight()
 
@@ -284,7 +289,8 @@ class Router:
         overlap = tiers.local
         page = scorable[0].page_size or 16
         load = {w.id: self._load(w) for w in scorable}
-        floor = min(load.values()) + self.load_slack  # load up to here costs nothing
+        least = min(load.values())
+        floor = least + max(self.load_slack, self.load_slack_share * least)  # load up to here costs nothing
 
         def cost(w: WorkerRecord) -> float:
             store = tiers.store * page if w.kv_store else 0  # only a worker with the store can fetch

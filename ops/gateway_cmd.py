@@ -29,7 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how to pick among a region's workers")
     p.add_argument("--load-slack", type=int, default=None, metavar="N",
                    help="prefix policy: a worker's load beyond the least loaded's, in requests, that costs nothing "
-                        "against its cached prefix (default 2; 0 weighs every request)")
+                        "against its cached prefix (default 2) ...")
+    p.add_argument("--load-slack-share", type=float, default=None, metavar="F",
+                   help="... or this share of the least loaded worker's load, when more (default 0.5; both 0: "
+                        "every request weighs)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
                    help="Redis with tenants, keys, usage and the worker registry ($REDIS_URL when set)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -60,19 +63,21 @@ def build_config(model: str, workers: list[str], redis_url: str, *, served_name:
                  region: str = "local", max_model_len: int | None = None, keepalive_s: float = 10.0,
                  policy: str = "prefix", trust_region_headers: bool = False, worker_token: str | None = None,
                  usage_journal: str | None = None, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, load_slack: int | None = None):
+                 reasoning_parser: str | None = None, load_slack: int | None = None,
+                 load_slack_share: float | None = None):
     """GatewayConfig for one model (pulled if it is a known name) served by `workers`."""
     from gateway.config import DEFAULT_ALIASES, GatewayConfig, ModelRoute
     from gateway.regions import RegionMap
-    from gateway.router import LOAD_SLACK
     from ops.pull import resolve_model
 
     name = served_name or model
     route = ModelRoute(name=name, model_dir=str(resolve_model(model)), workers=workers,
                        aliases=DEFAULT_ALIASES.get(name, []), max_model_len=max_model_len,
                        tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+    slack = {k: v for k, v in (("routing_load_slack", load_slack), ("routing_load_slack_share", load_slack_share))
+             if v is not None}  # unset: the router's defaults
     return GatewayConfig(models=[route], redis_url=redis_url, region=region, keepalive_s=keepalive_s,
-                         routing_policy=policy, routing_load_slack=LOAD_SLACK if load_slack is None else load_slack,
+                         routing_policy=policy, **slack,
                          regions=RegionMap(trust_headers=trust_region_headers),
                          worker_token=worker_token, usage_journal_path=usage_journal)
 
@@ -97,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
                           region=args.region, max_model_len=args.max_model_len, keepalive_s=args.keepalive,
                           policy=args.policy, trust_region_headers=args.trust_region_headers, worker_token=token,
                           usage_journal=args.usage_journal, tool_parser=args.tool_parser,
-                          reasoning_parser=args.reasoning_parser, load_slack=args.load_slack)
+                          reasoning_parser=args.reasoning_parser, load_slack=args.load_slack,
+                          load_slack_share=args.load_slack_share)
     where = ", ".join(args.worker) if args.worker else f"the worker registry in {redact(args.redis_url)}"
     print(f"edgeserve gateway on http://{args.host}:{args.port} -> {where}"
           f"{'' if token else ' (no worker token)'}", flush=True)

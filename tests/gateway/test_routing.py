@@ -23,7 +23,7 @@ from gateway.config import GatewayConfig, ModelRoute
 from gateway.generation import worker_tag
 from gateway.regions import RegionMap
 from gateway.registry_view import RegistryView
-from gateway.router import LOAD_SLACK, Router
+from gateway.router import LOAD_SLACK, LOAD_SLACK_SHARE, Router
 from ops.redis_server import free_port
 from prefix_cache.hashing import block_hashes
 from prefix_cache.kv_events import KVEventPublisher, PrefixIndex
@@ -182,9 +182,19 @@ def test_load_within_the_slack_never_moves_a_cached_prefix_and_a_lasting_imbalan
         await register(redis_url, rec("a", running=2), rec("b", running=1), rec("c", running=2))
         d = await rt.route("m", "tenant-2", PROMPT, 8, "eu", "cold")  # nothing cached: equal costs, load decides
         assert d.candidates[0].worker.id == "b" and d.overlap_blocks == 0, d.reason
+        rt.done("cold")
+        # workers running tens of requests: the slack is half the least loaded one's load (15 of 30 here)
+        picks = {}
+        for b_load, share in ((44, 0.5), (50, 0.5), (44, 0.0)):
+            await register(redis_url, rec("a", running=30), rec("b", running=b_load), rec("c", running=60))
+            rt2, r2 = router(redis_url, load_slack_share=share)
+            picks[b_load, share] = (await rt2.route("m", "tenant-1", PROMPT, 8, "eu", "big")).candidates[0].worker.id
+            await r2.aclose()
+        assert picks == {(44, 0.5): "b", (50, 0.5): "a", (44, 0.0): "a"}  # 16 + 256 x (50 - 45) > 80 on a
         await r.aclose()
-        with pytest.raises(ValueError, match="load_slack"):
-            router(redis_url, load_slack=-1)
+        for bad in (dict(load_slack=-1), dict(load_slack_share=-0.5)):
+            with pytest.raises(ValueError, match="load_slack"):
+                router(redis_url, **bad)
 
     asyncio.run(go())
 
@@ -217,9 +227,12 @@ def test_prompt_tokens_leave_a_workers_queue_at_their_first_token_not_at_its_nex
 def test_the_gateways_load_slack_reaches_its_router(tiny_chat_dir, redis_url: str) -> None:
     from ops.gateway_cmd import build_config
 
-    assert build_config(str(tiny_chat_dir), [], redis_url).routing_load_slack == LOAD_SLACK
-    config = build_config(str(tiny_chat_dir), [], redis_url, load_slack=5)  # `edgeserve gateway --load-slack 5`
-    assert create_gateway_app(config).state.gateway.router.load_slack == 5
+    default = build_config(str(tiny_chat_dir), [], redis_url)
+    assert (default.routing_load_slack, default.routing_load_slack_share) == (LOAD_SLACK, LOAD_SLACK_SHARE)
+    # `edgeserve gateway --load-slack 5 --load-slack-share 0.25`
+    router_ = create_gateway_app(build_config(str(tiny_chat_dir), [], redis_url, load_slack=5,
+                                              load_slack_share=0.25)).state.gateway.router
+    assert (router_.load_slack, router_.load_slack_share) == (5, 0.25)
 
 
 def test_a_sole_worker_is_chosen_without_asking_the_prefix_index(redis_url: str) -> None:

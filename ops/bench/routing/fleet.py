@@ -8,11 +8,10 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from gateway.router import LOAD_SLACK
 from ops.bench.harness.machine import mem_available_gib
 from ops.bench.harness.procs import wait_registered
 from ops.bench.routing.workload import MODEL
@@ -55,8 +54,8 @@ class Fleet(NamedTuple):
 
 
 def start_fleet(stack: contextlib.ExitStack, redis_url: str, policy: str, kv_bytes: str, logs: Path,
-                 log: Callable[[str], None], prefix: str = "", load_slack: int = LOAD_SLACK) -> Fleet:
-    """Start 4 workers and a gateway with `policy` and `load_slack` (stopped by `stack`)."""
+                 log: Callable[[str], None], prefix: str = "", gateway_args: Sequence[str] = ()) -> Fleet:
+    """Start 4 workers and a gateway with `policy` and `gateway_args` (stopped by `stack`)."""
     from ops.redis_server import free_port
 
     workers: dict[str, str] = {}
@@ -74,7 +73,7 @@ def start_fleet(stack: contextlib.ExitStack, redis_url: str, policy: str, kv_byt
     path = logs / f"{prefix}{policy}-gateway.log"
     procs.append((stack.enter_context(child_process(
         [sys.executable, "-m", "ops.cli", "gateway", "--model", MODEL, "--redis-url", redis_url,
-         "--port", str(gateway_port), "--policy", policy, "--load-slack", str(load_slack)], path)),
+         "--port", str(gateway_port), "--policy", policy, *gateway_args], path)),
         f"http://127.0.0.1:{gateway_port}/healthz", path, "the gateway"))
     started = time.perf_counter()
     for proc, url, path, what in procs:
