@@ -149,34 +149,38 @@ class _InFlight:
                 while ended[0].ended_at < now - ENDED_KEEP_S:
                     ended.popleft()
 
-    def _prune(self, rec: WorkerRecord) -> deque[_Sent]:
-        """The ended requests `rec` may still count. Those that ended before it was written are dropped: a
-        worker's records only get newer, so no record will count them again."""
-        ended = self.ended[rec.id]
-        while ended and ended[0].ended_at <= rec.updated_at:
-            ended.popleft()
-        return ended
-
-    def gone(self, rec: WorkerRecord) -> int:
-        """Requests `rec` still counts (dispatched before it was written) that have ended since."""
-        if not rec.updated_at:  # a static worker: no record counts anything
-            return 0
-        return sum(1 for item in self._prune(rec) if item.sent <= rec.updated_at)
-
-    def computed_since(self, rec: WorkerRecord) -> int:
-        """Prompt tokens `rec` still counts as queued (dispatched before it was written) that have been
-        computed since (their first token came, or they ended, after it was written)."""
-        if not rec.updated_at:
-            return 0
+    def since(self, rec: WorkerRecord) -> _Since:
+        """What changed on `rec`'s worker since `rec` was written, as far as this gateway knows, in one pass.
+        Ended requests that ended before it was written are dropped: a worker's records only get newer, so
+        no record will count them again. A static worker (no record) counts nothing itself: everything in
+        flight is `sent`."""
         t = rec.updated_at
-        return sum(item.tokens for items in (self._prune(rec), self.active[rec.id].values()) for item in items
-                   if item.sent <= t and item.computed_at is not None and item.computed_at > t)
+        ended = self.ended[rec.id]
+        while ended and ended[0].ended_at <= t:
+            ended.popleft()
+        sent = sent_tokens = gone = computed = 0
+        for item in self.active[rec.id].values():
+            if item.sent > t:
+                sent += 1
+                sent_tokens += item.tokens if item.computed_at is None else 0
+            elif t and item.computed_at is not None and item.computed_at > t:
+                computed += item.tokens
+        if t:
+            for item in ended:
+                if item.sent <= t:
+                    gone += 1
+                    computed += item.tokens if item.computed_at > t else 0
+        return _Since(sent, sent_tokens, gone, computed)
 
-    def unseen(self, rec: WorkerRecord) -> tuple[int, int]:
-        """Requests sent after `rec` was written, so not in its load figures yet, and the prompt tokens of
-        those still waiting for their first token."""
-        items = [item for item in self.active[rec.id].values() if item.sent > rec.updated_at]
-        return len(items), sum(item.tokens for item in items if item.computed_at is None)
+
+class _Since(NamedTuple):
+    """A worker's changes since its record: requests sent after it (`sent`) and the prompt tokens of those not
+    yet prefilled (`sent_tokens`); requests it counts that have ended (`gone`); prompt tokens it counts as queued
+    that have been computed (`computed`: a first token, or an end, after it was written)."""
+    sent: int
+    sent_tokens: int
+    gone: int
+    computed: int
 
 
 class Router:
@@ -204,9 +208,10 @@ class Router:
         """The request's first token came: its prompt no longer waits in its worker's prefill queue."""
         self._inflight.prefilled(request_id)
 
-    def _queued(self, w: WorkerRecord) -> int:
+    @staticmethod
+    def _queued(w: WorkerRecord, since: _Since) -> int:
         """Prompt tokens waiting on `w` now: its record's, less what was computed since, plus what was sent since."""
-        return max(0, w.queued_prefill_tokens - self._inflight.computed_since(w)) + self._inflight.unseen(w)[1]
+        return max(0, w.queued_prefill_tokens - since.computed) + since.sent_tokens
 
     async def route(self, model: str, tenant_id: str, prompt_ids: list[int], max_tokens: int,
                     region: str, request_id: str) -> RouteDecision:
@@ -220,26 +225,27 @@ class Router:
             raise NoCapacity(f"no capacity for model {model}: {why}; retry shortly", model=model,
                              retry_after_s=1)
         need = len(prompt_ids) + max_tokens
+        since = {w.id: self._inflight.since(w) for w in workers}  # once per route: every figure below reads it
         by_region: dict[str, list[WorkerRecord]] = defaultdict(list)
         for w in front:
             by_region[w.region].append(w)
         order = self.regions.nearest_first(region, by_region)
         chosen_region, skipped = None, []
         for r in order:
-            if any(self._has_room(w, need) for w in by_region[r]):
+            if any(self._has_room(w, need, since) for w in by_region[r]):
                 chosen_region = r
                 break
             skipped.append(r)
         if chosen_region is None:  # everything saturated: the nearest region queues it
             chosen_region = order[0]
-        ranked, overlap, why = await self._rank(model, tenant_id, prompt_ids, need,
-                                                [w for w in by_region[chosen_region] if self._has_room(w, need)]
+        ranked, overlap, why = await self._rank(model, tenant_id, prompt_ids, since,
+                                                [w for w in by_region[chosen_region] if self._has_room(w, need, since)]
                                                 or by_region[chosen_region], workers, chosen_region)
         fallback = ranked[1:2]
         if not fallback:  # retry target from the next region with room
             for r in order:
                 if r != chosen_region:
-                    rest, _, _ = await self._rank(model, tenant_id, prompt_ids, need, by_region[r], workers, r)
+                    rest, _, _ = await self._rank(model, tenant_id, prompt_ids, since, by_region[r], workers, r)
                     fallback = rest[:1]
                     break
         best = ranked[0]
@@ -254,17 +260,18 @@ class Router:
                                                      else "nearest with workers)")
         return RouteDecision([best, *fallback], f"{where}; {why}", chosen_region, overlap)
 
-    def _has_room(self, w: WorkerRecord, need: int) -> bool:
+    def _has_room(self, w: WorkerRecord, need: int, since: dict[str, _Since]) -> bool:
         if w.pages_total == 0:  # capacity unknown (static configuration)
             return True
         room = (w.pages_free + w.pages_evictable) * w.page_size  # cached blocks nobody reads are evicted on demand
-        return room >= need and w.waiting + self._inflight.unseen(w)[0] < self.max_waiting
+        return room >= need and w.waiting + since[w.id].sent < self.max_waiting
 
-    def _load(self, w: WorkerRecord) -> int:
+    @staticmethod
+    def _load(w: WorkerRecord, since: _Since) -> int:
         """Running + waiting requests on `w` now: its record's, plus what was sent since, less what ended since."""
-        return max(0, w.running + w.waiting + self._inflight.unseen(w)[0] - self._inflight.gone(w))
+        return max(0, w.running + w.waiting + since.sent - since.gone)
 
-    async def _rank(self, model: str, tenant_id: str, prompt_ids: list[int], need: int,
+    async def _rank(self, model: str, tenant_id: str, prompt_ids: list[int], since: dict[str, _Since],
                     front: list[WorkerRecord], workers: list[WorkerRecord], region: str
                     ) -> tuple[list[Target], int, str]:
         """Targets in `front`, best first, with the winner's prefix overlap (blocks) and the reason."""
@@ -279,35 +286,37 @@ class Router:
             pre = prefills[k % len(prefills)] if disaggregated and prefills else None
             return [Target(w, pre) for w in ordered], 0, "policy round-robin"
         if self.policy == "least-loaded" or disaggregated:
-            ordered = sorted(front, key=lambda w: (self._load(w), -w.pages_free, w.id))
+            ordered = sorted(front, key=lambda w: (self._load(w, since[w.id]), -w.pages_free, w.id))
             if not disaggregated:
-                return [Target(w) for w in ordered], 0, f"policy least-loaded (load {self._load(ordered[0])})"
+                best_load = self._load(ordered[0], since[ordered[0].id])
+                return [Target(w) for w in ordered], 0, f"policy least-loaded (load {best_load})"
         # prefix-aware: score the prefill-capable workers (a sole one wins whatever it caches: no lookup)
         scorable = prefills if disaggregated else front
         sole = len(scorable) == 1
         tiers = TierOverlap({}, 0) if sole else await self._overlap(model, tenant_id, prompt_ids, scorable)
         overlap = tiers.local
         page = scorable[0].page_size or 16
-        load = {w.id: self._load(w) for w in scorable}
+        load = {w.id: self._load(w, since[w.id]) for w in scorable}
         least = min(load.values())
         floor = least + max(self.load_slack, self.load_slack_share * least)  # load up to here costs nothing
 
         def cost(w: WorkerRecord) -> float:
             store = tiers.store * page if w.kv_store else 0  # only a worker with the store can fetch
             work = prefill_cost(len(prompt_ids), overlap.get(w.id, 0) * page, store, self.store_token_cost)
-            return self._queued(w) + work + self.load_tokens * max(0, load[w.id] - floor)
+            return self._queued(w, since[w.id]) + work + self.load_tokens * max(0, load[w.id] - floor)
 
+        costs = {w.id: cost(w) for w in scorable}
         if self.policy == "least-loaded":
             scored = sorted(scorable, key=lambda w: (load[w.id], w.id))
         else:
-            scored = sorted(scorable, key=lambda w: (cost(w), load[w.id], w.id))
+            scored = sorted(scorable, key=lambda w: (costs[w.id], load[w.id], w.id))
         best = scored[0]
         store = f", {tiers.store} in the KV store" if tiers.store else ""
         why = f"policy {self.policy}: {best.id} is the only candidate (prefix index not asked)" if sole else (
             f"policy {self.policy}: {overlap.get(best.id, 0)} cached blocks of {len(prompt_ids) // page} "
-            f"on {best.id}{store}, cost {cost(best):.0f} tokens")
+            f"on {best.id}{store}, cost {costs[best.id]:.0f} tokens")
         if disaggregated:
-            decodes = sorted(front, key=lambda w: (self._load(w), -w.pages_free, w.id))
+            decodes = sorted(front, key=lambda w: (self._load(w, since[w.id]), -w.pages_free, w.id))
             targets = [Target(d, best) for d in decodes]
             if len(scored) > 1 and len(decodes) == 1:
                 targets.append(Target(decodes[0], scored[1]))
