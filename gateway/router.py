@@ -225,7 +225,7 @@ class Router:
             raise NoCapacity(f"no capacity for model {model}: {why}; retry shortly", model=model,
                              retry_after_s=1)
         need = len(prompt_ids) + max_tokens
-        since = {w.id: self._inflight.since(w) for w in workers}  # once per route: every figure below reads it
+        since = self._since(workers)  # for the room checks below; `_rank` takes its own after it awaits
         by_region: dict[str, list[WorkerRecord]] = defaultdict(list)
         for w in front:
             by_region[w.region].append(w)
@@ -238,14 +238,14 @@ class Router:
             skipped.append(r)
         if chosen_region is None:  # everything saturated: the nearest region queues it
             chosen_region = order[0]
-        ranked, overlap, why = await self._rank(model, tenant_id, prompt_ids, since,
+        ranked, overlap, why = await self._rank(model, tenant_id, prompt_ids,
                                                 [w for w in by_region[chosen_region] if self._has_room(w, need, since)]
                                                 or by_region[chosen_region], workers, chosen_region)
         fallback = ranked[1:2]
         if not fallback:  # retry target from the next region with room
             for r in order:
                 if r != chosen_region:
-                    rest, _, _ = await self._rank(model, tenant_id, prompt_ids, since, by_region[r], workers, r)
+                    rest, _, _ = await self._rank(model, tenant_id, prompt_ids, by_region[r], workers, r)
                     fallback = rest[:1]
                     break
         best = ranked[0]
@@ -271,12 +271,18 @@ class Router:
         """Running + waiting requests on `w` now: its record's, plus what was sent since, less what ended since."""
         return max(0, w.running + w.waiting + since.sent - since.gone)
 
-    async def _rank(self, model: str, tenant_id: str, prompt_ids: list[int], since: dict[str, _Since],
+    def _since(self, workers: list[WorkerRecord]) -> dict[str, _Since]:
+        """Each worker's changes since its record (`_InFlight.since`), read once for one decision. Read it again
+        after an await: other requests routed meanwhile have been added."""
+        return {w.id: self._inflight.since(w) for w in workers}
+
+    async def _rank(self, model: str, tenant_id: str, prompt_ids: list[int],
                     front: list[WorkerRecord], workers: list[WorkerRecord], region: str
                     ) -> tuple[list[Target], int, str]:
         """Targets in `front`, best first, with the winner's prefix overlap (blocks) and the reason."""
         if not front:
             return [], 0, "no worker"
+        since = self._since(workers)
         prefills = [w for w in workers if w.role == "prefill" and w.region == region] or \
                    [w for w in workers if w.role == "prefill"]
         disaggregated = any(w.role == "decode" for w in front)
@@ -293,7 +299,11 @@ class Router:
         # prefix-aware: score the prefill-capable workers (a sole one wins whatever it caches: no lookup)
         scorable = prefills if disaggregated else front
         sole = len(scorable) == 1
-        tiers = TierOverlap({}, 0) if sole else await self._overlap(model, tenant_id, prompt_ids, scorable)
+        if not sole:
+            tiers = await self._overlap(model, tenant_id, prompt_ids, scorable)
+            since = self._since(workers)  # what was routed while the lookup ran counts too
+        else:
+            tiers = TierOverlap({}, 0)
         overlap = tiers.local
         page = scorable[0].page_size or 16
         load = {w.id: self._load(w, since[w.id]) for w in scorable}

@@ -287,6 +287,19 @@ def test_a_burst_between_heartbeats_spreads_and_policies_differ(redis_url: str) 
     asyncio.run(go())
 
 
+def test_routes_decided_together_see_each_other_across_the_index_lookup(redis_url: str) -> None:
+    """Three requests routed at once all await the prefix index; each counts what the others dispatched while it
+    waited, so they spread instead of all taking the worker that looked idlest before the lookup."""
+    async def go() -> None:
+        await register(redis_url, rec("a"), rec("b"), rec("c"))
+        rt, r = router(redis_url)
+        decisions = await asyncio.gather(*(rt.route("m", "t", PROMPT, 8, "eu", f"g{i}") for i in range(3)))
+        assert sorted(d.candidates[0].worker.id for d in decisions) == ["a", "b", "c"], [d.reason for d in decisions]
+        await r.aclose()
+
+    asyncio.run(go())
+
+
 def test_disaggregated_pools_pair_a_prefill_worker_with_a_decode_worker(redis_url: str) -> None:
     async def go() -> None:
         rt, r = router(redis_url)
