@@ -129,15 +129,22 @@ def test_omp_wait_policy_is_passive_only_on_a_busy_machine_unless_chosen() -> No
 
 def test_busy_cpus_sees_work_running_now_and_not_the_last_minute() -> None:
     """A spinning child holds about one CPU while it is measured; once it is gone the machine reads idle
-    (the load average would still remember it)."""
+    (the load average would still remember it). `busy_cpus` reads the whole machine, and `make test` runs
+    other test files beside this one, so one of three tries must show the difference (a `busy_cpus` that
+    remembered the spinner, or missed it, fails all three)."""
     from ops.bench.harness.procs import busy_cpus
 
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        time.sleep(0.3)
-        spinning = busy_cpus(1.0)
-    finally:
-        spinner.kill()
-        spinner.wait()
-    quiet = busy_cpus(1.0)
-    assert spinning > 0.8 and spinning - quiet > 0.6, (spinning, quiet)
+    readings = []
+    for _ in range(3):
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.3)
+            spinning = busy_cpus(1.0)
+        finally:
+            spinner.kill()
+            spinner.wait()
+        quiet = busy_cpus(1.0)
+        readings.append((spinning, quiet))
+        if spinning > 0.8 and spinning - quiet > 0.6:
+            return
+    raise AssertionError(f"(spinning, quiet) CPUs in three tries: {readings}")
