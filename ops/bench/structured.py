@@ -7,9 +7,14 @@ requests at once, one free and one under a JSON schema, every request exactly
 `max_tokens` long (free ones ignore EOS; the schema's array needs more items than fit, so
 EOS is never allowed). They step in lockstep, one step each per round in a rotated order
 (`ops.bench.harness.loops.step_in_turn`), so their i-th decode steps hold the same batch
-and a slow spell of the machine lands on both; the run repeats (quick 3, else 5 times), every
-request 64 tokens (quick too: at 32 tokens its 93 pairs a level left c = 8's interval ~13 points
-wide on a 2-core VM, unresolved, where 189 pairs give ~7).
+and a slow spell of the machine lands on both; every request is 64 tokens (quick too: at 32 tokens its 93 pairs
+a level left c = 8's interval ~13 points wide on a 2-core VM, unresolved, where 189 pairs give ~7). Each level
+repeats at least ``--repeats`` times (quick 3, else 5) and goes on until its interval is at most
+``--ci-width`` points wide (5) or ``--max-repeats`` is reached (quick 12, else 15). The rule reads the width
+only, never the estimate, so stopping does not bias it. A width of 5 decides the 10% target for any overhead
+under 7.5%: on a 2-core Zen 4 VM, where steps are twice as fast as on the Ice Lake-SP one and the grammar a larger
+share, 3 repetitions left c = 8 at +7.6% [+2.8, +14.7], unresolved. Intervals narrow as 1 / sqrt(pairs), so a
+level that needs it takes up to ~6x the quick run's 3 repetitions; c = 32's are narrow after 3.
 The overhead is over those paired decode steps, 100 * (1 - free seconds / schema
 seconds), with a 95% interval from a block bootstrap over the pairs (blocks of 4, per
 repetition) and each repetition's own figure; tok/s are c over each arm's median decode
@@ -22,7 +27,8 @@ generated schemas) that validate; outputs cut by `max_tokens` are counted apart 
 Needs `jsonschema` (test extra).
 
 JSON: {"tok_s": {"free": {c: ...}, "json_schema": {c: ...}}, "overhead_pct": {c: ...},
-"overhead": {c: {"pct", "ci95", "per_repeat", "pairs", "advance_share_pct"}}, "targets": ...,
+"overhead": {c: {"pct", "ci95", "per_repeat", "repeats", "pairs", "advance_share_pct"}}, "targets": ...,
+"rounds" / "max_rounds" (the repetitions a level takes at least / at most), "ci_width",
 "compile_ms_p50", "mask_us_mean", "valid_rate", "finished", "cut", ...}.
 """
 
@@ -90,6 +96,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype (auto: what `serve` picks on this host)")
     p.add_argument("--kv-format", default="auto", help="KV page format (auto: serve's for the dtype)")
+    p.add_argument("--repeats", type=int, default=None, help="repetitions per level at least (quick 3, else 5)")
+    p.add_argument("--max-repeats", type=int, default=None,
+                   help="repetitions per level at most, while its interval is wider than --ci-width "
+                        "(quick 12, else 15)")
+    p.add_argument("--ci-width", type=float, default=5.0,
+                   help="stop repeating a level once its 95%% interval is at most this many points wide (5)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
     n_out, (rounds, n_schemas) = 64, (3, 12) if args.quick else (5, 60)
+    rounds = args.repeats or rounds
+    max_rounds = max(rounds, args.max_repeats or (12 if args.quick else 15))
     dtype = resolve_dtype(args.dtype)
     kv = resolve_kv_format(args.kv_format, dtype)
     model_dir = resolve_model(args.model)
@@ -132,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = [chat(f"List {i + 3} items you would pack for a trip, as JSON.") for i in range(c)]
         strata, rates = [], {"free": [], "json_schema": []}
         a0, s0 = engine.stats["grammar_advances"], engine.stats["grammar_advance_s"]
-        for rep in range(rounds):
+        for rep in range(max_rounds):
             loops = {name: loop(name, prompts, c, n_out) for name in engines}
             step_in_turn(rotated(list(loops.values()), rep))
             free, schema = ([dt for dt, _ in loops[n].decode_steps] for n in ("free", "json_schema"))
@@ -140,19 +154,25 @@ def run(args: argparse.Namespace) -> int:
             strata.append((schema[:n], free[:n]))
             for name, lp in loops.items():
                 rates[name].append(lp.median_tok_s())
+            if rep + 1 >= rounds:  # the width decides, never the estimate
+                lo, hi = block_bootstrap_ci(strata, throughput_overhead)
+                if hi - lo <= args.ci_width:
+                    break
         a = np.concatenate([np.asarray(x, float) for x, _ in strata])
         b = np.concatenate([np.asarray(y, float) for _, y in strata])
         advance_s = engine.stats["grammar_advance_s"] - s0
         per_repeat = [throughput_overhead(np.asarray(x, float), np.asarray(y, float)) for x, y in strata]
         ci95 = list(block_bootstrap_ci(strata, throughput_overhead))
         results[str(c)] = {"pct": throughput_overhead(a, b), "ci95": ci95, "per_repeat": per_repeat,
+                           "repeats": len(strata),
                            "pairs": int(a.size), "advance_share_pct": 100.0 * advance_s / float(a.sum()),
                            "advance_us": 1e6 * advance_s / max(engine.stats["grammar_advances"] - a0, 1)}
         for name in rates:
             tok_s[name][str(c)] = statistics.median(rates[name])
         res = results[str(c)]
         log(f"c={c}: free {tok_s['free'][str(c)]:.1f} tok/s, json_schema {tok_s['json_schema'][str(c)]:.1f} tok/s, "
-            f"overhead {res['pct']:+.1f}% [{res['ci95'][0]:+.1f}, {res['ci95'][1]:+.1f}], {res['pairs']} step pairs")
+            f"overhead {res['pct']:+.1f}% [{res['ci95'][0]:+.1f}, {res['ci95'][1]:+.1f}], {res['pairs']} step pairs "
+            f"in {res['repeats']} repetitions")
 
     generated = schemas(n_schemas, seed=1)
     compiler = GrammarCompiler(tok.backend_json(), engine.model.cfg.vocab_size, engine.eos_token_ids)
@@ -183,14 +203,16 @@ def run(args: argparse.Namespace) -> int:
     advances = engine.stats["grammar_advances"]
     report = {
         "model": args.model, "dtype": dtype, "kv_format": kv, "threads": torch.get_num_threads(),
-        "quick": args.quick, "max_tokens": n_out, "rounds": rounds, "tok_s": tok_s, "overhead_pct": overhead,
+        "quick": args.quick, "max_tokens": n_out, "rounds": rounds, "max_rounds": max_rounds, "ci_width": args.ci_width,
+        "tok_s": tok_s, "overhead_pct": overhead,
         "overhead": results, "compile_ms_p50": compile_ms,
         "mask_us_mean": 1e6 * engine.stats["grammar_advance_s"] / max(advances, 1),
         "valid_rate": valid / finished if finished else 0.0, "finished": finished, "cut": cut,
         "schemas": len(generated), "targets": targets, "provenance": provenance(),
     }
     print(f"\nedgeserve bench structured  model={args.model} dtype={dtype} kv={kv} threads={torch.get_num_threads()}"
-          f"{' (quick)' if args.quick else ''}; {rounds} repetitions, decode steps paired across the two engines")
+          f"{' (quick)' if args.quick else ''}; {rounds} to {max_rounds} repetitions a level (until its interval is "
+          f"at most {args.ci_width:g} points wide), decode steps paired across the two engines")
     print(f"{'conc':>5}{'free tok/s':>12}{'schema tok/s':>14}{'overhead [95% CI]':>26}{'grammar share':>15}")
     for c, r in results.items():
         band = f"{r['pct']:+.1f}% [{r['ci95'][0]:+.1f}, {r['ci95'][1]:+.1f}]"
