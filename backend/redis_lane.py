@@ -23,12 +23,7 @@ an observability hook per command. Measured on a 2-core VM against a local redis
 * **Redis-py's errors.** Error replies raise ``ResponseError`` (``NoScriptError`` for
   NOSCRIPT), failures ``ConnectionError`` / ``TimeoutError`` from ``redis.exceptions``, so
   `gateway.redis_keys.redis_errors` maps them to the same typed errors as before.
-* **Pipelines** (`execute_many`: the router's prefix-index lookups) leave in one write, and so do all
-  the commands sent in one event-loop turn (`backend.coalesced_writes`: the connection's transport holds
-  a write until the turn's callbacks have run). A gateway at 16 concurrent requests sends each request's
-  admission, metering and lookups from many tasks; on a 2-core VM py-spy put 10% of the gateway's samples in
-  this lane's socket writes (on loopback a send runs Redis's TCP input in the sender's syscall), one per
-  command before. A command waits at most for the rest of the turn it was sent in.
+* **Pipelines** (`execute_many`: the router's prefix-index lookups) leave in one write.
 * **Scripts** go as EVALSHA of redis-py's registered `Script` object; on NOSCRIPT (a restarted
   or flushed Redis) the same call goes again as EVAL, which runs it and caches it.
 
@@ -53,7 +48,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from backend.coalesced_writes import CoalescingTransport
 from backend.redis_client import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -104,7 +98,7 @@ class _Connection(asyncio.Protocol):
         self._watch: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = CoalescingTransport(transport)  # type: ignore[assignment,arg-type]  # a turn's commands
+        self.transport = transport  # type: ignore[assignment]
 
     def send(self, packed: bytes) -> asyncio.Future[Any]:
         return self.send_many(packed, 1)[0]

@@ -183,37 +183,3 @@ def test_a_pipeline_leaves_in_one_write_and_keeps_its_order(redis_url: str) -> N
         await client.aclose()
 
     asyncio.run(main())
-
-
-def test_commands_sent_in_one_loop_turn_leave_in_one_write(redis_url: str) -> None:
-    """Callers that send in the same event-loop turn share one socket write (`CoalescingTransport`), and each
-    still gets its own reply; a command sent in a later turn leaves in a write of its own."""
-    class CountingTransport:
-        def __init__(self, inner: asyncio.Transport) -> None:
-            self.inner, self.writes = inner, 0
-
-        def write(self, data: bytes) -> None:
-            self.writes += 1
-            self.inner.write(data)
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(self.inner, name)
-
-    async def main() -> None:
-        client = connect(redis_url)
-        lane = lane_for(client)
-        rng = random.Random()
-        values = {f"t{i}": rng.randbytes(rng.randint(1, 64)) for i in range(20)}
-        for key, value in values.items():
-            await lane.execute("SET", key, value)
-        counting = CountingTransport(lane._conn.transport._transport)
-        lane._conn.transport._transport = counting
-        keys = rng.sample(list(values), len(values))
-        assert await asyncio.gather(*(lane.execute("GET", k) for k in keys)) == [values[k] for k in keys]
-        assert counting.writes == 1
-        assert await lane.execute("GET", keys[0]) == values[keys[0]]
-        assert counting.writes == 2
-        await lane.aclose()
-        await client.aclose()
-
-    asyncio.run(main())
