@@ -13,8 +13,8 @@ repeats at least ``--repeats`` times (quick 3, else 5) and goes on until its int
 ``--ci-width`` points wide (5) or ``--max-repeats`` is reached (quick 12, else 15). The rule reads the width
 only, never the estimate, so stopping does not bias it. A width of 5 decides the 10% target for any overhead
 under 7.5%: on a 2-core Zen 4 VM, where steps are twice as fast as on the Ice Lake-SP one and the grammar a larger
-share, 3 repetitions left c = 8 at +7.6% [+2.8, +14.7], unresolved. Intervals narrow as 1 / sqrt(pairs), so a
-level that needs it takes up to ~6x the quick run's 3 repetitions; c = 32's are narrow after 3.
+share, 3 repetitions left c = 8 at +7.6% [+2.8, +14.7], unresolved, and 8 then gave [+2.9, +7.8] (intervals
+narrow as 1 / sqrt(pairs)); c = 32's were narrow after 3.
 The overhead is over those paired decode steps, 100 * (1 - free seconds / schema
 seconds), with a 95% interval from a block bootstrap over the pairs (blocks of 4, per
 repetition) and each repetition's own figure; tok/s are c over each arm's median decode
