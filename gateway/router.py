@@ -225,7 +225,7 @@ class Router:
             raise NoCapacity(f"no capacity for model {model}: {why}; retry shortly", model=model,
                              retry_after_s=1)
         need = len(prompt_ids) + max_tokens
-        since = self._since(workers)  # for the room checks below; `_rank` takes its own after it awaits
+        since = self._since(workers)  # for the room checks and the ranking below (no await between them)
         by_region: dict[str, list[WorkerRecord]] = defaultdict(list)
         for w in front:
             by_region[w.region].append(w)
@@ -240,12 +240,13 @@ class Router:
             chosen_region = order[0]
         ranked, overlap, why = await self._rank(model, tenant_id, prompt_ids,
                                                 [w for w in by_region[chosen_region] if self._has_room(w, need, since)]
-                                                or by_region[chosen_region], workers, chosen_region)
+                                                or by_region[chosen_region], workers, chosen_region, since)
         fallback = ranked[1:2]
         if not fallback:  # retry target from the next region with room
             for r in order:
                 if r != chosen_region:
-                    rest, _, _ = await self._rank(model, tenant_id, prompt_ids, by_region[r], workers, r)
+                    rest, _, _ = await self._rank(model, tenant_id, prompt_ids, by_region[r], workers, r,
+                                                  self._since(workers))  # the first ranking awaited: read again
                     fallback = rest[:1]
                     break
         best = ranked[0]
@@ -277,12 +278,12 @@ class Router:
         return {w.id: self._inflight.since(w) for w in workers}
 
     async def _rank(self, model: str, tenant_id: str, prompt_ids: list[int],
-                    front: list[WorkerRecord], workers: list[WorkerRecord], region: str
+                    front: list[WorkerRecord], workers: list[WorkerRecord], region: str, since: dict[str, _Since]
                     ) -> tuple[list[Target], int, str]:
-        """Targets in `front`, best first, with the winner's prefix overlap (blocks) and the reason."""
+        """Targets in `front`, best first, with the winner's prefix overlap (blocks) and the reason. `since` is
+        `_since(workers)` read since the caller's last await; it is read again after the prefix-index lookup."""
         if not front:
             return [], 0, "no worker"
-        since = self._since(workers)
         prefills = [w for w in workers if w.role == "prefill" and w.region == region] or \
                    [w for w in workers if w.role == "prefill"]
         disaggregated = any(w.role == "decode" for w in front)
