@@ -15,7 +15,7 @@ hosts this project has measured (2 cores each, SmolLM2-135M):
   (`edgeserve bench e2e`, `edgeserve up` through /v1/chat/completions, 2 cores, SmolLM2)
   bfloat16 ran 1.45x float32 at 1 request (22.7 vs 15.6 tok/s), 2.2x at 8 and 1.8x at 32
   (256 vs 140 tok/s) when first measured (2026-12-02); prefill 462 vs 401 tok/s (`bench weights`).
-  With today's kernels (2026-12-07, the same command) 98.5 vs 53.7 tok/s at 1 request (1.83x), 472.9 vs
+  With the kernels of 2026-12-07 (the same command) 98.5 vs 53.7 tok/s at 1 request (1.83x), 472.9 vs
   240.7 at 8 (1.96x), 748.5 vs 339.3 at 32 (2.21x). -> bfloat16.
 - **AVX2 and FMA, no AVX-512** (AMD Zen 2/3, Intel client cores): no bfloat16 multiplies, and torch's
   bfloat16 GEMM is emulated (~1.2 GFLOP/s for a 512^3 GEMM on a 2-core Zen 3 VM, 16 at SmolLM2's shapes).
