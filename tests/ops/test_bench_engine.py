@@ -74,6 +74,36 @@ def test_prompt_tokens_count_at_their_layers_flops() -> None:
     assert bench_engine.pct_all_tokens(20.0, [([], 10)], layer_share=0.75) == pytest.approx(20.0)
 
 
+def test_gemm_ceiling_is_what_every_token_at_the_gemm_rate_would_read() -> None:
+    workload = [([1] * 30, 10), ([2] * 10, 10)]  # 2 prompt tokens per output token
+    assert bench_engine.gemm_ceiling_pct(workload, layer_share=1.0) == pytest.approx(100 / 3)
+    ceiling = bench_engine.gemm_ceiling_pct(workload, layer_share=0.75)
+    assert bench_engine.pct_all_tokens(ceiling, workload, layer_share=0.75) == pytest.approx(100.0)
+    assert bench_engine.gemm_ceiling_pct([([], 10)], layer_share=0.75) == pytest.approx(100.0)
+
+
+class _WordTokenizer:
+    """One id per word, after a fixed template: enough for `_make_workload`'s requests."""
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool) -> str:
+        return "<user> " + messages[-1]["content"] + " <assistant>"
+
+    def encode(self, text: str) -> list[int]:
+        return [len(w) for w in text.split()]
+
+
+def test_quick_run_judges_the_gemm_figure_on_the_full_runs_top_level_requests() -> None:
+    tok = _WordTokenizer()
+    (lo, hi), waves = bench_engine.workload_shape(quick=False)
+    full_top = bench_engine._make_workload(tok, 32 * waves, lo, hi, seed=32)  # what a full run's c=32 level runs
+    assert bench_engine.gemm_workload(tok, 32) == full_top
+    (qlo, qhi), qwaves = bench_engine.workload_shape(quick=True)
+    quick_top = bench_engine._make_workload(tok, 32 * qwaves, qlo, qhi, seed=32)
+    assert len(quick_top) < len(full_top) and qhi <= lo  # the quick levels' requests are fewer and shorter
+    # shorter answers to the same prompts: more prompt tokens per output token, a lower ceiling
+    assert bench_engine.gemm_ceiling_pct(quick_top, 0.8) < bench_engine.gemm_ceiling_pct(full_top, 0.8)
+
+
 def test_targets_on_the_medians() -> None:
     seq = {"1": {"median": 1.5}, "32": {"median": 9.9}}
     bat = {"32": {"median": 1.6}}
