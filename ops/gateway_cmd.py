@@ -14,7 +14,7 @@ import os
 
 from ops.serve import add_drain_arg
 
-__all__ = ["register", "build_config", "freeze_heap", "DEFAULT_REDIS_URL"]
+__all__ = ["register", "build_config", "DEFAULT_REDIS_URL"]
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -82,15 +82,6 @@ def build_config(model: str, workers: list[str], redis_url: str, *, served_name:
                          worker_token=worker_token, usage_journal_path=usage_journal)
 
 
-def freeze_heap() -> None:
-    """Move everything allocated at start-up (tokenizers, modules) out of the garbage collector's
-    sight, so full collections during serving stay short (a p99 cost otherwise)."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
 def run(args: argparse.Namespace) -> int:
     from backend.worker_auth import resolve_token
     from backend.redis_client import redact
@@ -108,6 +99,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"edgeserve gateway on http://{args.host}:{args.port} -> {where}"
           f"{'' if token else ' (no worker token)'}", flush=True)
     app = create_gateway_app(config)
-    freeze_heap()
     serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, render=render_error)
     return 0

@@ -6,7 +6,9 @@ first SIGTERM/SIGINT runs the app's `Drain` (`app.state.drain`, `backend/drain.p
 the server keeps listening and answers new work 503 Draining, in-flight requests
 finish up to `drain_timeout_s`, the rest end with the typed error; then uvicorn
 shuts down and `serve` returns (exit 0). A second signal ends the wait at once.
-Headers are bounded at the parser (`backend/http_limits.py`).
+Headers are bounded at the parser (`backend/http_limits.py`). Before listening, everything built so far (the
+app, a worker's engine and model) is frozen out of the garbage collector's sight (`backend/heap.py`), so a full
+collection while serving walks only what serving made.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from backend.drain import Drain
+from backend.heap import freeze_heap
 from backend.http_limits import ErrorRender, HeaderLimits, guarded_http_protocol
 
 __all__ = ["serve", "DrainingServer"]
@@ -68,10 +71,11 @@ class DrainingServer(uvicorn.Server):
 
 def serve(app: Starlette, host: str, port: int, *, drain_timeout_s: float, render: ErrorRender,
           limits: HeaderLimits = HeaderLimits(), on_ready: Callable[[], None] | None = None) -> None:
-    """Run `app` (with a `Drain` at `app.state.drain`) until a signal and its drain have ended;
-    `on_ready` runs once it listens."""
+    """Run `app` (with a `Drain` at `app.state.drain`) until a signal and its drain have ended, the heap built
+    so far frozen (`freeze_heap`); `on_ready` runs once it listens."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             http=guarded_http_protocol(limits, render), timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.state.drain, drain_timeout_s, on_ready)
+    freeze_heap()  # the app and what it serves with are built: long-lived from here on
     server.run()
 

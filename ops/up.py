@@ -248,7 +248,6 @@ def run(args: argparse.Namespace) -> int:
     from ops.cluster import kv_store_master
     from ops.cluster_record import new_record, record_path, remove_record, write_record
     from ops.serve import check_kv_store_args
-    from ops.gateway_cmd import freeze_heap
     from ops.graceful import serve
     from ops.pull import resolve_model
 
@@ -287,7 +286,6 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 app = create_gateway_app(config)
-                freeze_heap()
                 with contextlib.suppress(KeyboardInterrupt):
                     serve(app, args.host, args.port, drain_timeout_s=args.drain_timeout, render=render_error,
                           on_ready=ready)

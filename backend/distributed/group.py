@@ -47,6 +47,7 @@ from backend.distributed.collectives import Collectives
 from backend.distributed.kv_exchange import KVExchange, serve_kv_message
 from backend.distributed.step_broadcast import StepChannel, StepMessage
 from backend.errors import ModelLoadError
+from backend.heap import freeze_heap
 
 if TYPE_CHECKING:
     from backend.engine import EngineConfig, LLMEngine
@@ -141,6 +142,7 @@ def run_follower(coll: Collectives, spec: GroupSpec) -> int:
                             model.embed.device)
     _handshake(coll, model, cache.num_pages)
     channel = StepChannel(coll, c.page_size, model.dtype, c.device)
+    freeze_heap()  # as rank 0 does before serving: a full collection here would stall every rank's step
     steps = 0
     while (msg := channel.recv()) is not None:
         if isinstance(msg, StepMessage):

@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from backend.heap import freeze_heap
 from ops.bench.harness.machine import measure_machine
 from ops.bench.harness.progress import log
 from ops.bench.harness.prompts import TOPICS
@@ -150,6 +151,7 @@ def bench_ours(engine, reqs: list[tuple[list[int], int]], c: int, temperature: f
     and `top_p`)."""
     from backend.sampling_params import SamplingParams
 
+    freeze_heap()  # as a server before it listens (`ops.bench.harness.loops`)
     pending = list(reqs)
     inflight = {}
     ttft, tpot, tokens = [], [], 0
@@ -188,6 +190,7 @@ def bench_hf(model, reqs: list[tuple[list[int], int]], batch: int, pad_id: int, 
              top_p: float = 1.0) -> Timings:
     """`reqs` through `transformers` generate in static batches of `batch` (1: one at a time; greedy, or
     sampled at `temperature` and `top_p` with its top-k filter off, as ours)."""
+    freeze_heap()
     ttft, tpot, tokens = [], [], 0
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
+from backend.heap import freeze_heap
 from ops.bench.harness.procs import cpu_seconds, descendants, named_descendants
 from ops.bench.harness.stats import percentile
 
@@ -214,8 +215,7 @@ async def measure(targets: list[Target], points: list[int], streams: list[bool],
     samples: dict[tuple[str, int, bool], _Samples] = {}
     # This process holds torch (the bench registry imports it): a full collection walks ~200k objects,
     # ~0.1 s, which would land in some target's latencies. Freeze what exists, collect only between rounds.
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
     try:
         settings = [(c, stream) for c in points for stream in streams]
         for rep in range(rounds):

@@ -8,6 +8,11 @@ whichever ran last. `DecodeLoop` also times the decode-only steps (every request
 has a token), the figure decode throughput is read from. `prefill_tok_s` times one long
 prompt per engine in turn. `open_loop` adds requests on a schedule (arrivals that do not wait
 for answers: a burst, a flood) and steps until every one has ended.
+
+Each of them first freezes the heap built so far (`backend.heap.freeze_heap`), as a server does before it listens:
+a full garbage collection walking the ~190,000 objects of a process holding torch and engines takes ~0.1 s, which
+would land in one arm's step (one in `bench integrity`'s twelve repetitions widened its interval from 1.6 to 3.2
+points) where a server would have frozen them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from backend.heap import freeze_heap
 from ops.bench.harness.stats import percentile, rotated
 
 __all__ = ["ClosedLoop", "SweepRow", "DecodeLoop", "DecodeRow", "decode_row", "step_in_turn", "prefill_tok_s",
@@ -152,6 +158,7 @@ def decode_row(setting: str, c: int, repeat: int, steps: list[tuple[float, int]]
 def step_in_turn(loops: list[ClosedLoop]) -> None:
     """Step every unfinished loop once per round until all are done, the order rotated by one each
     round (with two loops: the first mover alternates)."""
+    freeze_heap()
     loops = list(loops)
     r = 0
     while not all(loop.done for loop in loops):
@@ -166,6 +173,7 @@ def prefill_tok_s(engines: dict[str, Any], prompt: list[int], repeats: int) -> d
     turn with the order reversed each round, one untimed warm-up round; tokens / median seconds."""
     from backend.sampling_params import SamplingParams
 
+    freeze_heap()
     times: dict[str, list[float]] = {name: [] for name in engines}
     order = list(engines)
     for rep in range(-1, repeats):  # rep -1: warm-up (a first long step pays for its buffers)
@@ -198,6 +206,7 @@ def open_loop(engine: Any, due_s: Sequence[float], add: Callable[[int], Any]) ->
     """Add request i (`add(i)` adds it to `engine` and returns its Sequence) once `due_s[i]` seconds (ascending)
     have passed since the start, stepping `engine` meanwhile (sleeping while it has nothing to do), until every
     request is added and finished."""
+    freeze_heap()
     n = len(due_s)
     run = OpenLoopRun(time.perf_counter(), [], [], [0.0] * n, [0.0] * n)
     has_first, has_ended = [False] * n, [False] * n

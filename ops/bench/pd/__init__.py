@@ -71,12 +71,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from backend.heap import freeze_heap
 from ops.bench.harness.machine import load_average, mem_available_gib, uptime
 from ops.bench.harness.procs import log_lines
 from ops.bench.harness.progress import log
@@ -142,8 +142,7 @@ def run(args: argparse.Namespace) -> int:
     mark("start")
     resolve_model(args.model)  # pulled once, with progress, before any worker starts
     logs = Path(tempfile.mkdtemp(prefix="edgeserve-bench-pd-"))
-    gc.collect()
-    gc.freeze()  # this process holds torch: a full collection would land in some request's latency
+    freeze_heap()  # this process holds torch: a full collection would land in some request's latency
 
     phases = [x for x in args.phases.split(",") if x]
     unknown = set(phases) - set(PHASES)
