@@ -2,10 +2,11 @@
 
 CPython's cyclic collector runs a full (generation 2) collection now and then, and it holds the GIL for as long
 as it walks every tracked container. A loaded worker tracks ~190,000 of them (torch's and transformers' modules,
-the tokenizer, the model's modules and the engine's tables), and a full collection there took 80 ms (three in a
-row, one process holding SmolLM2's engine, Python 3.11, the Zen 4 VM; 105-122 ms in `bench integrity`'s process
-with three engines). While it runs no step advances, so every request in the batch gets an 80 ms gap between two
-tokens: a TPOT p99 cost, and the heavy tail `bench integrity` kept finding in paired steps.
+the tokenizer, the model's modules and the engine's tables), and a full collection there took 80-155 ms (one
+process holding SmolLM2's engine, Python 3.11, a 2-core Zen 4 VM; ~100 ms in `bench integrity`'s process with
+three engines). While it runs no step advances, so every request in the batch gets that long a gap between two
+tokens: a TPOT p99 cost (a worker serving ~7 requests/s made one such collection in 4 minutes, 125 ms), and the
+heavy tail `bench integrity` kept finding in paired steps.
 
 `gc.freeze()` moves every tracked object into the permanent generation, which collections skip. Done once
 everything long-lived is built (after a `gc.collect()`, so garbage made while loading is freed first, not frozen),
