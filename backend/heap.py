@@ -24,16 +24,12 @@ import gc
 
 __all__ = ["freeze_heap"]
 
-_unfreeze_at_exit = False  # registered once, on the first freeze
+atexit.register(gc.unfreeze)  # at exit, whether or not anything was frozen (harmless if not)
 
 
 def freeze_heap() -> int:
     """Collect, then freeze everything still alive (see the module docstring); the number of frozen objects.
     Calling it again freezes what was made since, after collecting only that (the rest is frozen already)."""
-    global _unfreeze_at_exit
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit = True
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

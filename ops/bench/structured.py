@@ -145,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
     for c in levels:
         prompts = [chat(f"List {i + 3} items you would pack for a trip, as JSON.") for i in range(c)]
         strata, rates = [], {"free": [], "json_schema": []}
-        ci95 = [float("nan"), float("nan")]
         a0, s0 = engine.stats["grammar_advances"], engine.stats["grammar_advance_s"]
         for rep in range(max_rounds):
             loops = {name: loop(name, prompts, c, n_out) for name in engines}
