@@ -41,7 +41,7 @@ class WorkerRecord(msgspec.Struct, frozen=True):
     pages_free: int
     running: int
     waiting: int
-    queued_prefill_tokens: int  # prompt tokens admitted or queued but not yet computed
+    queued_prefill_tokens: int  # prompt tokens admitted or queued but not yet computed (cached prefixes not counted)
     pages_evictable: int = 0  # pages held only by the prefix cache: free for the taking (LRU eviction)
     kv_store: bool = False  # fetches prompt blocks from the cluster's KV store (`serve --kv-store`)
     updated_at: float = 0.0

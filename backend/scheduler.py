@@ -285,11 +285,29 @@ class Scheduler:
         return len(self.waiting)
 
     def queued_prefill_tokens(self) -> int:
-        """Prompt tokens admitted or waiting but not yet computed (routing load; racy reads are fine). A decoding
-        request adds nothing (its computed tokens are past its prompt)."""
+        """Prompt tokens admitted or waiting but not yet computed (routing load; racy reads are fine). A waiting
+        request counts its prompt less the leading blocks the prefix cache holds now, which admission will take
+        rather than compute: the gateway's router counts a request it sends by that difference, and takes that
+        much off at its first token, so a worker publishing whole prompts looked buried in work it would never
+        do until its next record. A decoding request adds nothing (its computed tokens are past its prompt)."""
         with self._lock:
-            waiting = sum(s.num_prompt_tokens for s in self.waiting)
-        return waiting + sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in list(self.running))
+            waiting = list(self.waiting)
+        ps = self.page_size
+        queued = sum(s.num_prompt_tokens - ps * self._cached_blocks(s) for s in waiting)
+        return queued + sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in list(self.running))
+
+    def _cache_limit(self, seq: Sequence) -> int:
+        """How many leading prompt blocks admission may take from the prefix cache: every full block but one
+        holding the last prompt token (one token is always computed); 0 without a cache, or when the request
+        scores its prompt (every prompt token computed)."""
+        if self.prefix_cache is None or not seq.block_hashes or seq.params.prompt_logprobs is not None:
+            return 0
+        return (seq.num_prompt_tokens - 1) // self.page_size
+
+    def _cached_blocks(self, seq: Sequence) -> int:
+        """Leading prompt blocks of `seq` the prefix cache holds now (a hint: `match` at admission counts)."""
+        limit = self._cache_limit(seq)
+        return self.prefix_cache.leading_cached(seq.block_hashes, limit) if limit else 0  # type: ignore[union-attr]
 
     # -- engine thread ---------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -464,10 +482,10 @@ class Scheduler:
     def _waits_for(self, seq: Sequence, in_flight: set[bytes] | None) -> bool:
         """Whether `seq`'s next block past its cached prefix is one a running prompt is computing (then it
         is better admitted once that block is cached than computing it side by side)."""
-        if not in_flight or not seq.block_hashes or seq.params.prompt_logprobs is not None:
+        limit = self._cache_limit(seq)
+        if not in_flight or not limit:
             return False
-        limit = (seq.num_prompt_tokens - 1) // self.page_size  # `_admit_pages`'s: one token is always computed
-        cached = self.prefix_cache.leading_cached(seq.block_hashes, limit)  # type: ignore[union-attr]
+        cached = self._cached_blocks(seq)
         return cached < limit and seq.block_hashes[cached] in in_flight
 
     def _admit_pages(self, seq: Sequence) -> list[int] | None:
@@ -475,8 +493,8 @@ class Scheduler:
         needed = self.pages_for(seq.max_total_tokens)
         cache = self.prefix_cache
         hits: list[int] = []
-        if cache is not None and seq.block_hashes and seq.params.prompt_logprobs is None:  # scoring computes all
-            hits = cache.match(seq.block_hashes, seq.prompt_ids, (seq.num_prompt_tokens - 1) // self.page_size)
+        if limit := self._cache_limit(seq):
+            hits = cache.match(seq.block_hashes, seq.prompt_ids, limit)  # type: ignore[union-attr]
         new = needed - len(hits)
         short = new - self.allocator.num_free
         if short > 0 and cache is not None:

@@ -103,6 +103,26 @@ def test_queued_prefill_counts_only_prompt_tokens_left(tiny_dir: Path) -> None:
     assert long.is_prefilling and e.scheduler.queued_prefill_tokens() == 80 - long.num_computed_tokens > 0
 
 
+def test_a_waiting_prompt_counts_only_what_the_prefix_cache_does_not_hold(tiny_dir: Path) -> None:
+    """A waiting request's queued prefill is its prompt less the leading blocks cached now (what admission will
+    take rather than compute, and what the router counts for it); a request scoring its prompt computes all."""
+    e = make_engine(tiny_dir, num_pages=64, prefix_caching=True)
+    first = e.add_request(list(range(3, 53)), SamplingParams(max_tokens=1, **GREEDY))  # 50 tokens: 3 full blocks
+    while e.has_work():
+        e.step()
+    assert first.finish_reason == "length" and e.scheduler.queued_prefill_tokens() == 0
+    e.add_request(list(range(3, 53)) + [60, 61, 62, 63, 64], SamplingParams(max_tokens=2, **GREEDY))
+    assert e.scheduler.queued_prefill_tokens() == 55 - 3 * 16
+    e.add_request(list(range(3, 37)), SamplingParams(max_tokens=2, **GREEDY))  # 34 tokens: its 2 blocks cached
+    assert e.scheduler.queued_prefill_tokens() == 55 - 3 * 16 + 34 - 2 * 16
+    e.add_request(list(range(3, 35)), SamplingParams(max_tokens=2, **GREEDY))  # 32: the last block is computed
+    assert e.scheduler.queued_prefill_tokens() == 55 - 3 * 16 + 34 - 2 * 16 + 32 - 16
+    e.add_request(list(range(3, 53)), SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY))
+    assert e.scheduler.queued_prefill_tokens() == 55 - 3 * 16 + 34 - 2 * 16 + 32 - 16 + 50
+    e.step()  # all admitted, and their 75 tokens left computed in one step
+    assert not e.scheduler.waiting and e.scheduler.queued_prefill_tokens() == 0
+
+
 def test_a_lone_prompt_takes_the_whole_budget_and_a_second_arrival_restores_chunks(tiny_dir: Path) -> None:
     """With no other sequence running or waiting a prompt is prefilled in steps of the whole budget, not in
     `prefill_chunk_size` chunks; once a second request arrives, both are chunked from the next step, and the
