@@ -54,7 +54,9 @@ heartbeat and goes to a worker that must compute the whole prompt again. Prompt
 tokens are corrected the same way, at the request's first token (`prefilled`; its end
 if none came): a request dispatched before the record and prefilled after it is taken
 off the record's `queued_prefill_tokens`, and one sent after it counts only until its
-first token. (A record is up to a heartbeat plus the registry view's refresh old, about
+first token. Both sides count a request by the prompt tokens it leaves to compute (its
+prompt less the cached prefix: the overlap here, the worker's own cache in the record), so
+what is taken off is what the record counted. (A record is up to a heartbeat plus the registry view's refresh old, about
 1.5 s: longer than many prefills, so a worker that has just worked through its queue
 otherwise looks buried for that long.) The first token of a non-streamed request can
 reach the gateway up to 0.25 s after it was computed (the worker writes lines together),
