@@ -11,7 +11,7 @@ import torch
 
 from ops import bench
 from ops.bench import engine as bench_engine
-from ops.bench.engine import Timings
+from ops.bench.engine_systems import Timings, pick_hf_dtype
 from ops.bench.harness.stats import rotated
 
 
@@ -138,7 +138,7 @@ class _SlowIn(torch.nn.Module):
 
 @pytest.mark.parametrize("slow, expected", [(torch.bfloat16, "float32"), (torch.float32, "bfloat16")])
 def test_pick_hf_dtype_keeps_the_faster_dtype(slow: torch.dtype, expected: str) -> None:
-    model, info = bench_engine.pick_hf_dtype(_SlowIn(slow), torch.bfloat16, "auto")
+    model, info = pick_hf_dtype(_SlowIn(slow), torch.bfloat16, "auto")
     assert info["dtype"] == expected and model.w.dtype == getattr(torch, expected)
     assert set(info["probe_s"]) == {"float32", "bfloat16"}
     assert info["probe_s"]["float32" if expected == "bfloat16" else "bfloat16"] > info["probe_s"][expected]
@@ -149,6 +149,6 @@ def test_pick_hf_dtype_without_a_probe() -> None:
     cases = (("same", torch.bfloat16, torch.bfloat16), ("float32", torch.bfloat16, torch.float32),
              ("bfloat16", torch.float32, torch.bfloat16), ("auto", torch.float32, torch.float32))
     for choice, dtype, expected in cases:
-        model, info = bench_engine.pick_hf_dtype(_SlowIn(torch.float32), dtype, choice)
+        model, info = pick_hf_dtype(_SlowIn(torch.float32), dtype, choice)
         assert model.w.dtype == expected and info["dtype"] == str(expected).removeprefix("torch.")
         assert model.calls == [] and "probe_s" not in info
