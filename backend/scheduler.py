@@ -186,6 +186,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a request, or raise PromptTooLong / CapacityError without queueing it."""
         self.validate(seq)
+        seq.cached_on_arrival = self.page_size * self._cached_blocks(seq)
         with self._lock:
             self._check_room(0, seq.tenant)
             self.waiting.append(seq)
@@ -286,15 +287,16 @@ class Scheduler:
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens admitted or waiting but not yet computed (routing load; racy reads are fine). A waiting
-        request counts its prompt less the leading blocks the prefix cache holds now, which admission will take
-        rather than compute: the gateway's router counts a request it sends by that difference, and takes that
-        much off at its first token, so a worker publishing whole prompts looked buried in work it would never
-        do until its next record. A decoding request adds nothing (its computed tokens are past its prompt)."""
+        request counts its prompt less the leading blocks the prefix cache held when it was queued
+        (`cached_on_arrival`), which admission will take rather than compute: the gateway's router counts a
+        request it sends by the overlap it found at that moment, and takes that much off at its first token, so
+        a worker publishing whole prompts looked buried in work it would never do until its next record. (Read
+        at arrival, not here: this runs every few steps, and a flood of long cached prompts would walk every
+        block of every waiting prompt each time.) A decoding request adds nothing (its computed tokens are past
+        its prompt)."""
         with self._lock:
-            waiting = list(self.waiting)
-        ps = self.page_size
-        queued = sum(s.num_prompt_tokens - ps * self._cached_blocks(s) for s in waiting)
-        return queued + sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in list(self.running))
+            waiting = sum(s.num_prompt_tokens - s.cached_on_arrival for s in self.waiting)
+        return waiting + sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in list(self.running))
 
     def _cache_limit(self, seq: Sequence) -> int:
         """How many leading prompt blocks admission may take from the prefix cache: every full block but one

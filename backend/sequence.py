@@ -38,6 +38,7 @@ class Sequence:
     page_tags: list[int] = field(default_factory=list)  # generation tag expected for each page
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    cached_on_arrival: int = 0  # prompt tokens the prefix cache held when queued (a routing hint; admission counts)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the prompt's full blocks
     hold_pages: bool = False  # keep the pages after finishing (prefill role: they are sent, then released)
     tenant: str = ""  # who sent it (the gateway's tenant id, also its `cache_salt`): admission is shared by tenant

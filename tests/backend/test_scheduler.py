@@ -104,8 +104,9 @@ def test_queued_prefill_counts_only_prompt_tokens_left(tiny_dir: Path) -> None:
 
 
 def test_a_waiting_prompt_counts_only_what_the_prefix_cache_does_not_hold(tiny_dir: Path) -> None:
-    """A waiting request's queued prefill is its prompt less the leading blocks cached now (what admission will
-    take rather than compute, and what the router counts for it); a request scoring its prompt computes all."""
+    """A waiting request's queued prefill is its prompt less the leading blocks cached when it was queued (what
+    admission will take rather than compute, and what the router counts for it); a request scoring its prompt
+    computes all."""
     e = make_engine(tiny_dir, num_pages=64, prefix_caching=True)
     first = e.add_request(list(range(3, 53)), SamplingParams(max_tokens=1, **GREEDY))  # 50 tokens: 3 full blocks
     while e.has_work():
