@@ -76,7 +76,8 @@ def create_gateway_app(config: GatewayConfig) -> Starlette:
     view = StaticView(static, config.region) if static else RegistryView(redis)
     router = Router(view, PrefixIndex(redis), config.regions, policy=config.routing_policy,
                     max_waiting=config.max_waiting_per_worker, load_slack=config.routing_load_slack,
-                    load_slack_share=config.routing_load_slack_share)
+                    load_slack_share=config.routing_load_slack_share,
+                    recompute_weight=config.routing_recompute_weight)
     state = GatewayState(config=config, catalog=catalog, router=router,
                          pool=WorkerPool(config.worker_timeout_s, config.worker_token),
                          tenants=TenantStore(redis, tenant_cache_s=config.tenant_cache_s, tracked=True),

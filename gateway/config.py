@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from gateway.regions import RegionMap
-from gateway.router import LOAD_SLACK, LOAD_SLACK_SHARE
+from gateway.router import LOAD_SLACK, LOAD_SLACK_SHARE, RECOMPUTE_WEIGHT
 
 __all__ = ["ModelRoute", "GatewayConfig", "DEFAULT_ALIASES"]
 
@@ -44,6 +44,7 @@ class GatewayConfig(msgspec.Struct, frozen=True):
     routing_policy: str = "prefix"  # "prefix" | "least-loaded" | "round-robin"
     routing_load_slack: int = LOAD_SLACK  # prefix policy: load differences (requests) it ignores...
     routing_load_slack_share: float = LOAD_SLACK_SHARE  # ... or this share of the least loaded worker's load
+    routing_recompute_weight: float = RECOMPUTE_WEIGHT  # prefix policy: a computed prompt token against a queued one
     regions: RegionMap = RegionMap()
     max_waiting_per_worker: int = 16  # a worker with this many waiting counts as saturated
     # append-only file of usage Redis could not take yet (replayed when it returns); None: the first free

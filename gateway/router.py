@@ -16,8 +16,16 @@
    - `prefix` (default): the request's block hashes (`prefix_cache.hashing`, salted
      with the tenant, so tenants never see each other's blocks) are looked up in the
      Redis index of the workers' own KV events; each prefill-capable worker gets
-     `cost = queued prefill tokens + prompt tokens it would compute (minus its cached
-     overlap) + load_tokens * excess`, the lowest cost wins (ties: the less loaded).
+     `cost = queued prefill tokens + recompute_weight * prompt tokens it would compute
+     (minus its cached overlap) + load_tokens * excess`, the lowest cost wins (ties: the
+     less loaded). A token computed weighs `recompute_weight` (default 2) tokens queued:
+     waiting behind a queue costs this request its time, computing costs that time too
+     and as much again to the requests on that worker it delays, which queue time does
+     not. With weight 1 a conversation's next turn chased any queue a little longer than
+     its own remainder, and each such move queued a whole prompt on the new worker,
+     which moved the next conversation cached there (`BENCHMARKS.md`, `bench routing`).
+     At weight 2 a request waits, beyond the fastest start it could have had, at most
+     as long as the recomputation it saves would take.
      `excess` is how many requests (running + waiting) the worker has beyond the least
      loaded candidate's `m`, less a slack of `max(load_slack, load_slack_share * m)`
      (default 2 requests or half of `m`; never below 0): a difference of a request or
@@ -28,7 +36,7 @@
      lasting imbalance still counts. (SGLang's cache-aware router has the same two states:
      cache affinity until the load differs by more than an absolute threshold and by more
      than a ratio, then load; here both live in one cost.) A hot prefix therefore stays
-     on its worker until the queue there outweighs the tokens saved, then spreads. Blocks
+     on its worker until the queue there outweighs twice the tokens saved, then spreads. Blocks
      the cluster's KV store holds beyond a worker's own overlap (the index's "store"
      tier) are fetched, not computed: each counts `store_token_cost` of a token (default
      0.25: between a local hit, 0, and a recompute, 1; `prefill_cost`). So with a store a
@@ -78,12 +86,13 @@ from prefix_cache.hashing import block_hashes
 from prefix_cache.kv_events import PrefixIndex, TierOverlap
 
 __all__ = ["Target", "RouteDecision", "Router", "POLICIES", "prefill_cost", "STORE_TOKEN_COST", "LOAD_SLACK",
-           "LOAD_SLACK_SHARE"]
+           "LOAD_SLACK_SHARE", "RECOMPUTE_WEIGHT"]
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
 LOAD_SLACK = 2  # requests of load difference the prefix policy ignores (see the module docstring)
 LOAD_SLACK_SHARE = 0.5  # ... or this share of the least loaded worker's load, when that is more
 STORE_TOKEN_COST = 0.25  # a prompt token fetched from the KV store, against 1 computed and 0 cached locally
+RECOMPUTE_WEIGHT = 2.0  # a prompt token computed, against 1 queued ahead of it (see the module docstring)
 
 
 def prefill_cost(prompt_tokens: int, local_tokens: int, store_tokens: int, store_token_cost: float = STORE_TOKEN_COST
@@ -188,17 +197,21 @@ class _Since(NamedTuple):
 class Router:
     def __init__(self, view, index: PrefixIndex | None, regions: RegionMap, *, policy: str = "prefix",
                  max_waiting: int = 16, load_tokens: int = 256, store_token_cost: float = STORE_TOKEN_COST,
-                 load_slack: int = LOAD_SLACK, load_slack_share: float = LOAD_SLACK_SHARE) -> None:
+                 load_slack: int = LOAD_SLACK, load_slack_share: float = LOAD_SLACK_SHARE,
+                 recompute_weight: float = RECOMPUTE_WEIGHT) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {POLICIES}")
         if load_slack < 0 or load_slack_share < 0:
             raise ValueError(f"load_slack (requests) and load_slack_share must be >= 0, got {load_slack}, "
                              f"{load_slack_share}")
+        if recompute_weight < 1.0:
+            raise ValueError(f"recompute_weight is a computed token's cost against a queued one (>= 1), got "
+                             f"{recompute_weight}")
         if not 0.0 <= store_token_cost <= 1.0:
             raise ValueError(f"store_token_cost is a fraction of a computed token (0..1), got {store_token_cost}")
         self.view, self.index, self.regions, self.policy = view, index, regions, policy
         self.max_waiting, self.load_tokens, self.store_token_cost = max_waiting, load_tokens, store_token_cost
-        self.load_slack, self.load_slack_share = load_slack, load_slack_share
+        self.load_slack, self.load_slack_share, self.recompute_weight = load_slack, load_slack_share, recompute_weight
         self._turn = itertools.count()
         self._inflight = _InFlight()
 
@@ -316,7 +329,8 @@ class Router:
         def cost(w: WorkerRecord) -> float:
             store = tiers.store * page if w.kv_store else 0  # only a worker with the store can fetch
             work = prefill_cost(len(prompt_ids), overlap.get(w.id, 0) * page, store, self.store_token_cost)
-            return self._queued(w, since[w.id]) + work + self.load_tokens * max(0, load[w.id] - floor)
+            return (self._queued(w, since[w.id]) + self.recompute_weight * work
+                    + self.load_tokens * max(0, load[w.id] - floor))
 
         costs = {w.id: cost(w) for w in scorable}
         if self.policy == "least-loaded":
@@ -327,7 +341,9 @@ class Router:
         store = f", {tiers.store} in the KV store" if tiers.store else ""
         why = f"policy {self.policy}: {best.id} is the only candidate (prefix index not asked)" if sole else (
             f"policy {self.policy}: {overlap.get(best.id, 0)} cached blocks of {len(prompt_ids) // page} "
-            f"on {best.id}{store}, cost {costs[best.id]:.0f} tokens")
+            f"on {best.id}{store}, cost {costs[best.id]:.0f} tokens ({self._load_parts(best, since[best.id])}); "
+            f"next {scored[1].id}: cost {costs[scored[1].id]:.0f} ({overlap.get(scored[1].id, 0)} cached blocks, "
+            f"{self._load_parts(scored[1], since[scored[1].id])})")
         if disaggregated:
             decodes = sorted(front, key=lambda w: (self._load(w, since[w.id]), -w.pages_free, w.id))
             targets = [Target(d, best) for d in decodes]
@@ -335,6 +351,11 @@ class Router:
                 targets.append(Target(decodes[0], scored[1]))
             return targets, overlap.get(best.id, 0), why + f"; decode on {decodes[0].id} (load)"
         return [Target(w) for w in scored], overlap.get(best.id, 0), why
+
+    def _load_parts(self, w: WorkerRecord, since: _Since) -> str:
+        """A worker's queue and load as the cost counted them, for the decision's reason (logged at INFO): with
+        the runner-up's beside the winner's, a conversation that left the worker caching it says why."""
+        return f"{self._queued(w, since)} queued tokens, load {self._load(w, since)}"
 
     async def _overlap(self, model: str, tenant_id: str, prompt_ids: list[int],
                        workers: list[WorkerRecord]) -> TierOverlap:

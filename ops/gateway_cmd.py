@@ -33,6 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--load-slack-share", type=float, default=None, metavar="F",
                    help="... or this share of the least loaded worker's load, when more (default 0.5; both 0: "
                         "every request weighs)")
+    p.add_argument("--recompute-weight", type=float, default=None, metavar="K",
+                   help="prefix policy: what a prompt token a worker must compute costs against one queued ahead "
+                        "of the request there (default 2: a conversation waits on the worker caching it at most as "
+                        "long as recomputing its prefix elsewhere would take; 1: the fastest start for each request)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
                    help="Redis with tenants, keys, usage and the worker registry ($REDIS_URL when set)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -64,7 +68,7 @@ def build_config(model: str, workers: list[str], redis_url: str, *, served_name:
                  policy: str = "prefix", trust_region_headers: bool = False, worker_token: str | None = None,
                  usage_journal: str | None = None, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, load_slack: int | None = None,
-                 load_slack_share: float | None = None):
+                 load_slack_share: float | None = None, recompute_weight: float | None = None):
     """GatewayConfig for one model (pulled if it is a known name) served by `workers`."""
     from gateway.config import DEFAULT_ALIASES, GatewayConfig, ModelRoute
     from gateway.regions import RegionMap
@@ -74,8 +78,8 @@ def build_config(model: str, workers: list[str], redis_url: str, *, served_name:
     route = ModelRoute(name=name, model_dir=str(resolve_model(model)), workers=workers,
                        aliases=DEFAULT_ALIASES.get(name, []), max_model_len=max_model_len,
                        tool_parser=tool_parser, reasoning_parser=reasoning_parser)
-    slack = {k: v for k, v in (("routing_load_slack", load_slack), ("routing_load_slack_share", load_slack_share))
-             if v is not None}  # unset: the router's defaults
+    slack = {k: v for k, v in (("routing_load_slack", load_slack), ("routing_load_slack_share", load_slack_share),
+                               ("routing_recompute_weight", recompute_weight)) if v is not None}  # unset: defaults
     return GatewayConfig(models=[route], redis_url=redis_url, region=region, keepalive_s=keepalive_s,
                          routing_policy=policy, **slack,
                          regions=RegionMap(trust_headers=trust_region_headers),
@@ -94,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                           policy=args.policy, trust_region_headers=args.trust_region_headers, worker_token=token,
                           usage_journal=args.usage_journal, tool_parser=args.tool_parser,
                           reasoning_parser=args.reasoning_parser, load_slack=args.load_slack,
-                          load_slack_share=args.load_slack_share)
+                          load_slack_share=args.load_slack_share, recompute_weight=args.recompute_weight)
     where = ", ".join(args.worker) if args.worker else f"the worker registry in {redact(args.redis_url)}"
     print(f"edgeserve gateway on http://{args.host}:{args.port} -> {where}"
           f"{'' if token else ' (no worker token)'}", flush=True)

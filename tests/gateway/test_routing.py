@@ -23,7 +23,7 @@ from gateway.config import GatewayConfig, ModelRoute
 from gateway.generation import worker_tag
 from gateway.regions import RegionMap
 from gateway.registry_view import RegistryView
-from gateway.router import LOAD_SLACK, LOAD_SLACK_SHARE, Router
+from gateway.router import LOAD_SLACK, LOAD_SLACK_SHARE, RECOMPUTE_WEIGHT, Router
 from ops.redis_server import free_port
 from prefix_cache.hashing import block_hashes
 from prefix_cache.kv_events import KVEventPublisher, PrefixIndex
@@ -154,7 +154,7 @@ def test_a_conversations_next_turn_is_not_pushed_off_its_worker_by_the_turn_that
         time.sleep(0.01)
         await register(redis_url, rec("b", running=3))
         d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "turn3")
-        assert d.candidates[0].worker.id == "a", d.reason  # 16 + 256 x (3 - 2 slack) on b against 80 on a
+        assert d.candidates[0].worker.id == "a", d.reason  # 2 x 16 + 256 x (3 - 2 slack) on b against 2 x 80 on a
         await r.aclose()
 
     asyncio.run(go())
@@ -173,11 +173,11 @@ def test_load_within_the_slack_never_moves_a_cached_prefix_and_a_lasting_imbalan
             picks[slack] = d.candidates[0].worker.id
             rt.done(f"s{slack}")
             await r.aclose()
-        assert picks == {0: "a", 2: "b"}  # b: 16 + 256 x 2 = 528 against a's 80; with the slack b costs 16
+        assert picks == {0: "a", 2: "b"}  # b: 2 x 16 + 256 x 2 = 544 against a's 160; with the slack b costs 32
         rt, r = router(redis_url)
         await register(redis_url, rec("a", running=1), rec("b", running=4), rec("c", running=9))
         d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", "far")  # b is 3 past the least loaded: 16 + 256
-        assert [t.worker.id for t in d.candidates] == ["a", "b"], d.reason  # a 80, b 272, c 80 + 256 x 6
+        assert [t.worker.id for t in d.candidates] == ["a", "b"], d.reason  # a 160, b 288, c 160 + 256 x 6
         rt.done("far")
         await register(redis_url, rec("a", running=2), rec("b", running=1), rec("c", running=2))
         d = await rt.route("m", "tenant-2", PROMPT, 8, "eu", "cold")  # nothing cached: equal costs, load decides
@@ -190,7 +190,7 @@ def test_load_within_the_slack_never_moves_a_cached_prefix_and_a_lasting_imbalan
             rt2, r2 = router(redis_url, load_slack_share=share)
             picks[b_load, share] = (await rt2.route("m", "tenant-1", PROMPT, 8, "eu", "big")).candidates[0].worker.id
             await r2.aclose()
-        assert picks == {(44, 0.5): "b", (50, 0.5): "a", (44, 0.0): "a"}  # 16 + 256 x (50 - 45) > 80 on a
+        assert picks == {(44, 0.5): "b", (50, 0.5): "a", (44, 0.0): "a"}  # 32 + 256 x (50 - 45) > 160 on a
         await r.aclose()
         for bad in (dict(load_slack=-1), dict(load_slack_share=-0.5)):
             with pytest.raises(ValueError, match="load_slack"):
@@ -199,11 +199,31 @@ def test_load_within_the_slack_never_moves_a_cached_prefix_and_a_lasting_imbalan
     asyncio.run(go())
 
 
+def test_recompute_weight_keeps_a_conversation_behind_a_queue_worth_less_than_the_tokens_it_would_recompute(
+        redis_url: str) -> None:
+    """Cost = queued + weight x tokens to compute (+ load): a 100-token queue ahead of a 16-token remainder
+    outweighs recomputing all 80 elsewhere at weight 1 (116 > 80), not at weight 2 (132 < 160). The reason names
+    the runner-up's cost, overlap, queue and load: what a moved conversation's log line must explain."""
+    async def go() -> None:
+        await register(redis_url, rec("a", waiting=1, queued_prefill_tokens=100), rec("b"))
+        await holds(redis_url, "a", "tenant-1", PROMPT, 4)
+        for weight, winner, runner_up in ((1.0, "b", "next a: cost 116 (4 cached blocks, 100 queued tokens, load 1)"),
+                                          (2.0, "a", "next b: cost 160 (0 cached blocks, 0 queued tokens, load 0)")):
+            rt, r = router(redis_url, recompute_weight=weight)
+            d = await rt.route("m", "tenant-1", PROMPT, 8, "eu", f"w{weight}")
+            assert d.candidates[0].worker.id == winner and runner_up in d.reason, d.reason
+            await r.aclose()
+        with pytest.raises(ValueError, match="recompute_weight"):
+            router(redis_url, recompute_weight=0.5)
+
+    asyncio.run(go())
+
+
 def test_prompt_tokens_leave_a_workers_queue_at_their_first_token_not_at_its_next_record(redis_url: str) -> None:
     """A record counts the prompt tokens queued when it was written; once a request dispatched before it has its
     first token (`prefilled`), its tokens come off, and one sent after the record counts only until then."""
     async def go() -> None:
-        rt, r = router(redis_url)
+        rt, r = router(redis_url, recompute_weight=1.0)  # queued and computed tokens alike, for the sums below
         await register(redis_url, rec("a"), rec("b"))
         await holds(redis_url, "a", "tenant-1", PROMPT, 4)
         assert (await rt.route("m", "tenant-9", PROMPT, 8, "eu", "t1")).candidates[0].worker.id == "a"  # cold tie
@@ -224,15 +244,16 @@ def test_prompt_tokens_leave_a_workers_queue_at_their_first_token_not_at_its_nex
     asyncio.run(go())
 
 
-def test_the_gateways_load_slack_reaches_its_router(tiny_chat_dir, redis_url: str) -> None:
+def test_the_gateways_load_slack_and_recompute_weight_reach_its_router(tiny_chat_dir, redis_url: str) -> None:
     from ops.gateway_cmd import build_config
 
     default = build_config(str(tiny_chat_dir), [], redis_url)
-    assert (default.routing_load_slack, default.routing_load_slack_share) == (LOAD_SLACK, LOAD_SLACK_SHARE)
-    # `edgeserve gateway --load-slack 5 --load-slack-share 0.25`
-    router_ = create_gateway_app(build_config(str(tiny_chat_dir), [], redis_url, load_slack=5,
-                                              load_slack_share=0.25)).state.gateway.router
-    assert (router_.load_slack, router_.load_slack_share) == (5, 0.25)
+    assert (default.routing_load_slack, default.routing_load_slack_share, default.routing_recompute_weight) == (
+        LOAD_SLACK, LOAD_SLACK_SHARE, RECOMPUTE_WEIGHT)
+    # `edgeserve gateway --load-slack 5 --load-slack-share 0.25 --recompute-weight 1.5`
+    router_ = create_gateway_app(build_config(str(tiny_chat_dir), [], redis_url, load_slack=5, load_slack_share=0.25,
+                                              recompute_weight=1.5)).state.gateway.router
+    assert (router_.load_slack, router_.load_slack_share, router_.recompute_weight) == (5, 0.25, 1.5)
 
 
 def test_a_sole_worker_is_chosen_without_asking_the_prefix_index(redis_url: str) -> None:

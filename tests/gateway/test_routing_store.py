@@ -45,7 +45,7 @@ def test_the_router_prefers_a_local_hit_and_spreads_sooner_with_a_store(redis_ur
     async def go() -> None:
         r = aioredis.Redis.from_url(redis_url)
         # every request of load weighs (no slack), so one running request tips the balance below
-        rt = Router(RegistryView(r, refresh_s=0.0), PrefixIndex(r), RegionMap(), policy="prefix", load_tokens=30,
+        rt = Router(RegistryView(r, refresh_s=0.0), PrefixIndex(r), RegionMap(), policy="prefix", load_tokens=40,
                     load_slack=0)
         # a holds 4 blocks itself; the store holds all 5
         a_pub = await publish(redis_url, "a", KVEvent("stored", HASHES[:4]), KVEvent("stored", HASHES, "store"))
@@ -55,16 +55,17 @@ def test_the_router_prefers_a_local_hit_and_spreads_sooner_with_a_store(redis_ur
         assert "5 in the KV store" in decision.reason
         rt.done("r1")
         await register(redis_url, rec("a", "local", running=1, kv_store=True), rec("b", "local", kv_store=True))
-        # a: 1 + 0.25 * 15 + 30 (load) = 34.75 tokens; b: 1 + 0.25 * 79 = 20.75: b fetches the prefix
+        # computed (and fetched) tokens weigh 2: a 2 x (1 + 0.25 * 15) + 40 (load) = 49.5; b 2 x (1 + 0.25 * 79)
+        # = 41.5: b fetches the prefix
         assert (await rt.route("m", TENANT, PROMPT, 8, "local", "r2")).candidates[0].worker.id == "b"
         rt.done("r2")
         await register(redis_url, rec("a", "local", running=1, kv_store=True), rec("b", "local"))
-        # b has no store: it would recompute all 80 tokens (80 > 34.75): a keeps the request
+        # b has no store: it would recompute all 80 tokens (160 > 49.5): a keeps the request
         assert (await rt.route("m", TENANT, PROMPT, 8, "local", "r2b")).candidates[0].worker.id == "a"
         rt.done("r2b")
         await register(redis_url, rec("a", "local", running=1, kv_store=True), rec("b", "local", kv_store=True))
         await publish(redis_url, "a", KVEvent("removed", HASHES, "store"))  # the store lost them
-        # without the store: a 16 + 30 = 46, b 80 tokens: a again
+        # without the store: a 2 x 16 + 40 = 72, b 160: a again
         assert (await rt.route("m", TENANT, PROMPT, 8, "local", "r3")).candidates[0].worker.id == "a"
         await a_pub.redis.aclose()
         await r.aclose()

@@ -85,7 +85,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gateway.router import LOAD_SLACK, LOAD_SLACK_SHARE
+from gateway.router import LOAD_SLACK, LOAD_SLACK_SHARE, RECOMPUTE_WEIGHT
 from ops.bench.harness.machine import mem_available_gib
 from ops.bench.harness.procs import log_lines
 from ops.bench.harness.progress import log
@@ -130,6 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the gateway's --load-slack for the prefix policy (default {LOAD_SLACK})")
     p.add_argument("--load-slack-share", type=float, default=LOAD_SLACK_SHARE,
                    help=f"the gateway's --load-slack-share (default {LOAD_SLACK_SHARE})")
+    p.add_argument("--recompute-weight", type=float, default=RECOMPUTE_WEIGHT,
+                   help=f"the gateway's --recompute-weight (default {RECOMPUTE_WEIGHT:g})")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--system-words", type=int, default=300, help="corpus words per system prompt (~1.3 tokens each)")
     p.add_argument("--kv-cache-bytes", default="256M", help="each worker's KV pool (default 256M)")
@@ -187,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
                 with contextlib.ExitStack() as stack:
                     fleet = start_fleet(stack, redis_url, policy, args.kv_cache_bytes, logs, log, f"r{n}-",
                                         ("--load-slack", str(args.load_slack),
-                                         "--load-slack-share", str(args.load_slack_share)))
+                                         "--load-slack-share", str(args.load_slack_share),
+                                         "--recompute-weight", str(args.recompute_weight)))
                     workers = fleet.workers
                     asyncio.run(warm_up(list(workers)))
                     load_before = list(os.getloadavg())
@@ -259,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
                    "kv_cache_bytes": args.kv_cache_bytes, "tenants": tenants, "conversations_per_tenant":
                    conversations, "turns": turns, "users": args.users, "turn_order": args.turn_order,
                    "max_tokens": args.max_tokens, "load_slack": args.load_slack,
-                   "load_slack_share": args.load_slack_share,
+                   "load_slack_share": args.load_slack_share, "recompute_weight": args.recompute_weight,
                    "temperature": 0, "system_words": args.system_words, "seed": args.seed,
                    "first_turn_prompt_tokens_mean": first_turn_tokens,
                    "prompt_tokens_mean": _mean([len(ids) for _, ids in prompts]),
