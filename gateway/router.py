@@ -64,9 +64,9 @@ if none came): a request dispatched before the record and prefilled after it is 
 off the record's `queued_prefill_tokens`, and one sent after it counts only until its
 first token. Both sides count a request by the prompt tokens it leaves to compute (its
 prompt less the cached prefix: the overlap here, the worker's own cache in the record), so
-what is taken off is what the record counted. (A record is up to a heartbeat plus the registry view's refresh old, about
-1.5 s: longer than many prefills, so a worker that has just worked through its queue
-otherwise looks buried for that long.) The first token of a non-streamed request can
+what is taken off is what the record counted. (A record is up to a heartbeat plus the
+registry view's refresh old, about 1.5 s: longer than many prefills, so a worker that has
+just worked through its queue otherwise looks buried for that long.) The first token of a non-streamed request can
 reach the gateway up to 0.25 s after it was computed (the worker writes lines together),
 so its tokens are taken off that much late. Static workers (no records) count
 everything in flight.
