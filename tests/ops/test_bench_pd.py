@@ -12,6 +12,7 @@ from ops.bench import pd as bench_pd
 from ops.bench.harness.stats import ratio
 from ops.bench.pd import client, measures, phases, workers
 from ops.bench.pd.client import RequestRecord
+from ops.bench.pd.transport import paired_ratio
 
 
 def _rec(kind: str, ttft: float, times: list[float], measured: bool = True, error: str | None = None,
@@ -77,6 +78,25 @@ def test_targets_direction_and_nan() -> None:
     for rule in ("<", "<=", ">="):
         assert measures.check("x", float("nan"), rule, 1.0)["met"] is False
     assert math.isnan(ratio(1.0, 0.0)) and ratio(3.0, 2.0) == 1.5
+
+
+def test_a_paired_target_is_judged_on_its_interval() -> None:
+    assert measures.check_paired("t", {"median": 2.6, "ci95": [2.2, 2.9]}, ">=", 2.0)["verdict"] == "met"
+    straddles = measures.check_paired("t", {"median": 2.3, "ci95": [1.8, 2.9]}, ">=", 2.0)
+    assert straddles["verdict"] == "unresolved" and straddles["met"] is False and straddles["value"] == 2.3
+    assert measures.check_paired("t", {"median": 1.5, "ci95": [1.2, 1.9]}, ">=", 2.0)["verdict"] == "missed"
+    assert measures.check_paired("t", {"median": 0.2, "ci95": [0.1, 0.3]}, "<=", 0.3)["met"] is True
+    nan = float("nan")
+    assert measures.check_paired("t", {"median": nan, "ci95": [nan, nan]}, ">=", 2.0)["met"] is False
+
+
+def test_transport_ratios_pair_request_i_of_each_transport() -> None:
+    """A request that failed on one side drops its pair; the others stay matched by index, not position."""
+    http = [{"i": 0, "transfer_ms": 80.0}, {"i": 1, "transfer_ms": 90.0}, {"i": 2, "transfer_ms": 100.0}]
+    mooncake = [{"i": 0, "transfer_ms": 40.0}, {"i": 2, "transfer_ms": 50.0}]  # request 1 failed
+    r = paired_ratio(http, mooncake)
+    assert r["median"] == pytest.approx(2.0) and r["pairs"] == 2 and r["ci95"] == pytest.approx([2.0, 2.0])
+    assert paired_ratio(http, [])["pairs"] == 0
 
 
 def test_transfer_delta_and_hit_rate_use_differences_not_totals() -> None:

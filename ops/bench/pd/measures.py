@@ -1,6 +1,6 @@
 """`edgeserve bench pd`'s figures from request records: token gaps inside a measured window (worker and
 client clocks), TTFT and TPOT percentiles pooled over windows, tokens per second, the JSON's compact
-form of a round, and a target's verdict."""
+form of a round, and a target's verdict (on a figure, or on a paired ratio's 95% interval)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from ops.bench.harness.stats import percentile
 from ops.bench.pd.client import RequestRecord
 
-__all__ = ["Window", "token_gaps", "window_gaps", "latency_stats", "window_tok_s", "compact", "check"]
+__all__ = ["Window", "token_gaps", "window_gaps", "latency_stats", "window_tok_s", "compact", "check", "check_paired"]
 
 
 def token_gaps(times: list[float]) -> list[float]:
@@ -67,3 +67,14 @@ def check(name: str, value: float, rule: str, threshold: float) -> dict[str, Any
     """A target: `value rule threshold` with rule one of "<", "<=", ">="; NaN never meets it."""
     met = {"<": value < threshold, "<=": value <= threshold, ">=": value >= threshold}[rule]
     return {"name": name, "value": value, "rule": rule, "threshold": threshold, "met": bool(met)}
+
+
+def check_paired(name: str, paired: dict[str, Any], rule: str, threshold: float) -> dict[str, Any]:
+    """A target on a paired ratio (`harness.stats.median_ratio`: {"median", "ci95"}): "met" when the whole
+    95% interval meets `value rule threshold`, "missed" when none of it does, else "unresolved" (a few pairs
+    of a noisy figure cannot tell); ``met`` only for "met"."""
+    lo, hi = paired["ci95"]
+    ok = {"<": lambda v: v < threshold, "<=": lambda v: v <= threshold, ">=": lambda v: v >= threshold}[rule]
+    word = "met" if ok(lo) and ok(hi) else "missed" if not (ok(lo) or ok(hi)) else "unresolved"
+    return {"name": name, "value": paired["median"], "ci95": [lo, hi], "rule": rule, "threshold": threshold,
+            "verdict": word, "met": word == "met"}

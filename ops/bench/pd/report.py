@@ -10,7 +10,7 @@ from typing import Any
 
 from ops.bench.harness import plot
 from ops.bench.harness.stats import ratio
-from ops.bench.pd.measures import check, latency_stats, window_gaps
+from ops.bench.pd.measures import check, check_paired, latency_stats, window_gaps
 from ops.bench.pd.client import is_idle
 from ops.bench.pd.phases import LONG_OFFSET_S, round_order
 from ops.bench.pd.store import print_store
@@ -77,8 +77,8 @@ def build_report(args, quick, machine, loads, mixed, pairs, prefix, wire, result
     if "transport" in result:
         tr = result["transport"]
         out["ttft_p50_s"] |= {f"{t}_{n}": v for t, by_n in tr["ttft_p50_s"].items() for n, v in by_n.items()}
-        out["targets"]["transport"] = check("KV transfer ms at 1024 tokens http / mooncake",
-                                            tr["transfer_ratio_http_over_mooncake"].get(1024, float("nan")), ">=", 2.0)
+        out["targets"]["transport"] = check_paired("KV transfer ms at 1024 tokens http / mooncake",
+                                                   tr["transfer_ratio_paired"][1024], ">=", 2.0)
         out |= {"transfer_ms": tr["transfer_ms"], "transport": tr}
     if "store" in result:
         st = result["store"]
@@ -92,8 +92,10 @@ def build_report(args, quick, machine, loads, mixed, pairs, prefix, wire, result
 
 def print_tables(r: dict[str, Any]) -> None:
     ms = lambda v: f"{1e3 * v:.0f}"  # noqa: E731
-    verdict = lambda t: f"{t['name']} = {t['value']:.3f} (target {t['rule']} {t['threshold']:g}): " + (  # noqa: E731
-        "MET" if t["met"] else "MISSED")
+    verdict = lambda t: (f"{t['name']} = {t['value']:.3f}"  # noqa: E731
+                         + (" [{:.3f}, {:.3f}]".format(*t["ci95"]) if "ci95" in t else "")
+                         + f" (target {t['rule']} {t['threshold']:g}): "
+                         + t.get("verdict", "met" if t["met"] else "missed").upper())
     m = r["machine"]
     print(f"\nedgeserve bench pd  model={r['model']}{' (quick)' if r['quick'] else ''}  {m['cpus_usable']} CPUs "
           f"({m['cpu_model']}), load avg (1 min) "
