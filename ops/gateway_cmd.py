@@ -78,10 +78,10 @@ def build_config(model: str, workers: list[str], redis_url: str, *, served_name:
     route = ModelRoute(name=name, model_dir=str(resolve_model(model)), workers=workers,
                        aliases=DEFAULT_ALIASES.get(name, []), max_model_len=max_model_len,
                        tool_parser=tool_parser, reasoning_parser=reasoning_parser)
-    slack = {k: v for k, v in (("routing_load_slack", load_slack), ("routing_load_slack_share", load_slack_share),
-                               ("routing_recompute_weight", recompute_weight)) if v is not None}  # unset: defaults
+    routing = {k: v for k, v in (("routing_load_slack", load_slack), ("routing_load_slack_share", load_slack_share),
+                                 ("routing_recompute_weight", recompute_weight)) if v is not None}  # unset: defaults
     return GatewayConfig(models=[route], redis_url=redis_url, region=region, keepalive_s=keepalive_s,
-                         routing_policy=policy, **slack,
+                         routing_policy=policy, **routing,
                          regions=RegionMap(trust_headers=trust_region_headers),
                          worker_token=worker_token, usage_journal_path=usage_journal)
 
