@@ -10,8 +10,10 @@
    (`regions.py`). The first region with a live, unsaturated worker wins; when the
    nearest is down or saturated the request spills to the next nearest, and the
    reason says so. Saturated = its free pages, counting cached blocks nobody reads
-   (evicted on demand), cannot hold prompt + max_tokens, or `waiting` (plus what this
-   gateway sent since the last heartbeat) has reached `max_waiting`.
+   (evicted on demand), cannot hold prompt + max_tokens, or its waiting requests have
+   reached `max_waiting`: the record's `waiting`, less those this gateway dispatched
+   before the record that had their first token (or ended) since, plus those it sent
+   since that have had none yet.
 2. **Within the region**, by policy:
    - `prefix` (default): the request's block hashes (`prefix_cache.hashing`, salted
      with the tenant, so tenants never see each other's blocks) are looked up in the
@@ -169,28 +171,36 @@ class _InFlight:
         ended = self.ended[rec.id]
         while ended and ended[0].ended_at <= t:
             ended.popleft()
-        sent = sent_tokens = gone = computed = 0
+        sent = sent_waiting = sent_tokens = gone = prefilled = computed = 0
         for item in self.active[rec.id].values():
             if item.sent > t:
                 sent += 1
-                sent_tokens += item.tokens if item.computed_at is None else 0
+                if item.computed_at is None:
+                    sent_waiting += 1
+                    sent_tokens += item.tokens
             elif t and item.computed_at is not None and item.computed_at > t:
+                prefilled += 1
                 computed += item.tokens
         if t:
             for item in ended:
                 if item.sent <= t:
                     gone += 1
-                    computed += item.tokens if item.computed_at > t else 0
-        return _Since(sent, sent_tokens, gone, computed)
+                    if item.computed_at > t:
+                        prefilled += 1
+                        computed += item.tokens
+        return _Since(sent, sent_waiting, sent_tokens, gone, prefilled, computed)
 
 
 class _Since(NamedTuple):
-    """A worker's changes since its record: requests sent after it (`sent`) and the prompt tokens of those not
-    yet prefilled (`sent_tokens`); requests it counts that have ended (`gone`); prompt tokens it counts as queued
-    that have been computed (`computed`: a first token, or an end, after it was written)."""
+    """A worker's changes since its record: requests sent after it (`sent`), those of them not yet prefilled
+    (`sent_waiting`) and their prompt tokens (`sent_tokens`); requests it counts that have ended (`gone`); requests
+    it counts that have been prefilled since (`prefilled`: a first token, or an end, after it was written) and the
+    prompt tokens it counted as queued for them (`computed`)."""
     sent: int
+    sent_waiting: int
     sent_tokens: int
     gone: int
+    prefilled: int
     computed: int
 
 
@@ -280,7 +290,15 @@ class Router:
         if w.pages_total == 0:  # capacity unknown (static configuration)
             return True
         room = (w.pages_free + w.pages_evictable) * w.page_size  # cached blocks nobody reads are evicted on demand
-        return room >= need and w.waiting + since[w.id].sent < self.max_waiting
+        return room >= need and self._waiting(w, since[w.id]) < self.max_waiting
+
+    @staticmethod
+    def _waiting(w: WorkerRecord, since: _Since) -> int:
+        """Requests waiting on `w` now: its record's, less those prefilled since, plus those sent since and not yet
+        prefilled. A request counted running in the record (admitted, its prompt still in chunks) and prefilled
+        since is taken off too, so this can read low by a few: the worker then refuses it for capacity and the
+        gateway retries the next candidate, where reading high would pass a worker over for a record's lifetime."""
+        return max(0, w.waiting - since.prefilled) + since.sent_waiting
 
     @staticmethod
     def _load(w: WorkerRecord, since: _Since) -> int:

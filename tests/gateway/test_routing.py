@@ -96,6 +96,37 @@ def test_nearest_region_first_then_spill_when_saturated_or_down(redis_url: str) 
     asyncio.run(go())
 
 
+def test_a_full_wait_queue_empties_at_its_requests_first_tokens_not_at_the_next_record(redis_url: str) -> None:
+    """A record's `waiting` stays until the next record; the requests it counted that have had their first token
+    since are off the queue already, and so is a request sent after the record once it has had its own."""
+    async def go() -> None:
+        rt, r = router(redis_url, max_waiting=2)
+        await register(redis_url, rec("eu1", "eu"), rec("us1", "us"))
+
+        async def route(rid: str) -> str:
+            worker = (await rt.route("m", "t", PROMPT, 8, "eu", rid)).candidates[0].worker.id
+            if worker == "us1":  # us1 serves its spill at once: it never fills up itself
+                rt.done(rid)
+            return worker
+
+        assert [await route(rid) for rid in ("r1", "r2", "r3")] == ["eu1", "eu1", "us1"]
+        time.sleep(0.01)
+        await register(redis_url, rec("eu1", "eu", waiting=2))  # written while r1 and r2 wait
+        time.sleep(0.01)
+        assert await route("r4") == "us1"  # full
+        rt.prefilled("r1")  # eu1 admitted r1; its record still says 2 waiting
+        assert await route("r5") == "eu1"
+        assert await route("r6") == "us1"  # r2 and r5 wait
+        rt.prefilled("r5")
+        assert await route("r7") == "eu1"
+        rt.done("r2")  # ended before its first token: it left the queue too
+        rt.done("r7")
+        assert await route("r8") == "eu1"
+        await r.aclose()
+
+    asyncio.run(go())
+
+
 def test_request_region_comes_only_from_trusted_headers() -> None:
     assert REGIONS.request_region({"cf-ipcountry": "JP"}, "eu") == ("ap", "country")
     assert REGIONS.request_region({"x-edgeserve-region": "us", "cf-ipcountry": "JP"}, "eu") == ("us", "header")
