@@ -11,8 +11,8 @@ a prompt that starts with cached blocks compute only its tail.
 
 A request with a `kv_target` (the decode worker uses `--kv-transport mooncake`) gets
 its pages written straight into the decode worker's reserved pages by
-`mooncake_transfer.DirectKVWriter`, layer by layer, and frames without payload that
-say what landed; when this pool cannot be copied byte for byte into the target's,
+`mooncake_transfer.DirectKVWriter`, several layers a write (up to 64 MiB), and frames
+without payload that say what landed, one per layer, sent together after each write; when this pool cannot be copied byte for byte into the target's,
 the pages go in the frames instead (`KVBegin.direct` tells the decode worker which).
 
 Each layer is read off the event loop while the engine thread may free the held
@@ -116,16 +116,19 @@ async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator,
                                      cfg.head_dim, req.wire_format, cached, state, direct=direct is not None))
         sent += len(frame)
         yield frame
-        layers_from = time.perf_counter()
-        for layer in range(cfg.num_layers):
-            try:  # reading and quantising (or writing) a layer is CPU and I/O work: off the event loop
-                if direct is not None:
-                    written = await asyncio.to_thread(direct[0].write_layer, eng, seq, layer, req.kv_target,
+        layers_from, layer = time.perf_counter(), 0
+        while layer < cfg.num_layers:
+            try:  # reading and quantising (or writing) layers is CPU and I/O work: off the event loop
+                if direct is not None:  # a batch of layers in one write, then a frame per layer in one chunk
+                    written = await asyncio.to_thread(direct[0].write_layers, eng, seq, layer, req.kv_target,
                                                       direct[1])
-                    sent += written
-                    frame = encode_frame(KVLayer(layer, 0, 0, 0, direct_bytes=written))
+                    sent += sum(written)
+                    frame = b"".join(encode_frame(KVLayer(layer + i, 0, 0, 0, direct_bytes=n))
+                                     for i, n in enumerate(written))
+                    layer += len(written)
                 else:
                     frame = await asyncio.to_thread(_layer_frame, eng, seq, layer, req.wire_format)
+                    layer += 1
             except EdgeServeError as exc:  # the held pages changed hands, a write failed (or the engine stopped)
                 yield encode_frame(KVError(exc.code, type(exc).__name__, exc.message))
                 return

@@ -142,20 +142,39 @@ def test_incompatible_pools_are_named(model_dir: Path) -> None:
 # ----------------------------------------------------------------------------- served on loopback
 
 @needs_mooncake
-@pytest.mark.parametrize("kv,pages", [("fp8_e4m3", (16, 16)), ("bf16", (16, 8))])
-def test_direct_transfer_gives_the_unified_greedy_tokens(model_dir: Path, kv: str, pages: tuple[int, int]) -> None:
+@pytest.mark.parametrize("kv,pages,batch_layers", [("fp8_e4m3", (16, 16), None), ("bf16", (16, 8), None),
+                                                   ("fp8_e4m3", (16, 16), 2)])
+def test_direct_transfer_gives_the_unified_greedy_tokens(model_dir: Path, kv: str, pages: tuple[int, int],
+                                                         batch_layers: int | None, monkeypatch) -> None:
+    """One batched write carries every layer of a short prompt, or as many whole layers as fit in the write
+    budget (`batch_layers` layers' bytes here); either way each layer lands once and the tokens are unified's."""
+    from backend import mooncake_transfer
+    from backend.mooncake_runtime import TransferEngineHandle
+
+    writes: list[int] = []
+    real_write = TransferEngineHandle.write
+
+    def counting(self, peer, src, dst, lengths) -> None:
+        writes.append(sum(lengths))
+        real_write(self, peer, src, dst, lengths)
+
+    monkeypatch.setattr(TransferEngineHandle, "write", counting)
     with pair(model_dir, kv, kv, wrap=Recording, prefill_page=pages[0], decode_page=pages[1]) as \
             (url, dec, prefills, rec):
+        cfg = dec.model.cfg
+        per_layer = len(PROMPT) * 2 * cfg.num_kv_heads * cfg.head_dim * (2 if kv == "bf16" else 1) + \
+            (len(PROMPT) * 2 * cfg.num_kv_heads if kv == "fp8_e4m3" else 0)
+        if batch_layers is not None:
+            monkeypatch.setattr(mooncake_transfer, "WRITE_BATCH_BYTES", batch_layers * per_layer)
         events = generate(url, PROMPT, max_tokens=12, **GREEDY)
         assert tokens(events) == unified(model_dir, kv, PROMPT, max_tokens=12, **GREEDY)
         assert isinstance(events[-1], FinishEvent)
         begin = next(h for h, _ in rec.headers if isinstance(h, KVBegin))
         layers = [(h, n) for h, n in rec.headers if isinstance(h, KVLayer)]
-        assert begin.direct and len(layers) == dec.model.cfg.num_layers
-        cfg = dec.model.cfg
-        per_layer = len(PROMPT) * 2 * cfg.num_kv_heads * cfg.head_dim * (2 if kv == "bf16" else 1) + \
-            (len(PROMPT) * 2 * cfg.num_kv_heads if kv == "fp8_e4m3" else 0)
+        assert begin.direct and [h.layer for h, _ in layers] == list(range(cfg.num_layers))
         assert all(n == 0 and h.direct_bytes == per_layer for h, n in layers)  # no payload: bytes went direct
+        batch = batch_layers or cfg.num_layers
+        assert writes == [per_layer * min(batch, cfg.num_layers - i) for i in range(0, cfg.num_layers, batch)]
         stats = httpx.get(f"{url}/stats").json()["kv_transfer"]
         assert stats["transfers"] == stats["direct"] == 1 and stats["tokens"] == len(PROMPT)
         assert 0 < stats["layer_seconds"] < stats["seconds"]  # the layers' movement, not the prefill's compute
@@ -191,8 +210,9 @@ def test_latent_pages_and_indexer_keys_go_direct(tmp_path: Path, arch: str) -> N
 
 
 class Reallocating(Recording):
-    """Integrity fault (c) on a direct transfer: after layer 0 landed, the decode worker's reserved
-    page 1 is released under the request and taken by someone else; layer 1 then lands in it."""
+    """Integrity fault (c) on a direct transfer: once layer 0's frame has come, the decode worker's reserved
+    page 1 is released under the request and taken by someone else, with layer 1 written into it (in the same
+    batched write as layer 0, or in the next one: the check at layer 1's frame finds it either way)."""
 
     def __init__(self, inner, dec: LLMEngine) -> None:
         super().__init__(inner)
