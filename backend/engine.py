@@ -321,19 +321,34 @@ class LLMEngine:
         after it: a page that changed hands at any point raises KVIntegrityError (cause "held_read")
         instead of returning another request's KV. On CUDA the copy is queued on the stream before
         the second check, so a new owner's writes, issued after its allocation, land after it."""
+        def read(pages: list[int]) -> tuple[torch.Tensor, torch.Tensor] | tuple[LatentRows, None]:
+            slots = self.runner.slots(pages, 0, seq.num_prompt_tokens)
+            if isinstance(self.cache, LatentKVCache):
+                return self.cache.read_rows(layer, slots), None
+            return (self.kv_exchange.read(layer, slots) if self.kv_exchange is not None
+                    else self.cache.read_tokens(layer, slots))
+
+        return self._read_held(seq, read)
+
+    def read_kv_stored(self, seq: Sequence, layer: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Prefill role: `read_kv` without dequantising: the prompt's K, V [T, kv_heads, head_dim] as this
+        engine's FP8 pool stores them (float8_e4m3fn) with their int8 exponents [T, kv_heads], the form FP8
+        frames carry. None when its pool holds no FP8 K/V pages of its own (other formats, latent rows, a
+        tensor-parallel pool): use `read_kv`. Any thread; the same tag checks."""
+        if isinstance(self.cache, LatentKVCache) or not self.cache.quantised or self.kv_exchange is not None:
+            return None
+        return self._read_held(seq, lambda pages: self.cache.read_stored(layer, pages, seq.num_prompt_tokens))
+
+    def _read_held(self, seq: Sequence, read):
+        """`read(pages)` of held `seq`'s pages, between two checks that they are still its own."""
         if seq.status is not SequenceStatus.HELD:
             raise InvalidRequest(f"request {seq.request_id} is not held")
         pages, tags = seq.page_ids, seq.page_tags  # replaced, never mutated, when the pages are freed
         self.check_held_pages(seq, pages, tags)
-        slots = self.runner.slots(pages, 0, seq.num_prompt_tokens)
-        if isinstance(self.cache, LatentKVCache):
-            rows = self.cache.read_rows(layer, slots)
-            self.check_held_pages(seq, pages, tags)
-            return rows, None
-        k, v = self.kv_exchange.read(layer, slots) if self.kv_exchange is not None else \
-            self.cache.read_tokens(layer, slots)
+        out = read(pages)
         self.check_held_pages(seq, pages, tags)
-        return k, v
+        return out
 
     def check_held_pages(self, seq: Sequence, pages: list[int], tags: list[int]) -> None:
         """Prefill role, any thread: raise KVIntegrityError (cause "held_read") unless the held

@@ -60,8 +60,8 @@ from kernels.kv_store import quantize_fp8_ref
 from kernels.latent_kv_store import dequantize_latent_ref, latent_row_dtype, quantize_latent_ref
 
 __all__ = ["KVTarget", "PrefillRequest", "KVBegin", "KVLayer", "KVEnd", "KVError", "Frame", "LatentRows",
-           "WIRE_FORMATS", "encode_frame", "FrameReader", "encode_layer", "decode_layer", "KVTransport",
-           "HttpKVTransport", "KV_MEDIA_TYPE"]
+           "WIRE_FORMATS", "encode_frame", "FrameReader", "encode_layer", "encode_fp8_layer", "decode_layer",
+           "KVTransport", "HttpKVTransport", "KV_MEDIA_TYPE"]
 
 WIRE_FORMATS = ("fp8_e4m3", "bf16")
 KV_MEDIA_TYPE = "application/x-edgeserve-kv"
@@ -168,11 +168,21 @@ def encode_layer(layer: int, k: torch.Tensor | LatentRows, v: torch.Tensor | Non
         return _encode_latent(layer, k, wire_format)
     if wire_format == "fp8_e4m3":
         (kq, ke), (vq, ve) = quantize_fp8_ref(k), quantize_fp8_ref(v)
-        parts = [kq.view(torch.uint8), vq.view(torch.uint8), ke, ve]
-    elif wire_format == "bf16":
-        parts = [k.to(torch.bfloat16).view(torch.uint8), v.to(torch.bfloat16).view(torch.uint8)]
-    else:
+        return encode_fp8_layer(layer, kq, vq, ke, ve)
+    if wire_format != "bf16":
         raise InvalidRequest(f"unknown KV wire format {wire_format!r}; supported: {WIRE_FORMATS}")
+    return _encode_parts(layer, [k.to(torch.bfloat16).view(torch.uint8), v.to(torch.bfloat16).view(torch.uint8)])
+
+
+def encode_fp8_layer(layer: int, k: torch.Tensor, v: torch.Tensor, k_exp: torch.Tensor, v_exp: torch.Tensor
+                     ) -> bytes:
+    """One FP8 KVLayer frame from K, V [T, kv_heads, head_dim] float8_e4m3fn and their int8 exponents
+    [T, kv_heads], as `quantize_fp8_ref` makes them or an FP8 pool stores them (`LLMEngine.read_kv_stored`)."""
+    return _encode_parts(layer, [k.view(torch.uint8), v.view(torch.uint8), k_exp, v_exp])
+
+
+def _encode_parts(layer: int, parts: list[torch.Tensor]) -> bytes:
+    """A KVLayer frame of values K, V (and FP8 exponents K, V), each part's bytes in turn."""
     raw = [p.contiguous().cpu().numpy().tobytes() for p in parts]
     value_bytes, scale_bytes = len(raw[0]), len(raw[2]) if len(raw) > 2 else 0
     payload = b"".join(raw)

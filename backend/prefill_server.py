@@ -37,7 +37,7 @@ from backend.closing_response import ClosingStreamingResponse
 from backend.engine import LLMEngine
 from backend.errors import EdgeServeError, InvalidRequest
 from backend.kv_transfer import KV_MEDIA_TYPE, WIRE_FORMATS, KVBegin, KVEnd, KVError, KVLayer, PrefillRequest, \
-    encode_frame, encode_layer
+    encode_fp8_layer, encode_frame, encode_layer
 from backend.mooncake_runtime import advertised_host
 from backend.mooncake_transfer import DirectKVWriter
 from backend.protocol import ErrorEvent, FinishEvent, TokenEvent
@@ -144,6 +144,10 @@ async def _send(engine: AsyncEngine, req: PrefillRequest, events: AsyncIterator,
 
 
 def _layer_frame(eng: LLMEngine, seq: Sequence, layer: int, wire_format: str) -> bytes:
-    """One layer's KV frame, read with `read_kv`'s tag checks (runs in a worker thread)."""
+    """One layer's KV frame, read with `read_kv`'s tag checks (runs in a worker thread). FP8 pages go on an FP8
+    wire as stored, with no dequantising and quantising again."""
+    stored = eng.read_kv_stored(seq, layer) if wire_format == "fp8_e4m3" else None
+    if stored is not None:
+        return encode_fp8_layer(layer, *stored)
     k, v = eng.read_kv(seq, layer)
     return encode_layer(layer, k, v, wire_format)

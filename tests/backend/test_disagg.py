@@ -79,8 +79,8 @@ class Breaking:
 
 @contextlib.contextmanager
 def pair(model_dir: Path, decode_kv: str = "fp8_e4m3", wire: str = "fp8_e4m3", n_prefill: int = 1,
-         transport=None, **decode_kw) -> Iterator[tuple[str, LLMEngine, list[LLMEngine]]]:
-    prefills = [engine(model_dir, "bf16") for _ in range(n_prefill)]
+         transport=None, prefill_kv: str = "bf16", **decode_kw) -> Iterator[tuple[str, LLMEngine, list[LLMEngine]]]:
+    prefills = [engine(model_dir, prefill_kv) for _ in range(n_prefill)]
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(serve_in_thread(create_worker_app(AsyncEngine(p), "tiny", role="prefill")))
                 for p in prefills]
@@ -156,6 +156,38 @@ def test_disaggregated_greedy_equals_unified_and_fp8_halves_the_wire(model_dir: 
     assert stats["transfers"] == 1 and stats["tokens"] == 37
     head_dim = 16  # the tiny model's; FP8 sends head_dim + 1 bytes per (token, head), BF16 2 * head_dim
     assert bf16_bytes / stats["bytes_per_token"] == pytest.approx(2 * head_dim / (head_dim + 1), rel=0.03)
+
+
+def test_fp8_pages_cross_an_fp8_wire_as_stored(model_dir: Path) -> None:
+    """An FP8 prefill pool's frames carry its pages' bytes and exponents as stored, not dequantised and
+    quantised again (which moves the same values, a row whose largest value is 224 * 2**e as 448 * 2**(e-1)):
+    the decode pool holds the prefill pool's bytes, and served tokens are the unified FP8 engine's."""
+    from backend.prefill_server import _layer_frame
+
+    pre, dec = engine(model_dir, "fp8_e4m3"), engine(model_dir, "fp8_e4m3")
+    held = pre.add_request(PROMPT, SamplingParams(max_tokens=1, **GREEDY), "p", hold=True)
+    while pre.has_work():
+        pre.step()
+    target = dec.new_sequence(PROMPT, SamplingParams(max_tokens=1, **GREEDY), "d")
+    assert dec.reserve(target)
+    cfg = pre.model.cfg
+    begin = KVBegin("p", 0, len(PROMPT), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "fp8_e4m3")
+    requantised = 0
+    for layer in range(cfg.num_layers):
+        (h, payload), = FrameReader().feed(_layer_frame(pre, held, layer, "fp8_e4m3"))
+        dec.install_kv(target, layer, *decode_layer(h, payload, begin))
+        sent = pre.cache.read_stored(layer, held.page_ids, len(PROMPT))
+        got = dec.cache.read_stored(layer, target.page_ids, len(PROMPT))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(sent, got))
+        k, v = pre.read_kv(held, layer)
+        requantised += int((quantize_fp8_ref(k)[1] != sent[2]).sum()) + int((quantize_fp8_ref(v)[1] != sent[3]).sum())
+    assert requantised > 0  # the premise: the old path's bytes differ, so the equality above can fail
+    pre.release_held("p")
+    dec.release_reserved(target)
+    with pair(model_dir, prefill_kv="fp8_e4m3") as (url, dec, prefills):
+        events = generate(url, PROMPT, max_tokens=12, **GREEDY)
+        assert tokens(events) == unified(model_dir, "fp8_e4m3", PROMPT, max_tokens=12, **GREEDY)
+        wait_free(dec, *prefills)
 
 
 def test_seeded_sampling_continues_the_prefill_workers_generator(model_dir: Path) -> None:
