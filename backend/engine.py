@@ -271,6 +271,9 @@ class LLMEngine:
             else:
                 self.cache.write_rows(layer, slots, k)
             return
+        if self.kv_exchange is None and k_scale is not None and self.cache.quantised:  # FP8 pages as they are
+            self.cache.write_stored(layer, seq.page_ids, k, v, k_scale, v_scale)
+            return
         slots = self.runner.slots(seq.page_ids, 0, k.shape[0])
         if self.kv_exchange is not None:
             self.kv_exchange.install(layer, slots, k, v, k_scale, v_scale)
