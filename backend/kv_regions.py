@@ -17,6 +17,8 @@ regions with the same bytes per token (`incompatibility`); page sizes may differ
 returns one (source address, destination address, length) run per piece, region and
 part, merging pieces that are adjacent on both sides (consecutive pages): with equal
 page sizes and a fresh pool a layer is a handful of runs, at worst one per page.
+`layers_runs` gives several consecutive layers' runs at once (cut at the first, moved
+to the others by the layer strides: one batched write carries them).
 Only the prompt's own tokens are written, never the unused tail of a last page.
 """
 
@@ -25,7 +27,8 @@ from __future__ import annotations
 import msgspec
 import torch
 
-__all__ = ["KVRegion", "KVLayout", "pool_layout", "pool_tensors", "incompatibility", "layer_runs"]
+__all__ = ["KVRegion", "KVLayout", "pool_layout", "pool_tensors", "incompatibility", "layer_runs", "layers_runs",
+           "layer_bytes"]
 
 
 class KVRegion(msgspec.Struct, frozen=True):
@@ -115,26 +118,45 @@ def layer_runs(src: KVLayout, src_pages: list[int], dst: KVLayout, dst_pages: li
                num_tokens: int) -> tuple[list[int], list[int], list[int]]:
     """Byte runs (source addresses, destination addresses, lengths) copying one layer of a prompt's
     `num_tokens` tokens from `src_pages` to `dst_pages` (layouts must be compatible)."""
+    return layers_runs(src, src_pages, dst, dst_pages, range(layer, layer + 1), num_tokens)
+
+
+def layer_bytes(layout: KVLayout, num_tokens: int) -> int:
+    """The bytes of one layer of `num_tokens` tokens in `layout`'s pool (what `layer_runs` moves)."""
+    return num_tokens * sum(r.parts * r.token_bytes for r in layout.regions)
+
+
+def layers_runs(src: KVLayout, src_pages: list[int], dst: KVLayout, dst_pages: list[int], layers: range,
+                num_tokens: int) -> tuple[list[int], list[int], list[int]]:
+    """`layer_runs` of each layer in `layers` (ascending), one after the other. The
+    runs are cut once, at the first layer, and moved to the others by each region's layer strides: every layer
+    of a pool has the same layout, so this is the same as cutting each (a 1,024-token prompt has 64 pieces per
+    region and part: cutting all 30 layers of SmolLM2 took ~4 ms of Python)."""
     need_src, need_dst = -(-num_tokens // src.page_size), -(-num_tokens // dst.page_size)
     if len(src_pages) < need_src or len(dst_pages) < need_dst:
         raise ValueError(f"{num_tokens} tokens need {need_src} source and {need_dst} destination pages, "
                          f"got {len(src_pages)} and {len(dst_pages)}")
     pieces = _pieces(src_pages, src.page_size, dst_pages, dst.page_size, num_tokens)
+    base: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # per region: its layer strides and first runs
+    for rs, rd in zip(src.regions, dst.regions):
+        tb, runs = rs.token_bytes, []
+        for part in range(rs.parts):
+            s0 = rs.base + layers.start * rs.layer_stride + part * rs.part_stride
+            d0 = rd.base + layers.start * rd.layer_stride + part * rd.part_stride
+            first = len(runs)
+            for sp, so, dp, do, n in pieces:
+                s, d, ln = s0 + sp * rs.page_stride + so * tb, d0 + dp * rd.page_stride + do * tb, n * tb
+                if len(runs) > first and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + ln)  # adjacent on both sides: one run
+                else:
+                    runs.append((s, d, ln))
+        base.append((rs.layer_stride, rd.layer_stride, runs))
     srcs: list[int] = []
     dsts: list[int] = []
     lens: list[int] = []
-    for rs, rd in zip(src.regions, dst.regions):
-        tb = rs.token_bytes
-        for part in range(rs.parts):
-            s0 = rs.base + layer * rs.layer_stride + part * rs.part_stride
-            d0 = rd.base + layer * rd.layer_stride + part * rd.part_stride
-            first = len(srcs)
-            for sp, so, dp, do, n in pieces:
-                s, d, ln = s0 + sp * rs.page_stride + so * tb, d0 + dp * rd.page_stride + do * tb, n * tb
-                if len(srcs) > first and srcs[-1] + lens[-1] == s and dsts[-1] + lens[-1] == d:
-                    lens[-1] += ln  # adjacent on both sides: one run
-                else:
-                    srcs.append(s)
-                    dsts.append(d)
-                    lens.append(ln)
+    for i in range(len(layers)):
+        for s_stride, d_stride, runs in base:
+            srcs += [s + i * s_stride for s, _, _ in runs]
+            dsts += [d + i * d_stride for _, d, _ in runs]
+            lens += [n for _, _, n in runs]
     return srcs, dsts, lens

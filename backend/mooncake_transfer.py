@@ -57,7 +57,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from backend.errors import BackendUnavailable
-from backend.kv_regions import KVLayout, incompatibility, layer_runs, pool_layout, pool_tensors
+from backend.kv_regions import KVLayout, incompatibility, layer_bytes, layers_runs, pool_layout, pool_tensors
 from backend.kv_transfer import Frame, HttpKVTransport, KVTarget, PrefillRequest
 from backend.mooncake_runtime import TransferEngineHandle, transfer_engine
 from backend.sequence import Sequence
@@ -137,18 +137,10 @@ class DirectKVWriter:
         engine.check_held_pages(seq, pages, tags)
         if first == 0 and engine.cache.pages.is_cuda:
             torch.cuda.synchronize(engine.cache.pages.device)
-        src: list[int] = []
-        dst: list[int] = []
-        lengths: list[int] = []
-        per_layer: list[int] = []
-        for layer in range(first, self._layout.num_layers):
-            s, d, n = layer_runs(self._layout, pages, target.layout, target.page_ids, layer, seq.num_prompt_tokens)
-            if per_layer and sum(per_layer) + sum(n) > WRITE_BATCH_BYTES:
-                break
-            src += s
-            dst += d
-            lengths += n
-            per_layer.append(sum(n))
+        size = layer_bytes(self._layout, seq.num_prompt_tokens)
+        count = max(1, min(self._layout.num_layers - first, WRITE_BATCH_BYTES // max(1, size)))
+        src, dst, lengths = layers_runs(self._layout, pages, target.layout, target.page_ids,
+                                        range(first, first + count), seq.num_prompt_tokens)
         self._te.write(target.session_id, src, dst, lengths)
         engine.check_held_pages(seq, pages, tags)
-        return per_layer
+        return [size] * count
