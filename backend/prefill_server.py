@@ -4,7 +4,8 @@ The request runs in this worker's engine with `max_tokens=1` (the first token is
 sampled here, with the request's own sampling parameters and seed) and
 `hold=True`, so its pages outlive the finish. Then each layer's K/V is read from
 the pool, quantised to the wire format (FP8 by default) and sent as one frame
-(`kv_transfer.py`). The held pages are released when the last frame is out, or
+(`kv_transfer.py`); an FP8 pool's pages go on an FP8 wire as stored, values and
+exponents, with no dequantising and quantising again (`LLMEngine.read_kv_stored`). The held pages are released when the last frame is out, or
 when the reader goes away mid-transfer (the response is cancelled: `finally`), or
 at the latest after the engine's `held_timeout_s`. Prefix caching, when on, makes
 a prompt that starts with cached blocks compute only its tail.
