@@ -304,7 +304,8 @@ class LLMEngine:
 
     def activate(self, seq: Sequence, first_token: int, generator_state: torch.Tensor | None = None) -> None:
         """Decode role: every layer is installed; the first token (sampled by the prefill worker) is
-        emitted at the next step and decoding continues from it."""
+        emitted by the next step, which runs no batch (so it does not wait a decode step), and decoding
+        continues from it at the step after."""
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.output_ids = [first_token]
         if generator_state is not None and seq.generator is not None:
@@ -391,6 +392,9 @@ class LLMEngine:
         if self.group is not None and self.group.failure is not None:
             return self._end_group(self.group.failure)
         outputs = self._start_activated()
+        if outputs:  # transferred requests' first tokens go out now, not after this step's batch has run
+            self.publish()
+            return outputs
         self._expire_held()
         batch = self.scheduler.schedule()
         outputs += self._cancelled(batch.aborted)

@@ -190,6 +190,26 @@ def test_fp8_pages_cross_an_fp8_wire_as_stored(model_dir: Path) -> None:
         wait_free(dec, *prefills)
 
 
+def test_a_transferred_requests_first_token_goes_out_before_the_next_batch_runs(model_dir: Path) -> None:
+    """The first token (sampled by the prefill worker) comes out of the step that takes the activation, which
+    runs no batch, so it reaches the client a decode step sooner; the next step decodes it with the others."""
+    e = engine(model_dir, "fp8_e4m3")
+    other = e.add_request(PROMPT[:20], SamplingParams(max_tokens=8, **GREEDY), "other")
+    e.step()
+    seq = e.new_sequence(PROMPT, SamplingParams(max_tokens=4, **GREEDY), "moved")
+    assert e.reserve(seq)
+    e.activate(seq, first_token=7)
+    before = len(other.output_ids)
+    outputs = e.step()
+    assert [(o.seq.request_id, o.new_token, o.finished) for o in outputs] == [("moved", 7, False)]
+    assert len(other.output_ids) == before and seq.output_ids == [7]
+    outputs = e.step()
+    assert sorted(o.seq.request_id for o in outputs) == ["moved", "other"] and len(seq.output_ids) == 2
+    while e.has_work():
+        e.step()
+    assert e.allocator.num_free == e.allocator.num_pages
+
+
 def test_seeded_sampling_continues_the_prefill_workers_generator(model_dir: Path) -> None:
     params = dict(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
     with pair(model_dir, decode_kv="bf16", wire="bf16") as (url, dec, prefills):
