@@ -34,6 +34,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest
+from backend.row_copies import index_copy_rows
 from kernels.exact_div import div_exact
 
 __all__ = ["INDEXER_KEY_FORMATS", "IndexerKeyCache", "quantize_index_keys", "dequantize_index_keys"]
@@ -118,8 +119,8 @@ class IndexerKeyCache:
         """Write keys k [T, index_head_dim] at slots [T] (int64) of `layer`."""
         rows = self.encode(k)
         self._check_slots(slots, rows.shape[0])
-        self.pages[layer].view(-1, self.row_bytes).index_copy_(0, slots.to(self.pages.device),
-                                                               rows.to(self.pages.device))
+        index_copy_rows(self.pages[layer].view(-1, self.row_bytes), 0, slots.to(self.pages.device),
+                        rows.to(self.pages.device))
 
     def gather(self, layer: int, page_table: torch.Tensor) -> torch.Tensor:
         """Keys [B, P * page_size, index_head_dim] float32 of page_table [B, P] (int32/int64) pages."""
@@ -139,5 +140,5 @@ class IndexerKeyCache:
             raise InvalidRequest(f"indexer rows must be uint8 [T, {self.row_bytes}] ({self.key_format}), "
                                  f"got {tuple(rows.shape)} {rows.dtype}")
         self._check_slots(slots, rows.shape[0])
-        self.pages[layer].view(-1, self.row_bytes).index_copy_(0, slots.to(self.pages.device),
-                                                               rows.to(self.pages.device))
+        index_copy_rows(self.pages[layer].view(-1, self.row_bytes), 0, slots.to(self.pages.device),
+                        rows.to(self.pages.device))

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from backend.kv_regions import pool_layout, pool_tensors
+from backend.row_copies import index_copy_rows
 
 __all__ = ["MAGIC", "RegionShape", "BlockLayout", "BlockRejected", "block_layout", "read_pages", "write_pages",
            "encode_block", "decode_block"]
@@ -139,7 +140,7 @@ def write_pages(cache: Any, pages: Sequence[int], payloads: Sequence[memoryview 
         shape = list(u8.shape)
         del shape[axis]
         src = rows[:, offset:offset + nbytes].reshape([n, *shape]).to(u8.device).movedim(0, axis)
-        u8.index_copy_(axis, torch.tensor(list(pages), dtype=torch.int64, device=u8.device), src)
+        index_copy_rows(u8, axis, torch.tensor(list(pages), dtype=torch.int64, device=u8.device), src)
         offset += nbytes
 
 

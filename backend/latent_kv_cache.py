@@ -40,6 +40,7 @@ import torch
 from backend.config import ModelConfig
 from backend.errors import InvalidRequest
 from backend.kv_cache import KV_FORMATS, KVGeometry
+from backend.row_copies import index_copy_rows
 from kernels.latent_kv_store import (check_latent_dims, dequantize_latent_ref, latent_row_bytes, latent_row_dtype,
                                      latent_row_elems, store_latent)
 
@@ -171,7 +172,7 @@ class LatentKVCache:
             if rows.rows.shape[1:] != (self.row_elems,) or rows.rows.dtype != self.pages.dtype:
                 raise InvalidRequest(f"{rows.kv_format} latent rows must be [T, {self.row_elems}] {self.pages.dtype}, "
                                      f"got {tuple(rows.rows.shape)} {rows.rows.dtype}")
-            self._flat[layer].index_copy_(0, slots, rows.rows.to(self.pages.device))
+            index_copy_rows(self._flat[layer], 0, slots, rows.rows.to(self.pages.device))
         else:
             latent, k_pe = dequantize_latent_ref(rows.rows, self.kv_lora_rank, self.rope_dim, rows.kv_format,
                                                  torch.float32)
