@@ -5,16 +5,18 @@ sampled here, with the request's own sampling parameters and seed) and
 `hold=True`, so its pages outlive the finish. Then each layer's K/V is read from
 the pool, quantised to the wire format (FP8 by default) and sent as one frame
 (`kv_transfer.py`); an FP8 pool's pages go on an FP8 wire as stored, values and
-exponents, with no dequantising and quantising again (`LLMEngine.read_kv_stored`). The held pages are released when the last frame is out, or
-when the reader goes away mid-transfer (the response is cancelled: `finally`), or
-at the latest after the engine's `held_timeout_s`. Prefix caching, when on, makes
+exponents, with no dequantising and quantising again (`LLMEngine.read_kv_stored`).
+The held pages are released when the last frame is out, or when the reader goes
+away mid-transfer (the response is cancelled: `finally`), or at the latest after
+the engine's `held_timeout_s`. Prefix caching, when on, makes
 a prompt that starts with cached blocks compute only its tail.
 
 A request with a `kv_target` (the decode worker uses `--kv-transport mooncake`) gets
 its pages written straight into the decode worker's reserved pages by
 `mooncake_transfer.DirectKVWriter`, several layers a write (up to 64 MiB), and frames
-without payload that say what landed, one per layer, sent together after each write; when this pool cannot be copied byte for byte into the target's,
-the pages go in the frames instead (`KVBegin.direct` tells the decode worker which).
+without payload that say what landed, one per layer, sent together after each write;
+when this pool cannot be copied byte for byte into the target's, the pages go in the
+frames instead (`KVBegin.direct` tells the decode worker which).
 
 Each layer is read off the event loop while the engine thread may free the held
 pages (expiry, abort) and reuse them; `LLMEngine.read_kv` checks the pages' tags
