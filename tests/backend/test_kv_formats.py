@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from backend.engine import EngineConfig, LLMEngine
+from backend.kv_cache import create_kv_cache
 from backend.sampling_params import SamplingParams
 from kernels.kv_store import dequantize_fp8_ref, quantize_fp8_ref
 from tests.backend.tiny_models import write_tiny_model
@@ -39,25 +40,30 @@ def test_fp8_gather_returns_the_dequantised_stored_values(tiny_dir: Path) -> Non
     assert e.cache.layer(0).k_scale is not None and int(e.cache.layer(0).k_scale.min()) == -64  # layer 0 untouched
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 @pytest.mark.parametrize("tokens", [16, 37, 5])
-def test_fp8_pages_read_and_written_as_stored_match_token_by_token_slots(tiny_dir: Path, tokens: int) -> None:
-    """`read_stored` / `write_stored` move whole page rows (the last page's tokens one by one): on fresh random
-    bytes under scattered pages they equal the token-by-token slot path (`write_tokens`, indexing by slot), leave
-    every other page and layer untouched, and read back what was written."""
-    a, b = engine(tiny_dir, "fp8_e4m3"), engine(tiny_dir, "fp8_e4m3")
-    g = a.cache.geometry
+def test_fp8_pages_read_and_written_as_stored_match_token_by_token_slots(tiny_dir: Path, tokens: int,
+                                                                         device: str) -> None:
+    """`read_stored` / `write_stored` move whole page rows (a last partial page as a slice of its row): on fresh
+    random bytes under scattered pages they equal the token-by-token slot path (`write_tokens`, indexing by slot),
+    leave every other page and layer untouched, and read back what was written."""
+    cfg = engine(tiny_dir, "fp32").model.cfg
+    a, b = (create_kv_cache(cfg, "fp8_e4m3", 2**20, 16, torch.float32, device) for _ in range(2))
+    g = a.geometry
     gen = torch.Generator().manual_seed(tokens)
     pages = torch.randperm(g.num_pages, generator=gen)[:-(-tokens // g.page_size)].tolist()
     k, v = (torch.randint(0, 256, (tokens, g.num_kv_heads, g.head_dim), dtype=torch.uint8, generator=gen)
             .view(torch.float8_e4m3fn) for _ in range(2))
     ke, ve = (torch.randint(-40, 10, (tokens, g.num_kv_heads), dtype=torch.int8, generator=gen) for _ in range(2))
-    slots = a.runner.slots(pages, 0, tokens)
-    a.cache.write_tokens(1, slots, k, v, ke, ve)
-    b.cache.write_stored(1, pages, k, v, ke, ve)
-    assert torch.equal(a.cache.pages.view(torch.uint8), b.cache.pages.view(torch.uint8))
-    assert torch.equal(a.cache.scales, b.cache.scales)
-    got = b.cache.read_stored(1, pages, tokens)
-    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(got, (k, v, ke, ve)))
+    slots = torch.tensor([pages[t // g.page_size] * g.page_size + t % g.page_size for t in range(tokens)],
+                         device=device)
+    a.write_tokens(1, slots, k, v, ke, ve)
+    b.write_stored(1, pages, k, v, ke, ve)
+    assert torch.equal(a.pages.view(torch.uint8), b.pages.view(torch.uint8))
+    assert torch.equal(a.scales, b.scales)
+    got = b.read_stored(1, pages, tokens)
+    assert all(torch.equal(x.view(torch.uint8).cpu(), y.view(torch.uint8)) for x, y in zip(got, (k, v, ke, ve)))
 
 
 def test_fp8_kv_stays_close_to_fp32_kv(tiny_dir: Path) -> None:
