@@ -262,6 +262,31 @@ def test_prompt_tiles_match_the_rows_one_by_one(fmt: str, group: int, head_dim: 
         assert_close_in_mag(tiled, paged_decode_attention_ref(q, *rows, 0.125), mag, 1e-5, seed)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("head_dim,per_tile", [(64, 10), (128, 8)])
+def test_bfloat16_prompt_tiles_give_the_float32_result_within_a_bfloat16_step(fmt: str, head_dim: int,
+                                                                               per_tile: int, seed: int) -> None:
+    """The engine's bfloat16 prefill: bf16 q in prompt tiles over bf16 or fp8 pages (on AVX-512F CPUs the tiles'
+    copy that widens K and V, with or without AVX512-BF16), against the float32 call on the widened q: within one
+    bfloat16 step of it, and of the reference within the usual tolerance."""
+    lens = [83, 40, 5]
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FORMATS[fmt], num_pages, page_table,
+                        "cpu")
+    table, keys = _prompt_rows(paged, lens, (17, 83))
+    rows = paged._replace(page_table=table, context_lens=keys)
+    q = torch.randn(len(keys), 6, head_dim).bfloat16()
+    decode = len(lens) - 1
+    tiles = torch.tensor([*range(decode), *range(decode, len(keys), per_tile), len(keys)], dtype=torch.int32)
+    for threads in (1, 2):
+        half = paged_decode_attention_cpu(q, *rows, 0.125, threads=threads, tiles=tiles)
+        wide = paged_decode_attention_cpu(q.float(), *rows, 0.125, threads=threads, tiles=tiles)
+        assert half is not None and wide is not None and half.dtype == torch.bfloat16
+        assert ((half.float() - wide).abs() <= wide.abs() * 2.0 ** -7).all()
+        mag = paged_decode_attention_ref(q.float(), *rows.with_abs_v(), 0.125)
+        assert_close_in_mag(wide, paged_decode_attention_ref(q.float(), *rows, 0.125), mag, 1e-5, seed)
+
+
 def test_prompt_tiles_it_cannot_take_are_declined() -> None:
     """Tiles of more query heads than the kernel holds, rows whose key counts fall, or first rows that do not
     cover the rows: None (the caller runs the rows without tiles), never a wrong answer."""
