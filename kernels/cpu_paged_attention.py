@@ -16,19 +16,13 @@ dequantised values are bit-identical to `kernels.kv_store.dequantize_fp8_ref`, a
 result differs from the gather + SDPA reference by summation order and by the softmax's
 exponentials, which a branch-free polynomial computes within 2 ulp of `expf` so the loop
 vectorises (tests compare within 1e-5 relative on fresh random inputs). A sequence's keys
-are found page by page, without a division per token. bfloat16 queries against bfloat16
-pages (the bfloat16 model's case) on a CPU with AVX512-BF16 are scored by `vdpbf16ps`
-straight from the page rows: the products are exact as before, the float32 sums pair
-them in another order, so the bfloat16 output is within one bfloat16 step of the widened
-call's (where it was equal), and no float32 copy of the keys is made. Measured on a
-2-core AMD EPYC VM, one thread, 32 sequences x 150 keys, G = 3: 403 -> 343 us a call.
-bfloat16 queries against FP8 pages take the same path: each 32 e4m3 keys become their exact
-bfloat16 values in registers (exponent rebiased; e = 0 codes, which would be bfloat16
-subnormals that `vdpbf16ps` reads as zero, from a 32-entry table; `fp8_as_bf16` exposes it
-to the tests), where they were widened to float32 and multiplied by FMAs. c = 32 SmolLM2
-decode steps, bf16 and FP8 engines alternating step by step, same VM: FP8's step took
-1.07-1.09x bf16's at ~115-token contexts and 1.10-1.12x at ~275 before, 1.01-1.02x and
-1.02-1.05x after.
+are found page by page, without a division per token. bfloat16 queries are widened exactly
+and scored by float32 FMAs, so the bfloat16 output is the widened call's, rounded. CPUs with
+AVX512-BF16 had copies that scored them by `vdpbf16ps` straight from the page rows (FP8 keys
+made their exact bfloat16 values in registers) until 2026-12-07; the float32 copies for
+decode rows and prompt tiles took, on a Zen 4 VM, 0.64x (FP8 pages) and 0.91x (BF16) of
+their time for 32 decode rows of 2,000 keys, and 0.55-0.7x for a prompt's tiles (the C
+file's comments). Decode rows on AMX tiles score by `tdpbf16ps`.
 
 On a CPU with AMX (tiles for bfloat16 products), rows with bfloat16 queries run on the tile unit
 (`attend_amx` in the C file): over FP8 pages every row, over bfloat16 pages decode rows of at least
@@ -191,10 +185,10 @@ def amx_tiles(on: bool) -> bool:
 
 
 def fp8_as_bf16(codes: torch.Tensor, by_table: bool = False) -> torch.Tensor | None:
-    """The bfloat16 values the kernel scores fp8_e4m3 keys as (its in-register conversion for `vdpbf16ps`),
-    for uint8 `codes` (any length; zero-padded to a multiple of 32 inside). None where the kernel has no
-    AVX512-BF16 copy (it then widens keys to float32 instead). `by_table`: the conversion the AMX tiles and
-    `dequantised_pages` use (two 128-byte tables read by `vpermi2b`), None where the CPU has no AVX512-VBMI."""
+    """The exact bfloat16 values of fp8_e4m3 `codes` (uint8, any length; zero-padded to a multiple of 32 inside)
+    by the kernel's in-register conversion, which the AMX tiles and `dequantised_pages` use where the CPU has no
+    AVX512-VBMI. None where the kernel has no AVX512-BF16 copy. `by_table`: the conversion they use where it has
+    (two 128-byte tables read by `vpermi2b`), None without AVX512-VBMI."""
     lib = KERNEL.load()
     if lib is None:
         return None

@@ -20,14 +20,15 @@
  * changes).
  *
  * Two copies of the loop: `attend_hd`, plain C the compiler vectorises (any head size, any CPU), and
- * `attend_vec` with AVX-512 intrinsics for head sizes 64 and 128 where the CPU has AVX-512 (and copies of
- * it for bf16 q against bf16 or fp8 pages that score with `vdpbf16ps` where the CPU has AVX512-BF16: exact
- * products, float32 sums in pairs, no widened K; fp8 keys become their exact bfloat16 values in registers,
- * `fp8x32_to_bf16`), or the AVX2 copies where the CPU has AVX2 and FMA but no AVX-512 (rows converted to
- * float32 for every format; decode rows take `attend_dec8`, which reads a row's KV heads together, each key row
- * converted once in registers; prompt tiles `attend_vec8`, a tile's query heads along the vector lanes, products
- * as outer products). On AVX-512F CPUs without AVX512-BF16 decode rows over bf16 and fp8 pages take `attend_dec16`,
- * attend_dec8's scheme on 16 lanes; on every AVX-512F CPU prompt tiles take `attend_vec16`, attend_vec8's.
+ * `attend_vec` with AVX-512 intrinsics for head sizes 64 and 128 where the CPU has AVX-512, or the AVX2 copies
+ * where the CPU has AVX2 and FMA but no AVX-512 (rows converted to float32 for every format; decode rows take
+ * `attend_dec8`, which reads a row's KV heads together, each key row converted once in registers; prompt tiles
+ * `attend_vec8`, a tile's query heads along the vector lanes, products as outer products). On AVX-512F CPUs
+ * decode rows take `attend_dec16`, attend_dec8's scheme on 16 lanes, and prompt tiles
+ * `attend_vec16`, attend_vec8's; bf16 q is widened exactly (`load_q`). CPUs with AVX512-BF16 had copies of
+ * attend_vec that scored by `vdpbf16ps` until 2026-12-07: on a Zen 4 VM attend_dec16 and attend_vec16 took 0.64x
+ * (fp8 pages) and 0.91x (bf16) of their time for 32 decode rows of 2,000 keys and 0.55-0.7x for prompt tiles
+ * (`attend_vec_dec`'s comment). Decode rows on AMX tiles still score by `tdpbf16ps`.
  * Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
  * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few). Decode
@@ -59,8 +60,6 @@
 #include "pool.h"
 
 #define BLOCK 32 /* tokens per softmax block */
-#define FMT_BF16_DP 3 /* bf16 pages and bf16 q, scores by vdpbf16ps (attend_vec's copy for it) */
-#define FMT_FP8_DP 4  /* fp8 pages and bf16 q, the K rows made bfloat16 in registers for vdpbf16ps */
 #define MAX_HD 256
 #define MAX_G 32 /* query heads a tile holds at most: G x its rows */
 #define DEC_Q 16 /* query heads a decode row's item holds (attend_dec8, attend_dec16): G <= DEC_Q, KV heads in groups */
@@ -331,11 +330,7 @@ static inline void tile_queries(const Args *a, int t, int h, int HD, int lanes, 
  * next (the item's next block, or the next item's first) are prefetched into L2 a few per token while
  * the current block is computed. Measured over 30 layers' own page pools (32 sequences, G = 3, HD = 64,
  * random page tables), alternating with the kernel without it, same VM: bf16 pages 0.54-0.73x the
- * time at 80-600 keys (1 and 2 threads), fp8 0.69-0.70x; into L1 instead (the first try): 0.78-1.0x.
- * fp8 pages with bf16 q: 30 layers' pools, 32 sequences x 200 keys, 2 threads, same VM, the two page formats
- * alternating in one process: widened K (float32 FMAs) took 1.42-1.48x bf16's time, `vdpbf16ps` on the
- * converted K 1.11-1.17x (bf16 pages read at ~13 GB/s; fp8 is still bound by the conversions, not its
- * half as many bytes). */
+ * time at 80-600 keys (1 and 2 threads), fp8 0.69-0.70x; into L1 instead (the first try): 0.78-1.0x. */
 static inline __m512 sum16(const __m512 v[16]) { /* lane j: the sum of v[j]'s 16 lanes */
     __m512 a[8], b[4];
     for (int k = 0; k < 8; k++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of v[2k] = x, v[2k+1] = y */
@@ -497,24 +492,16 @@ static inline __attribute__((always_inline)) void accumulate_vrows(const float *
  * reaches only in part (the causal diagonal of a prompt chunk) its scores past that are left out of the
  * softmax and its weights there are 0. A tile's rows share their page table (rows of one prompt chunk). */
 static inline __attribute__((always_inline)) void attend_vec(const Args *a, int t, int h, const int HD,
-                                                             const int FMT) {
+                                                             const int fmt) {
     enum { NVMAX = MAX_HD / 16 };
-    /* dp: scores by vdpbf16ps from bf16 q and bf16 (or fp8 made bf16) K */
-    const int dp = FMT == FMT_BF16_DP || FMT == FMT_FP8_DP, fmt = FMT == FMT_BF16_DP ? 1 : FMT == FMT_FP8_DP ? 2 : FMT;
     const int d = tile_first(a, t), R = tile_first(a, t + 1) - d;
     const int NV = HD / 16, G = a->G, S = a->S, KVH = a->KVH, NQ = R * G;
     const int len = a->lens[d + R - 1]; /* rows ascend: the tile's last row sees the most keys */
     float q[MAX_G * MAX_HD] __attribute__((aligned(64)));
     int qlen[MAX_G];
-    uint16_t qh[MAX_G * MAX_HD] __attribute__((aligned(64)));
-    for (int i = 0; i < R; i++) { /* dp: the bf16 queries as given; else as float32 */
-        if (dp) {
-            memcpy(qh + i * G * HD, (const uint16_t *)a->q + ((int64_t)(d + i) * a->KVH + h) * G * HD,
-                   sizeof(uint16_t) * G * HD);
-        } else {
-            const float *qi = load_q(a, d + i, h, q + i * G * HD);
-            if (qi != q + i * G * HD) memcpy(q + i * G * HD, qi, sizeof(float) * G * HD);
-        }
+    for (int i = 0; i < R; i++) {
+        const float *qi = load_q(a, d + i, h, q + i * G * HD);
+        if (qi != q + i * G * HD) memcpy(q + i * G * HD, qi, sizeof(float) * G * HD);
         for (int g = 0; g < G; g++) qlen[i * G + g] = a->lens[d + i];
     }
     float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
@@ -541,7 +528,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
         const int64_t *pf;
         const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf);
         for (int j = 0; j < n; j++) {
-            if (!dp) kr[j] = widen_row(a->k, rows[j], kb[j], HD, fmt);
+            kr[j] = widen_row(a->k, rows[j], kb[j], HD, fmt);
             kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * a->scale;
         }
         for (int g = 0; g < NQ; g++) {
@@ -551,13 +538,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
                 continue;
             }
             __m512 qv[NVMAX];
-            if (!dp)
-                for (int c = 0; c < NV; c++) qv[c] = _mm512_load_ps(q + g * HD + 16 * c);
-#ifdef __AVX512BF16__
-            __m512bh qb[NVMAX / 2];
-            if (dp)
-                for (int c = 0; c < NV / 2; c++) qb[c] = (__m512bh)_mm512_load_si512(qh + g * HD + 32 * c);
-#endif
+            for (int c = 0; c < NV; c++) qv[c] = _mm512_load_ps(q + g * HD + 16 * c);
             for (int j0 = 0; j0 < n; j0 += 16) {
                 __m512 dots[16];
                 for (int jj = 0; jj < 16; jj++) {
@@ -567,22 +548,6 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
                         dots[jj] = _mm512_setzero_ps();
                         continue;
                     }
-#ifdef __AVX512BF16__
-                    if (dp) { /* 32 exact bfloat16 products a step, summed in pairs into float32 lanes */
-                        __m512 t = _mm512_setzero_ps();
-                        if (fmt == 1) {
-                            const uint16_t *kj = (const uint16_t *)a->k + rows[j] * HD;
-                            for (int c = 0; c < NV / 2; c++)
-                                t = _mm512_dpbf16_ps(t, qb[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
-                        } else {
-                            const uint8_t *kj = (const uint8_t *)a->k + rows[j] * HD;
-                            for (int c = 0; c < NV / 2; c++)
-                                t = _mm512_dpbf16_ps(t, qb[c], (__m512bh)fp8x32_to_bf16(kj + 32 * c));
-                        }
-                        dots[jj] = t;
-                        continue;
-                    }
-#endif
                     __m512 t = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr[j]));
                     for (int c = 1; c < NV; c++) t = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr[j] + 16 * c), t);
                     dots[jj] = t;
@@ -628,7 +593,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
     }
     for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / l[g]);
 }
-/* ---- Decode rows on AVX-512F without AVX512-BF16 (Skylake-SP to Ice Lake): attend_dec8's scheme on 16 lanes.
+/* ---- Decode rows on AVX-512F (Skylake-SP on, with or without AVX512-BF16): attend_dec8's scheme on 16 lanes.
  * A decode row against up to DEC_Q / G of its KV heads at once, each key row read once (a token's rows of those
  * heads lie side by side in a page) and converted in registers, per block of up to 32 keys:
  *   scores: each K row becomes HD / 16 float32 vectors (`row32`: a bf16 row gives 32 dims a 64-byte load, the even
@@ -821,8 +786,8 @@ static inline __attribute__((always_inline)) void attend_dec16(const Args *a, in
     }
 }
 
-/* ---- Prompt tiles on AVX-512F (with or without AVX512-BF16: `attend_vec_tiles`): the AVX2 copy's prompt tiles
- * (`attend_vec8`, its comment) on
+/* ---- Prompt tiles on AVX-512F (with or without AVX512-BF16): the AVX2 copy's prompt tiles (`attend_vec8`, its
+ * comment) on
  * 16 lanes: a tile's NQ = R x G query heads (up to MAX_G) of one KV head along the lanes, 16 a vector (NHV16 <= 2
  * vectors), K and V rows widened to float32 once a block (`widen_row`), scores S^T [key][head] by broadcasts of a
  * key's dims times Q^T's vectors (KB keys x NHV16 vectors of accumulators), the softmax lane by lane, and the
@@ -960,12 +925,20 @@ static inline __attribute__((always_inline)) void attend_vec16(const Args *a, in
     for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / lf[g]);
 }
 
-/* A work item on these CPUs: decode rows over bf16 and fp8 pages take attend_dec16 (over fp32 pages it measured no
- * faster than attend_vec), prompt tiles attend_vec16 (every format), the rest attend_vec. */
+/* A work item on AVX-512F CPUs: decode rows take attend_dec16 (fp8 pages only with AVX512-BW), prompt tiles
+ * attend_vec16 (every format), the rest attend_vec. Over fp32 pages attend_dec16 measured as fast as attend_vec
+ * (32 rows of 512 keys, 30 layers, Zen 4 VM: 36.0-36.7 ms against 33.3-36.9); it takes them too so that a prompt
+ * chunk's one-row last tile over FP8 pages dequantised to float32 gives the bits the call over the FP8 pages
+ * gives, as the other rows do (tests/kernels/test_cpu_paged_attention.py). On CPUs with
+ * AVX512-BF16 too, since 2026-12-07: there attend_vec had scored bf16 q by `vdpbf16ps`, each query head on its
+ * own, every dot folded across lanes. Zen 4 VM, 2 threads, the builds alternating twice: `bench cpu-kernels`' 32
+ * decode rows x 30 layers, 512 keys, fp8 pages 33.1 -> 17.3 ms, bf16 23.2 -> 22.3; 2,000 keys fp8 96.7-100.1 ->
+ * 63.7-65.9, bf16 81.8-85.3 -> 75.8-76.3; a 1,024-token prompt's attention in the engine (SmolLM2 bfloat16, 30
+ * layers) 389-446 -> 245-274 ms, 2,048 tokens 1,530-1,622 -> 965-1,059. */
 static inline __attribute__((always_inline)) void attend_vec_dec(const Args *a, int t, int h, const int HD,
                                                                  const int fmt) {
     const int d = tile_first(a, t);
-    if ((fmt == 1 || (fmt == 2 && DEC16_FP8)) && HD % 64 == 0 && tile_first(a, t + 1) == d + 1 &&
+    if ((fmt <= 1 || DEC16_FP8) && HD % 64 == 0 && tile_first(a, t + 1) == d + 1 &&
         a->G <= DEC_Q) { /* a decode row: an item of its KV heads, DEC_Q / G */
         const int per = a->item_heads == 1 ? 1 : DEC_Q / a->G;
         if (h % per == 0) attend_dec16(a, t, h, a->KVH - h < per ? a->KVH - h : per, HD, fmt);
@@ -976,26 +949,7 @@ static inline __attribute__((always_inline)) void attend_vec_dec(const Args *a, 
     else
         attend_vec(a, t, h, HD, fmt);
 }
-#ifndef __AVX512BF16__
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec_dec(a, t, h, hd, f); }
-#else
-/* A work item on CPUs with AVX512-BF16: prompt tiles take attend_vec16 too, over K and V widened to float32 (a `dp`
- * format is its pages' format there: the queries are widened as given), the rest attend_vec (decode rows score by
- * vdpbf16ps). attend_vec scores a tile's query heads one by one, each dot folded across lanes (`sum16`); the outer
- * products of attend_vec16 keep 16 heads a vector. SmolLM2 bfloat16 in process, 2 threads, a prompt's attention
- * over its 30 layers, the two builds alternating in 2 runs on a 2-core Zen 4 VM: 1,024 tokens 389-446 -> 245-274
- * ms, 2,048 tokens 1,530-1,622 -> 965-1,059 ms (the whole prefill 1,013-1,120 -> 871-982 and 2,934-2,961 ->
- * 2,224-2,540 ms). */
-static inline __attribute__((always_inline)) void attend_vec_tiles(const Args *a, int t, int h, const int HD,
-                                                                   const int FMT) {
-    if (HD % 64 == 0 && tile_first(a, t + 1) > tile_first(a, t) + 1)
-        attend_vec16(a, t, h, HD, FMT == FMT_BF16_DP ? 1 : FMT == FMT_FP8_DP ? 2 : FMT);
-    else
-        attend_vec(a, t, h, HD, FMT);
-}
-#define SPECIALISE(hd, f) \
-    static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec_tiles(a, t, h, hd, f); }
-#endif
 #elif VECTOR_COPY
 /* The AVX2 copies, for CPUs with AVX2 and FMA but no AVX-512, head sizes 64 and 128 (NV = HD / 8 vectors), float32,
  * bfloat16 or fp8 pages (no bfloat16 dot products here: rows are converted to float32): decode rows in
@@ -1510,7 +1464,7 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
  *     first (`vpermt2w`) took more time than the products it saved; O's tiles stay in tile registers over the
  *     SB keys (HD = 128: two sweeps), as 16 even then 16 odd dims per 32, put back in order at the end.
  * Every tile is 16 rows by 64 bytes, so one configuration per chunk of items serves both products.
- * Products exact, sums float32, as the `vdpbf16ps` copy's scores; what differs is P: the vector copies
+ * Products exact, sums float32, as the vector copies' scores; what differs is P: the vector copies
  * multiply V by float32 weights, this one by their bfloat16 rounding (relative u = 2^-8 at most a weight, as
  * flash attention on GPUs rounds P to 16 bits), and the softmax's sum adds the rounded weights, so the output
  * is a weighted mean of V rows whose weights are off by at most 2u relative after normalising: with the
@@ -1654,8 +1608,8 @@ static __thread uint16_t amx_odd[SB / 16][AMX_G][32] __attribute__((aligned(64))
 /* output sums between steps (rows past NQ likewise): chunk c of 32 dims as its 16 even dims, then its 16 odd */
 static __thread float amx_out[AMX_G][MAX_HD] __attribute__((aligned(64)));
 
-static void attend_64_3(const Args *a, int t, int h);
-static void attend_128_3(const Args *a, int t, int h);
+static void attend_64_1(const Args *a, int t, int h);
+static void attend_128_1(const Args *a, int t, int h);
 
 /* fp8 pages: the n page rows of a block (from page row `row`, KV head stride KVH) as their exact bfloat16 values
  * into dst [16][HD] (rows past n zero), and each token's 2^e into mul[16] (e from exps). By table where the CPU
@@ -1901,7 +1855,7 @@ static inline __attribute__((always_inline)) void amx_rows(const Args *a, int t,
 static inline __attribute__((always_inline)) void attend_amx_fmt(const Args *a, int t, int h, const int fp8) {
     const int d = tile_first(a, t), R = tile_first(a, t + 1) - d, per = AMX_G / a->G;
     if (R == 1 && !fp8 && a->lens[d] < AMX_MIN_KEYS) {
-        (a->HD == 64 ? attend_64_3 : attend_128_3)(a, t, h);
+        (a->HD == 64 ? attend_64_1 : attend_128_1)(a, t, h);
         return;
     }
     for (int i = 0; i < R; i += per) amx_rows(a, t, h, d + i, R - i < per ? R - i : per, fp8);
@@ -1926,7 +1880,6 @@ int paged_decode_set_amx(int on) {
 
 SPECIALISE(64, 0) SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(128, 0) SPECIALISE(128, 1) SPECIALISE(128, 2)
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-SPECIALISE(64, 3) SPECIALISE(128, 3) SPECIALISE(64, 4) SPECIALISE(128, 4)
 #define HAVE_DP 1
 #else
 #define HAVE_DP 0
@@ -2051,12 +2004,6 @@ int paged_decode(const void *q, const void *k, const void *v, const int8_t *ke, 
     }
     if (HD == 64) job.attend = fmt == 0 ? attend_64_0 : fmt == 1 ? attend_64_1 : attend_64_2;
     if (HD == 128) job.attend = fmt == 0 ? attend_128_0 : fmt == 1 ? attend_128_1 : attend_128_2;
-#if HAVE_DP
-    if (fmt == 1 && half && HD == 64) job.attend = attend_64_3;
-    if (fmt == 1 && half && HD == 128) job.attend = attend_128_3;
-    if (fmt == 2 && half && HD == 64) job.attend = attend_64_4;
-    if (fmt == 2 && half && HD == 128) job.attend = attend_128_4;
-#endif
 #if HAVE_AMX
     if (amx_on && (fmt == 1 || fmt == 2) && half && S % 16 == 0 && (HD == 64 || HD == 128) &&
         G <= AMX_G && amx_granted())
