@@ -14,7 +14,7 @@ from kernels.cpu_paged_attention import (amx_default, amx_tiles, available, buil
 from kernels.kv_store import dequantize_fp8_table, quantize_fp8_ref
 from kernels.paged_attention import paged_decode_attention_ref
 from tests.kernels.test_kv_store import seed  # noqa: F401  (fixture)
-from tests.kernels.test_paged_attention import (FP8, LENS, assert_close_in_mag, build_paged, random_layout,
+from tests.kernels.test_paged_attention import (FP8, LENS, Paged, assert_close_in_mag, build_paged, random_layout,
                                                 random_sequences)
 
 pytestmark = pytest.mark.skipif(not available(), reason=f"CPU kernel not built: {build_error()}")
@@ -220,6 +220,20 @@ def _prompt_rows(paged, lens: list[int], chunk: tuple[int, int]) -> tuple[torch.
     return torch.cat(tables), torch.cat(keys)
 
 
+def _prompt_chunk(fmt: str, head_dim: int, per_tile: int) -> tuple[Paged, torch.Tensor]:
+    """Pages of 3 sequences (83, 40, 5 keys) over 2 KV heads in `fmt`, laid out as a mixed step: a decode row each
+    for the last two, then the first one's rows 17..82 as a prompt chunk in tiles of `per_tile` rows (the last
+    shorter); returns the rows (page tables and key counts) and the tiles."""
+    lens = [83, 40, 5]
+    num_pages, page_table = random_layout(lens)
+    paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FORMATS[fmt], num_pages, page_table,
+                        "cpu")
+    table, keys = _prompt_rows(paged, lens, (17, 83))
+    decode = len(lens) - 1
+    tiles = torch.tensor([*range(decode), *range(decode, len(keys), per_tile), len(keys)], dtype=torch.int32)
+    return paged._replace(page_table=table, context_lens=keys), tiles
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("group,head_dim,per_tile", [(3, 64, 10), (1, 64, 32), (3, 64, 7), (2, 128, 16),
                                                       (1, 64, 7), (1, 64, 11), (3, 96, 8)])
@@ -231,15 +245,8 @@ def test_prompt_tiles_match_the_rows_one_by_one(fmt: str, group: int, head_dim: 
     generic code, which takes a tile row by row. A row alone is a decode row, which on an AVX2-only CPU runs
     another loop (`attend_dec8`: the same arithmetic summed in another order), so the two agree within the
     reference's tolerance of the output's magnitude, not bit for bit."""
-    lens = [83, 40, 5]
-    num_pages, page_table = random_layout(lens)
-    paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FORMATS[fmt], num_pages, page_table,
-                        "cpu")
-    table, keys = _prompt_rows(paged, lens, (17, 83))
-    rows = paged._replace(page_table=table, context_lens=keys)
-    q = torch.randn(len(keys), 2 * group, head_dim)
-    decode = len(lens) - 1
-    tiles = torch.tensor([*range(decode), *range(decode, len(keys), per_tile), len(keys)], dtype=torch.int32)
+    rows, tiles = _prompt_chunk(fmt, head_dim, per_tile)
+    q = torch.randn(rows.context_lens.numel(), 2 * group, head_dim)
     for threads in (1, 2):
         tiled = paged_decode_attention_cpu(q, *rows, 0.125, threads=threads, tiles=tiles)
         alone = paged_decode_attention_cpu(q, *rows, 0.125, threads=threads)
@@ -256,15 +263,8 @@ def test_bfloat16_prompt_tiles_give_the_float32_result_rounded(fmt: str, head_di
     """The engine's bfloat16 prefill: bf16 q in prompt tiles over bf16 or fp8 pages (on AVX-512F CPUs the tiles'
     copy that widens K and V, with or without AVX512-BF16; AMX tiles off, as they round the weights), against the
     float32 call on the widened q: that call's result rounded, and the reference within the usual tolerance."""
-    lens = [83, 40, 5]
-    num_pages, page_table = random_layout(lens)
-    paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FORMATS[fmt], num_pages, page_table,
-                        "cpu")
-    table, keys = _prompt_rows(paged, lens, (17, 83))
-    rows = paged._replace(page_table=table, context_lens=keys)
-    q = torch.randn(len(keys), 6, head_dim).bfloat16()
-    decode = len(lens) - 1
-    tiles = torch.tensor([*range(decode), *range(decode, len(keys), per_tile), len(keys)], dtype=torch.int32)
+    rows, tiles = _prompt_chunk(fmt, head_dim, per_tile)
+    q = torch.randn(rows.context_lens.numel(), 6, head_dim).bfloat16()
     for threads in (1, 2):
         half = paged_decode_attention_cpu(q, *rows, 0.125, threads=threads, tiles=tiles)
         wide = paged_decode_attention_cpu(q.float(), *rows, 0.125, threads=threads, tiles=tiles)
