@@ -13,12 +13,12 @@ for FP8, ``scales`` [L, 2, P, S, H] (int8 exponents); `LatentKVCache` has ``late
 
 Two pools can take a direct copy when they hold the same format, layer count and
 regions with the same bytes per token (`incompatibility`); page sizes may differ.
-`layer_runs` cuts the prompt's tokens [0, T) at the page boundaries of both sides and
-returns one (source address, destination address, length) run per piece, region and
-part, merging pieces that are adjacent on both sides (consecutive pages): with equal
-page sizes and a fresh pool a layer is a handful of runs, at worst one per page.
-`layers_runs` gives several consecutive layers' runs at once (cut at the first, moved
-to the others by the layer strides: one batched write carries them).
+`layers_runs` cuts the prompt's tokens [0, T) at the page boundaries of both sides and
+returns one (source address, destination address, length) run per piece, region, part
+and layer, merging pieces that are adjacent on both sides (consecutive pages): with equal
+page sizes and a fresh pool a layer is a handful of runs, at worst one per page. It does
+so for several consecutive layers at once (cut at the first, moved to the others by the
+layer strides: one batched write carries them).
 Only the prompt's own tokens are written, never the unused tail of a last page.
 """
 
@@ -27,8 +27,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-__all__ = ["KVRegion", "KVLayout", "pool_layout", "pool_tensors", "incompatibility", "layer_runs", "layers_runs",
-           "layer_bytes"]
+__all__ = ["KVRegion", "KVLayout", "pool_layout", "pool_tensors", "incompatibility", "layers_runs", "layer_bytes"]
 
 
 class KVRegion(msgspec.Struct, frozen=True):
@@ -114,24 +113,18 @@ def _pieces(src_pages: list[int], src_ps: int, dst_pages: list[int], dst_ps: int
     return out
 
 
-def layer_runs(src: KVLayout, src_pages: list[int], dst: KVLayout, dst_pages: list[int], layer: int,
-               num_tokens: int) -> tuple[list[int], list[int], list[int]]:
-    """Byte runs (source addresses, destination addresses, lengths) copying one layer of a prompt's
-    `num_tokens` tokens from `src_pages` to `dst_pages` (layouts must be compatible)."""
-    return layers_runs(src, src_pages, dst, dst_pages, range(layer, layer + 1), num_tokens)
-
-
 def layer_bytes(layout: KVLayout, num_tokens: int) -> int:
-    """The bytes of one layer of `num_tokens` tokens in `layout`'s pool (what `layer_runs` moves)."""
+    """The bytes of one layer of `num_tokens` tokens in `layout`'s pool (what `layers_runs` moves a layer)."""
     return num_tokens * sum(r.parts * r.token_bytes for r in layout.regions)
 
 
 def layers_runs(src: KVLayout, src_pages: list[int], dst: KVLayout, dst_pages: list[int], layers: range,
                 num_tokens: int) -> tuple[list[int], list[int], list[int]]:
-    """`layer_runs` of each layer in `layers` (ascending), one after the other. The
-    runs are cut once, at the first layer, and moved to the others by each region's layer strides: every layer
-    of a pool has the same layout, so this is the same as cutting each (a 1,024-token prompt has 64 pieces per
-    region and part: cutting all 30 layers of SmolLM2 took ~4 ms of Python)."""
+    """Byte runs (source addresses, destination addresses, lengths) copying layers `layers` (consecutive,
+    ascending) of a prompt's `num_tokens` tokens from `src_pages` to `dst_pages` (layouts must be compatible),
+    layer after layer. The runs are cut once, at the first layer, and moved to the others by each region's layer
+    strides: every layer of a pool has the same layout, so this is the same as cutting each (a 1,024-token
+    prompt has 64 pieces per region and part: cutting all 30 layers of SmolLM2 anew took ~4 ms of Python)."""
     need_src, need_dst = -(-num_tokens // src.page_size), -(-num_tokens // dst.page_size)
     if len(src_pages) < need_src or len(dst_pages) < need_dst:
         raise ValueError(f"{num_tokens} tokens need {need_src} source and {need_dst} destination pages, "

@@ -9,7 +9,7 @@ layout (`kv_regions.KVLayout`) and the reserved page ids.
 
 Prefill side (`DirectKVWriter`, used by `prefill_server.py` whenever a request carries
 a target): after the prompt is computed, its layers' pages are written with batched
-writes of byte runs (`kv_regions.layer_runs`: page-granular, merged where pages are
+writes of byte runs (`kv_regions.layers_runs`: page-granular, merged where pages are
 consecutive on both sides) from this worker's registered pool into the target pages,
 in the pool format as stored (FP8 values and their scales, latent rows), with no
 staging copy. One write carries as many whole layers as fit in `WRITE_BATCH_BYTES`

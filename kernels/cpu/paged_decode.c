@@ -1879,10 +1879,10 @@ int paged_decode_set_amx(int on) {
 }
 
 SPECIALISE(64, 0) SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(128, 0) SPECIALISE(128, 1) SPECIALISE(128, 2)
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define HAVE_DP 1
+#if defined(__AVX512F__) && defined(__AVX512BF16__) /* the fp8 -> bfloat16 conversions below (AMX, dequantiser) */
+#define HAVE_BF16 1
 #else
-#define HAVE_DP 0
+#define HAVE_BF16 0
 #endif
 static void attend_any(const Args *a, int t, int h) { attend_hd(a, t, h, a->HD, a->fmt); }
 
@@ -1890,7 +1890,7 @@ static void attend_any(const Args *a, int t, int h) { attend_hd(a, t, h, a->HD, 
  * and the dequantiser's conversion; returns 1 where the CPU has no AVX512-VBMI, so no table), else by
  * `fp8x32_to_bf16` (the vector copy's; a multiple of 32); returns -1 where the CPU has no AVX512-BF16 copy. */
 int fp8_to_bf16(const uint8_t *src, uint16_t *dst, int n, int table) {
-#if HAVE_DP
+#if HAVE_BF16
     if (table) {
 #ifdef __AVX512VBMI__
         for (int i = 0; i + 64 <= n; i += 64) fp8_row_to_bf16(src + i, dst + i, 64);
@@ -1915,7 +1915,7 @@ int fp8_to_bf16(const uint8_t *src, uint16_t *dst, int n, int table) {
  * the CPU has no AVX512-BF16 copy. */
 int fp8_pages_dequantise(const uint8_t *codes, const int8_t *exps, const int64_t *table, int P, int S, int KVH,
                          int HD, void *out, int f32) {
-#if HAVE_DP
+#if HAVE_BF16
     if (HD % 32 || HD > MAX_HD) return -1;
     const int64_t rows = (int64_t)S * KVH; /* page rows (token, KV head) of one page */
     for (int p = 0; p < P; p++)

@@ -20,7 +20,7 @@ from backend.decode_coordinator import DecodeCoordinator
 from backend.engine import EngineConfig, LLMEngine
 from backend.errors import KVIntegrityError
 from backend.kv_cache import create_kv_cache
-from backend.kv_regions import incompatibility, layer_bytes, layer_runs, layers_runs, pool_layout
+from backend.kv_regions import incompatibility, layer_bytes, layers_runs, pool_layout
 from backend.kv_transfer import KVBegin, KVLayer
 from backend.mooncake_runtime import MooncakeUnavailable, load
 from backend.protocol import ErrorEvent, FinishEvent
@@ -94,8 +94,8 @@ def _copy_runs(runs: tuple[list[int], list[int], list[int]]) -> None:
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "bf16"])
 @pytest.mark.parametrize("src_ps,dst_ps", [(16, 16), (16, 8), (8, 32)])
 @pytest.mark.parametrize("at_once", [False, True], ids=["per_layer", "layers_1_on_at_once"])
-def test_layer_runs_copy_exactly_the_prompts_tokens(model_dir: Path, fmt: str, src_ps: int, dst_ps: int,
-                                                    at_once: bool) -> None:
+def test_byte_runs_copy_exactly_the_prompts_tokens(model_dir: Path, fmt: str, src_ps: int, dst_ps: int,
+                                                   at_once: bool) -> None:
     cfg = engine(model_dir, "fp32").model.cfg
     rng = random.Random(src_ps * 100 + dst_ps)
     src = create_kv_cache(cfg, fmt, 2**18, src_ps, torch.float32)
@@ -111,13 +111,14 @@ def test_layer_runs_copy_exactly_the_prompts_tokens(model_dir: Path, fmt: str, s
     poison.fill_(0x55)
     before = dst.pages.clone()
     if at_once:  # layer 0 alone, the others from runs cut once at layer 1 and moved by the layer strides
-        _copy_runs(layer_runs(pool_layout(src), src_pages, pool_layout(dst), dst_pages, 0, T))
+        _copy_runs(layers_runs(pool_layout(src), src_pages, pool_layout(dst), dst_pages, range(1), T))
         runs = layers_runs(pool_layout(src), src_pages, pool_layout(dst), dst_pages, range(1, cfg.num_layers), T)
         _copy_runs(runs)
         assert sum(runs[2]) == layer_bytes(pool_layout(src), T) * (cfg.num_layers - 1)
     else:
         for layer in range(cfg.num_layers):
-            _copy_runs(layer_runs(pool_layout(src), src_pages, pool_layout(dst), dst_pages, layer, T))
+            _copy_runs(layers_runs(pool_layout(src), src_pages, pool_layout(dst), dst_pages, range(layer, layer + 1),
+                                   T))
     for layer in range(cfg.num_layers):
         got = dst.read_tokens(layer, slots(dst_pages, dst_ps))
         want = src.read_tokens(layer, slots(src_pages, src_ps))
@@ -134,7 +135,7 @@ def test_consecutive_pages_merge_into_one_run_per_part(model_dir: Path) -> None:
     cfg = engine(model_dir, "fp32").model.cfg
     a = pool_layout(create_kv_cache(cfg, "fp8_e4m3", 2**18, 16, torch.float32))
     b = pool_layout(create_kv_cache(cfg, "fp8_e4m3", 2**18, 16, torch.float32))
-    src, dst, lens = layer_runs(a, [3, 4, 5], b, [7, 8, 9], 1, 40)
+    src, dst, lens = layers_runs(a, [3, 4, 5], b, [7, 8, 9], range(1, 2), 40)
     assert len(src) == 4  # K values, V values, K scales, V scales: one run each
     assert sum(lens) == 40 * 2 * cfg.num_kv_heads * (cfg.head_dim + 1)
 
