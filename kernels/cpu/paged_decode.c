@@ -26,9 +26,11 @@
  * `attend_vec8`, a tile's query heads along the vector lanes, products as outer products). On AVX-512F CPUs
  * decode rows take `attend_dec16`, attend_dec8's scheme on 16 lanes, and prompt tiles
  * `attend_vec16`, attend_vec8's; bf16 q is widened exactly (`load_q`). CPUs with AVX512-BF16 had copies of
- * attend_vec that scored by `vdpbf16ps` until 2026-12-07: on a Zen 4 VM attend_dec16 and attend_vec16 took 0.64x
- * (fp8 pages) and 0.91x (bf16) of their time for 32 decode rows of 2,000 keys and 0.55-0.7x for prompt tiles
- * (`attend_vec_dec`'s comment). Decode rows on AMX tiles still score by `tdpbf16ps`.
+ * attend_vec that scored each query head by `vdpbf16ps` until 2026-12-07: on a Zen 4 VM attend_dec16 and
+ * attend_vec16 took 0.64x (fp8 pages) and 0.91x (bf16) of their time for 32 decode rows of 2,000 keys and
+ * 0.55-0.7x for prompt tiles (`attend_vec_dec`'s comment). Since then their prompt tiles with bf16 q over bf16 or
+ * fp8 pages take `attend_pairs16`: attend_vec16's tile with both products by `vdpbf16ps` and the weights rounded
+ * to bfloat16 (0.61x attend_vec16's time; its section). Decode rows on AMX tiles score by `tdpbf16ps`.
  * Queries come in tiles: one row, or
  * consecutive rows of one prompt chunk (same pages, one more key each) whose query heads run together
  * against each block of keys; a work item is a tile's KV heads (or one of them where tiles are few). Decode
@@ -58,6 +60,12 @@
 
 #include "bits.h"
 #include "pool.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) /* the fp8 -> bfloat16 conversions, bfloat16 dot products */
+#define HAVE_BF16 1
+#else
+#define HAVE_BF16 0
+#endif
 
 #define BLOCK 32 /* tokens per softmax block */
 #define MAX_HD 256
@@ -925,8 +933,244 @@ static inline __attribute__((always_inline)) void attend_vec16(const Args *a, in
     for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / lf[g]);
 }
 
+#if HAVE_BF16
+/* Prompt tiles with bfloat16 queries over bf16 or fp8 pages, on CPUs with AVX512-BF16: attend_vec16's tile (the
+ * query heads along the lanes, outer products, the online softmax lane-wise), its two products by `vdpbf16ps`,
+ * which sums two bfloat16 products into each float32 lane, so each instruction does the work of two FMAs:
+ *   scores: lane i of a Q vector holds query head i's dims c, c+1 as a bfloat16 pair (the tile's queries in that
+ *     layout once, `tile_query_pairs`), times key j's dims c, c+1 broadcast as one 32-bit word straight from the
+ *     page row (fp8 rows: their exact bfloat16 values in L1 first, `fp8_row_to_bf16`). Exact products, summed in
+ *     float32 as attend_vec16 sums them but pairwise.
+ *   values: keys 2p, 2p+1's V rows interleaved once a block into words of (dim c of one, dim c of the other)
+ *     (`value_pairs`), times a query head's weights of those two keys broadcast as one word. The weights enter
+ *     rounded to bfloat16, as flash attention on GPUs and the AMX tiles round them, and the softmax's sum adds the
+ *     rounded weights, so the output is within a few bfloat16 rounding units (2^-8) of its magnitude where
+ *     attend_vec16 is within one (tests/kernels/test_cpu_paged_attention.py bounds it by 3, as for the AMX tiles).
+ * Over fp8 pages the token's 2^e multiplies the scores and, after rounding, the weights (exact), as in
+ * attend_vec16, so a call over the pages dequantised to bfloat16 first (`fp8_pages_dequantise`) gives the same
+ * bits. Per key and tile of 30 query heads (SmolLM2: 10 rows x G = 3) at 64 dims, 124 `vdpbf16ps` where
+ * attend_vec16 has 248 FMAs. Measured on a 2-core Zen 4 VM, 2 threads, the two builds alternating in one process:
+ * one prompt chunk of SmolLM2's shape in tiles of 10 rows, 30 calls, 1,024 rows 233-246 -> 142-161 ms over bf16
+ * pages, 234-238 -> 145-147 over fp8 (~255 GFLOP/s where the GEMMs run at ~410); 2,048 rows 902-912 -> 549-562
+ * and 907-912 -> 567-581. A bfloat16 engine's lone-prompt TTFT: 1,024 tokens 813-825 -> 718-737 ms, 2,048
+ * 2,105-2,114 -> 1,743-1,781 (FP8 pages: 836-850 -> 740-754, 2,111-2,142 -> 1,746-1,760). */
+
+/* x rounded to bfloat16 (nearest even), as float32: the bfloat16 bits in each lane's top half, zeros below. */
+static inline __m512 round_bf16_hi(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+/* acc + per lane i: x's bfloat16 pair i times y's, both products summed (`vdpbf16ps`). */
+static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512i x, __m512i y) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y);
+}
+
+/* Tile t's R x G bfloat16 query heads of KV head h as pairs: qp[c / 2][head] the word (dim c, dim c+1); heads from
+ * R x G to `lanes` zero, and each head's key count in qlf (tile_queries' layout, words for floats). */
+static inline void tile_query_pairs(const Args *a, int t, int h, int HD, int lanes, uint32_t *qp, float *qlf) {
+    const int d = tile_first(a, t), R = tile_first(a, t + 1) - d, G = a->G;
+    for (int i = 0; i < R; i++) {
+        const uint32_t *qi = (const uint32_t *)((const uint16_t *)a->q + ((int64_t)(d + i) * a->KVH + h) * G * HD);
+        for (int g = 0; g < G; g++) {
+            for (int c = 0; c < HD / 2; c++) qp[c * MAX_G + i * G + g] = qi[g * HD / 2 + c];
+            qlf[i * G + g] = (float)a->lens[d + i];
+        }
+    }
+    for (int g = R * G; g < lanes; g++) {
+        for (int c = 0; c < HD / 2; c++) qp[c * MAX_G + g] = 0;
+        qlf[g] = (float)a->lens[d + R - 1];
+    }
+}
+
+/* Scores of keys j0 .. j0+KB-1 (bfloat16 rows kr[]) for the tile's NHV head vectors, as tile_scores16. */
+static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32_t *qp, const uint16_t *const *kr,
+                                                                   int j0, int n, int key0, const float *mul,
+                                                                   const __m512 *qlen, float (*st)[MAX_G],
+                                                                   __m512 *top, const int HD, const int NHV,
+                                                                   const int KB) {
+    __m512 acc[8][TILE_HV16];
+    for (int k = 0; k < KB; k++)
+        for (int v = 0; v < NHV; v++) acc[k][v] = _mm512_setzero_ps();
+    for (int c = 0; c < HD / 2; c++) {
+        __m512i qv[TILE_HV16];
+        for (int v = 0; v < NHV; v++) {
+            qv[v] = _mm512_load_si512(qp + c * MAX_G + 16 * v);
+            __asm__("" : "+v"(qv[v]));
+        }
+        for (int k = 0; k < KB; k++) {
+            const __m512i x = _mm512_set1_epi32(((const int32_t *)kr[j0 + k])[c]);
+            for (int v = 0; v < NHV; v++) acc[k][v] = dot_pairs(acc[k][v], qv[v], x);
+        }
+    }
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int k = 0; k < KB && j0 + k < n; k++) {
+        const __m512 key = _mm512_set1_ps((float)(key0 + j0 + k)), m = _mm512_set1_ps(mul[j0 + k]);
+        for (int v = 0; v < NHV; v++) {
+            const __m512 s = _mm512_mask_mul_ps(ninf, _mm512_cmp_ps_mask(key, qlen[v], _CMP_LT_OQ), acc[k][v], m);
+            _mm512_store_ps(&st[j0 + k][16 * v], s);
+            top[v] = _mm512_max_ps(top[v], s);
+        }
+    }
+}
+
+/* The online softmax of a block's n keys for every head at once (tile_softmax16), each weight rounded to bfloat16
+ * before the sum takes it; then the weights of keys 2p, 2p+1 as one word per head into wp[p] (key 2p's bfloat16
+ * low, 2p+1's high; a key past n weighs 0), times the token's 2^e over fp8 pages (wmul). */
+static inline __attribute__((always_inline)) void tile_softmax_pairs(const float (*st)[MAX_G], int n,
+                                                                    const __m512 *top, const float *wmul, __m512 *m,
+                                                                    __m512 *l, float *corr, uint32_t (*wp)[MAX_G],
+                                                                    const int NHV) {
+    for (int v = 0; v < NHV; v++) {
+        const __m512 bm = _mm512_max_ps(m[v], top[v]); /* finite: every head sees key 0 */
+        const __m512 cv = exp_nonpositive16(_mm512_sub_ps(m[v], bm));
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < n; j += 2) {
+            __m512 w[2];
+            for (int u = 0; u < 2; u++) {
+                if (j + u == n) {
+                    w[u] = _mm512_setzero_ps();
+                    break;
+                }
+                w[u] = round_bf16_hi(exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(&st[j + u][16 * v]), bm)));
+                sum = _mm512_add_ps(sum, w[u]);
+                if (wmul) w[u] = _mm512_mul_ps(w[u], _mm512_set1_ps(wmul[j + u])); /* exact: 2^e */
+            }
+            const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(w[0]), 16);
+            _mm512_store_si512(&wp[j / 2][16 * v], _mm512_or_si512(_mm512_castps_si512(w[1]), lo));
+        }
+        l[v] = _mm512_fmadd_ps(l[v], cv, sum);
+        m[v] = bm;
+        _mm512_store_ps(corr + 16 * v, cv);
+    }
+}
+
+/* Bfloat16 rows r0 and r1 as words (r0's dim c, r1's dim c), dims in order, into dst [HD]. */
+static inline __attribute__((always_inline)) void value_pairs(const uint16_t *r0, const uint16_t *r1, uint32_t *dst,
+                                                             const int HD) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int c = 0; c < HD; c += 32) {
+        const __m512i x = _mm512_loadu_si512(r0 + c), y = _mm512_loadu_si512(r1 + c);
+        _mm512_store_si512(dst + c, _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_store_si512(dst + c + 16, _mm512_permutex2var_epi16(x, hi, y));
+    }
+}
+
+/* Query heads g0 .. g0+NG-1 (NG <= DEC16_PV): o[g] = o[g] corr[g] + the block's np key pairs' V words vp[p] times
+ * their weights wp[p][g], 64 dims at a time (accumulate_v16's scheme, two keys an instruction). */
+static inline __attribute__((always_inline)) void accumulate_pairs(const uint32_t (*vp)[MAX_HD], int np,
+                                                                  const uint32_t (*wp)[MAX_G], const float *corr,
+                                                                  float (*o)[MAX_HD], int g0, const int NG,
+                                                                  const int HD) {
+    for (int c = 0; c < HD; c += 64) {
+        __m512 x[DEC16_PV][4];
+        for (int i = 0; i < NG; i++) {
+            const __m512 ci = _mm512_set1_ps(corr[g0 + i]);
+            for (int u = 0; u < 4; u++) x[i][u] = _mm512_mul_ps(_mm512_load_ps(&o[g0 + i][c + 16 * u]), ci);
+        }
+        for (int p = 0; p < np; p++) {
+            __m512i v[4];
+            for (int u = 0; u < 4; u++) v[u] = _mm512_load_si512(&vp[p][c + 16 * u]);
+            for (int i = 0; i < NG; i++) {
+                const __m512i w = _mm512_set1_epi32((int32_t)wp[p][g0 + i]);
+                for (int u = 0; u < 4; u++) x[i][u] = dot_pairs(x[i][u], w, v[u]);
+            }
+        }
+        for (int i = 0; i < NG; i++)
+            for (int u = 0; u < 4; u++) _mm512_store_ps(&o[g0 + i][c + 16 * u], x[i][u]);
+    }
+}
+
+/* One work item: KV head h of prompt tile t (rows d .. d+R-1, R > 1), bfloat16 q, fmt 1 or 2, HD a multiple of 64. */
+static inline __attribute__((always_inline)) void attend_pairs16(const Args *a, int t, int h, const int HD,
+                                                                 const int fmt) {
+    const int d = tile_first(a, t), R = tile_first(a, t + 1) - d;
+    const int G = a->G, NQ = R * G, NHV = (NQ + 15) / 16;
+    const int len = a->lens[d + R - 1]; /* rows ascend: the tile's last row sees the most keys */
+    uint32_t qp[MAX_HD / 2 * MAX_G] __attribute__((aligned(64))); /* [dim pair][head] */
+    float qlf[MAX_G] __attribute__((aligned(64)));
+    tile_query_pairs(a, t, h, HD, 16 * NHV, qp, qlf);
+    __m512 qlen[TILE_HV16], m[TILE_HV16], l[TILE_HV16];
+    for (int v = 0; v < TILE_HV16; v++) { /* past NHV: unused */
+        qlen[v] = v < NHV ? _mm512_load_ps(qlf + 16 * v) : _mm512_setzero_ps();
+        m[v] = _mm512_set1_ps(-INFINITY);
+        l[v] = _mm512_setzero_ps();
+    }
+    float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
+    for (int g = 0; g < NQ; g++)
+        for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
+    uint16_t kb[fmt == 2 ? BLOCK : 1][MAX_HD] __attribute__((aligned(64))); /* fp8: the rows as bfloat16 */
+    uint16_t vb[fmt == 2 ? BLOCK : 1][MAX_HD] __attribute__((aligned(64)));
+    uint32_t vp[BLOCK / 2][MAX_HD] __attribute__((aligned(64)));
+    uint32_t wp[BLOCK / 2][MAX_G] __attribute__((aligned(64)));
+    float st[BLOCK][MAX_G] __attribute__((aligned(64)));
+    float corr[MAX_G] __attribute__((aligned(64)));
+    const uint16_t *kr[BLOCK + 8], *vr[BLOCK + 1];
+    float kmul[BLOCK], vmul[BLOCK];
+    for (int j = 0; j < BLOCK + 8; j++) kr[j] = (const uint16_t *)zero_row;
+    const int64_t *pages = a->table + (int64_t)d * a->MAXP;
+    int64_t rows[BLOCK], next[BLOCK], first[BLOCK];
+    block_rows(pages, 0, len < BLOCK ? len : BLOCK, a->S, a->KVH, h, next);
+    for (int t0 = 0; t0 < len; t0 += BLOCK) {
+        const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
+        memcpy(rows, next, sizeof(int64_t) * n);
+        const int64_t *pf; /* the rows that come next, prefetched while this block's are read */
+        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf);
+        for (int j = 0; j < n; j++) {
+            if (j < n_next) prefetch_row(a->k, pf[j], HD, fmt);
+            if (fmt == 2) {
+                fp8_row_to_bf16((const uint8_t *)a->k + rows[j] * HD, kb[j], HD);
+                kr[j] = kb[j];
+            } else {
+                kr[j] = (const uint16_t *)a->k + rows[j] * HD;
+            }
+            kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * a->scale;
+        }
+        for (int j = n; j < BLOCK; j++) kr[j] = (const uint16_t *)zero_row;
+        __m512 top[TILE_HV16];
+        for (int v = 0; v < NHV; v++) top[v] = _mm512_set1_ps(-INFINITY);
+        if (NHV == 1)
+            for (int j0 = 0; j0 < n; j0 += 8) tile_scores_pairs(qp, kr, j0, n, t0, kmul, qlen, st, top, HD, 1, 8);
+        else
+            for (int j0 = 0; j0 < n; j0 += 6) tile_scores_pairs(qp, kr, j0, n, t0, kmul, qlen, st, top, HD, 2, 6);
+        for (int j = 0; j < n; j++) {
+            if (j < n_next) prefetch_row(a->v, pf[j], HD, fmt);
+            if (fmt == 2) {
+                fp8_row_to_bf16((const uint8_t *)a->v + rows[j] * HD, vb[j], HD);
+                vr[j] = vb[j];
+                vmul[j] = pow2i(a->ve[rows[j]]); /* the token's 2^e into its weights */
+            } else {
+                vr[j] = (const uint16_t *)a->v + rows[j] * HD;
+            }
+        }
+        vr[n] = (const uint16_t *)zero_row; /* the pair of an odd block's last key */
+        for (int p = 0; 2 * p < n; p++) value_pairs(vr[2 * p], vr[2 * p + 1], vp[p], HD);
+        if (NHV == 1) tile_softmax_pairs((const float (*)[MAX_G])st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, wp, 1);
+        else tile_softmax_pairs((const float (*)[MAX_G])st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, wp, 2);
+        const int np = (n + 1) / 2;
+        int g0 = 0;
+        for (; g0 + DEC16_PV <= NQ; g0 += DEC16_PV)
+            accumulate_pairs((const uint32_t (*)[MAX_HD])vp, np, (const uint32_t (*)[MAX_G])wp, corr, acc, g0,
+                             DEC16_PV, HD);
+        switch (NQ - g0) {
+#define REST(k) \
+    case k: accumulate_pairs((const uint32_t (*)[MAX_HD])vp, np, (const uint32_t (*)[MAX_G])wp, corr, acc, g0, k, HD); \
+        break;
+            REST(1) REST(2) REST(3) REST(4) REST(5)
+#undef REST
+        default: break;
+        }
+    }
+    float lf[MAX_G] __attribute__((aligned(64)));
+    for (int v = 0; v < NHV; v++) _mm512_store_ps(lf + 16 * v, l[v]);
+    for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / lf[g]);
+}
+#endif
+
 /* A work item on AVX-512F CPUs: decode rows take attend_dec16 (fp8 pages only with AVX512-BW), prompt tiles
- * attend_vec16 (every format), the rest attend_vec. Over fp32 pages attend_dec16 measured as fast as attend_vec
+ * attend_vec16 (every format; bf16 q over bf16 or fp8 pages attend_pairs16 where the CPU has AVX512-BF16), the
+ * rest attend_vec. Over fp32 pages attend_dec16 measured as fast as attend_vec
  * (32 rows of 512 keys, 30 layers, Zen 4 VM: 36.0-36.7 ms against 33.3-36.9); it takes them too so that a prompt
  * chunk's one-row last tile over FP8 pages dequantised to float32 gives the bits the call over the FP8 pages
  * gives, as the other rows do (tests/kernels/test_cpu_paged_attention.py). On CPUs with
@@ -944,9 +1188,15 @@ static inline __attribute__((always_inline)) void attend_vec_dec(const Args *a, 
         if (h % per == 0) attend_dec16(a, t, h, a->KVH - h < per ? a->KVH - h : per, HD, fmt);
         return; /* the other heads of its group: done with the first */
     }
-    if (HD % 64 == 0 && tile_first(a, t + 1) > d + 1)
-        attend_vec16(a, t, h, HD, fmt); /* a prompt tile */
-    else
+    if (HD % 64 == 0 && tile_first(a, t + 1) > d + 1) { /* a prompt tile */
+#if HAVE_BF16
+        if (a->half && fmt >= 1) {
+            attend_pairs16(a, t, h, HD, fmt);
+            return;
+        }
+#endif
+        attend_vec16(a, t, h, HD, fmt);
+    } else
         attend_vec(a, t, h, HD, fmt);
 }
 #define SPECIALISE(hd, f) static void attend_##hd##_##f(const Args *a, int t, int h) { attend_vec_dec(a, t, h, hd, f); }
@@ -1545,10 +1795,6 @@ static inline __m512 exp2_weights16(__m512 x) {
     return _mm512_maskz_scalef_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP2_CUTOFF), _CMP_LT_OQ), p, n);
 }
 
-/* x rounded to bfloat16 (nearest even), as float32: the bfloat16 bits in each lane's top half, zeros below. */
-static inline __m512 round_bf16_hi(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
 
 /* The 16 x 16 matrix v[row] lane col, transposed in place (four rounds of shuffles, 64 in all). */
 static inline void transpose16(__m512 v[16]) {
@@ -1879,12 +2125,10 @@ int paged_decode_set_amx(int on) {
 }
 
 SPECIALISE(64, 0) SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(128, 0) SPECIALISE(128, 1) SPECIALISE(128, 2)
-#if defined(__AVX512F__) && defined(__AVX512BF16__) /* the fp8 -> bfloat16 conversions below (AMX, dequantiser) */
-#define HAVE_BF16 1
-#else
-#define HAVE_BF16 0
-#endif
 static void attend_any(const Args *a, int t, int h) { attend_hd(a, t, h, a->HD, a->fmt); }
+
+/* Whether prompt tiles with bfloat16 q over bf16 or fp8 pages score by `vdpbf16ps` here (`attend_pairs16`). */
+int paged_decode_pair_tiles(void) { return HAVE_BF16; }
 
 /* fp8 codes to bfloat16 for the tests: n codes (a multiple of 64) by `fp8_row_to_bf16` where `table` (the AMX path's
  * and the dequantiser's conversion; returns 1 where the CPU has no AVX512-VBMI, so no table), else by
