@@ -220,15 +220,15 @@ def _prompt_rows(paged, lens: list[int], chunk: tuple[int, int]) -> tuple[torch.
     return torch.cat(tables), torch.cat(keys)
 
 
-def _prompt_chunk(fmt: str, head_dim: int, per_tile: int) -> tuple[Paged, torch.Tensor]:
+def _prompt_chunk(fmt: str, head_dim: int, per_tile: int, start: int = 17) -> tuple[Paged, torch.Tensor]:
     """Pages of 3 sequences (83, 40, 5 keys) over 2 KV heads in `fmt`, laid out as a mixed step: a decode row each
-    for the last two, then the first one's rows 17..82 as a prompt chunk in tiles of `per_tile` rows (the last
+    for the last two, then the first one's rows start..82 as a prompt chunk in tiles of `per_tile` rows (the last
     shorter); returns the rows (page tables and key counts) and the tiles."""
     lens = [83, 40, 5]
     num_pages, page_table = random_layout(lens)
     paged = build_paged(random_sequences(lens, 2, head_dim), 2, head_dim, FORMATS[fmt], num_pages, page_table,
                         "cpu")
-    table, keys = _prompt_rows(paged, lens, (17, 83))
+    table, keys = _prompt_rows(paged, lens, (start, 83))
     decode = len(lens) - 1
     tiles = torch.tensor([*range(decode), *range(decode, len(keys), per_tile), len(keys)], dtype=torch.int32)
     return paged._replace(page_table=table, context_lens=keys), tiles
@@ -277,17 +277,20 @@ def test_bfloat16_prompt_tiles_give_the_float32_result_rounded(fmt: str, head_di
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
-@pytest.mark.parametrize("group,head_dim,per_tile", [(3, 64, 10), (1, 64, 32), (2, 128, 7), (4, 64, 3), (3, 64, 9)])
+@pytest.mark.parametrize("group,head_dim,per_tile,start", [(3, 64, 10, 17), (1, 64, 32, 17), (2, 128, 7, 17),
+                                                            (4, 64, 3, 17), (3, 64, 9, 17), (3, 64, 10, 0)])
 def test_bfloat16_prompt_tiles_by_dot_products_match_the_reference(fmt: str, group: int, head_dim: int,
-                                                                   per_tile: int, seed: int, tiles_off: None) -> None:
+                                                                   per_tile: int, start: int, seed: int,
+                                                                   tiles_off: None) -> None:
     """bf16 q in prompt tiles over bf16 or fp8 pages on AVX512-BF16 CPUs (`attend_pairs16`: both products by
     `vdpbf16ps`, two keys a word for P . V, the weights rounded to bfloat16 as on the AMX tiles): within 3
     bfloat16 rounding units of the output's magnitude against the reference (~1.6 measured; the widened copy's
     rounded result is within 1), the same bits on 1 and 2 threads, and not the widened call's rounded result (the
-    tiles ran on this copy). Blocks of an odd key count (the chunk's rows end anywhere), 1 or 2 head vectors."""
+    tiles ran on this copy). Blocks of an odd key count (the chunk's rows end anywhere), 1 or 2 head vectors, a
+    prompt from its first token (rows that see 1, 2, ... keys)."""
     if not pair_tiles():
         pytest.skip("no AVX512-BF16 copy here: bf16 prompt tiles are widened to float32 (the test above)")
-    rows, tiles = _prompt_chunk(fmt, head_dim, per_tile)
+    rows, tiles = _prompt_chunk(fmt, head_dim, per_tile, start)
     q = torch.randn(rows.context_lens.numel(), 2 * group, head_dim).bfloat16()
     one = paged_decode_attention_cpu(q, *rows, 0.125, threads=1, tiles=tiles)
     two = paged_decode_attention_cpu(q, *rows, 0.125, threads=2, tiles=tiles)
