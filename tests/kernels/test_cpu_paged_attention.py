@@ -278,7 +278,8 @@ def test_bfloat16_prompt_tiles_give_the_float32_result_rounded(fmt: str, head_di
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("group,head_dim,per_tile,start", [(3, 64, 10, 17), (1, 64, 32, 17), (2, 128, 7, 17),
-                                                            (4, 64, 3, 17), (3, 64, 9, 17), (3, 64, 10, 0)])
+                                                            (4, 64, 3, 17), (3, 64, 9, 17), (3, 64, 10, 0),
+                                                            (12, 128, 2, 17)])
 def test_bfloat16_prompt_tiles_by_dot_products_match_the_reference(fmt: str, group: int, head_dim: int,
                                                                    per_tile: int, start: int, seed: int,
                                                                    tiles_off: None) -> None:
@@ -287,7 +288,7 @@ def test_bfloat16_prompt_tiles_by_dot_products_match_the_reference(fmt: str, gro
     bfloat16 rounding units of the output's magnitude against the reference (~1.6 measured; the widened copy's
     rounded result is within 1), the same bits on 1 and 2 threads, and not the widened call's rounded result (the
     tiles ran on this copy). Blocks of an odd key count (the chunk's rows end anywhere), 1 or 2 head vectors, a
-    prompt from its first token (rows that see 1, 2, ... keys)."""
+    prompt from its first token (rows that see 1, 2, ... keys), GLM-4.5's 12 query heads a KV head at 128 dims."""
     if not pair_tiles():
         pytest.skip("no AVX512-BF16 copy here: bf16 prompt tiles are widened to float32 (the test above)")
     rows, tiles = _prompt_chunk(fmt, head_dim, per_tile, start)
