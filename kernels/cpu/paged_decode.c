@@ -1025,7 +1025,7 @@ static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32
 /* The online softmax of a block's n keys for every head at once (tile_softmax16), each weight rounded to bfloat16
  * before the sum takes it; then the weights of keys 2p, 2p+1 as one word per head into wp[p] (key 2p's bfloat16
  * low, 2p+1's high; a key past n weighs 0), times the token's 2^e over fp8 pages (wmul). */
-static inline __attribute__((always_inline)) void tile_softmax_pairs(const float (*st)[MAX_G], int n,
+static inline __attribute__((always_inline)) void tile_softmax_pairs(float (*st)[MAX_G], int n,
                                                                     const __m512 *top, const float *wmul, __m512 *m,
                                                                     __m512 *l, float *corr, uint32_t (*wp)[MAX_G],
                                                                     const int NHV) {
@@ -1068,8 +1068,8 @@ static inline __attribute__((always_inline)) void value_pairs(const uint16_t *r0
 
 /* Query heads g0 .. g0+NG-1 (NG <= DEC16_PV): o[g] = o[g] corr[g] + the block's np key pairs' V words vp[p] times
  * their weights wp[p][g], 64 dims at a time (accumulate_v16's scheme, two keys an instruction). */
-static inline __attribute__((always_inline)) void accumulate_pairs(const uint32_t (*vp)[MAX_HD], int np,
-                                                                  const uint32_t (*wp)[MAX_G], const float *corr,
+static inline __attribute__((always_inline)) void accumulate_pairs(uint32_t (*vp)[MAX_HD], int np,
+                                                                  uint32_t (*wp)[MAX_G], const float *corr,
                                                                   float (*o)[MAX_HD], int g0, const int NG,
                                                                   const int HD) {
     for (int c = 0; c < HD; c += 64) {
@@ -1155,19 +1155,17 @@ static inline __attribute__((always_inline)) void attend_pairs16(const Args *a, 
         }
         vr[n] = (const uint16_t *)zero_row; /* the pair of an odd block's last key */
         for (int p = 0; 2 * p < n; p++) value_pairs(vr[2 * p], vr[2 * p + 1], vp[p], HD);
-        if (NHV == 1) tile_softmax_pairs((const float (*)[MAX_G])st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, wp, 1);
-        else tile_softmax_pairs((const float (*)[MAX_G])st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, wp, 2);
+        if (NHV == 1) tile_softmax_pairs(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, wp, 1);
+        else tile_softmax_pairs(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, wp, 2);
         const int np = (n + 1) / 2;
         int g0 = 0;
-        for (; g0 + DEC16_PV <= NQ; g0 += DEC16_PV)
-            accumulate_pairs((const uint32_t (*)[MAX_HD])vp, np, (const uint32_t (*)[MAX_G])wp, corr, acc, g0,
-                             DEC16_PV, HD);
-        switch (NQ - g0) {
-#define REST(k) \
-    case k: accumulate_pairs((const uint32_t (*)[MAX_HD])vp, np, (const uint32_t (*)[MAX_G])wp, corr, acc, g0, k, HD); \
-        break;
-            REST(1) REST(2) REST(3) REST(4) REST(5)
-#undef REST
+        for (; g0 + DEC16_PV <= NQ; g0 += DEC16_PV) accumulate_pairs(vp, np, wp, corr, acc, g0, DEC16_PV, HD);
+        switch (NQ - g0) { /* the last heads, fewer than DEC16_PV: a copy per count */
+        case 1: accumulate_pairs(vp, np, wp, corr, acc, g0, 1, HD); break;
+        case 2: accumulate_pairs(vp, np, wp, corr, acc, g0, 2, HD); break;
+        case 3: accumulate_pairs(vp, np, wp, corr, acc, g0, 3, HD); break;
+        case 4: accumulate_pairs(vp, np, wp, corr, acc, g0, 4, HD); break;
+        case 5: accumulate_pairs(vp, np, wp, corr, acc, g0, 5, HD); break;
         default: break;
         }
     }
