@@ -815,6 +815,45 @@ static inline __attribute__((always_inline)) void attend_dec16(const Args *a, in
 #define TILE_HV16 (MAX_G / 16) /* head vectors of a tile, at most */
 static const float zero_row[MAX_HD] __attribute__((aligned(64))); /* the K row of a key past a block's end */
 
+/* A prompt tile's running state at its start: each head vector's key counts (qlf) into qlen, maxima -inf, sums 0,
+ * and the NQ heads' outputs 0. */
+static inline __attribute__((always_inline)) void tile_start16(const float *qlf, int NHV, int NQ, const int HD,
+                                                              __m512 *qlen, __m512 *m, __m512 *l,
+                                                              float (*acc)[MAX_HD]) {
+    for (int v = 0; v < TILE_HV16; v++) { /* past NHV: unused */
+        qlen[v] = v < NHV ? _mm512_load_ps(qlf + 16 * v) : _mm512_setzero_ps();
+        m[v] = _mm512_set1_ps(-INFINITY);
+        l[v] = _mm512_setzero_ps();
+    }
+    for (int g = 0; g < NQ; g++)
+        for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
+}
+
+/* Keys j0 .. j0+KB-1's scores (acc[k][v]: key k, head vector v) times their multipliers into st, -inf for a head
+ * whose row does not see the key, and each head's running block maximum into top. */
+static inline __attribute__((always_inline)) void tile_scores_out16(__m512 (*acc)[TILE_HV16], int j0, int n,
+                                                                   int key0, const float *mul, const __m512 *qlen,
+                                                                   float (*st)[MAX_G], __m512 *top, const int NHV,
+                                                                   const int KB) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int k = 0; k < KB && j0 + k < n; k++) {
+        const __m512 key = _mm512_set1_ps((float)(key0 + j0 + k)), m = _mm512_set1_ps(mul[j0 + k]);
+        for (int v = 0; v < NHV; v++) {
+            const __m512 s = _mm512_mask_mul_ps(ninf, _mm512_cmp_ps_mask(key, qlen[v], _CMP_LT_OQ), acc[k][v], m);
+            _mm512_store_ps(&st[j0 + k][16 * v], s);
+            top[v] = _mm512_max_ps(top[v], s);
+        }
+    }
+}
+
+/* The tile's NQ heads' outputs acc / l into out (rows d .. of KV head h). */
+static inline void tile_finish16(const Args *a, int d, int h, int NQ, int NHV, const __m512 *l,
+                                 float (*acc)[MAX_HD]) {
+    float lf[MAX_G] __attribute__((aligned(64)));
+    for (int v = 0; v < NHV; v++) _mm512_store_ps(lf + 16 * v, l[v]);
+    for (int g = 0; g < NQ; g++) store_out(a, d + g / a->G, h, g % a->G, acc[g], 1.0f / lf[g]);
+}
+
 /* Scores of keys j0 .. j0+KB-1 (rows kr[]) for the tile's NHV head vectors, as attend_vec8's tile_scores. */
 static inline __attribute__((always_inline)) void tile_scores16(const float *qt, const float *const *kr, int j0, int n,
                                                                int key0, const float *mul, const __m512 *qlen,
@@ -834,15 +873,7 @@ static inline __attribute__((always_inline)) void tile_scores16(const float *qt,
             for (int v = 0; v < NHV; v++) acc[k][v] = _mm512_fmadd_ps(x, qv[v], acc[k][v]);
         }
     }
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    for (int k = 0; k < KB && j0 + k < n; k++) {
-        const __m512 key = _mm512_set1_ps((float)(key0 + j0 + k)), m = _mm512_set1_ps(mul[j0 + k]);
-        for (int v = 0; v < NHV; v++) {
-            const __m512 s = _mm512_mask_mul_ps(ninf, _mm512_cmp_ps_mask(key, qlen[v], _CMP_LT_OQ), acc[k][v], m);
-            _mm512_store_ps(&st[j0 + k][16 * v], s);
-            top[v] = _mm512_max_ps(top[v], s);
-        }
-    }
+    tile_scores_out16(acc, j0, n, key0, mul, qlen, st, top, NHV, KB);
 }
 
 /* The online softmax of a block's n keys for every head at once, as attend_vec8's tile_softmax. */
@@ -893,14 +924,8 @@ static inline __attribute__((always_inline)) void attend_vec16(const Args *a, in
     float qlf[MAX_G] __attribute__((aligned(64)));
     tile_queries(a, t, h, HD, 16 * NHV, qt, qlf);
     __m512 qlen[TILE_HV16], m[TILE_HV16], l[TILE_HV16];
-    for (int v = 0; v < TILE_HV16; v++) { /* past NHV: unused */
-        qlen[v] = v < NHV ? _mm512_load_ps(qlf + 16 * v) : _mm512_setzero_ps();
-        m[v] = _mm512_set1_ps(-INFINITY);
-        l[v] = _mm512_setzero_ps();
-    }
     float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
-    for (int g = 0; g < NQ; g++)
-        for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
+    tile_start16(qlf, NHV, NQ, HD, qlen, m, l, acc);
     float kb[BLOCK * MAX_HD] __attribute__((aligned(64))); /* rows HD apart (attend_vec8: L1 sets) */
     float vb[BLOCK * MAX_HD] __attribute__((aligned(64)));
     float st[BLOCK][MAX_G] __attribute__((aligned(64)));
@@ -937,9 +962,7 @@ static inline __attribute__((always_inline)) void attend_vec16(const Args *a, in
         else tile_softmax16(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, 2);
         tile_values16(acc, (const float (*)[MAX_G])st, vr, n, corr, NQ, HD);
     }
-    float lf[MAX_G] __attribute__((aligned(64)));
-    for (int v = 0; v < NHV; v++) _mm512_store_ps(lf + 16 * v, l[v]);
-    for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / lf[g]);
+    tile_finish16(a, d, h, NQ, NHV, l, acc);
 }
 
 #if HAVE_BF16
@@ -1011,15 +1034,7 @@ static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32
             for (int v = 0; v < NHV; v++) acc[k][v] = dot_pairs(acc[k][v], qv[v], x);
         }
     }
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    for (int k = 0; k < KB && j0 + k < n; k++) {
-        const __m512 key = _mm512_set1_ps((float)(key0 + j0 + k)), m = _mm512_set1_ps(mul[j0 + k]);
-        for (int v = 0; v < NHV; v++) {
-            const __m512 s = _mm512_mask_mul_ps(ninf, _mm512_cmp_ps_mask(key, qlen[v], _CMP_LT_OQ), acc[k][v], m);
-            _mm512_store_ps(&st[j0 + k][16 * v], s);
-            top[v] = _mm512_max_ps(top[v], s);
-        }
-    }
+    tile_scores_out16(acc, j0, n, key0, mul, qlen, st, top, NHV, KB);
 }
 
 /* The online softmax of a block's n keys for every head at once (tile_softmax16), each weight rounded to bfloat16
@@ -1101,14 +1116,8 @@ static inline __attribute__((always_inline)) void attend_pairs16(const Args *a, 
     float qlf[MAX_G] __attribute__((aligned(64)));
     tile_query_pairs(a, t, h, HD, 16 * NHV, qp, qlf);
     __m512 qlen[TILE_HV16], m[TILE_HV16], l[TILE_HV16];
-    for (int v = 0; v < TILE_HV16; v++) { /* past NHV: unused */
-        qlen[v] = v < NHV ? _mm512_load_ps(qlf + 16 * v) : _mm512_setzero_ps();
-        m[v] = _mm512_set1_ps(-INFINITY);
-        l[v] = _mm512_setzero_ps();
-    }
     float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
-    for (int g = 0; g < NQ; g++)
-        for (int i = 0; i < HD; i++) acc[g][i] = 0.0f;
+    tile_start16(qlf, NHV, NQ, HD, qlen, m, l, acc);
     uint16_t kb[fmt == 2 ? BLOCK : 1][MAX_HD] __attribute__((aligned(64))); /* fp8: the rows as bfloat16 */
     uint16_t vb[fmt == 2 ? BLOCK : 1][MAX_HD] __attribute__((aligned(64)));
     uint32_t vp[BLOCK / 2][MAX_HD] __attribute__((aligned(64)));
@@ -1169,9 +1178,7 @@ static inline __attribute__((always_inline)) void attend_pairs16(const Args *a, 
         default: break;
         }
     }
-    float lf[MAX_G] __attribute__((aligned(64)));
-    for (int v = 0; v < NHV; v++) _mm512_store_ps(lf + 16 * v, l[v]);
-    for (int g = 0; g < NQ; g++) store_out(a, d + g / G, h, g % G, acc[g], 1.0f / lf[g]);
+    tile_finish16(a, d, h, NQ, NHV, l, acc);
 }
 #endif
 
