@@ -803,15 +803,15 @@ static inline __attribute__((always_inline)) void attend_dec16(const Args *a, in
     }
 }
 
-/* ---- Prompt tiles on AVX-512F (with or without AVX512-BF16): the AVX2 copy's prompt tiles (`attend_vec8`, its
- * comment) on
- * 16 lanes: a tile's NQ = R x G query heads (up to MAX_G) of one KV head along the lanes, 16 a vector (NHV16 <= 2
- * vectors), K and V rows widened to float32 once a block (`widen_row`), scores S^T [key][head] by broadcasts of a
- * key's dims times Q^T's vectors (KB keys x NHV16 vectors of accumulators), the softmax lane by lane, and the
- * outputs O [head][dim] over the V rows, 64 dims of up to DEC16_PV heads in registers (`tile_values16`). Against
- * attend_vec, which prompt tiles took here before, 100 prompt rows in tiles of 10 (SmolLM2's shape), 30 layers, the
- * builds alternating in one process on a 2-core Ice Lake-SP VM: after 256 keys bf16 pages 0.55-0.64x the time, fp8
- * ~0.6x, fp32 0.51-0.55x; from key 0 bf16 0.55-0.85x, fp8 0.75-0.9x, fp32 0.63-0.64x. */
+/* ---- Prompt tiles on AVX-512F (bf16 q over bf16 or fp8 pages on AVX512-BF16 CPUs: `attend_pairs16`, below): the AVX2
+ * copy's prompt tiles (`attend_vec8`, its comment) on 16 lanes: a tile's NQ = R x G query heads (up to MAX_G) of one
+ * KV head along the lanes, 16 a vector (NHV16 <= 2 vectors), K and V rows widened to float32 once a block
+ * (`widen_row`), scores S^T [key][head] by broadcasts of a key's dims times Q^T's vectors (KB keys x NHV16 vectors of
+ * accumulators), the softmax lane by lane, and the outputs O [head][dim] over the V rows, 64 dims of up to DEC16_PV
+ * heads in registers (`tile_values16`). Against attend_vec, which prompt tiles took here before, 100 prompt rows in
+ * tiles of 10 (SmolLM2's shape), 30 layers, the builds alternating in one process on a 2-core Ice Lake-SP VM: after
+ * 256 keys bf16 pages 0.55-0.64x the time, fp8 ~0.6x, fp32 0.51-0.55x; from key 0 bf16 0.55-0.85x, fp8 0.75-0.9x, fp32
+ * 0.63-0.64x. */
 #define TILE_HV16 (MAX_G / 16) /* head vectors of a tile, at most */
 static const float zero_row[MAX_HD] __attribute__((aligned(64))); /* the K row of a key past a block's end */
 
@@ -1808,7 +1808,6 @@ static inline __m512 exp2_weights16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_maskz_scalef_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP2_CUTOFF), _CMP_LT_OQ), p, n);
 }
-
 
 /* The 16 x 16 matrix v[row] lane col, transposed in place (four rounds of shuffles, 64 in all). */
 static inline void transpose16(__m512 v[16]) {
