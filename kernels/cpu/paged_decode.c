@@ -262,17 +262,17 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *base,
 
 /* The page rows that come after the block of tokens t0 .. t0+n-1 of item (tile t, KV heads h .. h+nh-1), for the
  * vector copies to prefetch while that block is computed: this item's next block (head h's rows, into `next`,
- * which the caller then computes), or where there is none the next item's first block (into `first`). *pf points
- * at them; returns how many. */
+ * which the caller then computes), or where there is none the next item's first block (into `first`), blocks of B
+ * keys. *pf points at them; returns how many. */
 static inline int rows_after(const Args *a, int t, int h, int nh, const int64_t *pages, int t0, int n, int len,
-                             int64_t *next, int64_t *first, const int64_t **pf) {
-    int n_next = len - t0 - n < BLOCK ? len - t0 - n : BLOCK;
+                             int64_t *next, int64_t *first, const int64_t **pf, const int B) {
+    int n_next = len - t0 - n < B ? len - t0 - n : B;
     block_rows(pages, t0 + n, n_next, a->S, a->KVH, h, next);
     *pf = next;
     if (n_next == 0 && (h + nh < a->KVH || t + 1 < a->ntiles)) {
         const int t2 = h + nh < a->KVH ? t : t + 1, h2 = h + nh < a->KVH ? h + nh : 0;
         const int d2 = tile_first(a, t2), len2 = a->lens[tile_first(a, t2 + 1) - 1];
-        n_next = len2 < BLOCK ? len2 : BLOCK;
+        n_next = len2 < B ? len2 : B;
         block_rows(a->table + (int64_t)d2 * a->MAXP, 0, n_next, a->S, a->KVH, h2, first);
         *pf = first;
     }
@@ -543,7 +543,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
          * at a time while this block is computed: K rows during the first head's scores, V rows during
          * the first heads' sums */
         const int64_t *pf;
-        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf);
+        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf, BLOCK);
         for (int j = 0; j < n; j++) {
             kr[j] = widen_row(a->k, rows[j], kb[j], HD, fmt);
             kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * a->scale;
@@ -729,7 +729,7 @@ static inline __attribute__((always_inline)) void attend_dec16(const Args *a, in
         const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
         memcpy(rows, next, sizeof(int64_t) * n);
         const int64_t *pf; /* the rows that come next, prefetched while this block's are read */
-        const int n_next = rows_after(a, t, h, NH, pages, t0, n, len, next, first, &pf);
+        const int n_next = rows_after(a, t, h, NH, pages, t0, n, len, next, first, &pf, BLOCK);
         if (fmt == 2) /* the tokens' 2^e (K's times scale and row32's 2^8) */
             block_exponents(a, rows, n, NH, kscale, kmul, vmul);
         for (int j = 0; j < n; j++) {
@@ -940,7 +940,7 @@ static inline __attribute__((always_inline)) void attend_vec16(const Args *a, in
         const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
         memcpy(rows, next, sizeof(int64_t) * n);
         const int64_t *pf; /* the rows that come next, prefetched while this block's are widened */
-        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf);
+        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf, BLOCK);
         for (int j = 0; j < n; j++) {
             if (j < n_next) prefetch_row(a->k, pf[j], HD, fmt);
             kr[j] = widen_row(a->k, rows[j], kb + j * HD, HD, fmt);
@@ -978,6 +978,9 @@ static inline __attribute__((always_inline)) void attend_vec16(const Args *a, in
  *     rounded to bfloat16, as flash attention on GPUs and the AMX tiles round them, and the softmax's sum adds the
  *     rounded weights, so the output is within a few bfloat16 rounding units (2^-8) of its magnitude where
  *     attend_vec16 is within one (tests/kernels/test_cpu_paged_attention.py bounds it by 3, as for the AMX tiles).
+ *   softmax: since the weights are rounded to bfloat16, they are powers of two by the AMX tiles' short polynomial
+ *     (`exp2_weights16`) of scores that come times log2 e, and two keys' weights are rounded and paired in one
+ *     conversion and one permute (`tile_softmax_pairs`), in blocks of PAIR_BLOCK keys.
  * Over fp8 pages the token's 2^e multiplies the scores and, after rounding, the weights (exact), as in
  * attend_vec16, so a call over the pages dequantised to bfloat16 first (`fp8_pages_dequantise`) gives the same
  * bits. Per key and tile of 30 query heads (SmolLM2: 10 rows x G = 3) at 64 dims, 124 `vdpbf16ps` where
@@ -995,6 +998,36 @@ static inline __m512 round_bf16_hi(__m512 x) {
 /* acc + per lane i: x's bfloat16 pair i times y's, both products summed (`vdpbf16ps`). */
 static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512i x, __m512i y) {
     return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y);
+}
+
+#define LOG2E 1.44269504088896341f
+#define EXP2_CUTOFF (EXP_CUTOFF * LOG2E) /* the weights' floor e^EXP_CUTOFF, as a power of two: -86.6 */
+
+/* 2^x for the softmax's weights, which are rounded to bfloat16 next: x = n + r (n = rint(x), |r| <= 1/2), 2^r by a
+ * degree-4 polynomial (Taylor of e^(r ln 2); truncation < 5e-5 relative, against the 2^-9 of that rounding), then
+ * scaled by 2^n. Below EXP2_CUTOFF 0, as the vector copies' floor (its comment: a weight there, times an fp8 token's
+ * 2^e, was a float32 subnormal, a microcode assist, then flushed by the bfloat16 rounding anyway); it was 2^-125
+ * before, clamped. NaN stays NaN. The caller zeroes the lanes of keys a head does not see. */
+static inline __m512 exp2_weights16(__m512 x) {
+    const __m512 c = _mm512_max_ps(_mm512_set1_ps(EXP2_CUTOFF), x); /* the second operand where either is NaN */
+    const __m512 n = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(c, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0096181291f), r, _mm512_set1_ps(0.0555041087f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2402265070f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931471806f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP2_CUTOFF), _CMP_LT_OQ), p, n);
+}
+
+/* The bfloat16 query rows of the work item after (tile t, KV head h) on this thread (run_chunk's order), into L2:
+ * a tile's first reads of its queries missed the caches (~3% of a SmolLM2 prompt chunk's time). */
+static inline void prefetch_next_queries(const Args *a, int t, int h) {
+    const int t2 = h + 1 < a->KVH ? t : t + 1, h2 = h + 1 < a->KVH ? h + 1 : 0;
+    if (t2 >= a->ntiles) return;
+    const int d = tile_first(a, t2), R = tile_first(a, t2 + 1) - d;
+    const int64_t bytes = (int64_t)a->G * a->HD * 2;
+    for (int i = 0; i < R; i++)
+        prefetch_bytes((const uint16_t *)a->q + ((int64_t)(d + i) * a->KVH + h2) * a->G * a->HD, bytes);
 }
 
 /* Tile t's R x G bfloat16 query heads of KV head h as pairs: qp[c / 2][head] the word (dim c, dim c+1); heads from
@@ -1037,30 +1070,35 @@ static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32
     tile_scores_out16(acc, j0, n, key0, mul, qlen, st, top, NHV, KB);
 }
 
-/* The online softmax of a block's n keys for every head at once (tile_softmax16), each weight rounded to bfloat16
- * before the sum takes it; then the weights of keys 2p, 2p+1 as one word per head into wp[p] (key 2p's bfloat16
- * low, 2p+1's high; a key past n weighs 0), times the token's 2^e over fp8 pages (wmul). */
+/* The online softmax of a block's n keys for every head at once (tile_softmax16's), in base 2: the scores come times
+ * log2 e, each weight is 2^(s - m) by `exp2_weights16` and the running sums' correction 2^(m - m') too (l and the
+ * outputs take the same factor, so its few 1e-5 of error cancel in their quotient). The weights of keys 2p, 2p+1,
+ * times the tokens' 2^e over fp8 pages (wmul, exact), are rounded to bfloat16 as one word per head into wp[p] (key
+ * 2p's low, 2p+1's high; a key past n weighs 0) by one `vcvtne2ps2bf16` and a `vpermw`, and the sum adds the
+ * rounded weights without their 2^e by `vdpbf16ps` against winv[p], the words of the keys' 2^-e (NULL: ones). */
 static inline __attribute__((always_inline)) void tile_softmax_pairs(float (*st)[MAX_G], int n,
-                                                                    const __m512 *top, const float *wmul, __m512 *m,
-                                                                    __m512 *l, float *corr, uint32_t (*wp)[MAX_G],
+                                                                    const __m512 *top, const float *wmul,
+                                                                    const uint32_t *winv, __m512 *m, __m512 *l,
+                                                                    float *corr, uint32_t (*wp)[MAX_G],
                                                                     const int NHV) {
+    /* word i of the result: lane i of the first operand (low), lane i of the second (high) */
+    const __m512i spread = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i ones = _mm512_set1_epi16(0x3F80); /* bfloat16 1.0 */
     for (int v = 0; v < NHV; v++) {
         const __m512 bm = _mm512_max_ps(m[v], top[v]); /* finite: every head sees key 0 */
-        const __m512 cv = exp_nonpositive16(_mm512_sub_ps(m[v], bm));
+        const __m512 cv = exp2_weights16(_mm512_sub_ps(m[v], bm));
         __m512 sum = _mm512_setzero_ps();
         for (int j = 0; j < n; j += 2) {
-            __m512 w[2];
-            for (int u = 0; u < 2; u++) {
-                if (j + u == n) {
-                    w[u] = _mm512_setzero_ps();
-                    break;
-                }
-                w[u] = round_bf16_hi(exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(&st[j + u][16 * v]), bm)));
-                sum = _mm512_add_ps(sum, w[u]);
-                if (wmul) w[u] = _mm512_mul_ps(w[u], _mm512_set1_ps(wmul[j + u])); /* exact: 2^e */
+            __m512 w0 = exp2_weights16(_mm512_sub_ps(_mm512_load_ps(&st[j][16 * v]), bm)), w1 = _mm512_setzero_ps();
+            if (j + 1 < n) w1 = exp2_weights16(_mm512_sub_ps(_mm512_load_ps(&st[j + 1][16 * v]), bm));
+            if (wmul) {
+                w0 = _mm512_mul_ps(w0, _mm512_set1_ps(wmul[j]));
+                if (j + 1 < n) w1 = _mm512_mul_ps(w1, _mm512_set1_ps(wmul[j + 1]));
             }
-            const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(w[0]), 16);
-            _mm512_store_si512(&wp[j / 2][16 * v], _mm512_or_si512(_mm512_castps_si512(w[1]), lo));
+            const __m512i w = _mm512_permutexvar_epi16(spread, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+            sum = dot_pairs(sum, w, winv ? _mm512_set1_epi32((int32_t)winv[j / 2]) : ones);
+            _mm512_store_si512(&wp[j / 2][16 * v], w);
         }
         l[v] = _mm512_fmadd_ps(l[v], cv, sum);
         m[v] = bm;
@@ -1106,6 +1144,11 @@ static inline __attribute__((always_inline)) void accumulate_pairs(uint32_t (*vp
     }
 }
 
+/* Keys per softmax block of attend_pairs16: twice BLOCK, so that the outputs' reload and correction and the block's
+ * setup come half as often (its buffers ~30 KB at 64 dims, L1's size on Zen 4). SmolLM2's 1,024-row chunk (the
+ * measurement above), 32 -> 64: 128-140 -> 120-125 ms; GLM-4.5's shape (128 dims) even. */
+#define PAIR_BLOCK 64
+
 /* One work item: KV head h of prompt tile t (rows d .. d+R-1, R > 1), bfloat16 q, fmt 1 or 2, HD a multiple of 64. */
 static inline __attribute__((always_inline)) void attend_pairs16(const Args *a, int t, int h, const int HD,
                                                                  const int fmt) {
@@ -1115,26 +1158,29 @@ static inline __attribute__((always_inline)) void attend_pairs16(const Args *a, 
     uint32_t qp[MAX_HD / 2 * MAX_G] __attribute__((aligned(64))); /* [dim pair][head] */
     float qlf[MAX_G] __attribute__((aligned(64)));
     tile_query_pairs(a, t, h, HD, 16 * NHV, qp, qlf);
+    prefetch_next_queries(a, t, h);
     __m512 qlen[TILE_HV16], m[TILE_HV16], l[TILE_HV16];
     float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
     tile_start16(qlf, NHV, NQ, HD, qlen, m, l, acc);
-    uint16_t kb[fmt == 2 ? BLOCK : 1][MAX_HD] __attribute__((aligned(64))); /* fp8: the rows as bfloat16 */
-    uint16_t vb[fmt == 2 ? BLOCK : 1][MAX_HD] __attribute__((aligned(64)));
-    uint32_t vp[BLOCK / 2][MAX_HD] __attribute__((aligned(64)));
-    uint32_t wp[BLOCK / 2][MAX_G] __attribute__((aligned(64)));
-    float st[BLOCK][MAX_G] __attribute__((aligned(64)));
+    uint16_t kb[fmt == 2 ? PAIR_BLOCK : 1][MAX_HD] __attribute__((aligned(64))); /* fp8: the rows as bfloat16 */
+    uint16_t vb[fmt == 2 ? PAIR_BLOCK : 1][MAX_HD] __attribute__((aligned(64)));
+    uint32_t vp[PAIR_BLOCK / 2][MAX_HD] __attribute__((aligned(64)));
+    uint32_t wp[PAIR_BLOCK / 2][MAX_G] __attribute__((aligned(64)));
+    float st[PAIR_BLOCK][MAX_G] __attribute__((aligned(64)));
     float corr[MAX_G] __attribute__((aligned(64)));
-    const uint16_t *kr[BLOCK + 8], *vr[BLOCK + 1];
-    float kmul[BLOCK], vmul[BLOCK];
-    for (int j = 0; j < BLOCK + 8; j++) kr[j] = (const uint16_t *)zero_row;
+    const uint16_t *kr[PAIR_BLOCK + 8], *vr[PAIR_BLOCK + 1];
+    float kmul[PAIR_BLOCK], vmul[PAIR_BLOCK];
+    uint32_t vinv[PAIR_BLOCK / 2];
+    const float scale2 = a->scale * LOG2E; /* scores in base 2 (tile_softmax_pairs) */
+    for (int j = 0; j < PAIR_BLOCK + 8; j++) kr[j] = (const uint16_t *)zero_row;
     const int64_t *pages = a->table + (int64_t)d * a->MAXP;
-    int64_t rows[BLOCK], next[BLOCK], first[BLOCK];
-    block_rows(pages, 0, len < BLOCK ? len : BLOCK, a->S, a->KVH, h, next);
-    for (int t0 = 0; t0 < len; t0 += BLOCK) {
-        const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
+    int64_t rows[PAIR_BLOCK], next[PAIR_BLOCK], first[PAIR_BLOCK];
+    block_rows(pages, 0, len < PAIR_BLOCK ? len : PAIR_BLOCK, a->S, a->KVH, h, next);
+    for (int t0 = 0; t0 < len; t0 += PAIR_BLOCK) {
+        const int n = len - t0 < PAIR_BLOCK ? len - t0 : PAIR_BLOCK;
         memcpy(rows, next, sizeof(int64_t) * n);
         const int64_t *pf; /* the rows that come next, prefetched while this block's are read */
-        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf);
+        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf, PAIR_BLOCK);
         for (int j = 0; j < n; j++) {
             if (j < n_next) prefetch_row(a->k, pf[j], HD, fmt);
             if (fmt == 2) {
@@ -1143,9 +1189,9 @@ static inline __attribute__((always_inline)) void attend_pairs16(const Args *a, 
             } else {
                 kr[j] = (const uint16_t *)a->k + rows[j] * HD;
             }
-            kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * a->scale;
+            kmul[j] = (fmt == 2 ? pow2i(a->ke[rows[j]]) : 1.0f) * scale2;
         }
-        for (int j = n; j < BLOCK; j++) kr[j] = (const uint16_t *)zero_row;
+        for (int j = n; j < PAIR_BLOCK; j++) kr[j] = (const uint16_t *)zero_row;
         __m512 top[TILE_HV16];
         for (int v = 0; v < NHV; v++) top[v] = _mm512_set1_ps(-INFINITY);
         if (NHV == 1)
@@ -1157,15 +1203,17 @@ static inline __attribute__((always_inline)) void attend_pairs16(const Args *a, 
             if (fmt == 2) {
                 fp8_row_to_bf16((const uint8_t *)a->v + rows[j] * HD, vb[j], HD);
                 vr[j] = vb[j];
-                vmul[j] = pow2i(a->ve[rows[j]]); /* the token's 2^e into its weights */
+                vmul[j] = pow2i(a->ve[rows[j]]); /* the token's 2^e into its weights, 2^-e out of their sum */
+                const uint32_t inv = float_to_bits(pow2i(-a->ve[rows[j]])) >> 16; /* exact in bfloat16 */
+                vinv[j / 2] = j % 2 ? vinv[j / 2] | inv << 16 : inv;
             } else {
                 vr[j] = (const uint16_t *)a->v + rows[j] * HD;
             }
         }
         vr[n] = (const uint16_t *)zero_row; /* the pair of an odd block's last key */
         for (int p = 0; 2 * p < n; p++) value_pairs(vr[2 * p], vr[2 * p + 1], vp[p], HD);
-        if (NHV == 1) tile_softmax_pairs(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, wp, 1);
-        else tile_softmax_pairs(st, n, top, fmt == 2 ? vmul : NULL, m, l, corr, wp, 2);
+        if (NHV == 1) tile_softmax_pairs(st, n, top, fmt == 2 ? vmul : NULL, fmt == 2 ? vinv : NULL, m, l, corr, wp, 1);
+        else tile_softmax_pairs(st, n, top, fmt == 2 ? vmul : NULL, fmt == 2 ? vinv : NULL, m, l, corr, wp, 2);
         const int np = (n + 1) / 2;
         int g0 = 0;
         for (; g0 + DEC16_PV <= NQ; g0 += DEC16_PV) accumulate_pairs(vp, np, wp, corr, acc, g0, DEC16_PV, HD);
@@ -1436,7 +1484,7 @@ static inline __attribute__((always_inline)) void attend_dec8(const Args *a, int
         const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
         memcpy(rows, next, sizeof(int64_t) * n);
         const int64_t *pf; /* the rows that come next, prefetched while this block's are read */
-        const int n_next = rows_after(a, t, h, NH, pages, t0, n, len, next, first, &pf);
+        const int n_next = rows_after(a, t, h, NH, pages, t0, n, len, next, first, &pf, BLOCK);
         if (fmt == 2) /* the tokens' 2^e (K's times scale and row16's 2^8) */
             block_exponents(a, rows, n, NH, kscale, kmul, vmul);
         for (int j = 0; j < n; j++) {
@@ -1672,7 +1720,7 @@ static inline __attribute__((always_inline)) void attend_vec8(const Args *a, int
         const int n = len - t0 < BLOCK ? len - t0 : BLOCK;
         memcpy(rows, next, sizeof(int64_t) * n);
         const int64_t *pf; /* the rows that come next, prefetched while this block's are widened */
-        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf);
+        const int n_next = rows_after(a, t, h, 1, pages, t0, n, len, next, first, &pf, BLOCK);
         for (int j = 0; j < n; j++) {
             if (j < n_next) prefetch_row(a->k, pf[j], HD, fmt);
             kr[j] = widen_row8(a->k, rows[j], kb + j * HD, HD, fmt);
@@ -1788,25 +1836,6 @@ static void amx_attention_config(void) {
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
-}
-
-#define LOG2E 1.44269504088896341f
-#define EXP2_CUTOFF (EXP_CUTOFF * LOG2E) /* the weights' floor e^EXP_CUTOFF, as a power of two: -86.6 */
-
-/* 2^x for the softmax's weights, which are rounded to bfloat16 next: x = n + r (n = rint(x), |r| <= 1/2), 2^r by a
- * degree-4 polynomial (Taylor of e^(r ln 2); truncation < 5e-5 relative, against the 2^-9 of that rounding), then
- * scaled by 2^n. Below EXP2_CUTOFF 0, as the vector copies' floor (its comment: a weight there, times an fp8 token's
- * 2^e, was a float32 subnormal, a microcode assist, then flushed by the bfloat16 rounding anyway); it was 2^-125
- * before, clamped. NaN stays NaN. The caller zeroes the lanes of keys a head does not see. */
-static inline __m512 exp2_weights16(__m512 x) {
-    const __m512 c = _mm512_max_ps(_mm512_set1_ps(EXP2_CUTOFF), x); /* the second operand where either is NaN */
-    const __m512 n = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_sub_ps(c, n);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0096181291f), r, _mm512_set1_ps(0.0555041087f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2402265070f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931471806f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP2_CUTOFF), _CMP_LT_OQ), p, n);
 }
 
 /* The 16 x 16 matrix v[row] lane col, transposed in place (four rounds of shuffles, 64 in all). */
