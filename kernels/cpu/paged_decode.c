@@ -988,7 +988,9 @@ static inline __attribute__((always_inline)) void attend_vec16(const Args *a, in
  * one prompt chunk of SmolLM2's shape in tiles of 10 rows, 30 calls, 1,024 rows 233-246 -> 142-161 ms over bf16
  * pages, 234-238 -> 145-147 over fp8 (~255 GFLOP/s where the GEMMs run at ~410); 2,048 rows 902-912 -> 549-562
  * and 907-912 -> 567-581. A bfloat16 engine's lone-prompt TTFT: 1,024 tokens 813-825 -> 718-737 ms, 2,048
- * 2,105-2,114 -> 1,743-1,781 (FP8 pages: 836-850 -> 740-754, 2,111-2,142 -> 1,746-1,760). */
+ * 2,105-2,114 -> 1,743-1,781 (FP8 pages: 836-850 -> 740-754, 2,111-2,142 -> 1,746-1,760). The softmax in base 2,
+ * blocks of 64 and the queries' prefetch then (medians, same harness): 1,024 rows 163 -> 139 ms over bf16 pages,
+ * 167 -> 140 over fp8, 2,048 rows 585 -> 523 (~290 GFLOP/s); TTFT 0.95-0.99x, 0.95x at 4,096 tokens. */
 
 /* x rounded to bfloat16 (nearest even), as float32: the bfloat16 bits in each lane's top half, zeros below. */
 static inline __m512 round_bf16_hi(__m512 x) {
@@ -1146,7 +1148,7 @@ static inline __attribute__((always_inline)) void accumulate_pairs(uint32_t (*vp
 
 /* Keys per softmax block of attend_pairs16: twice BLOCK, so that the outputs' reload and correction and the block's
  * setup come half as often (its buffers ~30 KB at 64 dims, L1's size on Zen 4). SmolLM2's 1,024-row chunk (the
- * measurement above), 32 -> 64: 128-140 -> 120-125 ms; GLM-4.5's shape (128 dims) even. */
+ * measurement above), 32 -> 64: 128 -> 120 ms; GLM-4.5's shape (128 dims) even. */
 #define PAIR_BLOCK 64
 
 /* One work item: KV head h of prompt tile t (rows d .. d+R-1, R > 1), bfloat16 q, fmt 1 or 2, HD a multiple of 64. */
