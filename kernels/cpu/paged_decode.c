@@ -1039,8 +1039,8 @@ static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512
 /* 2^x for the softmax's weights, which are rounded to bfloat16 next: x = n + r (n = rint(x), |r| <= 1/2), 2^r by a
  * degree-4 polynomial (Taylor of e^(r ln 2); truncation < 5e-5 relative, against the 2^-9 of that rounding), then
  * scaled by 2^n. Below EXP2_CUTOFF 0, as the vector copies' floor (its comment: a weight there, times an fp8 token's
- * 2^e, was a float32 subnormal, a microcode assist, then flushed by the bfloat16 rounding anyway); it was 2^-125
- * before, clamped. NaN stays NaN. The caller zeroes the lanes of keys a head does not see. */
+ * 2^e, was a float32 subnormal, a microcode assist, then flushed by the bfloat16 rounding anyway). NaN stays NaN.
+ * -inf gives 0. The AMX tiles and the pair tiles (`tile_softmax_pairs`) take their weights from it. */
 static inline __m512 exp2_weights16(__m512 x) {
     const __m512 c = _mm512_max_ps(_mm512_set1_ps(EXP2_CUTOFF), x); /* the second operand where either is NaN */
     const __m512 n = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
