@@ -1021,7 +1021,7 @@ static inline __attribute__((always_inline)) void attend_vec16(const Args *a, in
  * and 907-912 -> 567-581. A bfloat16 engine's lone-prompt TTFT: 1,024 tokens 813-825 -> 718-737 ms, 2,048
  * 2,105-2,114 -> 1,743-1,781 (FP8 pages: 836-850 -> 740-754, 2,111-2,142 -> 1,746-1,760). The softmax in base 2,
  * blocks of 64 and the queries' prefetch then (medians, same harness): 1,024 rows 163 -> 139 ms over bf16 pages,
- * 167 -> 140 over fp8, 2,048 rows 585 -> 523 (~290 GFLOP/s); TTFT 0.95-0.99x, 0.95x at 4,096 tokens. */
+ * 167 -> 140 over fp8, 2,048 rows 585 -> 523 (~290 GFLOP/s); TTFT by the minima 0.94-0.97x at 1,024-4,096 tokens. */
 
 /* x rounded to bfloat16 (nearest even), as float32: the bfloat16 bits in each lane's top half, zeros below. */
 static inline __m512 round_bf16_hi(__m512 x) {
