@@ -16,7 +16,8 @@ Work split, for D sequences, H query heads:
 - Split-KV: each sequence's context is cut into `num_kv_splits` contiguous partitions of
   whole BLOCK_N-token tiles, one program each: grid (D, cdiv(H, BLOCK_H), num_kv_splits).
   A partition writes its normalised partial output [BLOCK_H, R] (float32) and its
-  log-sum-exp (base 2); a second kernel merges the partitions of each (sequence, head):
+  log-sum-exp (base 2); a second kernel (`merge_splits`, shared with the GQA decode in
+  `kernels/paged_attention.py`) merges the partitions of each (sequence, head):
   out = sum_s 2**(lse_s - m) o_s / sum_s 2**(lse_s - m), m = max_s lse_s. A partition past a
   short sequence's end is empty: it writes lse = -inf and weighs 0 in the merge.
 - Tiles gather tokens through the page table, so pages may be in any order or shared
@@ -44,7 +45,7 @@ import triton.language as tl
 
 from backend.errors import InvalidRequest
 from kernels.latent_kv_store import FP8_GROUP, dequantize_latent_ref, latent_row_dtype, latent_row_elems
-from kernels.paged_attention import _dot_dtype, default_num_splits
+from kernels.paged_attention import _dot_dtype, default_num_splits, merge_splits
 
 __all__ = ["mla_decode_attention", "mla_decode_ref", "BLOCK_H"]
 
@@ -147,39 +148,6 @@ def _mla_decode_split_kernel(
     tl.store(lse_ptr + pid_b * stride_lb + heads * stride_lh + pid_s * stride_ls, lse, mask=mask_h)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    # pointers
-    part_ptr,  # [D, H, num_splits, R] float32
-    lse_ptr,  # [D, H, num_splits] float32
-    out_ptr,  # [D, H, R]
-    # scalars
-    num_splits,
-    # strides
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh,
-    # meta-parameters
-    KV_LORA_RANK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """One program per (sequence, query head): LSE-weighted sum of the partial outputs."""
-    pid_b = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_s = offs_s < num_splits
-    mask_r = offs_r < KV_LORA_RANK
-    lse = tl.load(lse_ptr + pid_b * stride_lb + pid_h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S]; empty partitions weigh 0
-    part_ptrs = part_ptr + pid_b * stride_pb + pid_h * stride_ph + offs_s[:, None] * stride_ps + offs_r[None, :]
-    part = tl.load(part_ptrs, mask=mask_s[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_S, BLOCK_R]
-    out = tl.sum(weights[:, None] * part, axis=0) / tl.sum(weights, axis=0)
-    tl.store(out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_r, out.to(out_ptr.dtype.element_ty),
-             mask=mask_r)
-
-
-# ---------------------------------------------------------------- launcher
-
 def _check_decode_args(q_latent: torch.Tensor, q_pe: torch.Tensor, pages_layer: torch.Tensor, kv_format: str,
                        kv_lora_rank: int, rope_dim: int, page_table: torch.Tensor,
                        context_lens: torch.Tensor) -> None:
@@ -257,14 +225,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, pages_layer
         num_warps=8 if block_r >= 256 else 4,  # [BLOCK_H, R] accumulators and [BLOCK_N, R] tiles: spread them
     )
     if num_kv_splits > 1:
-        _merge_splits_kernel[(batch, num_heads)](
-            partial, lse, out, num_kv_splits,
-            partial.stride(0), partial.stride(1), partial.stride(2),
-            lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            KV_LORA_RANK=kv_lora_rank, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_R=block_r,
-            num_warps=8 if block_r >= 256 else 4,  # [BLOCK_S, R] partials
-        )
+        merge_splits(partial, lse, out, block_r, num_warps=8 if block_r >= 256 else 4)  # [BLOCK_S, R] partials
     return out
 
 

@@ -60,7 +60,7 @@ import triton.language as tl
 
 from kernels.kv_store import check_cache_args, dequantize_fp8_ref, exp2_int
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits"]
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "default_num_splits", "merge_splits"]
 
 MIN_TOKENS_PER_SPLIT = 256  # below this a partition's fixed cost outweighs the extra parallelism
 MAX_SPLITS = 32
@@ -198,9 +198,9 @@ def _paged_decode_split_kernel(
 @triton.jit
 def _merge_splits_kernel(
     # pointers
-    part_ptr,  # [B, num_heads, num_splits, head_dim] float32
+    part_ptr,  # [B, num_heads, num_splits, DIM] float32
     lse_ptr,  # [B, num_heads, num_splits] float32
-    out_ptr,  # [B, num_heads, head_dim]
+    out_ptr,  # [B, num_heads, DIM]
     # scalars
     num_splits,
     # strides
@@ -208,7 +208,7 @@ def _merge_splits_kernel(
     stride_lb, stride_lh,
     stride_ob, stride_oh,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program per (sequence, query head): LSE-weighted sum of the partial outputs."""
     pid_b = tl.program_id(0)
@@ -216,7 +216,7 @@ def _merge_splits_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_splits
-    mask_d = offs_d < HEAD_DIM
+    mask_d = offs_d < DIM
     lse = tl.load(lse_ptr + pid_b * stride_lb + pid_h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S]; empty partitions weigh 0
     part_ptrs = part_ptr + pid_b * stride_pb + pid_h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
@@ -226,7 +226,20 @@ def _merge_splits_kernel(
              mask=mask_d)
 
 
-# ---------------------------------------------------------------- launcher
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_d: int,
+                 num_warps: int = 4) -> None:
+    """Writes into `out` [B, H, D] the split-K decode's partitions merged: `partial` [B, H, splits, D] float32 weighted
+    by `lse` [B, H, splits] (log2 of each partition's softmax sum, -inf where a partition was empty). `block_d` is
+    the D tile (a power of two >= D) the split kernel used. Shared by the GQA and the MLA (latent) decodes."""
+    batch, num_heads, num_splits, dim = partial.shape
+    _merge_splits_kernel[(batch, num_heads)](
+        partial, lse, out, num_splits,
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        DIM=dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=num_warps,
+    )
+
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Partitions per sequence: enough programs to fill the GPU about twice over, but no
@@ -332,13 +345,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         V_ASM=v_pairs and q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), **tuning,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(batch, num_heads)](
-            partial, lse, out, num_splits,
-            partial.stride(0), partial.stride(1), partial.stride(2),
-            lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-        )
+        merge_splits(partial, lse, out, block_d)
     return out
 
 
