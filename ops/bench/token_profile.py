@@ -20,6 +20,13 @@ and the step's time is split into:
 - ``python``: the rest of the step's wall time: the scheduler, input preparation,
   sampling bookkeeping, op dispatch from Python.
 
+Both windows time steps of all c requests: their `max_tokens` covers what the first of them decode
+while the others' prompts are still computed (`_prefill_steps_bound`; with long prompts that is
+hundreds of tokens), and a measured step with fewer stops the run. Until 2026-12-07 it covered one
+prefill chunk a step, which long prompts outran: at c = 32 and 1,000-token prompts requests finished
+before and during the windows, so their steps held fewer than 32 (a plain step read 69 ms, a profiled
+one after it 49).
+
 ``bound_ms`` is the time the step would take if it only streamed the weights once at
 the read bandwidth measured in the same run (a large tensor sum): at c = 1 the linear
 share against it says how close the GEMVs run to the memory system. The figures are
@@ -165,17 +172,40 @@ def _kv_bytes_per_token(args: argparse.Namespace) -> int:
     return int(kv_bytes_per_token(load_config(resolve_model(args.model)), "fp32") * 1.25)
 
 
-def _decode_steps(engine: Any, steps: int) -> float:
-    """Run `steps` steps (prefill first if pending); wall seconds of the decode steps only."""
+def _prefill_steps_bound(c: int, prompt_tokens: int) -> int:
+    """At most how many steps the engine takes to compute the c prompts (`EngineConfig`'s defaults), while the
+    requests already prefilled decode in the same steps: a step that carries decode rows holds at most
+    `mixed_step_tokens` tokens where the engine caps it (`backend/scheduler.py`; the cap assumed here, whether
+    or not this engine applies it), so the prompts get at least that less the c decode rows a step; plus a step
+    a request for the chunks that end a prompt. At c = 32 and 1,000-token prompts that is ~370 steps, in which
+    the first requests decode ~330 tokens: more than the 125 a budget of one `prefill_chunk_size` a step says."""
+    from backend.engine import EngineConfig
+    from backend.scheduler import MIN_MIXED_PROMPT_TOKENS
+    from kernels import cpu_gemv
+
+    cfg = EngineConfig()
+    budget = max(cfg.max_num_batched_tokens, c)
+    if cpu_gemv.available() and cpu_gemv.mixed_step_tokens() - c >= MIN_MIXED_PROMPT_TOKENS:
+        budget = min(budget, cpu_gemv.mixed_step_tokens())
+    return -(-c * prompt_tokens // (budget - c)) + c
+
+
+def _decode_steps(engine: Any, steps: int, c: int) -> float:
+    """Run `steps` steps (prefill first if pending); wall seconds of the decode steps only. Raises SystemExit
+    when fewer than c requests ran in one of them: a window's steps must all be of the same batch."""
     total = 0.0
     done = 0
     phases = engine.model.steps_by_phase
     while done < steps and engine.has_work():
         before = phases["decode"]
+        running = len(engine.scheduler.running)
         t = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t
         if phases["decode"] > before:
+            if running < c:
+                raise SystemExit(f"token-profile: a measured step ran {running} of the {c} requests (the others "
+                                 f"had finished): the requests' max_tokens is too small for this prompt length")
             total += dt
             done += 1
     return total
@@ -190,10 +220,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     steps = args.steps or (16 if args.quick else 48)
     c = args.concurrency
-    from backend.engine import EngineConfig
 
-    # the prompts take at least c * prompt_tokens / chunk steps, in which the requests already prefilled decode too
-    n = 3 * steps + 8 + -(-c * args.prompt_tokens // EngineConfig().prefill_chunk_size)
+    # tokens a request may generate: the warm-up, both windows and the steps of the prompts' prefill, in which the
+    # requests already prefilled decode too
+    n = 4 + 2 * steps + 8 + _prefill_steps_bound(c, args.prompt_tokens)
     tokens = args.prompt_tokens + n  # a request's context at its last step
     engine, dtype, kv = in_process_engine(args, kv_cache_bytes=max(1 << 29, c * tokens * _kv_bytes_per_token(args)),
                                           max_num_seqs=max(c, 1),
@@ -207,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     _requests(engine, c, n, seed=1, prompt_tokens=args.prompt_tokens)
     while engine.scheduler.queued_prefill_tokens():  # every prompt computed first: the windows time decode steps
         engine.step()
-    _decode_steps(engine, 4)  # warm-up
+    _decode_steps(engine, 4, c)  # warm-up
     fused = fused_layers(engine.model, engine.cache)  # the layers' one C call, when the steps take it
     fused_before = engine.model.fused_steps
     from torch.profiler import ProfilerActivity, profile
@@ -215,12 +245,12 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:  # C kernels timed without the profiler, whose per-op cost inflates them
         plain_timers = _c_timers(stack)
         plain_fused = stack.enter_context(_FusedSeconds(fused))
-        plain_s = _decode_steps(engine, steps)
+        plain_s = _decode_steps(engine, steps, c)
     with contextlib.ExitStack() as stack:
         timers = _c_timers(stack)
         in_fused = stack.enter_context(_FusedSeconds(fused))
         prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU]))
-        profiled_s = _decode_steps(engine, steps)
+        profiled_s = _decode_steps(engine, steps, c)
     fused_steps = engine.model.fused_steps - fused_before
     self_us: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():

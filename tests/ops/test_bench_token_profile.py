@@ -81,3 +81,41 @@ def test_long_prompts_are_computed_before_the_timed_decode_steps(tiny_chat_dir: 
     from backend.engine import EngineConfig
 
     assert 4 * 300 > EngineConfig().max_num_batched_tokens  # the prompts did take several steps
+
+
+def test_the_windows_hold_every_request_after_long_prompts(tiny_chat_dir: Path, tmp_path: Path) -> None:
+    """Prompts that take many steps to prefill (a step carrying decode rows is capped) while the first requests
+    decode all along: the requests' max_tokens must still cover both windows, or a window would time fewer than
+    c requests (the run raises SystemExit then). A budget of one prefill chunk a step, as the bench assumed
+    before, gave 39 tokens where the first of these requests needs ~45 on a CPU whose GEMV caps mixed steps
+    (it decodes ~33 while the others prefill)."""
+    import argparse
+
+    from ops.bench import token_profile
+
+    p = argparse.ArgumentParser()
+    token_profile.add_arguments(p)
+    args = p.parse_args(["--model", str(tiny_chat_dir), "--dtype", "bfloat16", "--kv-format", "bf16", "--steps", "4",
+                         "--concurrency", "16", "--prompt-tokens", "300", "--threads", "1"])
+    args.quick, args.json_path = True, str(tmp_path / "tp.json")
+    assert token_profile.run(args) == 0
+    assert json.loads((tmp_path / "tp.json").read_text())["concurrency"] == 16
+
+
+def test_the_prefill_bound_covers_the_engines_steps(tiny_chat_dir: Path) -> None:
+    """`_prefill_steps_bound` against the steps an engine with the defaults takes to compute c prompts."""
+    from backend.engine import EngineConfig, LLMEngine
+    from backend.sampling_params import SamplingParams
+    from ops.bench.token_profile import _prefill_steps_bound
+
+    engine = LLMEngine.from_pretrained(tiny_chat_dir, EngineConfig(dtype="bfloat16", kv_format="bf16",
+                                                                   kv_cache_bytes=1 << 26))
+    c, prompt_tokens = 16, 300
+    for i in range(c):
+        engine.add_request([(7 * i + j) % 1000 + 10 for j in range(prompt_tokens)],
+                           SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while engine.scheduler.queued_prefill_tokens() or engine.scheduler.waiting:
+        engine.step()
+        steps += 1
+    assert c * prompt_tokens // EngineConfig().max_num_batched_tokens < steps <= _prefill_steps_bound(c, prompt_tokens)
