@@ -42,7 +42,6 @@ import contextlib
 import logging
 import time
 import uuid
-from array import array
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -68,6 +67,7 @@ from backend.sampler import sample
 from backend.sampling_params import SamplingParams
 from backend.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from backend.sequence import Sequence, SequenceStatus
+from backend.step_integrity import StepIntegrity
 from backend.stop_checker import StopChecker
 from kernels import cpu_gemv
 from kernels.cpu_threads import torch_single_threaded
@@ -79,12 +79,6 @@ log = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 0.05  # while busy, `snapshot()`'s published values are at most this old (plus one step)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-
-
-def _int32(values: array) -> torch.Tensor:
-    """An int32 tensor over an array('i') without copying it (torch.tensor of a list of ints took
-    ~100 us per 1,000 entries, most of the integrity check's cost)."""
-    return torch.frombuffer(values, dtype=torch.int32) if len(values) else torch.empty(0, dtype=torch.int32)
 
 
 @dataclass
@@ -173,8 +167,7 @@ class LLMEngine:
 
             attach_leader(self, self.group)
         self._group_ended = False  # every request was ended with the group's failure
-        # page -> tag: a direct KV transfer wrote into it after it changed hands (check_transfer_target)
-        self._overwritten: dict[int, int] = {}
+        self.integrity = StepIntegrity(self.allocator)  # the page-tag check before each step's model call
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", None) or cfg.eos_token_ids)
         self._stop_checkers: dict[str, StopChecker] = {}
@@ -294,8 +287,7 @@ class LLMEngine:
             return
         page, want, have = bad[0]
         if written:
-            for p, _, h in bad:
-                self._overwritten[p] = h
+            self.integrity.mark_overwritten((p, h) for p, _, h in bad)
         raise KVIntegrityError(
             f"KV transfer for request {seq.request_id} {'landed' if written else 'would land'} in page {page}, "
             f"which changed hands (expected tag {want}, found {have}); "
@@ -482,67 +474,27 @@ class LLMEngine:
                 log.warning("freed the held pages of %s: its KV was not collected in time", rid)
 
     def _check_integrity(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[StepOutput]]:
-        """One batched page-tag check over the whole step, before the model runs. On a GPU the Triton kernel
-        (`check_pages`) reads the tags where they live, every step; on CPU the usual all-current answer
-        comes from the allocator's tag mirror, and the tensor check then finds who failed.
-
-        A sequence whose pages changed hands is ended with KVIntegrityError (its
-        still-owned pages returned) and dropped from the batch: it emits nothing
-        read from another request's pages. The rest of the batch runs untouched."""
-        from kernels.integrity import check_pages, check_pages_ref
-
-        seqs = [*batch.decode, *(s for s, _ in batch.prefill)]
-        page_ids, expected, offsets = array("i"), array("i"), array("i", [0])  # int32, read by torch in place
-        for s in seqs:
-            page_ids.extend(s.page_ids)
-            expected.extend(s.page_tags)
-            offsets.append(len(page_ids))
-        tags = self.allocator.tags
-        if not tags.is_cuda and not self._overwritten and self.allocator.all_current(page_ids, expected):
-            self.stats["integrity_checks"] += 1  # every page still the request's: the usual step, no tensor op
-            return batch, []
-        check = check_pages if tags.is_cuda else check_pages_ref
-        ok, first_bad = check(*(_int32(a).to(tags.device) for a in (page_ids, expected, offsets)), tags)
+        """One batched page-tag check over the whole step, before the model runs (`backend/step_integrity.py`).
+        A sequence whose pages changed hands is ended with KVIntegrityError (its still-owned pages returned)
+        and dropped from the batch: it emits nothing read from another request's pages. The rest of the
+        batch runs untouched."""
+        failures = self.integrity.failures([*batch.decode, *(s for s, _ in batch.prefill)])
         self.stats["integrity_checks"] += 1
-        if self._overwritten:
-            ok = ok & self._not_overwritten(seqs).to(ok.device)
-        if bool(ok.all()):
+        if not failures:
             return batch, []
         now = time.perf_counter()
         failed: list[StepOutput] = []
-        bad: set[str] = set()
-        for i in (~ok.bool()).nonzero().flatten().tolist():
-            s = seqs[i]
-            j = int(first_bad[i]) - offsets[i]
-            if int(first_bad[i]) < 0:  # tags fine: a page was overwritten by a direct transfer
-                j = next(k for k, p in enumerate(s.page_ids) if self._overwritten.get(p) == s.page_tags[k])
-            page, want = s.page_ids[j], s.page_tags[j]
-            found = self.allocator.tags_of([page])[0]
-            cause = "overwritten" if found == want else "tag_mismatch" if found >= 0 else "invalid_page"
-            what = ("was overwritten by a KV transfer meant for another request" if cause == "overwritten" else
-                    f"expected tag {want}, found {found if found >= 0 else 'no such page'}")
-            err = KVIntegrityError(
-                f"KV integrity check failed for request {s.request_id}: page {page} {what}; aborted before reading it",
-                request_id=s.request_id, page=page, expected_tag=want, found_tag=found, cause=cause)
-            log.warning("kv integrity abort: request %s page %s expected %s found %s", s.request_id, page, want, found)
+        for s, err, cause in failures:
+            log.warning("kv integrity abort: request %s page %s expected %s found %s", s.request_id,
+                        err.details["page"], err.details["expected_tag"], err.details["found_tag"])
             self.scheduler.finish(s, "error")
             self._stop_checkers.pop(s.request_id, None)
             self.stats["integrity_aborts_by_cause"][cause] += 1
             failed.append(StepOutput(s, None, now, True, err))
-            bad.add(s.request_id)
+        bad = {f.seq.request_id for f in failures}
         kept = ScheduledBatch([s for s in batch.decode if s.request_id not in bad],
                               [(s, n) for s, n in batch.prefill if s.request_id not in bad], batch.aborted)
         return kept, failed
-
-    def _not_overwritten(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Per sequence: True unless one of its pages, under its current tag, was overwritten by a direct
-        KV transfer (entries of pages that changed hands again since are dropped)."""
-        live = self.allocator.tags_of(list(self._overwritten))
-        for (page, tag), now in zip(list(self._overwritten.items()), live):
-            if now != tag:
-                del self._overwritten[page]
-        return torch.tensor([not any(self._overwritten.get(p) == t for p, t in zip(s.page_ids, s.page_tags))
-                             for s in seqs], dtype=torch.bool)
 
     def _fail(self, batch: ScheduledBatch, err: EdgeServeError) -> list[StepOutput]:
         """End every sequence of a failed step so their pages return; report the error for each

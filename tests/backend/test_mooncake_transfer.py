@@ -252,7 +252,7 @@ def test_a_direct_write_into_a_reallocated_page_aborts_typed(model_dir: Path) ->
         events = generate(url, PROMPT, max_tokens=5, **GREEDY)
         assert tokens(events) == [] and isinstance(events[-1], ErrorEvent)
         assert events[-1].type == "KVIntegrityError" and str(transport.page) in events[-1].message
-        assert dec._overwritten.get(transport.page) == dec.allocator.tags_of([transport.page])[0]
+        assert dec.integrity.overwritten.get(transport.page) == dec.allocator.tags_of([transport.page])[0]
         dec.allocator.release([transport.page])  # the anonymous new owner leaves
         wait_free(dec, pre, timeout=5.0)
 
