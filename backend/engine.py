@@ -139,8 +139,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.cache = create_kv_cache(model.local_cfg, config.kv_format, config.kv_cache_bytes, config.page_size, model.dtype,
-                                     model.embed.device)
+        self.cache = create_kv_cache(model.local_cfg, config.kv_format, config.kv_cache_bytes, config.page_size,
+                                     model.dtype, model.embed.device)
         self.allocator = PageAllocator(self.cache.num_pages, model.embed.device)  # tags where the check runs
         # prefix-cache blocks stored/removed, for the worker to publish (popleft); bounded, drops counted
         self.kv_events: deque[KVEvent] = deque(maxlen=config.kv_events_max)
