@@ -2,7 +2,9 @@
 
 Each benchmark in `ops.bench.BENCHES` runs as its own child process
 (``python -m ops.cli bench NAME --quick --json DIR/NAME.json``, its output in
-DIR/NAME.log), in its own process group, so one that crashes, runs out of memory or
+DIR/NAME.log), and so does each of `VARIANTS` (a benchmark's quick run with arguments of its own, right
+after it: ``token-profile-long``, the decode step at c = 32 over 1,000-token contexts, where attention
+is about half of it), in its own process group, so one that crashes, runs out of memory or
 hangs past ``--timeout`` is reported as failed, whatever it started (workers, a
 gateway, Redis) is stopped with it (`stop_group`), and the next one still runs. They run strictly one after
 another: two benchmarks at once would measure each other. Before each one the runner waits (up to
@@ -33,7 +35,7 @@ from typing import Any
 from ops.bench.harness.procs import stop_group, wait_idle
 
 __all__ = ["add_arguments", "run", "main", "BenchOutcome", "targets_of", "headline_of", "run_one",
-           "summary_markdown", "selected", "HEADLINE_KEYS"]
+           "summary_markdown", "selected", "run_order", "HEADLINE_KEYS", "VARIANTS"]
 
 # figures worth a glance, for reports without a "headline" of their own (dotted: one level down)
 HEADLINE_KEYS: dict[str, list[str]] = {
@@ -47,6 +49,10 @@ HEADLINE_KEYS: dict[str, list[str]] = {
     "soak": ["total_s"],
 }
 PART_OF = {"e2e": "engine"}  # benchmarks another one already runs (bench engine ends with bench e2e)
+# a row of its own -> (the benchmark, its arguments), run right after that benchmark
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "token-profile-long": ("token-profile", ["--concurrency", "32", "--prompt-tokens", "1000"]),
+}
 MAX_FIGURES = 8  # per benchmark in the table (the JSON keeps them all)
 IDLE_BUSY_CPUS = 0.25  # a benchmark starts once fewer CPUs than this are busy over a second ...
 IDLE_WAIT_S = 30.0  # ... or after this long, with the busy figure in its row
@@ -65,6 +71,11 @@ class BenchOutcome:
     headline: dict[str, Any] = field(default_factory=dict)
     targets: dict[str, str] = field(default_factory=dict)  # name -> "met" | "missed" | "unresolved" ...
     busy_cpus_before: float | None = None  # CPUs busy (every process) over the second before it started
+
+
+def run_order(names: list[str]) -> list[str]:
+    """`names` (registry order) with each of `VARIANTS` right after the benchmark it runs."""
+    return [x for n in names for x in (n, *(v for v, (bench, _) in VARIANTS.items() if bench == n))]
 
 
 def selected(names: list[str], only: str | None, skip: str | None) -> list[str]:
@@ -192,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     from ops.bench.report import provenance, write_report
 
     try:
-        names = selected([n for n in BENCHES if n not in ("all", *PART_OF)], args.only, args.skip)
+        names = selected(run_order([n for n in BENCHES if n not in ("all", *PART_OF)]), args.only, args.skip)
     except ValueError as exc:
         raise SystemExit(f"edgeserve bench all: {exc}") from exc
     summary_path = Path(args.json_path)
@@ -201,9 +212,11 @@ def run(args: argparse.Namespace) -> int:
     started_at = provenance()
     outcomes: list[BenchOutcome] = []
     for i, name in enumerate(names):
-        print(f"[{i + 1}/{len(names)}] edgeserve bench {name} --quick", file=sys.stderr, flush=True)
+        bench, extra = VARIANTS.get(name, (name, []))
+        print(f"[{i + 1}/{len(names)}] edgeserve bench {' '.join([bench, '--quick', *extra])}", file=sys.stderr,
+              flush=True)
         report = folder / f"{name}.json"
-        command = [sys.executable, "-m", "ops.cli", "bench", name, "--quick", "--json", str(report)]
+        command = [sys.executable, "-m", "ops.cli", "bench", bench, "--quick", "--json", str(report), *extra]
         busy, waited = wait_idle(IDLE_BUSY_CPUS, max_wait_s=IDLE_WAIT_S)
         if busy >= IDLE_BUSY_CPUS:
             print(f"    warning: {busy:.2f} CPUs still busy after {waited:.0f} s; starting anyway", file=sys.stderr,

@@ -30,6 +30,21 @@ def test_every_registered_benchmark_is_run_but_not_all_itself() -> None:
     assert bench_all.selected(names, None, None) == names and "engine" in names and "routing" in names
 
 
+def test_variants_run_right_after_their_benchmark_with_arguments_it_takes() -> None:
+    import argparse
+    import importlib
+
+    names = [n for n in bench.BENCHES if n not in ("all", *bench_all.PART_OF)]
+    order = bench_all.run_order(names)
+    assert [n for n in order if n not in bench_all.VARIANTS] == names
+    for variant, (base, extra) in bench_all.VARIANTS.items():
+        assert order.index(variant) == order.index(base) + 1
+        assert bench_all.selected(order, variant, None) == [variant]  # runs on its own with --only
+        p = argparse.ArgumentParser()  # its arguments are the benchmark's own (a typo would fail here)
+        importlib.import_module(bench.BENCHES[base]).add_arguments(p)
+        p.parse_args(extra)
+
+
 def test_targets_of_reads_every_shape_in_use() -> None:
     assert bench_all.targets_of({"targets": {"a": True, "b": False}}) == {"a": "met", "b": "missed"}  # kv, moe
     assert bench_all.targets_of({"targets": {"mixed": {"target": "TPOT ratio", "met": False}}}) == {
