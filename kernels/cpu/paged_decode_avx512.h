@@ -376,7 +376,8 @@ static inline __attribute__((always_inline)) void attend_dec16(const Args *a, in
     float s[DEC_Q][BLOCK] __attribute__((aligned(64)));
     float kmul[fmt == 2 ? DEC_Q : 1][BLOCK] __attribute__((aligned(64))); /* fp8, per KV head and key: 2^e 2^8 scale */
     float vmul[fmt == 2 ? DEC_Q : 1][BLOCK] __attribute__((aligned(64))); /* 2^e */
-    float m[DEC_Q], l[DEC_Q], corr[DEC_Q];
+    float m[DEC_Q] __attribute__((aligned(64))), l[DEC_Q], corr[DEC_Q] __attribute__((aligned(64)));
+    float bm[DEC_Q] __attribute__((aligned(64))); /* a block's running max per query head */
     for (int hh = 0; hh < NH; hh++) {
         float qbuf[MAX_G * MAX_HD];
         const float *qd = load_q(a, d, h + hh, qbuf);
@@ -440,9 +441,14 @@ static inline __attribute__((always_inline)) void attend_dec16(const Args *a, in
                 _mm512_store_ps(&s[g][16 * b], sc);
                 top = _mm512_max_ps(top, sc);
             }
-            const float bm = _mm512_reduce_max_ps(top); /* >= m[g] */
-            corr[g] = exp_nonpositive(m[g] - bm);       /* 0 on the first block (m = -inf) */
-            const __m512 bmv = _mm512_set1_ps(bm);
+            bm[g] = _mm512_reduce_max_ps(top); /* >= m[g] */
+        }
+        /* every head's rescale in one vector (0 on the first block: m = -inf); lanes past NQ unused */
+        const __mmask16 heads = (__mmask16)((1u << NQ) - 1);
+        _mm512_store_ps(corr, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_load_ps(heads, m),
+                                                              _mm512_maskz_load_ps(heads, bm))));
+        for (int g = 0; g < NQ; g++) {
+            const __m512 bmv = _mm512_set1_ps(bm[g]);
             __m512 sum = _mm512_setzero_ps();
             for (int b = 0; b < nb; b++) {
                 const __m512 w = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(&s[g][16 * b]), bmv));
@@ -450,7 +456,7 @@ static inline __attribute__((always_inline)) void attend_dec16(const Args *a, in
                 _mm512_store_ps(&s[g][16 * b], fmt == 2 ? _mm512_mul_ps(w, _mm512_load_ps(&vmul[g / G][16 * b])) : w);
             }
             l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(sum);
-            m[g] = bm;
+            m[g] = bm[g];
         }
         for (int hh = 0; hh < NH; hh++) /* each KV head's V rows converted once for up to DEC16_PV of its heads */
             for (int g = hh * G; g < hh * G + G; g += DEC16_PV) {
