@@ -148,6 +148,8 @@ def _mla_decode_split_kernel(
     tl.store(lse_ptr + pid_b * stride_lb + heads * stride_lh + pid_s * stride_ls, lse, mask=mask_h)
 
 
+# ---------------------------------------------------------------- launcher
+
 def _check_decode_args(q_latent: torch.Tensor, q_pe: torch.Tensor, pages_layer: torch.Tensor, kv_format: str,
                        kv_lora_rank: int, rope_dim: int, page_table: torch.Tensor,
                        context_lens: torch.Tensor) -> None:

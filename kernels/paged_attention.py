@@ -226,6 +226,8 @@ def _merge_splits_kernel(
              mask=mask_d)
 
 
+# ---------------------------------------------------------------- launcher
+
 def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_d: int,
                  num_warps: int = 4) -> None:
     """Writes into `out` [B, H, D] the split-K decode's partitions merged: `partial` [B, H, splits, D] float32 weighted
