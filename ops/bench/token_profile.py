@@ -177,8 +177,9 @@ def _prefill_steps_bound(c: int, prompt_tokens: int) -> int:
     requests already prefilled decode in the same steps: a step that carries decode rows holds at most
     `mixed_step_tokens` tokens where the engine caps it (`backend/scheduler.py`; the cap assumed here, whether
     or not this engine applies it), so the prompts get at least that less the c decode rows a step; plus a step
-    a request for the chunks that end a prompt. At c = 32 and 1,000-token prompts that is ~370 steps, in which
-    the first requests decode ~330 tokens: more than the 125 a budget of one `prefill_chunk_size` a step says."""
+    a request for the chunks that end a prompt. At c = 32 and 1,000-token prompts that is ~370 steps (measured:
+    the first request had decoded ~290 tokens when the last prompt was done), where a budget of one
+    `prefill_chunk_size` a step says 125."""
     from backend.engine import EngineConfig
     from backend.scheduler import MIN_MIXED_PROMPT_TOKENS
     from kernels import cpu_gemv
