@@ -290,7 +290,8 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
  *     the output are kept in that order and put back at the end; fp32 and fp8 rows in dim order), and each of its
  *     query heads' dots with it two chains of FMAs into one vector of partial sums; `sum16` folds 16 keys' vectors
  *     into their 16 scores;
- *   softmax: 16 scores a vector (`exp_nonpositive16`), keys past the block's end masked to -inf;
+ *   softmax: 16 scores a vector (`exp_nonpositive16`), keys past the block's end masked to -inf; every query
+ *     head's block maximum first, then their rescales e^(m - max) in one vector, then each head's weights;
  *   values: per KV head, 64 dims of up to DEC16_PV of its query heads' outputs in registers over the block's keys,
  *     each V row's 64 dims converted once for all of them.
  * fp8 pages (AVX512-BW for the 16-bit lanes): row32 converts by float16 (`_mm512_cvtph_ps`, exact), 2^-8 of the
