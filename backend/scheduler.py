@@ -118,6 +118,14 @@ class SchedulerConfig:
     # admission shared between tenants (module docstring); False: first come first served across tenants too
     fair_tenants: bool = True
 
+    def step_limit(self, decode_rows: int) -> int:
+        """Tokens a step that carries `decode_rows` decode rows may hold: `mixed_step_tokens` where it is set and
+        leaves prompts at least MIN_MIXED_PROMPT_TOKENS, else `max_num_batched_tokens`."""
+        mixed = self.mixed_step_tokens
+        if decode_rows and mixed and mixed - decode_rows >= MIN_MIXED_PROMPT_TOKENS:
+            return min(self.max_num_batched_tokens, mixed)
+        return self.max_num_batched_tokens
+
 
 class ScheduledBatch(NamedTuple):
     decode: list[Sequence]  # one token each
@@ -388,9 +396,7 @@ class Scheduler:
         cfg = self.config
         aborted = self._reap_aborted()
         decode = [s for s in self.running if not s.is_prefilling]
-        limit = cfg.max_num_batched_tokens
-        if decode and cfg.mixed_step_tokens and cfg.mixed_step_tokens - len(decode) >= MIN_MIXED_PROMPT_TOKENS:
-            limit = min(limit, cfg.mixed_step_tokens)
+        limit = cfg.step_limit(len(decode))
         budget = limit - len(decode)
         chunk = cfg.prefill_chunk_size
         with self._lock:  # the requests this step may admit (later arrivals wait for the next step)

@@ -174,21 +174,18 @@ def _kv_bytes_per_token(args: argparse.Namespace) -> int:
 
 def _prefill_steps_bound(c: int, prompt_tokens: int) -> int:
     """At most how many steps the engine takes to compute the c prompts (`EngineConfig`'s defaults), while the
-    requests already prefilled decode in the same steps: a step that carries decode rows holds at most
-    `mixed_step_tokens` tokens where the engine caps it (`backend/scheduler.py`; the cap assumed here, whether
-    or not this engine applies it), so the prompts get at least that less the c decode rows a step; plus a step
-    a request for the chunks that end a prompt. At c = 32 and 1,000-token prompts that is ~370 steps (measured:
-    the first request had decoded ~290 tokens when the last prompt was done), where a budget of one
-    `prefill_chunk_size` a step says 125."""
+    requests already prefilled decode in the same steps: the scheduler's limit on a step with c decode rows
+    (`SchedulerConfig.step_limit`, under the C GEMV's mixed-step cap, assumed here whether or not this engine
+    sets it) less those rows a step, plus a step a request for the chunks that end a prompt. At c = 32 and
+    1,000-token prompts that is ~370 steps (measured: the first request had decoded ~290 tokens when the last
+    prompt was done), where a budget of one `prefill_chunk_size` a step says 125."""
     from backend.engine import EngineConfig
-    from backend.scheduler import MIN_MIXED_PROMPT_TOKENS
+    from backend.scheduler import SchedulerConfig
     from kernels import cpu_gemv
 
-    cfg = EngineConfig()
-    budget = max(cfg.max_num_batched_tokens, c)
-    if cpu_gemv.available() and cpu_gemv.mixed_step_tokens() - c >= MIN_MIXED_PROMPT_TOKENS:
-        budget = min(budget, cpu_gemv.mixed_step_tokens())
-    return -(-c * prompt_tokens // (budget - c)) + c
+    cfg = SchedulerConfig(max_model_len=1, max_num_batched_tokens=max(EngineConfig().max_num_batched_tokens, c),
+                          mixed_step_tokens=cpu_gemv.mixed_step_tokens() if cpu_gemv.available() else None)
+    return -(-c * prompt_tokens // (cfg.step_limit(c) - c)) + c
 
 
 def _decode_steps(engine: Any, steps: int, c: int) -> float:
