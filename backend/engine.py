@@ -484,12 +484,12 @@ class LLMEngine:
             return batch, []
         now = time.perf_counter()
         failed: list[StepOutput] = []
-        for s, err, cause in failures:
+        for s, err in failures:
             log.warning("kv integrity abort: request %s page %s expected %s found %s", s.request_id,
                         err.details["page"], err.details["expected_tag"], err.details["found_tag"])
             self.scheduler.finish(s, "error")
             self._stop_checkers.pop(s.request_id, None)
-            self.stats["integrity_aborts_by_cause"][cause] += 1
+            self.stats["integrity_aborts_by_cause"][err.details["cause"]] += 1
             failed.append(StepOutput(s, None, now, True, err))
         bad = {f.seq.request_id for f in failures}
         kept = ScheduledBatch([s for s in batch.decode if s.request_id not in bad],

@@ -33,8 +33,7 @@ __all__ = ["IntegrityFailure", "StepIntegrity"]
 
 class IntegrityFailure(NamedTuple):
     seq: Sequence
-    error: KVIntegrityError
-    cause: str  # tag_mismatch | invalid_page | overwritten
+    error: KVIntegrityError  # details: page, expected_tag, found_tag, cause (tag_mismatch | invalid_page | overwritten)
 
 
 def _int32(values: array) -> torch.Tensor:
@@ -88,7 +87,7 @@ class StepIntegrity:
             err = KVIntegrityError(
                 f"KV integrity check failed for request {s.request_id}: page {page} {what}; aborted before reading it",
                 request_id=s.request_id, page=page, expected_tag=want, found_tag=found, cause=cause)
-            out.append(IntegrityFailure(s, err, cause))
+            out.append(IntegrityFailure(s, err))
         return out
 
     def _not_overwritten(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -79,6 +79,11 @@ static void amx_attention_config(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* x rounded to bfloat16 (nearest even), as float32: the bfloat16 bits in each lane's top half, zeros below. */
+static inline __m512 round_bf16_hi(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
 /* The 16 x 16 matrix v[row] lane col, transposed in place (four rounds of shuffles, 64 in all). */
 static inline void transpose16(__m512 v[16]) {
     __m512 t[16];

@@ -25,11 +25,6 @@
  * blocks of 64 and the queries' prefetch then (medians, same harness): 1,024 rows 163 -> 139 ms over bf16 pages,
  * 167 -> 140 over fp8, 2,048 rows 585 -> 523 (~290 GFLOP/s); TTFT by the minima 0.94-0.97x at 1,024-4,096 tokens. */
 
-/* x rounded to bfloat16 (nearest even), as float32: the bfloat16 bits in each lane's top half, zeros below. */
-static inline __m512 round_bf16_hi(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-
 /* acc + per lane i: x's bfloat16 pair i times y's, both products summed (`vdpbf16ps`). */
 static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512i x, __m512i y) {
     return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y);
