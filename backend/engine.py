@@ -106,6 +106,9 @@ class EngineConfig:
     prefill_weights: str | None = None  # rows of prompt tokens
     decode_weights: str | None = None  # rows of decode tokens, in every step (mixed ones too)
     int4_group_size: int = 128  # 32 allowed
+    # "int8": an 8-bit copy of the LM head runs calls of few logits rows (a decode step of one or two requests),
+    # where it measured faster (backend/lm_head.py; perplexity +0.1% on SmolLM2); None: the head as loaded
+    lm_head_weights: str | None = None
     kv_events_max: int = 10_000  # prefix-cache KV events kept for the publisher; older ones are dropped
     tensor_parallel: int = 1  # ranks of this worker's group (backend/distributed/); 1: one process, no collectives
     expert_parallel: bool = False  # with tensor_parallel > 1: routed experts split by whole experts
@@ -196,7 +199,7 @@ class LLMEngine:
                                  f"{'none' if group is None else group.world}")
         model = load_model(Path(model_dir), DTYPES[config.dtype], config.gemm_buckets, config.device,
                            config.prefill_weights, config.decode_weights, config.int4_group_size, group=group,
-                           expert_parallel=config.expert_parallel)
+                           expert_parallel=config.expert_parallel, lm_head_weights=config.lm_head_weights)
         tokenizer = None
         if (Path(model_dir) / "tokenizer.json").exists():
             from backend.tokenizer import Tokenizer

@@ -72,8 +72,10 @@ from backend.layers.mla import MLAWeights, mla_attention
 from backend.layers.mlp import mlp
 from backend.layers.norm import add_rms_norm, rms_norm
 from backend.linear import Linear, LinearOp
+from backend.lm_head import int8_head
 from backend.models import architecture_module
 from backend.rope import RotaryEmbedding
+from backend.errors import WeightsError
 from backend.weight_formats import WeightFormat
 from kernels.cpu_decode_layers import Refused
 
@@ -117,7 +119,7 @@ class LayerWeights:
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, gemm_buckets: tuple[int, ...] = (),
                device: str = "cpu", prefill_weights: str | None = None, decode_weights: str | None = None,
                group_size: int = 128, group: Collectives | None = None,
-               expert_parallel: bool = False) -> DecoderModel:
+               expert_parallel: bool = False, lm_head_weights: str | None = None) -> DecoderModel:
     """Load a Hugging Face-format folder (config.json + safetensors), dense or quantised, through
     the wiring module registered for its `architectures[0]`.
 
@@ -143,7 +145,12 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, gemm_buckets
     layers = architecture_module(cfg.architecture).load_layers(loader)  # format key -> layers
     embed = loader.get("model.embed_tokens.weight")  # [vocab (this rank's rows), hidden]
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in loader
-    lm_head = Linear(embed if tied else loader.get("lm_head.weight"), None, gemm_buckets)
+    lm_head: LinearOp = Linear(embed if tied else loader.get("lm_head.weight"), None, gemm_buckets)
+    if lm_head_weights == "int8":
+        lm_head = int8_head(lm_head, device)
+    elif lm_head_weights is not None:
+        raise WeightsError(f"unknown LM head format {lm_head_weights!r}; known: int8 (or none: as loaded)",
+                           format=lm_head_weights)
     by_phase = {phase: layers[repr(fmt)] for phase, fmt in loader.formats.items()}
     model = DecoderModel(cfg, embed, by_phase, loader.get("model.norm.weight"), lm_head, dtype, loader.formats)
     model.bytes_read = loader.ckpt.bytes_read
@@ -158,7 +165,7 @@ class DecoderModel:
     """Weights plus the forward pass of one mixed prefill/decode step."""
 
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: dict[str, list[LayerWeights]],
-                 norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype,
+                 norm: torch.Tensor, lm_head: LinearOp, dtype: torch.dtype,
                  formats: dict[str, WeightFormat] | None = None) -> None:
         self.cfg = cfg  # the whole model's config
         self.local_cfg = cfg  # what this rank's layers hold (its heads, MLP rows) under tensor parallelism
@@ -213,7 +220,8 @@ class DecoderModel:
     def weight_memory(self) -> dict[str, int]:
         """Bytes held: `shared` (embedding, LM head unless tied, norms), per phase its linear
         layers and experts (`prefill`, `decode`: equal formats share one copy, counted in both and once in
-        `total`), `packs` (MKL packed copies of float32 weights) and `total`."""
+        `total`), `packs` (copies held for speed: MKL's packs of float32 weights, oneDNN's of bfloat16 ones, the LM
+        head's 8-bit copy) and `total`."""
         shared = {id(self.embed): self.embed.nbytes, id(self.norm): self.norm.nbytes}
         if self.lm_head.weight.data_ptr() != self.embed.data_ptr():
             shared[id(self.lm_head.weight)] = self.lm_head.nbytes

@@ -111,7 +111,8 @@ def _load_shard(spec: GroupSpec, coll: Collectives) -> Any:
 
     c = spec.config
     return load_model(Path(spec.model_dir), DTYPES[c.dtype], c.gemm_buckets, c.device, c.prefill_weights,
-                      c.decode_weights, c.int4_group_size, group=coll, expert_parallel=spec.expert_parallel)
+                      c.decode_weights, c.int4_group_size, group=coll, expert_parallel=spec.expert_parallel,
+                      lm_head_weights=c.lm_head_weights)
 
 
 def _handshake(coll: Collectives, model: Any, num_pages: int) -> None:

@@ -72,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--decode-weights", default=None, choices=["fp32", "bf16", "fp8", "int4"])
     p.add_argument("--int4-group-size", type=int, default=128)
+    p.add_argument("--lm-head-weights", default=None, choices=["int8"],
+                   help="int8: the LM head's 8-bit copy for steps of few rows (as serve's flag)")
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=80,
                    help="prompt tokens of every request: the decode steps' context starts there")
@@ -225,10 +227,13 @@ def run(args: argparse.Namespace) -> int:
     tokens = args.prompt_tokens + n  # a request's context at its last step
     engine, dtype, kv = in_process_engine(args, kv_cache_bytes=max(1 << 29, c * tokens * _kv_bytes_per_token(args)),
                                           max_num_seqs=max(c, 1),
-                                          decode_weights=args.decode_weights, int4_group_size=args.int4_group_size)
+                                          decode_weights=args.decode_weights, int4_group_size=args.int4_group_size,
+                                          lm_head_weights=args.lm_head_weights)
     machine = measure_machine(engine.model.dtype)
-    decode_bytes = engine.model.weight_bytes
-    log(f"token-profile: {dtype}, kv {kv}, decode weights {args.decode_weights or 'as stored'} "
+    head = engine.model.lm_head  # the bytes it reads at c rows (its 8-bit copy's, where that runs them)
+    decode_bytes = engine.model.weight_bytes - head.nbytes + getattr(head, "read_bytes", lambda rows: head.nbytes)(c)
+    log(f"token-profile: {dtype}, kv {kv}, decode weights {args.decode_weights or 'as stored'}"
+        f"{', LM head ' + args.lm_head_weights if args.lm_head_weights else ''} "
         f"({decode_bytes / 1e6:.0f} MB per step), c={c}, {torch.get_num_threads()} threads")
 
     engine.model.fused_decode = not args.unfused
@@ -268,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
     top = sorted(((v, k) for k, v in self_us.items()), reverse=True)[:12]
     report = {
         "model": args.model, "dtype": dtype, "kv_format": kv, "decode_weights": args.decode_weights,
+        "lm_head_weights": args.lm_head_weights, "lm_head_int8_max_rows": getattr(head, "max_rows", None),
         "concurrency": c, "prompt_tokens": args.prompt_tokens, "threads": torch.get_num_threads(), "steps": steps,
         "quick": args.quick,
         "cpu_flags_bf16": sorted(f for f in cpu_flags() if "bf16" in f or f.startswith("amx")),
@@ -285,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
                                                              report["share"].items()},
                           "linear_vs_bound": round(report["linear_vs_bound"], 2)}
     print(f"\nedgeserve bench token-profile  {dtype}, kv {kv}, decode weights {args.decode_weights or 'as stored'}, "
-          f"c={c}, {args.prompt_tokens} prompt tokens, {torch.get_num_threads()} threads; {steps} steps")
+          f"{'LM head ' + args.lm_head_weights + ', ' if args.lm_head_weights else ''}c={c}, "
+          f"{args.prompt_tokens} prompt tokens, {torch.get_num_threads()} threads; {steps} steps")
     print(f"decoder layers: {'one fused C call' if fused_steps else 'called from Python'} "
           f"({fused_steps} of {2 * steps} measured steps fused)")
     print(f"step {step_ms:.2f} ms profiled ({report['plain_step_ms']:.2f} ms plain); weights read once at "

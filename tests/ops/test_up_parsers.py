@@ -66,3 +66,13 @@ def test_up_forwards_the_cuda_graphs_choice_to_its_worker(flags: tuple[str, ...]
     assert [a for a in argv if "cuda-graphs" in a] == forwarded
     serve = build_parser("serve").parse_args(argv[argv.index("serve"):])
     assert serve.cuda_graphs == {(): None, ("--cuda-graphs",): True, ("--no-cuda-graphs",): False}[flags]
+
+
+def test_up_forwards_the_lm_head_format_to_its_worker() -> None:
+    from ops.up import _worker_argv
+
+    for flags, want in (((), None), (("--lm-head-weights", "int8"), "int8")):
+        args = build_parser("up").parse_args(["up", "--model", "m", *flags])
+        args.served_name, args.worker_port = "m", 1
+        argv = _worker_argv(args, "m")
+        assert build_parser("serve").parse_args(argv[argv.index("serve"):]).lm_head_weights == want
