@@ -23,12 +23,16 @@ zero per row and group of each half (groups of up to 128 columns: ~0.06 byte a w
 
 Rows: that kernel does twice a true 8-bit kernel's work a weight (two nibbles), so it wins only while a call is
 bound by memory. On the Zen 4 VM against the bfloat16 head (its own C GEMV): 0.68x the time at 1 and 2 rows,
-0.99x at 4, 1.36x at 8. So a call of at most `max_rows` rows runs the 8-bit copy and a larger one the dense head,
-which is kept (a model with tied embeddings holds it anyway: its embedding table). `max_rows` is measured once
-at load (`crossover`: the largest of 1, 2, 4, 8 rows up to which the copy was the faster at every count;
-`EDGESERVE_INT8_HEAD_ROWS=N` sets it), 0 where it never is, and then the copy is dropped. A step's logits thus
-come from the 8-bit head or the dense one by its number of logits rows (its decode rows and completed prompts):
-within the 8-bit rounding above of each other.
+0.99x at 4, 1.36x at 8; whole decode steps of SmolLM2, one engine alternating the two heads step by step, took
+0.87x / 0.86x / 0.96x / 1.04x the time at c = 1 / 2 / 4 / 8 with INT4 g32 decode weights and 0.93x / 0.93x /
+0.97x / 1.03x with bfloat16 ones. So a call of at most `max_rows` rows runs the 8-bit copy and a larger one the
+dense head, which is kept (a model with tied embeddings holds it anyway: its embedding table). `max_rows` is
+measured once at load (`crossover`: the largest of 1, 2, 4, 8 rows up to which the copy was the faster at every
+count; 4 on that VM; `EDGESERVE_INT8_HEAD_ROWS=N` sets it), 0 where it never is, and then the copy is dropped.
+A step's logits thus come from the 8-bit head or the dense one by its number of logits rows (its decode rows and
+completed prompts): within the 8-bit rounding above of each other. A kernel of its own (int8 to bfloat16 pairs
+for `vdpbf16ps`) would read the copy at the bfloat16 GEMV's rate, ~0.7 ms at one row where this takes ~0.95,
+and win up to more rows; not written.
 
 CPU only, where the INT4 C kernel builds and the hidden size is a multiple of 8; elsewhere `int8_head` keeps
 the dense head and says why in the log.
