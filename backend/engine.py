@@ -106,8 +106,8 @@ class EngineConfig:
     prefill_weights: str | None = None  # rows of prompt tokens
     decode_weights: str | None = None  # rows of decode tokens, in every step (mixed ones too)
     int4_group_size: int = 128  # 32 allowed
-    # "int8": an 8-bit copy of the LM head runs calls of few logits rows (a decode step of one or two requests),
-    # where it measured faster (backend/lm_head.py; perplexity +0.1% on SmolLM2); None: the head as loaded
+    # "int8": an 8-bit copy of the LM head runs calls of few logits rows (decode steps of a few requests), up to
+    # where it measured faster at load (backend/lm_head.py; perplexity +0.1% on SmolLM2); None: the head as loaded
     lm_head_weights: str | None = None
     kv_events_max: int = 10_000  # prefix-cache KV events kept for the publisher; older ones are dropped
     tensor_parallel: int = 1  # ranks of this worker's group (backend/distributed/); 1: one process, no collectives

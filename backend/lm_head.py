@@ -65,7 +65,10 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _plane_group(k: int) -> int:
     """The largest INT4 group (128 .. 8 columns) that divides K, so neither half's groups cross the other's."""
-    return next(g for g in (128, 64, 32, 16, 8) if k % g == 0)
+    for g in (128, 64, 32, 16, 8):
+        if k % g == 0:
+            return g
+    raise ValueError(f"the LM head's 8-bit copy needs a hidden size that is a multiple of 8, not {k}")
 
 
 class Int8Head:
@@ -83,12 +86,13 @@ class Int8Head:
         self.nbytes = dense.nbytes  # the head's weights as a model of this size holds them (for per-token FLOPs)
         w = dense.weight
         n, k = w.shape
-        q, self.scales = quantize_rows_int8(w)
-        u = q.to(torch.int32) + 128
         g = _plane_group(k)
+        q, self.scales = quantize_rows_int8(w)
+        u = (q.to(torch.int16) + 128).to(torch.uint8)  # 1..255
+        del q
         groups = k // g
         s = self.scales.float()[:, None].expand(n, groups)
-        codes = torch.cat([u >> 4, u & 15], dim=1)  # [N, 2K]: H | L
+        codes = torch.cat([u >> 4, u & 15], dim=1)  # [N, 2K] uint8: H | L
         scales = torch.cat([16 * s, s], dim=1).to(torch.bfloat16)
         zeros = torch.cat([torch.zeros_like(s), 8 * s], dim=1).to(torch.bfloat16)
         self.panels = pack(codes, scales, zeros, g)
@@ -159,7 +163,7 @@ def crossover(head: Int8Head, reps: int = 3) -> int:
 
 
 def int8_head(dense: Any, device: str = "cpu") -> Any:
-    """`Int8Head(dense)` where it can run, else `dense` as it is (the reason logged once)."""
+    """`Int8Head(dense)` where it can run, else `dense` as it is (the reason in the log)."""
     from kernels import cpu_gemv_int4
 
     weight = getattr(dense, "weight", None)

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from backend import gemm_pack
 from backend.attention import StepMetadata
 from backend.config import ModelConfig, load_config
+from backend.errors import WeightsError
 from backend.gemm_rows import builds_per_rows, pad_rows
 from backend.gemm_widen import widening_pays
 from backend.kv_cache import PagedKVCache
@@ -75,7 +76,6 @@ from backend.linear import Linear, LinearOp
 from backend.lm_head import int8_head
 from backend.models import architecture_module
 from backend.rope import RotaryEmbedding
-from backend.errors import WeightsError
 from backend.weight_formats import WeightFormat
 from kernels.cpu_decode_layers import Refused
 

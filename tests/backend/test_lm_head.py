@@ -79,6 +79,8 @@ def test_calls_of_more_rows_than_max_rows_run_the_dense_head() -> None:
 def test_where_it_cannot_run_the_head_stays_dense() -> None:
     dense = Linear(_weight(16, 12, seed=4))  # hidden size not a multiple of 8
     assert int8_head(dense) is dense
+    with pytest.raises(ValueError, match="multiple of 8"):
+        Int8Head(dense, max_rows=1)
     assert int8_head(Linear(_weight(16, 64, seed=5)), device="cuda").__class__ is Linear
 
 
