@@ -30,9 +30,10 @@ dense head, which is kept (a model with tied embeddings holds it anyway: its emb
 measured once at load (`crossover`: the largest of 1, 2, 4, 8 rows up to which the copy was the faster at every
 count; 4 on that VM; `EDGESERVE_INT8_HEAD_ROWS=N` sets it), 0 where it never is, and then the copy is dropped.
 A step's logits thus come from the 8-bit head or the dense one by its number of logits rows (its decode rows and
-completed prompts): within the 8-bit rounding above of each other. A kernel of its own (int8 to bfloat16 pairs
-for `vdpbf16ps`) would read the copy at the bfloat16 GEMV's rate, ~0.7 ms at one row where this takes ~0.95,
-and win up to more rows; not written.
+completed prompts): within the 8-bit rounding above of each other. A first kernel of its own (codes to bfloat16
+pairs by sign extension and conversion, then `vdpbf16ps`, two chains a row) ran slower than the two planes: 1.34
+against 1.15 ms at one row, 1.70 against 1.61 at four (a throwaway build); the planes already read ~0.6x the
+bfloat16 head's time where the bytes alone would allow ~0.53x, so it was dropped.
 
 CPU only, where the INT4 C kernel builds and the hidden size is a multiple of 8; elsewhere `int8_head` keeps
 the dense head and says why in the log.
