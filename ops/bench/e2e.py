@@ -10,7 +10,10 @@ closed-loop client, the same requests. Each format class pairs like with like:
   AMX) against llama-server on the BF16 GGUF (the same numbers as our weights);
 - ``int4``: edgeserve with INT4 g32 decode weights (``--decode-weights int4
   --int4-group-size 32``; prompts in the host's default dtype) against llama-server on
-  the Q4_1 GGUF (which also covers prompt processing and keeps an 8-bit output layer).
+  the Q4_1 GGUF (which also covers prompt processing and keeps an 8-bit output layer);
+- ``int4-head8`` (asked for by name, not in the default list): ``int4`` plus the LM head's 8-bit copy
+  (``--lm-head-weights int8``, `backend/lm_head.py`), the output layer in 8 bits as Q4_1's, against the same
+  Q4_1 GGUF.
 
 Not like for like in the KV cache: llama.cpp's is F16, ours is the compute dtype's.
 
@@ -78,6 +81,7 @@ FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
     "fp32": (("--dtype", "float32", "--kv-format", "fp32"), "f32"),
     "bf16": (("--dtype", "bfloat16", "--kv-format", "bf16"), "bf16"),
     "int4": (("--decode-weights", "int4", "--int4-group-size", "32"), "q4_1"),
+    "int4-head8": (("--decode-weights", "int4", "--int4-group-size", "32", "--lm-head-weights", "int8"), "q4_1"),
 }
 
 Log = Callable[[str], None]
@@ -299,7 +303,8 @@ def print_table(report: dict[str, Any]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-concurrency", default=None, help="comma-separated c (default 1,8,32; quick 1,8)")
-    p.add_argument("--e2e-formats", default="fp32,bf16,int4", help="format classes: fp32, bf16, int4 (default all)")
+    p.add_argument("--e2e-formats", default="fp32,bf16,int4",
+                   help="format classes: fp32, bf16, int4, int4-head8 (default: the first three)")
     p.add_argument("--e2e-passes", type=int, default=None, help="passes per system and c (default 2)")
     p.add_argument("--e2e-requests", type=int, default=None, help="requests per user per pass (default 4; quick 2)")
     p.add_argument("--e2e-tokens", type=int, default=95, help="max_tokens of each request (default 95)")

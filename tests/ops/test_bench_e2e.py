@@ -99,11 +99,13 @@ def test_up_command_selects_each_format_class() -> None:
     # fp32 and bf16 pin the compute dtype and KV format (`up`'s default follows the host: it must not decide)
     assert bench_e2e.FORMATS["fp32"] == (("--dtype", "float32", "--kv-format", "fp32"), "f32")
     assert bench_e2e.FORMATS["bf16"] == (("--dtype", "bfloat16", "--kv-format", "bf16"), "bf16")
-    assert bench_e2e.FORMATS["int4"][1] == "q4_1"
+    assert bench_e2e.FORMATS["int4"][1] == bench_e2e.FORMATS["int4-head8"][1] == "q4_1"
+    assert bench_e2e.FORMATS["int4-head8"][0] == (*bench_e2e.FORMATS["int4"][0], "--lm-head-weights", "int8")
     # the flags `up` is given exist there, with those values
     help_text = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--help"], capture_output=True, text=True,
                                check=True).stdout
-    for flag in ("--decode-weights", "--int4-group-size", "--dtype", "--kv-format", "bfloat16", "fp32", "bf16"):
+    for flag in ("--decode-weights", "--int4-group-size", "--dtype", "--kv-format", "bfloat16", "fp32", "bf16",
+                 "--lm-head-weights"):
         assert flag in help_text
 
 
