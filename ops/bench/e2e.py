@@ -282,7 +282,7 @@ def print_table(report: dict[str, Any]) -> None:
     if not report.get("passes"):
         print(f"llama.cpp comparator: {report['llamacpp']['note']}")
         return
-    print(f"{'format':<7}{'c':>4}{'llama.cpp tok/s':>17}{'edgeserve tok/s':>17}{'ratio':>8}{'spread l/e':>13}"
+    print(f"{'format':<11}{'c':>4}{'llama.cpp tok/s':>17}{'edgeserve tok/s':>17}{'ratio':>8}{'spread l/e':>13}"
           f"{'tokens l/e':>13}{'in-proc ms/tok l/e':>21}")
     sp = report["spread"]
     for fmt, per_c in report["ratio_vs_llamacpp"].items():
@@ -294,7 +294,7 @@ def print_table(report: dict[str, Any]) -> None:
             ms = report["in_process_ms_per_token"][fmt]
             lms, ems = ms["llamacpp"].get(c), ms["edgeserve_worker"].get(c)
             fmt_ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-            print(f"{fmt:<7}{c:>4}{tok['llamacpp'][c]:>17.1f}{tok['edgeserve'][c]:>17.1f}"
+            print(f"{fmt:<11}{c:>4}{tok['llamacpp'][c]:>17.1f}{tok['edgeserve'][c]:>17.1f}"
                   f"{'-' if ratio is None else f'{ratio:.2f}x':>8}"
                   f"{sp['llamacpp'][fmt][c]:>7.0%}/{sp['edgeserve'][fmt][c]:<5.0%}"
                   f"{mean_tokens['llamacpp']:>7.1f}/{mean_tokens['edgeserve']:<5.1f}"
