@@ -11,7 +11,7 @@ On SmolLM2 over 8 x 1,024 held-out Brown tokens against the bfloat16 head (BENCH
 [0.9998, 1.0024], mean KL 0.0018 (INT4 g32 RTN decode weights read 0.0021 to bf16 in `bench weights`); 7-bit
 codes 1.0027x, INT4 g32 1.0547x, so the head stays at 8 bits.
 
-No kernel of its own: with u = q + 128 = 16 h + l (nibbles h, l of 1..255),
+No kernel of its own: with u = q + 128 in 1..255 and its nibbles h, l (u = 16 h + l),
 
     W8[n, k] = s (16 h + l - 128) = 16 s (h - 8) + (s (l - 8) + 8 s),
 
