@@ -1,6 +1,7 @@
 """The LM head's 8-bit copy (`backend/lm_head.py`): its rounding, its product through the INT4 kernel as two
-nibble planes against a direct reference on fresh random inputs, the choice by rows, and an engine that serves
-with it: steps of few logits rows on the copy, larger ones exactly as without it."""
+nibble planes against a direct reference on fresh random inputs, the choice by rows, an engine that serves with
+it (steps of few logits rows on the copy, larger ones exactly as without it), and a tensor-parallel group whose
+ranks each run their shard's copy."""
 
 from __future__ import annotations
 
@@ -125,3 +126,26 @@ def test_an_engine_serves_few_rows_on_the_copy_and_more_as_before(tiny_dir: Path
 def test_an_unknown_head_format_is_refused(tiny_dir: Path) -> None:
     with pytest.raises(WeightsError, match="LM head"):
         LLMEngine.from_pretrained(tiny_dir, EngineConfig(lm_head_weights="int4", kv_cache_bytes=2**20))
+
+
+@needs_kernel
+def test_each_tensor_parallel_rank_runs_its_shard_of_the_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP 2: the flag reaches the follower, so both ranks' vocabulary columns come from their shard's copy. The
+    hidden state before the head is bit for bit the dense group's at each request's first token, so a rank whose
+    head stayed dense would give its columns bit-equal to the dense group's."""
+    from backend.config import load_config
+    from backend.distributed.sharding import ShardPlan
+    from tests.backend.test_tp import generate, prompts_for
+
+    monkeypatch.setenv("EDGESERVE_INT8_HEAD_ROWS", "8")  # inherited by the spawned rank
+    path = write_tiny_model(tmp_path / "m", "llama", seed=7, num_attention_heads=8, num_key_value_heads=2)
+    vocab = load_config(path).vocab_size
+    shard = ShardPlan(load_config(path), 0, 2).vocab_shard_size
+    prompts = prompts_for(vocab)
+    dense = generate(path, 2, prompts)
+    eight = generate(path, 2, prompts, lm_head_weights="int8")
+    for a, b in zip(dense.logits, eight.logits, strict=True):
+        first_a, first_b = a[0], b[0]
+        for cols in (slice(0, shard), slice(shard, vocab)):  # rank 0's columns, rank 1's
+            assert not torch.equal(first_a[cols], first_b[cols])
+        assert float((first_a - first_b).abs().max()) <= 0.05 * float(first_a.abs().max())
