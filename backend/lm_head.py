@@ -88,11 +88,11 @@ class Int8Head:
         w = dense.weight
         n, k = w.shape
         g = _plane_group(k)
-        q, self.scales = quantize_rows_int8(w)
+        q, row_scales = quantize_rows_int8(w)
         u = (q.to(torch.int16) + 128).to(torch.uint8)  # 1..255
         del q
         groups = k // g
-        s = self.scales.float()[:, None].expand(n, groups)
+        s = row_scales.float()[:, None].expand(n, groups)
         codes = torch.cat([u >> 4, u & 15], dim=1)  # [N, 2K] uint8: H | L
         scales = torch.cat([16 * s, s], dim=1).to(torch.bfloat16)
         zeros = torch.cat([torch.zeros_like(s), 8 * s], dim=1).to(torch.bfloat16)
@@ -148,7 +148,7 @@ def crossover(head: Int8Head, reps: int = 3) -> int:
         x = torch.randn(m, k).to(head.weight.dtype)
         times = {"int8": float("inf"), "dense": float("inf")}
         calls = {"int8": head.int8, "dense": head.dense}
-        for name, call in calls.items():  # warm
+        for call in calls.values():  # warm
             call(x)
         for _ in range(reps):
             for name, call in calls.items():

@@ -73,7 +73,7 @@ from backend.layers.mla import MLAWeights, mla_attention
 from backend.layers.mlp import mlp
 from backend.layers.norm import add_rms_norm, rms_norm
 from backend.linear import Linear, LinearOp
-from backend.lm_head import int8_head
+from backend.lm_head import Int8Head, int8_head
 from backend.models import architecture_module
 from backend.rope import RotaryEmbedding
 from backend.weight_formats import WeightFormat
@@ -203,6 +203,12 @@ class DecoderModel:
         per_layer = sum(sum(t.nbytes for t in l.shared_tensors()) + sum(w.nbytes for w in l.linears())
                         for l in self.phase_layers["decode"])
         return per_layer + self.lm_head.nbytes
+
+    def decode_bytes(self, rows: int) -> int:
+        """`weight_bytes` as a step of `rows` logits rows reads them: the LM head's 8-bit copy where it runs them
+        (`backend/lm_head.py`)."""
+        head = self.lm_head
+        return self.weight_bytes - head.nbytes + (head.read_bytes(rows) if isinstance(head, Int8Head) else head.nbytes)
 
     def pack_prompt_weights(self) -> int:
         """Pack the prompt layers' bfloat16 weights for oneDNN now (`backend/gemm_pack.py`; else each is packed at

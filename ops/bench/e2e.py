@@ -77,11 +77,12 @@ __all__ = ["add_arguments", "run", "compare_end_to_end", "FORMATS", "make_prompt
            "omp_wait_policy", "end_to_end", "print_table"]
 
 # format class -> (edgeserve's extra `up` flags, llama.cpp's GGUF key in `model_ggufs`)
+_INT4 = ("--decode-weights", "int4", "--int4-group-size", "32")
 FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
     "fp32": (("--dtype", "float32", "--kv-format", "fp32"), "f32"),
     "bf16": (("--dtype", "bfloat16", "--kv-format", "bf16"), "bf16"),
-    "int4": (("--decode-weights", "int4", "--int4-group-size", "32"), "q4_1"),
-    "int4-head8": (("--decode-weights", "int4", "--int4-group-size", "32", "--lm-head-weights", "int8"), "q4_1"),
+    "int4": (_INT4, "q4_1"),
+    "int4-head8": ((*_INT4, "--lm-head-weights", "int8"), "q4_1"),
 }
 
 Log = Callable[[str], None]

@@ -230,8 +230,7 @@ def run(args: argparse.Namespace) -> int:
                                           decode_weights=args.decode_weights, int4_group_size=args.int4_group_size,
                                           lm_head_weights=args.lm_head_weights)
     machine = measure_machine(engine.model.dtype)
-    head = engine.model.lm_head  # the bytes it reads at c rows (its 8-bit copy's, where that runs them)
-    decode_bytes = engine.model.weight_bytes - head.nbytes + getattr(head, "read_bytes", lambda rows: head.nbytes)(c)
+    decode_bytes = engine.model.decode_bytes(c)
     log(f"token-profile: {dtype}, kv {kv}, decode weights {args.decode_weights or 'as stored'}"
         f"{', LM head ' + args.lm_head_weights if args.lm_head_weights else ''} "
         f"({decode_bytes / 1e6:.0f} MB per step), c={c}, {torch.get_num_threads()} threads")
@@ -273,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
     top = sorted(((v, k) for k, v in self_us.items()), reverse=True)[:12]
     report = {
         "model": args.model, "dtype": dtype, "kv_format": kv, "decode_weights": args.decode_weights,
-        "lm_head_weights": args.lm_head_weights, "lm_head_int8_max_rows": getattr(head, "max_rows", None),
+        "lm_head_weights": args.lm_head_weights,
+        "lm_head_int8_max_rows": getattr(engine.model.lm_head, "max_rows", None),
         "concurrency": c, "prompt_tokens": args.prompt_tokens, "threads": torch.get_num_threads(), "steps": steps,
         "quick": args.quick,
         "cpu_flags_bf16": sorted(f for f in cpu_flags() if "bf16" in f or f.startswith("amx")),

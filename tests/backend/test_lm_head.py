@@ -109,6 +109,9 @@ def test_an_engine_serves_few_rows_on_the_copy_and_more_as_before(tiny_dir: Path
     head = eight.model.lm_head
     assert isinstance(head, Int8Head) and head.max_rows == 2
     assert eight.model.weight_memory()["packs"] - dense.model.weight_memory()["packs"] == head.panels.nbytes
+    saved = head.nbytes - head.panels.nbytes  # what a step of up to max_rows rows reads less
+    assert dense.model.decode_bytes(1) - eight.model.decode_bytes(1) == saved > 0
+    assert eight.model.decode_bytes(3) == dense.model.decode_bytes(3) == dense.model.weight_bytes
     prompts = [[(5 * i + 3 * j) % 200 + 4 for j in range(9)] for i in range(3)]
     # one request: every step has one logits row, so every logit comes from the copy: close, not equal
     a, _ = _run(dense, prompts[:1])
